@@ -1,0 +1,36 @@
+# Two entry points: `make demo` (the main job) and `make test` (the whole suite).
+# Both build .venv on first use: torch is pinned and installed first (an unpinned torch pulls
+# several GB of CUDA wheels), then the package with its dev extras.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-unit lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/asyncrl demo $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra tests
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check proto buffer trainer services tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/buffer_throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

