@@ -49,12 +49,16 @@ class RedisServer:
         binary: str | None = None,
         port: int | None = None,
         appendonly: bool = True,
+        fsync: str = "everysec",
         password: str | None = None,
     ):
         self.data_dir = Path(data_dir)
         self.binary = binary or system_binary() or embedded_binary()
         self.port = port or free_port()
         self.appendonly = appendonly
+        if fsync not in ("always", "everysec", "no"):
+            raise ValueError(f"fsync must be always, everysec or no, got {fsync!r}")
+        self.fsync = fsync  # everysec: a crash of Redis itself may lose up to ~1 s of writes
         self.password = password
         self.proc: subprocess.Popen | None = None
 
@@ -75,7 +79,7 @@ class RedisServer:
             "--dir", str(self.data_dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
+            "--appendfsync", self.fsync,
             "--logfile", str(self.data_dir / "redis.log"),
             "--daemonize", "no",
         ]  # fmt: skip

@@ -83,7 +83,10 @@ def _from_wire(cls: type[Record], payload: Any, where: str) -> dict[str, Any]:
             continue
         value = out[name]
         if sub is Timings:
-            out[name] = Timings.model_validate(_from_wire(Timings, value, f"{where}.{name}"))
+            try:
+                out[name] = Timings.model_validate(_from_wire(Timings, value, f"{where}.{name}"))
+            except ValidationError as exc:
+                raise RecordDecodeError(f"{where}.{name}: {_short(exc)}") from None
         elif isinstance(value, list):
             out[name] = [_from_wire(sub, v, f"{where}.{name}[{i}]") for i, v in enumerate(value)]
         else:

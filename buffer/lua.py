@@ -1,0 +1,139 @@
+"""Lua scripts: every multi-key update of the buffer is one atomic script (DESIGN.md §4).
+
+Per-group state lives in the `index` hash: group_id → stream entry id while the group is
+in the buffer, then `acked`, `dropped`, `withheld`, `zero_spread`, … once it has left it.
+Every transition is taken at most once, so counters stay exact under redelivery.
+The admission rule is AReaL's: a replica may start a group only while
+`accepted + running < (η + v + 1) · B`; `running` is the size of the `running` hash
+(group_id → admit time), which makes admission idempotent per group.
+"""
+
+# KEYS: index, groups, admission, stats, running, gjob
+# ARGV: group_id, payload, job_id
+PUT_GROUP = """
+redis.call('HDEL', KEYS[5], ARGV[1])
+local state = redis.call('HGET', KEYS[1], ARGV[1])
+if state then
+  redis.call('HINCRBY', KEYS[4], 'duplicates', 1)
+  return {0, state}
+end
+local eid = redis.call('XADD', KEYS[2], '*', 'gid', ARGV[1], 'data', ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], eid)
+redis.call('HSET', KEYS[6], ARGV[1], ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'accepted', 1)
+redis.call('HINCRBY', KEYS[4], 'put', 1)
+return {1, eid}
+"""
+
+# KEYS: admission, running, version, config, index
+# ARGV: group_id, now, default_eta, default_batch_groups
+# Returns {code, accepted, running, capacity}; code 1 admitted, 2 already running, 3 already buffered, 0 full.
+TRY_ADMIT = """
+local accepted = tonumber(redis.call('HGET', KEYS[1], 'accepted') or '0')
+local running = redis.call('HLEN', KEYS[2])
+local v = tonumber(redis.call('GET', KEYS[3]) or '0')
+local eta = tonumber(redis.call('HGET', KEYS[4], 'max_staleness') or ARGV[3])
+local b = tonumber(redis.call('HGET', KEYS[4], 'batch_groups') or ARGV[4])
+local capacity = (eta + v + 1) * b
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return {2, accepted, running, capacity} end
+if redis.call('HEXISTS', KEYS[5], ARGV[1]) == 1 then return {3, accepted, running, capacity} end
+if accepted + running < capacity then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  return {1, accepted, running + 1, capacity}
+end
+return {0, accepted, running, capacity}
+"""
+
+# KEYS: index, groups, admission, stats, gjob, jobs_prefix_unused
+# ARGV: consumer_group, reason, n, gid1, eid1, gid2, eid2, ...
+# Leaves the buffer for good: XACK + XDEL; the state moves from entry id to `reason` once.
+# reason 'acked' keeps the group counted in `accepted` (it was trained); any other reason gives its
+# admission slot back (it will never be trained, so it must not hold capacity).
+FINISH = """
+local group, reason, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local changed = 0
+for i = 0, n - 1 do
+  local gid, eid = ARGV[4 + 2 * i], ARGV[5 + 2 * i]
+  local state = redis.call('HGET', KEYS[1], gid)
+  if eid == '' then eid = state end
+  if eid and eid ~= '' and string.find(eid, '^%d+%-%d+$') then
+    redis.call('XACK', KEYS[2], group, eid)
+    redis.call('XDEL', KEYS[2], eid)
+  end
+  if state and string.find(state, '^%d+%-%d+$') then
+    redis.call('HSET', KEYS[1], gid, reason)
+    redis.call('HINCRBY', KEYS[4], reason, 1)
+    if reason ~= 'acked' then redis.call('HINCRBY', KEYS[3], 'accepted', -1) end
+    local job = redis.call('HGET', KEYS[5], gid)
+    if job then redis.call('HINCRBY', KEYS[6] .. job, reason, 1) end
+    changed = changed + 1
+  end
+end
+return changed
+"""
+
+# KEYS: stream, deadletter, stats, index, admission
+# ARGV: consumer_group, entry_id, reason, payload, stream_name, group_id, maxlen, holds_admission
+DEAD_LETTER = """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*',
+  'stream', ARGV[5], 'entry', ARGV[2], 'gid', ARGV[6], 'reason', ARGV[3], 'data', ARGV[4])
+redis.call('HINCRBY', KEYS[3], 'deadletter', 1)
+if ARGV[6] ~= '' and redis.call('HGET', KEYS[4], ARGV[6]) == ARGV[2] then
+  redis.call('HSET', KEYS[4], ARGV[6], 'deadletter')
+  if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[5], 'accepted', -1) end
+end
+return 1
+"""
+
+# KEYS: jobindex, jobs, stats
+# ARGV: group_id, payload
+ENQUEUE_JOB = """
+local state = redis.call('HGET', KEYS[1], ARGV[1])
+if state then return {0, state} end
+local eid = redis.call('XADD', KEYS[2], '*', 'gid', ARGV[1], 'data', ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], eid)
+redis.call('HINCRBY', KEYS[3], 'jobs_enqueued', 1)
+return {1, eid}
+"""
+
+# KEYS: jobindex, jobs, stats
+# ARGV: consumer_group, group_id, final_state
+ACK_JOB = """
+local state = redis.call('HGET', KEYS[1], ARGV[2])
+if not state or not string.find(state, '^%d+%-%d+$') then return 0 end
+redis.call('XACK', KEYS[2], ARGV[1], state)
+redis.call('XDEL', KEYS[2], state)
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'jobs_' .. ARGV[3], 1)
+return 1
+"""
+
+# KEYS: admission, groups, version, config
+# ARGV: version, default_batch_groups
+# After a trainer restart: everything trained up to `version` is v·B groups; what is still in the
+# groups stream (undelivered or pending) is accepted but untrained.
+REBUILD_ADMISSION = """
+local b = tonumber(redis.call('HGET', KEYS[4], 'batch_groups') or ARGV[2])
+local accepted = tonumber(ARGV[1]) * b + redis.call('XLEN', KEYS[2])
+redis.call('HSET', KEYS[1], 'accepted', accepted)
+redis.call('SET', KEYS[3], ARGV[1])
+return accepted
+"""
+
+# KEYS: weights, latest, version
+# ARGV: version, payload, channel, keep
+PUBLISH_WEIGHTS = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local latest = tonumber(redis.call('HGET', KEYS[2], 'version') or '-1')
+if tonumber(ARGV[1]) >= latest then
+  redis.call('HSET', KEYS[2], 'version', ARGV[1], 'data', ARGV[2])
+end
+local old = tonumber(ARGV[1]) - tonumber(ARGV[4])
+for _, v in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if tonumber(v) <= old then redis.call('HDEL', KEYS[1], v) end
+end
+redis.call('PUBLISH', ARGV[3], ARGV[2])
+return 1
+"""

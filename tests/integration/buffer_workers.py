@@ -1,0 +1,42 @@
+"""Worker functions run in separate processes by test_buffer.py (spawned, so importable)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from buffer import ReplayBuffer
+
+
+def consume(url: str, run: str, consumer: str, out_path: str, batch: int, idle_s: float) -> None:
+    """Take groups until none arrive for idle_s; ack each batch; record what was received."""
+    buf = ReplayBuffer(url, run=run, consumer=consumer)
+    buf.r.xgroup_createconsumer(buf.keys.groups, "trainer", consumer)  # visible to the producer's wait
+    got: list[str] = []
+    last = time.monotonic()
+    while time.monotonic() - last < idle_s:
+        res = buf.take_groups(batch, current_version=0, max_staleness=0, block_ms=100)
+        if res.groups:
+            ids = [g.group_id for g in res.groups]
+            got += ids
+            buf.ack(ids)
+            last = time.monotonic()
+    with open(out_path, "w") as f:
+        json.dump(got, f)
+
+
+def take_and_hang(url: str, run: str, consumer: str, out_path: str, n: int) -> None:
+    """Take n groups without acking, report them, then wait to be SIGKILLed mid-batch."""
+    buf = ReplayBuffer(url, run=run, consumer=consumer)
+    res = buf.take_groups(n, current_version=0, max_staleness=0, block_ms=5000)
+    with open(out_path, "w") as f:
+        json.dump([g.group_id for g in res.groups], f)
+    time.sleep(600)
+
+
+def admit(url: str, run: str, worker: int, attempts: int, start_evt, out_path: str) -> None:
+    buf = ReplayBuffer(url, run=run, consumer=f"admit-{worker}")
+    start_evt.wait()
+    admitted = [f"w{worker}-{i}" for i in range(attempts) if buf.try_admit(f"w{worker}-{i}").go]
+    with open(out_path, "w") as f:
+        json.dump(admitted, f)

@@ -1,0 +1,303 @@
+"""Replay buffer against a real redis-server: delivery, staleness, admission, dead letters,
+crash recovery and AOF durability."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import msgpack
+import pytest
+from prometheus_client import REGISTRY
+
+from buffer import Admission, RedisServer, ReplayBuffer
+from factories import make_group, make_job
+from proto import Group, encode
+
+import buffer_workers as workers
+
+SPAWN = mp.get_context("spawn")
+
+
+def metric(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def buf(redis_url, run_id):
+    b = ReplayBuffer(redis_url, run=run_id, consumer="trainer-0", batch_groups=4, max_staleness=1)
+    yield b
+    b.close()
+
+
+def test_put_is_idempotent_on_group_id(buf):
+    g = make_group("g1")
+    dup_before = metric("asyncrl_buffer_duplicate_puts_total")
+    assert buf.put_group(g) is True
+    assert buf.put_group(g) is False
+    assert buf.put_group(make_group("g1", seed=9)) is False  # same id, other content: still the first one
+    res = buf.take_groups(10, current_version=0, block_ms=50)
+    assert [x.group_id for x in res.groups] == ["g1"]
+    assert res.groups[0] == g
+    assert buf.admission()["accepted"] == 1
+    assert buf.stats()["counters"]["duplicates"] == 2
+    assert metric("asyncrl_buffer_duplicate_puts_total") - dup_before == 2
+    buf.ack(["g1"])
+    assert buf.put_group(g) is False  # still idempotent after it was trained
+
+
+def test_put_refuses_unscored_groups(buf):
+    g = make_group("g1")
+    g.samples[0].reward_status = None
+    g.samples[0].reward = None
+    with pytest.raises(ValueError, match="without a reward status"):
+        buf.put_group(g)
+
+
+def test_two_concurrent_consumers_never_receive_the_same_group(redis_url, run_id, tmp_path):
+    producer = ReplayBuffer(redis_url, run=run_id, consumer="producer")
+    outs = [tmp_path / "a.json", tmp_path / "b.json"]
+    procs = [
+        SPAWN.Process(target=workers.consume, args=(redis_url, run_id, f"c{i}", str(out), 3, 2.0))
+        for i, out in enumerate(outs)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 60
+    while len(producer.r.xinfo_consumers(producer.keys.groups, "trainer")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # both consumers are reading
+    ids = [f"g{i}" for i in range(120)]
+    for gid in ids:
+        producer.put_group(make_group(gid, n=2, n_tokens=3))
+        time.sleep(0.002)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    a, b = (json.loads(o.read_text()) for o in outs)
+    assert not set(a) & set(b), "a group was delivered to both consumers"
+    assert sorted(a + b) == sorted(ids) and len(a) + len(b) == len(ids)
+    assert a and b, "both consumers should have received work"
+    assert producer.stats()["depth"]["groups"] == 0
+
+
+def test_consumer_killed_mid_batch_loses_nothing(redis_url, run_id, tmp_path):
+    buf = ReplayBuffer(redis_url, run=run_id, consumer="survivor")
+    for i in range(10):
+        buf.put_group(make_group(f"g{i}", n=2))
+    out = tmp_path / "taken.json"
+    victim = SPAWN.Process(target=workers.take_and_hang, args=(redis_url, run_id, "victim", str(out), 6))
+    victim.start()
+    deadline = time.monotonic() + 60
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join()
+    taken_by_victim = json.loads(out.read_text())
+    assert len(taken_by_victim) == 6
+
+    # The survivor sees only the 4 never-delivered groups until it recovers the victim's.
+    first = buf.take_groups(10, current_version=0, max_staleness=0, block_ms=50)
+    assert sorted(g.group_id for g in first.groups) == sorted(set(f"g{i}" for i in range(10)) - set(taken_by_victim))
+    assert buf.recover_pending(idle_ms=10_000) == 0  # not idle long enough yet
+    time.sleep(0.2)
+    assert buf.recover_pending(idle_ms=100) == 6
+    second = buf.take_groups(10, current_version=0, max_staleness=0, block_ms=50)
+    assert sorted(g.group_id for g in second.groups) == sorted(taken_by_victim)
+    assert buf.ack([g.group_id for g in first.groups + second.groups]) == 10
+    stats = buf.stats()
+    assert stats["pending"]["groups"] == 0 and stats["depth"]["groups"] == 0
+    assert stats["counters"]["acked"] == 10
+
+
+def test_staleness_drop_and_withhold_are_counted(buf):
+    # Hand-built versions: min_version of each group, trainer at version 5, eta = 2.
+    versions = {"a": 5, "b": 4, "c": 3, "d": 2, "e": 1, "f": 3}
+    for gid, v in versions.items():
+        g = make_group(gid, n=2, version=v)
+        if gid == "f":  # one old token makes the whole group as old as it
+            g.samples[0].versions[0] = 1
+            g = Group.build(**{k: getattr(g, k) for k in ("group_id", "job_id", "prompt_ids", "reward_spec",
+                                                           "samples", "submit_version")})  # fmt: skip
+        buf.put_group(g)
+    dropped_before = metric("asyncrl_buffer_dropped_total", reason="stale")
+    res = buf.take_groups(3, current_version=5, max_staleness=2, block_ms=50, policy="drop")
+    # a (0), b (1), c (2) are fresh; take stops after 3 fresh groups.
+    assert [g.group_id for g in res.groups] == ["a", "b", "c"] and res.staleness == [0, 1, 2]
+    res = buf.take_groups(3, current_version=5, max_staleness=2, block_ms=50, policy="withhold")
+    # d (3), e (4), f (4) are all too stale: withheld, none trainable.
+    assert res.groups == [] and [g.group_id for g in res.withheld] == ["d", "e", "f"]
+    stats = buf.stats()
+    assert stats["counters"]["withheld"] == 3 and "dropped" not in stats["counters"]
+    assert stats["staleness"]["histogram"] == {0: 1, 1: 1, 2: 1, 3: 1, 4: 2}
+    assert stats["depth"]["stale"] == 3
+
+    for gid, v in (("g", 0), ("h", 4)):
+        buf.put_group(make_group(gid, n=2, version=v))
+    res = buf.take_groups(2, current_version=5, max_staleness=2, block_ms=50, policy="drop")
+    assert [g.group_id for g in res.groups] == ["h"] and res.dropped == ["g"]
+    assert metric("asyncrl_buffer_dropped_total", reason="stale") - dropped_before == 1
+    # Stale groups give their admission slot back; the trained one (h, once acked) keeps it.
+    assert buf.admission()["accepted"] == 8 - 4
+    assert buf.ack(["a", "b", "c", "h"]) == 4
+    assert buf.admission()["accepted"] == 4
+
+
+def test_discard_is_counted_once_and_frees_the_slot(buf):
+    for gid in ("a", "b"):
+        buf.put_group(make_group(gid))
+    buf.take_groups(2, current_version=0, block_ms=50)
+    assert buf.discard(["a"], "zero_spread") == 1
+    assert buf.discard(["a"], "zero_spread") == 0
+    assert buf.ack(["a"]) == 0  # already gone: not trained
+    assert buf.admission()["accepted"] == 1
+    assert buf.stats()["counters"]["zero_spread"] == 1
+    with pytest.raises(ValueError):
+        buf.discard(["b"], "acked")
+
+
+def test_admission_bound_holds_across_8_concurrent_processes(redis_url, run_id, tmp_path):
+    buf = ReplayBuffer(redis_url, run=run_id, consumer="cfg")
+    buf.configure(batch_groups=4, max_staleness=2)
+    buf.set_version(3)
+    buf.put_group(make_group("already-there"))  # accepted = 1
+    capacity = (2 + 3 + 1) * 4  # (η + v + 1)·B = 24
+    start = SPAWN.Event()
+    outs = [tmp_path / f"w{i}.json" for i in range(8)]
+    procs = [SPAWN.Process(target=workers.admit, args=(redis_url, run_id, i, 10, start, str(outs[i]))) for i in range(8)]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)  # let every worker connect, then release them together
+    start.set()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    admitted = [gid for out in outs for gid in json.loads(out.read_text())]
+    assert len(admitted) == capacity - 1, "accepted + running must stop exactly at (η+v+1)·B"
+    assert len(set(admitted)) == len(admitted)
+    adm = buf.admission()
+    assert adm["running"] == capacity - 1 and adm["accepted"] + adm["running"] == capacity
+    assert buf.try_admit("late") is Admission.full
+    # A reclaimed job re-admits its own group without taking a second slot.
+    assert buf.try_admit(admitted[0]) is Admission.resumed
+    # Putting a running group moves its slot from running to accepted; the bound is unchanged.
+    buf.put_group(make_group(admitted[0]))
+    adm = buf.admission()
+    assert (adm["accepted"], adm["running"]) == (2, capacity - 2)
+    assert buf.try_admit(admitted[0]) is Admission.done
+    # The trainer steps: one more version frees B slots.
+    buf.set_version(4)
+    assert sum(buf.try_admit(f"after-{i}").go for i in range(10)) == 4
+    assert buf.release(admitted[1]) and not buf.release(admitted[1])
+    assert buf.try_admit("after-release").go
+
+
+def test_rebuild_admission_after_trainer_restart(buf):
+    buf.configure(batch_groups=2, max_staleness=1)
+    for i in range(6):
+        buf.put_group(make_group(f"g{i}"))
+    res = buf.take_groups(2, current_version=0, block_ms=50)
+    buf.ack([g.group_id for g in res.groups])  # trained at step 1
+    assert len(buf.take_groups(2, current_version=1, block_ms=50).groups) == 2  # step 2, then a crash
+    # The checkpoint is at version 1: v·B trained + 4 still in the buffer (2 pending, 2 new).
+    assert buf.rebuild_admission(1) == 1 * 2 + 4
+    assert buf.get_version() == 1
+    assert buf.admission()["capacity"] == (1 + 1 + 1) * 2  # (η + v + 1)·B
+
+
+def test_bad_payloads_go_to_dead_letter_and_good_ones_keep_flowing(buf):
+    stream = buf.keys.groups
+    good_bytes = encode(make_group("x"))
+    bad = {
+        "truncated": good_bytes[:-7],
+        "garbage": b"\x93\x01\xff\x00not msgpack",
+        "wrong-type": msgpack.packb({"schema": 1, "type": "group", "group_id": 5}),
+        "future-schema": msgpack.packb({"schema": 2, "type": "group"}),
+        "job-in-groups": encode(make_job()),
+    }
+    dead_before = metric("asyncrl_buffer_dead_lettered_total", stream="groups")
+    for i, (name, payload) in enumerate(bad.items()):
+        buf.put_group(make_group(f"good{i}"))
+        buf.r.xadd(stream, {"gid": name, "data": payload})
+    buf.r.xadd(stream, {"gid": "no-data"})
+    buf.put_group(make_group("good-last"))
+    res = buf.take_groups(100, current_version=0, block_ms=100)
+    assert [g.group_id for g in res.groups] == [f"good{i}" for i in range(5)] + ["good-last"]
+    assert res.dead_lettered == 6
+    letters = buf.r.xrange(buf.keys.deadletter)
+    reasons = {f[b"gid"].decode(): f[b"reason"].decode() for _, f in letters}
+    assert set(reasons) == set(bad) | {"no-data"}
+    assert "unknown schema 2" in reasons["future-schema"]
+    assert "expected a group record" in reasons["job-in-groups"]
+    assert "no 'data'" in reasons["no-data"]
+    assert {f[b"data"] for _, f in letters if f[b"gid"] == b"garbage"} == {bad["garbage"]}
+    assert metric("asyncrl_buffer_dead_lettered_total", stream="groups") - dead_before == 6
+    stats = buf.stats()
+    assert stats["pending"]["groups"] == 6  # the good ones, awaiting ack; no bad one is pending
+    assert stats["counters"]["deadletter"] == 6 and stats["admission"]["accepted"] == 6
+
+
+def test_jobs_stream_claim_ack_and_recovery(redis_url, run_id):
+    a = ReplayBuffer(redis_url, run=run_id, consumer="rollout-a")
+    b = ReplayBuffer(redis_url, run=run_id, consumer="rollout-b")
+    jobs = [make_job(f"g{i}") for i in range(5)]
+    assert [a.enqueue_job(j) for j in jobs] == [True] * 5
+    assert a.enqueue_job(jobs[0]) is False
+    a.r.xadd(a.keys.jobs, {"gid": "junk", "data": b"\x00\x01"})
+    got_a = a.claim_jobs(3, block_ms=50)
+    assert [c.job for c in got_a] == jobs[:3]
+    got_b = b.claim_jobs(10, block_ms=50)
+    assert [c.job.group_id for c in got_b] == ["g3", "g4"]  # junk went to the dead-letter stream
+    assert a.stats()["counters"]["deadletter"] == 1
+    assert a.ack_job("g0") is True and a.ack_job("g0") is False
+    time.sleep(0.3)
+    a.touch_jobs([got_a[1].entry_id])  # a is alive and still working on g1
+    # b takes over a's idle g2; its own g3, g4 are in hand and not handed out again; g0 is done.
+    assert [c.job.group_id for c in b.recover_jobs(idle_ms=200)] == ["g2"]
+    assert [c.job.group_id for c in a.recover_jobs(idle_ms=200)] == []
+    fresh_b = ReplayBuffer(redis_url, run=run_id, consumer="rollout-b")  # b restarted: it resumes its own
+    assert sorted(c.job.group_id for c in fresh_b.resume_own_jobs()) == ["g2", "g3", "g4"]
+    assert fresh_b.resume_own_jobs() == []  # now held
+
+
+def test_weights_publish_and_subscribe(buf):
+    from proto import WeightsInfo
+
+    assert buf.latest_weights() is None
+    with buf.subscribe_weights() as sub:
+        time.sleep(0.05)
+        buf.publish_weights(WeightsInfo(version=1, method="disk", path="/w/1", published_at=1.0))
+        buf.publish_weights(WeightsInfo(version=2, method="distributed"))
+        assert sub.get(2.0).version == 1
+        assert sub.get(2.0).method == "distributed"
+        assert sub.get(0.1) is None
+    buf.publish_weights(WeightsInfo(version=0, method="disk", path="/w/0"))  # late, older: not "latest"
+    assert buf.latest_weights().version == 2
+    for v in range(3, 40):
+        buf.publish_weights(WeightsInfo(version=v, method="disk", path=f"/w/{v}"))
+    assert len(buf.r.hkeys(buf.keys.weights)) <= 16
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["clean-restart-everysec", "sigkill-fsync-always"])
+def test_redis_restart_with_aof_loses_no_acknowledged_put(tmp_path, crash):
+    server = RedisServer(tmp_path / "redis", fsync="always" if crash else "everysec").start()
+    buf = ReplayBuffer(server.url, run="aof", consumer="t")
+    acknowledged = [f"g{i}" for i in range(50) if buf.put_group(make_group(f"g{i}", n=2))]
+    taken = buf.take_groups(10, current_version=0, block_ms=50)
+    buf.ack([g.group_id for g in taken.groups[:5]])
+    buf.close()
+    server.kill() if crash else server.stop()
+    server = RedisServer(tmp_path / "redis", port=server.port, fsync="always").start()
+    try:
+        buf = ReplayBuffer(server.url, run="aof", consumer="t")
+        assert buf.stats()["counters"]["acked"] == 5
+        assert buf.recover_pending(0) == 5  # taken but unacked before the restart
+        res = buf.take_groups(100, current_version=0, block_ms=50)
+        assert len(acknowledged) == 50
+        assert sorted(g.group_id for g in res.groups) == sorted(acknowledged[5:])
+        assert buf.admission()["accepted"] == 50
+        buf.close()
+    finally:
+        server.stop()
