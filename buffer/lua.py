@@ -8,18 +8,21 @@ The admission rule is AReaL's: a replica may start a group only while
 (group_id → admit time), which makes admission idempotent per group.
 """
 
-# KEYS: index, groups, admission, stats, running, gjob
-# ARGV: group_id, payload, job_id
+# KEYS: index, groups, admission, stats, running, gjob, payload
+# ARGV: group_id, job_id
+# The payload itself was written by `SET payload NX` in the same pipeline: passing ~200 kB
+# through a Lua argument costs as much as the XADD itself, so the stream entry holds the id.
 PUT_GROUP = """
 redis.call('HDEL', KEYS[5], ARGV[1])
 local state = redis.call('HGET', KEYS[1], ARGV[1])
 if state then
   redis.call('HINCRBY', KEYS[4], 'duplicates', 1)
+  if not string.find(state, '^%d+%-%d+$') then redis.call('DEL', KEYS[7]) end
   return {0, state}
 end
-local eid = redis.call('XADD', KEYS[2], '*', 'gid', ARGV[1], 'data', ARGV[2])
+local eid = redis.call('XADD', KEYS[2], '*', 'gid', ARGV[1])
 redis.call('HSET', KEYS[1], ARGV[1], eid)
-redis.call('HSET', KEYS[6], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[6], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[3], 'accepted', 1)
 redis.call('HINCRBY', KEYS[4], 'put', 1)
 return {1, eid}
@@ -44,8 +47,9 @@ end
 return {0, accepted, running, capacity}
 """
 
-# KEYS: index, groups, admission, stats, gjob, jobs_prefix_unused
+# KEYS: index, groups, admission, stats, gjob, job_prefix, payload_prefix
 # ARGV: consumer_group, reason, n, gid1, eid1, gid2, eid2, ...
+# (job and payload keys are built from prefixes that carry the run's hash tag: same slot.)
 # Leaves the buffer for good: XACK + XDEL; the state moves from entry id to `reason` once.
 # reason 'acked' keeps the group counted in `accepted` (it was trained); any other reason gives its
 # admission slot back (it will never be trained, so it must not hold capacity).
@@ -61,6 +65,7 @@ for i = 0, n - 1 do
     redis.call('XDEL', KEYS[2], eid)
   end
   if state and string.find(state, '^%d+%-%d+$') then
+    redis.call('DEL', KEYS[7] .. gid)
     redis.call('HSET', KEYS[1], gid, reason)
     redis.call('HINCRBY', KEYS[4], reason, 1)
     if reason ~= 'acked' then redis.call('HINCRBY', KEYS[3], 'accepted', -1) end
@@ -72,7 +77,7 @@ end
 return changed
 """
 
-# KEYS: stream, deadletter, stats, index, admission
+# KEYS: stream, deadletter, stats, index, admission, payload_key (or the stream key when none)
 # ARGV: consumer_group, entry_id, reason, payload, stream_name, group_id, maxlen, holds_admission
 DEAD_LETTER = """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
@@ -82,6 +87,7 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*',
 redis.call('HINCRBY', KEYS[3], 'deadletter', 1)
 if ARGV[6] ~= '' and redis.call('HGET', KEYS[4], ARGV[6]) == ARGV[2] then
   redis.call('HSET', KEYS[4], ARGV[6], 'deadletter')
+  if KEYS[6] ~= KEYS[1] then redis.call('DEL', KEYS[6]) end
   if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[5], 'accepted', -1) end
 end
 return 1

@@ -71,6 +71,10 @@ class Keys:
         self.deadletter, self.stale, self.stats = p + "deadletter", p + "stale", p + "stats"
         self.index, self.job_index, self.gjob = p + "index", p + "jobindex", p + "gjob"
         self.staleness, self.job_prefix, self.cancelled = p + "staleness", p + "job:", p + "cancelled"
+        self.payload_prefix = p + "payload:"
+
+    def payload(self, group_id: str) -> str:
+        return self.payload_prefix + group_id
 
 
 class ReplayBuffer:
@@ -127,21 +131,36 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ producer side
     def put_group(self, group: Group) -> bool:
         """Append a scored group; a group_id seen before is a no-op. Returns True if new."""
-        if not group.scored:
-            raise ValueError(f"group {group.group_id} has samples without a reward status")
+        return self.put_groups([group])[0]
+
+    def put_groups(self, groups: list[Group]) -> list[bool]:
+        """`put_group` for many groups in one round trip (each put is still atomic)."""
         t0 = time.perf_counter()
-        payload = encode(group)
         k = self.keys
-        new, _ = self._scripts["PUT_GROUP"](
-            keys=[k.index, k.groups, k.admission, k.stats, k.running, k.gjob],
-            args=[group.group_id, payload, group.job_id],
-        )
-        m.PUT_SECONDS.observe(time.perf_counter() - t0)
-        if new:
-            m.PUT_BYTES.inc(len(payload))
-        else:
-            m.DUPLICATES.inc()
-        return bool(new)
+        pipe = self.r.pipeline(transaction=False)
+        sizes = []
+        for group in groups:
+            if not group.scored:
+                raise ValueError(f"group {group.group_id} has samples without a reward status")
+            payload = encode(group)
+            sizes.append(len(payload))
+            pipe.set(k.payload(group.group_id), payload, nx=True)
+            self._scripts["PUT_GROUP"](
+                keys=[k.index, k.groups, k.admission, k.stats, k.running, k.gjob, k.payload(group.group_id)],
+                args=[group.group_id, group.job_id],
+                client=pipe,
+            )
+        replies = pipe.execute()
+        results = [bool(replies[2 * i + 1][0]) for i in range(len(groups))]
+        for new, size in zip(results, sizes):
+            if new:
+                m.PUT_BYTES.inc(size)
+            else:
+                m.DUPLICATES.inc()
+        elapsed = time.perf_counter() - t0
+        for _ in groups:
+            m.PUT_SECONDS.observe(elapsed / len(groups))
+        return results
 
     def try_admit(self, group_id: str) -> Admission:
         """Take an admission slot for `group_id` if `accepted + running < (η + v + 1)·B`."""
@@ -201,6 +220,7 @@ class ReplayBuffer:
             entries = self._next_entries(n - len(out.groups), deadline)
             if not entries:
                 break
+            self._attach_payloads(entries)
             for eid, fields in entries:
                 group = self._decode_entry(self.keys.groups, TRAINER_GROUP, eid, fields, Group, out)
                 if group is None:
@@ -241,12 +261,21 @@ class ReplayBuffer:
             return []
         return [(eid.decode(), fields) for eid, fields in resp[0][1]]
 
+    def _attach_payloads(self, entries: list[tuple[str, dict]]) -> None:
+        """Group entries carry the id; fetch each payload (entries with inline data keep it)."""
+        missing = [f for _, f in entries if b"data" not in f and b"gid" in f]
+        if missing:
+            values = self.r.mget([self.keys.payload(f[b"gid"].decode(errors="replace")) for f in missing])
+            for fields, value in zip(missing, values):
+                if value is not None:
+                    fields[b"data"] = value
+
     def _decode_entry(self, stream, group_name, eid, fields, cls, out: TakeResult | None = None):
         data = fields.get(b"data") if fields else None
         gid = (fields or {}).get(b"gid", b"").decode(errors="replace")
         try:
             if data is None:
-                raise RecordDecodeError("stream entry has no 'data' field")
+                raise RecordDecodeError("stream entry has no 'data' field and no payload key")
             return decode(data, cls)
         except RecordDecodeError as exc:
             self._dead_letter(stream, group_name, eid, exc.reason, data or b"", gid)
@@ -258,7 +287,8 @@ class ReplayBuffer:
         k = self.keys
         is_groups = stream == k.groups
         self._scripts["DEAD_LETTER"](
-            keys=[stream, k.deadletter, k.stats, k.index if is_groups else k.job_index, k.admission],
+            keys=[stream, k.deadletter, k.stats, k.index if is_groups else k.job_index, k.admission,
+                  k.payload(gid) if is_groups and gid else stream],
             args=[group_name, eid, reason, payload, stream.rsplit(":", 1)[-1], gid, DEADLETTER_MAXLEN,
                   "1" if is_groups else "0"],
         )
@@ -270,7 +300,8 @@ class ReplayBuffer:
         for gid, eid in pairs:
             args += [gid, eid]
             self._held_groups.pop(gid, None)
-        changed = int(self._scripts["FINISH"](keys=[k.index, k.groups, k.admission, k.stats, k.gjob, k.job_prefix], args=args))
+        changed = int(self._scripts["FINISH"](
+            keys=[k.index, k.groups, k.admission, k.stats, k.gjob, k.job_prefix, k.payload_prefix], args=args))
         if stale_payload and changed:
             self.r.xadd(k.stale, {"gid": pairs[0][0], "reason": reason, "data": stale_payload},
                         maxlen=STALE_STREAM_MAXLEN, approximate=True)  # fmt: skip
@@ -296,6 +327,7 @@ class ReplayBuffer:
         claimed = [e for e in self._autoclaim(self.keys.groups, TRAINER_GROUP, idle_ms) if e[0] not in held]
         self._redelivery.extend(claimed)
         return len(claimed)
+
 
     def _autoclaim(self, stream: str, group_name: str, idle_ms: int) -> list[tuple[str, dict]]:
         out, start = [], "0-0"

@@ -13,13 +13,38 @@ from enum import Enum
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationInfo,
+    WithJsonSchema,
+    model_validator,
+)
 
 SCHEMA_VERSION = 1
 
 # A sampled token's logprob is ≤ 0 in exact arithmetic; engines in bf16 can round a
 # near-certain token to a hair above 0, so allow that much and no more.
 MAX_LOGPROB = 1e-3
+
+
+ARRAYS_CHECKED = "asyncrl.arrays_checked"
+
+
+def check_token_arrays(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> None:
+    """Content rules for token arrays (any length, possibly several samples concatenated)."""
+    if len(logprobs):
+        if not np.all(np.isfinite(logprobs)):
+            raise ValueError("behavior_logprobs contain NaN or inf")
+        if float(logprobs.max()) > MAX_LOGPROB:
+            raise ValueError(f"behavior_logprobs must be <= 0, found {float(logprobs.max())}")
+    if len(ids) and int(ids.min()) < 0:
+        raise ValueError("negative token id")
+    if len(versions) and int(versions.min()) < 0:
+        raise ValueError("negative policy version")
 
 
 class RewardStatus(str, Enum):
@@ -131,22 +156,15 @@ class Sample(Record):
     timings: Timings = Field(default_factory=Timings)
 
     @model_validator(mode="after")
-    def _check(self) -> Sample:
+    def _check(self, info: ValidationInfo) -> Sample:
         n = len(self.completion_ids)
         if len(self.behavior_logprobs) != n:
             raise ValueError(f"{len(self.behavior_logprobs)} logprobs for {n} completion tokens")
         if len(self.versions) != n:
             raise ValueError(f"{len(self.versions)} versions for {n} completion tokens")
-        if n:
-            lp = self.behavior_logprobs
-            if not np.all(np.isfinite(lp)):
-                raise ValueError("behavior_logprobs contain NaN or inf")
-            if float(lp.max()) > MAX_LOGPROB:
-                raise ValueError(f"behavior_logprobs must be <= 0, found {float(lp.max())}")
-            if int(self.completion_ids.min()) < 0:
-                raise ValueError("negative token id")
-            if int(self.versions.min()) < 0:
-                raise ValueError("negative policy version")
+        # The codec checks array contents of a whole group at once and says so in the context.
+        if n and not (info.context or {}).get(ARRAYS_CHECKED):
+            check_token_arrays(self.completion_ids, self.behavior_logprobs, self.versions)
         if self.reward_status is RewardStatus.scored:
             if self.reward is None or not math.isfinite(self.reward):
                 raise ValueError("a scored sample needs a finite reward")
