@@ -70,3 +70,18 @@ class RewardResult(BaseModel):
 
 class RewardResponse(BaseModel):
     results: list[RewardResult]
+
+
+class VerifierInfo(BaseModel):
+    """One entry of `GET /v1/verifiers`: what a verifier does and the JSON schema of its spec
+    arguments (the spec minus `verifier`)."""
+
+    name: str
+    description: str
+    spec_schema: dict[str, Any]
+    concurrency: int
+    timeout_s: float
+
+
+class VerifierList(BaseModel):
+    verifiers: list[VerifierInfo]

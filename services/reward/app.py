@@ -1,0 +1,152 @@
+"""Builds the reward service's FastAPI app from `RewardSettings`.
+
+`build_verifiers` decides what this server serves: `reverse`, `arith` and `math` always,
+`code` unless disabled (it refuses to start without a working bubblewrap unless
+`allow_unsandboxed`), `judge` when `judge_base_url` is set. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from services.common.auth import install_auth
+from services.common.logging import log_event
+from services.common.metrics import router as metrics_router
+from services.reward.config import RewardSettings
+from services.reward.metrics import REQUESTS
+from services.reward.routes import health, rewards
+from services.reward.scoring import Scorer
+from services.reward.verifiers.base import Verifier
+
+log = logging.getLogger(__name__)
+
+
+def build_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
+    from services.reward.verifiers.math import MathVerifier
+    from services.reward.verifiers.toy import ArithVerifier, ReverseVerifier
+
+    toy = {"concurrency": 1024, "timeout_s": settings.toy_timeout_s}
+    verifiers: list[Verifier] = [
+        ReverseVerifier(**toy),
+        ArithVerifier(**toy),
+        MathVerifier(
+            workers=settings.math_workers,
+            timeout_s=settings.math_timeout_s,
+            max_chars=settings.math_max_chars,
+            memory_mb=settings.math_memory_mb,
+        ),
+    ]
+    if settings.code_enabled:
+        from services.reward.sandbox import Sandbox
+        from services.reward.verifiers.code import CodeVerifier
+
+        sandbox = Sandbox(
+            python=settings.code_python,
+            slots=settings.code_concurrency,
+            uid_base=settings.code_uid_base,
+            bwrap=settings.bwrap,
+            allow_unsandboxed=settings.allow_unsandboxed,
+        )
+        sandbox.self_test()
+        if not sandbox.sandboxed:
+            log_event(log, "code verifier runs WITHOUT a sandbox (allow_unsandboxed)", logging.WARNING)
+        verifiers.append(
+            CodeVerifier(
+                sandbox,
+                concurrency=settings.code_concurrency,
+                item_timeout_s=settings.code_item_timeout_s,
+                max_test_timeout_s=settings.code_max_test_timeout_s,
+                max_memory_mb=settings.code_max_memory_mb,
+                max_tests=settings.code_max_tests,
+                output_bytes=settings.code_output_bytes,
+                tmpfs_mb=settings.code_tmpfs_mb,
+                max_procs=settings.code_max_procs,
+                max_files=settings.code_max_files,
+            )
+        )
+    if settings.judge_base_url:
+        from services.reward.verifiers.judge import JudgeVerifier
+
+        verifiers.append(
+            JudgeVerifier(
+                base_url=settings.judge_base_url,
+                model=settings.judge_model,
+                api_key=settings.judge_api_key,
+                concurrency=settings.judge_concurrency,
+                request_timeout_s=settings.judge_request_timeout_s,
+                item_timeout_s=settings.judge_item_timeout_s,
+                max_retries=settings.judge_max_retries,
+                backoff_s=settings.judge_backoff_s,
+                max_tokens=settings.judge_max_tokens,
+                temperature=settings.judge_temperature,
+                max_chars=settings.judge_max_chars,
+            )
+        )
+    return {v.name: v for v in verifiers}
+
+
+def build_app(settings: RewardSettings, verifiers: dict[str, Verifier] | None = None) -> FastAPI:
+    """The app; verifiers start in its lifespan (math workers spawn, judge client opens)."""
+    verifiers = build_verifiers(settings) if verifiers is None else verifiers
+    scorer = Scorer(verifiers, cache_entries=settings.cache_entries, queue_timeout_s=settings.queue_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await scorer.start()
+        log_event(log, "reward service ready", verifiers=sorted(verifiers))
+        try:
+            yield
+        finally:
+            await scorer.close()
+
+    app = FastAPI(title="asyncrl reward", version="1", lifespan=lifespan)
+    app.state.scorer = scorer
+    app.state.settings = settings
+    install_auth(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _rejected(request: Request, exc: RequestValidationError):
+        if request.url.path == "/v1/rewards":
+            REQUESTS.labels("rejected").inc()
+        return await request_validation_exception_handler(request, exc)
+
+    app.include_router(health.router)
+    app.include_router(rewards.router)
+    app.include_router(metrics_router)
+    return app
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies over `max_bytes`, declared (Content-Length) or streamed."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = f"request body larger than {self.max_bytes} bytes"
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            REQUESTS.labels("rejected").inc()
+            return await JSONResponse({"detail": too_large}, status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                REQUESTS.labels("rejected").inc()
+                raise HTTPException(status_code=413, detail=too_large)  # FastAPI re-raises it as is
+            return message
+
+        await self.app(scope, limited, send)

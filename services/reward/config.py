@@ -1,0 +1,78 @@
+"""Settings of `asyncrl reward` (defaults → TOML `[reward]` → env `ASYNCRL_REWARD_…` → CLI)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.common.config import ServiceSettings, refuse_placeholder_secret
+
+
+class RewardSettings(ServiceSettings):
+    """Reward service: scores completions with math, code (sandboxed), judge and toy verifiers."""
+
+    model_config = SettingsConfigDict(env_prefix="ASYNCRL_REWARD_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8002, ge=1, le=65535, description="port to bind")
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="log level")
+    development: bool = Field(False, description="development mode: placeholder secrets allowed")
+    max_body_bytes: int = Field(64 << 20, ge=1024, description="largest accepted request body (413 above)")
+    cache_entries: int = Field(100_000, ge=0, description="result cache size (LRU entries; 0 disables)")
+    queue_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="longest an item may wait for a verifier slot before `timeout`"
+    )
+    toy_timeout_s: float = Field(2.0, gt=0, le=60, description="item timeout of the reverse/arith verifiers")
+
+    math_workers: int = Field(2, ge=1, le=256, description="math-verify worker processes")
+    math_timeout_s: float = Field(
+        5.0, gt=0, le=300, description="per-item math timeout; the worker is killed past it"
+    )
+    math_max_chars: int = Field(8192, ge=64, le=1_000_000, description="completion/gold chars parsed at most")
+    math_memory_mb: int = Field(2048, ge=256, le=1 << 20, description="address-space limit of a math worker")
+
+    code_enabled: bool = Field(True, description="serve the `code` verifier (needs bubblewrap)")
+    code_concurrency: int = Field(2, ge=1, le=1024, description="sandboxes running at once")
+    code_max_test_timeout_s: float = Field(
+        20.0, gt=0, le=600, description="largest per-test timeout_s a spec may ask"
+    )
+    code_max_memory_mb: int = Field(4096, ge=64, le=1 << 20, description="largest memory_mb a spec may ask")
+    code_item_timeout_s: float = Field(120.0, gt=0, le=3600, description="budget for all tests of one item")
+    code_max_tests: int = Field(256, ge=1, le=10_000, description="most tests in one spec")
+    code_output_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="stdout/stderr cap per run")
+    code_tmpfs_mb: int = Field(64, ge=1, le=1 << 16, description="size of the sandbox's tmpfs work dir")
+    code_max_procs: int = Field(32, ge=4, le=4096, description="RLIMIT_NPROC inside the sandbox")
+    code_max_files: int = Field(64, ge=16, le=65536, description="RLIMIT_NOFILE inside the sandbox")
+    code_uid_base: int = Field(
+        2_000_000, ge=1000, le=4_000_000_000, description="host uid of sandbox slot 0 (slot i runs as base+i)"
+    )
+    code_python: str = Field("/usr/bin/python3", description="interpreter run inside the sandbox")
+    bwrap: str = Field("bwrap", description="bubblewrap executable")
+    allow_unsandboxed: bool = Field(
+        False, description="DEVELOPMENT ONLY: run code without bubblewrap if missing"
+    )
+
+    judge_base_url: str | None = Field(
+        None, description="OpenAI-compatible base URL (…/v1); unset disables judge"
+    )
+    judge_model: str = Field("default", min_length=1, description="model name sent to the judge")
+    judge_api_key: str | None = Field(None, description="bearer key for the judge endpoint")
+    judge_concurrency: int = Field(8, ge=1, le=1024, description="judge calls in flight")
+    judge_request_timeout_s: float = Field(30.0, gt=0, le=600, description="timeout of one judge HTTP call")
+    judge_item_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="budget for one item, retries included"
+    )
+    judge_max_retries: int = Field(3, ge=0, le=20, description="retries on 429/5xx/transport errors")
+    judge_backoff_s: float = Field(0.5, ge=0, le=60, description="first retry delay; doubles each retry")
+    judge_max_tokens: int = Field(512, ge=1, le=65536, description="max_tokens of a judgment")
+    judge_temperature: float = Field(0.0, ge=0, le=2, description="sampling temperature of the judge")
+    judge_max_chars: int = Field(
+        32_000, ge=256, le=1_000_000, description="completion chars shown to the judge"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardSettings:
+        refuse_placeholder_secret(self.judge_api_key, "judge_api_key", self.development)
+        if self.judge_base_url is not None and not self.judge_base_url.startswith(("http://", "https://")):
+            raise ValueError(f"judge_base_url must be an http(s) URL, got {self.judge_base_url!r}")
+        return self

@@ -1,0 +1,27 @@
+"""`asyncrl reward`: parse settings, build the app, serve it with uvicorn."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from services.common.config import load_settings
+    from services.common.logging import setup_logging
+    from services.reward.config import RewardSettings
+
+    settings = load_settings(RewardSettings, argv, prog="asyncrl reward", section="reward")
+    setup_logging(settings.log_level)
+
+    import uvicorn
+
+    from services.reward.app import build_app
+    from services.reward.sandbox import SandboxUnavailable
+
+    try:
+        app = build_app(settings)
+    except SandboxUnavailable as exc:
+        print(f"asyncrl reward: code verifier refuses to start: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None, log_level=settings.log_level)
+    return 0

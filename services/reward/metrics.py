@@ -1,0 +1,42 @@
+"""Prometheus metrics of the reward service (DESIGN.md §9: `asyncrl_` prefix, base units,
+`_total` counters, bounded labels: verifier names, statuses and reasons, never item ids)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+REQUESTS = Counter(
+    "asyncrl_reward_requests_total",
+    "POST /v1/rewards requests by outcome (accepted, rejected = 4xx before scoring)",
+    ["outcome"],
+)
+ITEMS = Counter(
+    "asyncrl_reward_items_total", "Scored items by verifier and result status", ["verifier", "status"]
+)
+LATENCY = Histogram(
+    "asyncrl_reward_verify_seconds",
+    "Time to verify one item (cache misses only, queueing included)",
+    ["verifier"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+CACHE_HITS = Counter("asyncrl_reward_cache_hits_total", "Items answered from the result cache", ["verifier"])
+CACHE_MISSES = Counter("asyncrl_reward_cache_misses_total", "Items verified (not in the cache)", ["verifier"])
+VERIFIER_FAILURES = Counter(
+    "asyncrl_reward_verifier_failures_total",
+    "Items that ended in `timeout` or `error`, by verifier and reason",
+    ["verifier", "reason"],
+)
+SANDBOX_FAILURES = Counter(
+    "asyncrl_reward_sandbox_failures_total",
+    "Sandbox runs that failed for infrastructure reasons (the program never ran or ran unjudged)",
+    ["reason"],
+)
+CODE_TESTS = Counter("asyncrl_reward_code_tests_total", "Code test executions by per-test status", ["status"])
+MATH_WORKER_RESTARTS = Counter(
+    "asyncrl_reward_math_worker_restarts_total", "math-verify workers killed and replaced", ["reason"]
+)
+JUDGE_CALLS = Counter(
+    "asyncrl_reward_judge_calls_total",
+    "Judge HTTP attempts by outcome (ok, retried, http_error, transport_error, bad_response)",
+    ["outcome"],
+)

@@ -1,0 +1,1 @@
+"""Routes of the reward service, one module per resource."""

@@ -1,0 +1,229 @@
+"""`code` verifier: run the completion's program in the bubblewrap sandbox against tests.
+
+The program is the last fenced code block of the completion (else the whole completion).
+* stdin/stdout tests: each test runs the program on its stdin; stdout is compared outside the
+  sandbox after whitespace normalisation (trailing spaces per line and surrounding blank lines
+  ignored). Expected outputs never enter the sandbox.
+* `assert_code`: solution and asserts run in one process; the run passes only if a random
+  sentinel, handed to the harness on stdin and printed after the last assert, ends stdout.
+  `sys.exit(0)` / `os._exit(0)` before the asserts therefore fail. The sentinel lives in the
+  same process as the solution, so this defeats early exits, not code that introspects the
+  harness's frames.
+
+Per-test statuses: passed, failed, timeout, memory, runtime_error, output_limit, sandbox_error,
+and skipped (not run: a non-partial item stops at its first failure, whose reward is 0
+anyway). A program that loops or runs out of memory is a wrong answer (`scored`, reward 0);
+only a sandbox that failed to run the program makes the item `error`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from proto.records import RewardStatus
+from services.reward.metrics import CODE_TESTS, SANDBOX_FAILURES
+from services.reward.sandbox import Limits, RunResult, Sandbox
+from services.reward.verifiers.base import SpecError, Verdict, Verifier
+
+FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+MAX_SOURCE_CHARS = 200_000
+STDERR_TAIL_CHARS = 400
+SPAWN_OVERHEAD_S = 1.0  # per test, on top of its timeout, in the item budget
+MEMORY_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc")
+SIGXCPU_EXIT, SIGKILL_EXIT = 128 + 24, 128 + 9  # bwrap reports a signalled child as 128 + signal
+
+ASSERT_HARNESS = """\
+import sys
+
+
+def _run():
+    token = sys.stdin.readline().strip()
+    sys.stdin = open("/dev/null")
+    scope = {"__name__": "__main__"}
+    with open("solution.py") as f:
+        exec(compile(f.read(), "solution.py", "exec"), scope)
+    with open("tests.py") as f:
+        exec(compile(f.read(), "tests.py", "exec"), scope)
+    sys.stdout.flush()
+    sys.stdout.write("\\n" + token + "\\n")
+    sys.stdout.flush()
+
+
+_run()
+"""
+
+
+def extract_program(completion: str) -> str:
+    """The last fenced code block (any language tag), else the whole completion."""
+    blocks = FENCE.findall(completion)
+    return blocks[-1][1] if blocks else completion
+
+
+def normalise_output(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+class CodeTest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stdin: str = Field("", max_length=10_000_000)
+    stdout: str = Field(max_length=10_000_000)
+
+
+class CodeSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    language: Literal["python"] = "python"
+    tests: list[CodeTest] | None = Field(None, min_length=1, description="stdin/stdout tests")
+    assert_code: str | None = Field(
+        None, min_length=1, max_length=1_000_000, description="asserts run after the solution"
+    )
+    timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per test (CPU limit: ceil of it)")
+    memory_mb: int = Field(512, ge=64, description="address-space limit per test")
+    partial: bool = Field(False, description="reward = passed fraction instead of all-or-nothing")
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> CodeSpec:
+        if (self.tests is None) == (self.assert_code is None):
+            raise ValueError("give exactly one of `tests` or `assert_code`")
+        return self
+
+
+class CodeVerifier(Verifier):
+    name = "code"
+    description = (
+        "Runs the last fenced code block in a bubblewrap sandbox against stdin/stdout `tests` or "
+        "`assert_code`; reward 1 if all pass (passed fraction when `partial`)."
+    )
+    Spec = CodeSpec
+
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        *,
+        concurrency: int,
+        item_timeout_s: float,
+        max_test_timeout_s: float,
+        max_memory_mb: int,
+        max_tests: int,
+        output_bytes: int,
+        tmpfs_mb: int,
+        max_procs: int,
+        max_files: int,
+    ):
+        super().__init__(concurrency=concurrency, timeout_s=item_timeout_s)
+        self.sandbox = sandbox
+        self.max_test_timeout_s = max_test_timeout_s
+        self.max_memory_mb = max_memory_mb
+        self.max_tests = max_tests
+        self.output_bytes = output_bytes
+        self.tmpfs_mb = tmpfs_mb
+        self.max_procs = max_procs
+        self.max_files = max_files
+
+    def parse_spec(self, args: dict) -> CodeSpec:
+        spec = super().parse_spec(args)
+        if spec.timeout_s > self.max_test_timeout_s:
+            raise SpecError(
+                f"timeout_s: {spec.timeout_s:g} is above this server's limit {self.max_test_timeout_s:g}"
+            )
+        if spec.memory_mb > self.max_memory_mb:
+            raise SpecError(f"memory_mb: {spec.memory_mb} is above this server's limit {self.max_memory_mb}")
+        if spec.tests is not None and len(spec.tests) > self.max_tests:
+            raise SpecError(f"tests: {len(spec.tests)} tests, this server runs at most {self.max_tests}")
+        return spec
+
+    def item_timeout_s(self, spec: CodeSpec) -> float:
+        runs = len(spec.tests) if spec.tests is not None else 1
+        return min(self.timeout_s, runs * (spec.timeout_s + SPAWN_OVERHEAD_S))
+
+    def _limits(self, spec: CodeSpec) -> Limits:
+        return Limits(
+            wall_s=spec.timeout_s,
+            cpu_s=max(1, math.ceil(spec.timeout_s)),
+            memory_mb=spec.memory_mb,
+            fsize_mb=self.tmpfs_mb,
+            nofile=self.max_files,
+            nproc=self.max_procs,
+            output_bytes=self.output_bytes,
+            tmpfs_mb=self.tmpfs_mb,
+        )
+
+    async def verify(self, spec: CodeSpec, prompt: str, completion: str) -> Verdict:
+        program = extract_program(completion)
+        if len(program) > MAX_SOURCE_CHARS:
+            return Verdict.scored(0.0, tests=[], error=f"program longer than {MAX_SOURCE_CHARS} chars")
+        limits = self._limits(spec)
+        if spec.assert_code is not None:
+            results = [await self._run_asserts(program, spec.assert_code, limits)]
+        else:
+            results = []
+            for test in spec.tests:
+                if results and results[-1]["status"] != "passed" and not spec.partial:
+                    results.append({"status": "skipped"})
+                    continue
+                results.append(await self._run_test(program, test, limits))
+        for result in results:
+            CODE_TESTS.labels(result["status"]).inc()
+        broken = [r for r in results if r["status"] == "sandbox_error"]
+        if broken:
+            return Verdict.failed(
+                RewardStatus.error, "sandbox_error", tests=results, error=broken[0].get("error")
+            )
+        passed = sum(r["status"] == "passed" for r in results)
+        reward = passed / len(results) if spec.partial else float(passed == len(results))
+        return Verdict.scored(reward, passed=passed, total=len(results), tests=results)
+
+    async def _run_test(self, program: str, test: CodeTest, limits: Limits) -> dict:
+        run = await self.sandbox.run({"main.py": program}, ["main.py"], test.stdin, limits)
+        status = _classify(run)
+        if status == "exited_ok":
+            got = run.stdout.decode(errors="replace")
+            status = "passed" if normalise_output(got) == normalise_output(test.stdout) else "failed"
+        return _report(status, run)
+
+    async def _run_asserts(self, program: str, assert_code: str, limits: Limits) -> dict:
+        token = secrets.token_hex(16)
+        files = {"main.py": ASSERT_HARNESS, "solution.py": program, "tests.py": assert_code}
+        run = await self.sandbox.run(files, ["main.py"], token + "\n", limits)
+        status = _classify(run)
+        if status == "runtime_error" and b"AssertionError" in run.stderr[-4096:]:
+            status = "failed"
+        elif status == "exited_ok":
+            lines = run.stdout.decode(errors="replace").rstrip("\n").splitlines()
+            status = "passed" if lines and lines[-1] == token else "failed"
+            if status == "failed":
+                return {
+                    **_report(status, run),
+                    "error": "sentinel missing: the program exited before the last assert",
+                }
+        return _report(status, run)
+
+
+def _classify(run: RunResult) -> str:
+    if run.outcome == "sandbox_error":
+        SANDBOX_FAILURES.labels("start_failed").inc()
+        return "sandbox_error"
+    if run.outcome in ("timeout", "output_limit"):
+        return run.outcome
+    if any(marker in run.stderr[-4096:] for marker in MEMORY_MARKERS):
+        return "memory"
+    if run.exit_code in (SIGXCPU_EXIT, SIGKILL_EXIT):
+        return "timeout"  # CPU-time limit (SIGXCPU, then SIGKILL at the hard limit)
+    return "exited_ok" if run.exit_code == 0 else "runtime_error"
+
+
+def _report(status: str, run: RunResult) -> dict:
+    report = {"status": status, "time_s": round(run.duration_s, 3)}
+    if run.exit_code is not None:
+        report["exit_code"] = run.exit_code
+    if status in ("runtime_error", "memory", "failed") and run.stderr:
+        report["stderr_tail"] = run.stderr[-STDERR_TAIL_CHARS:].decode(errors="replace")
+    if status == "sandbox_error":
+        report["error"] = run.error
+    return report
