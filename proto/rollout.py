@@ -1,0 +1,129 @@
+"""HTTP bodies of the rollout service (`POST/GET/DELETE /v1/rollouts`), shared by the service,
+`asyncrl submit` and any client.
+
+A job is a list of prompts; each prompt becomes one group of `group_size` completions. A
+prompt is exactly one of `text` (tokenized by the service), `messages` (rendered with the
+model's chat template) or `input_ids`. Sampling parameters are SGLang's own
+(`proto.sglang.SamplingParams`), passed through to the engine; `n` must stay 1 because the
+group size is the rollout service's business.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from proto.rewards import RewardSpec
+from proto.sglang import SamplingParams
+
+MAX_PROMPTS_PER_JOB = 100_000
+MAX_PROMPT_CHARS = 1_000_000
+MAX_GROUP_SIZE = 4096  # same bound as `GroupJob.group_size`
+
+
+class ChatTurn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str = Field(min_length=1, max_length=64)
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class RolloutPrompt(BaseModel):
+    """One prompt: exactly one of `text`, `messages`, `input_ids`; optional own reward spec."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatTurn] | None = None
+    input_ids: list[int] | None = None
+    reward_spec: RewardSpec | None = None
+    prompt_id: str | None = Field(default=None, min_length=1, max_length=128)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> RolloutPrompt:
+        given = [name for name in ("text", "messages", "input_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"a prompt needs exactly one of text, messages, input_ids (got {given or 'none'})"
+            )
+        if self.text is not None and not self.text.strip():
+            raise ValueError("empty prompt text")
+        if self.messages is not None and not self.messages:
+            raise ValueError("empty messages list")
+        if self.input_ids is not None:
+            if not self.input_ids:
+                raise ValueError("empty input_ids")
+            if any(t < 0 or t > 2**31 - 1 for t in self.input_ids):
+                raise ValueError("input_ids must be non-negative 32-bit integers")
+        return self
+
+
+class RolloutRequest(BaseModel):
+    """Body of `POST /v1/rollouts`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[RolloutPrompt] = Field(min_length=1, max_length=MAX_PROMPTS_PER_JOB)
+    group_size: int | None = Field(
+        default=None, ge=1, le=MAX_GROUP_SIZE, description="default: the service's"
+    )
+    sampling_params: SamplingParams | None = None
+    reward_spec: RewardSpec | None = Field(default=None, description="for prompts without their own")
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @field_validator("sampling_params")
+    @classmethod
+    def _single_sample(cls, value: SamplingParams | None) -> SamplingParams | None:
+        if value is not None and value.n != 1:
+            raise ValueError("sampling_params.n must be 1; use group_size for several completions")
+        return value
+
+    @model_validator(mode="after")
+    def _every_prompt_has_a_spec(self) -> RolloutRequest:
+        if self.reward_spec is None:
+            missing = [i for i, p in enumerate(self.prompts) if p.reward_spec is None]
+            if missing:
+                raise ValueError(f"prompts {missing[:10]} have no reward_spec and the job gives none")
+        return self
+
+
+class RolloutAccepted(BaseModel):
+    """Answer of `POST /v1/rollouts` (202)."""
+
+    job_id: str
+    groups: int = Field(description="prompt groups in the job")
+    duplicate: bool = Field(False, description="true when the idempotency key named an existing job")
+
+
+class RolloutProgress(BaseModel):
+    """Answer of `GET /v1/rollouts/{id}`: where each group of the job is.
+
+    `queued + generating + scoring + buffered + failed + cancelled == groups`; `trained`,
+    `dropped`, `withheld` and `zero_spread` count what the trainer did with buffered groups.
+    """
+
+    job_id: str
+    state: str = Field(description="queued | running | done | cancelling | cancelled")
+    groups: int
+    queued: int
+    generating: int
+    scoring: int
+    buffered: int
+    failed: int
+    cancelled: int
+    trained: int
+    dropped: int
+    withheld: int
+    zero_spread: int
+    in_buffer: int = Field(description="buffered groups the trainer has not consumed yet")
+    created_at: float
+    cancel_requested: bool = False
+    other: dict[str, Any] = Field(default_factory=dict, description="other trainer exit reasons, by name")
+    errors: dict[str, str] = Field(
+        default_factory=dict, description="why groups failed, by group id (first 10)"
+    )
+
+
+class ErrorBody(BaseModel):
+    detail: str | list[Any]

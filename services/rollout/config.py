@@ -1,0 +1,125 @@
+"""Settings of `asyncrl rollout` (defaults → TOML `[rollout]` → env `ASYNCRL_ROLLOUT_…` → CLI)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.common.config import ServiceSettings
+
+
+def _url_list(value: Any) -> list[str]:
+    """Accept a list, a JSON list or a comma-separated string (the CLI and env give strings)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            value = json.loads(text)
+        else:
+            value = [part for part in (p.strip() for p in text.split(",")) if part]
+    urls = [str(u).rstrip("/") for u in value]
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"engine URL must be http(s)://…, got {url!r}")
+    return urls
+
+
+class RolloutSettings(ServiceSettings):
+    """Rollout service: takes jobs over HTTP, generates groups on SGLang-compatible engines with
+    partial rollouts across weight updates, scores them and writes them to the replay buffer."""
+
+    model_config = SettingsConfigDict(env_prefix="ASYNCRL_ROLLOUT_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8001, ge=1, le=65535, description="port to bind")
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="log level")
+    redis_url: str | None = Field(None, description="Redis URL; unset starts an embedded Redis in run_dir")
+    run_dir: str = Field("runs/default", description="where an embedded Redis keeps its files")
+    run: str = Field("default", min_length=1, max_length=64, description="run id (buffer key namespace)")
+    replica: str = Field(
+        default_factory=socket.gethostname,
+        min_length=1,
+        max_length=128,
+        description="replica id; must be stable across restarts of the same replica",
+    )
+
+    engine_urls: str = Field(
+        "http://127.0.0.1:30000",
+        description="generation endpoints, comma-separated: engines or one sglang-router",
+    )
+    engine_admin_urls: str = Field(
+        "", description="engines to update weights on (default: engine_urls); the workers behind a router"
+    )
+    reward_url: str = Field("http://127.0.0.1:8002", description="reward service base URL")
+    tokenizer: str = Field(description="local tokenizer directory (the policy model's)")
+
+    context_length: int | None = Field(
+        None, gt=1, description="prompt + completion limit (default: model config)"
+    )
+    max_new_tokens_cap: int = Field(4096, gt=0, description="largest max_new_tokens a job may ask")
+    default_max_new_tokens: int = Field(256, gt=0, description="max_new_tokens when a job sets none")
+    default_group_size: int = Field(8, ge=1, le=4096, description="group size when a job sets none")
+    initial_weight_version: int = Field(
+        0, ge=0, description="version of tokens from an engine whose weight_version is not an integer"
+    )
+
+    max_active_groups: int = Field(32, gt=0, le=100_000, description="groups claimed and in progress at once")
+    admission_poll_s: float = Field(0.2, gt=0, le=60, description="wait between admission attempts when full")
+    claim_poll_s: float = Field(0.1, gt=0, le=10, description="wait between job-stream polls when idle")
+    heartbeat_s: float = Field(2.0, gt=0, le=600, description="interval of job heartbeats and cancel checks")
+    recover_idle_s: float = Field(30.0, gt=0, description="a job idle this long belongs to a dead replica")
+    recover_interval_s: float = Field(5.0, gt=0, description="how often dead replicas' jobs are looked for")
+
+    engine_timeout_s: float = Field(600.0, gt=0, description="timeout of one /generate call")
+    engine_retries: int = Field(3, ge=0, le=100, description="retries of a failed engine call")
+    engine_backoff_s: float = Field(0.2, ge=0, le=60, description="first retry delay; doubles each retry")
+    engine_unhealthy_after: int = Field(
+        3, ge=1, description="consecutive failures that mark an engine unhealthy"
+    )
+    engine_probe_s: float = Field(1.0, gt=0, le=600, description="health probe interval of unhealthy engines")
+    requeue_backoff_max_s: float = Field(
+        30.0, gt=0, description="cap of the delay before a requeued group retries"
+    )
+    max_resubmits: int = Field(
+        64, ge=1, description="aborts one sample may survive before its group is requeued"
+    )
+
+    reward_timeout_s: float = Field(120.0, gt=0, description="timeout of one reward batch")
+    reward_concurrency: int = Field(8, gt=0, le=1024, description="reward batches in flight")
+    reward_retries: int = Field(2, ge=0, le=20, description="retries of a reward batch on transport errors")
+    verifiers_ttl_s: float = Field(
+        60.0, gt=0, description="how long the reward service's verifier list is cached"
+    )
+
+    weight_update_timeout_s: float = Field(600.0, gt=0, description="timeout of one engine weight update")
+    weights_poll_s: float = Field(
+        5.0, gt=0, description="fallback poll of the latest weights (pub/sub may drop)"
+    )
+
+    @field_validator("engine_urls", "engine_admin_urls", mode="before")
+    @classmethod
+    def _normalise_urls(cls, value: Any) -> str:
+        return ",".join(_url_list(value))
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutSettings:
+        if not self.engine_url_list:
+            raise ValueError("engine_urls needs at least one URL")
+        if self.default_max_new_tokens > self.max_new_tokens_cap:
+            raise ValueError("default_max_new_tokens exceeds max_new_tokens_cap")
+        if self.heartbeat_s * 3 > self.recover_idle_s:
+            raise ValueError("heartbeat_s must be at most recover_idle_s / 3, or live jobs get stolen")
+        return self
+
+    @property
+    def engine_url_list(self) -> list[str]:
+        return _url_list(self.engine_urls)
+
+    @property
+    def admin_url_list(self) -> list[str]:
+        return _url_list(self.engine_admin_urls) or self.engine_url_list

@@ -1,0 +1,88 @@
+"""Prometheus metrics of the rollout service (process-wide, default registry, `/metrics`).
+
+`asyncrl_rollout_` prefix, base units, `_total` counters; labels are bounded (results,
+reasons, statuses, the engine's index in the configured list — never ids or URLs).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+JOBS_SUBMITTED = Counter("asyncrl_rollout_jobs_submitted_total", "Jobs accepted by POST /v1/rollouts")
+GROUPS_SUBMITTED = Counter("asyncrl_rollout_groups_submitted_total", "Groups enqueued by POST /v1/rollouts")
+REQUESTS_REJECTED = Counter(
+    "asyncrl_rollout_requests_rejected_total", "Rollout API requests refused with a 4xx/5xx", ["reason"]
+)
+JOBS_CANCELLED = Counter("asyncrl_rollout_jobs_cancelled_total", "DELETE /v1/rollouts/{id} calls")
+
+GROUPS_CLAIMED = Counter(
+    "asyncrl_rollout_groups_claimed_total", "Group jobs taken from the jobs stream", ["source"]
+)
+GROUPS_ADMITTED = Counter(
+    "asyncrl_rollout_groups_admitted_total", "Groups that got (or resumed) an admission slot"
+)
+GROUPS_FINISHED = Counter(
+    "asyncrl_rollout_groups_finished_total",
+    "Groups leaving the rollout service (buffered, duplicate, failed, cancelled)",
+    ["result"],
+)
+GROUPS_REQUEUED = Counter(
+    "asyncrl_rollout_groups_requeued_total",
+    "Groups restarted after an engine failure or an internal error",
+    ["reason"],
+)
+ACTIVE_GROUPS = Gauge("asyncrl_rollout_active_groups", "Groups claimed by this replica and not finished")
+ADMISSION_WAITS = Counter("asyncrl_rollout_admission_waits_total", "Admission attempts answered `full`")
+ADMISSION_WAIT_SECONDS = Histogram(
+    "asyncrl_rollout_admission_wait_seconds",
+    "Claim to admission of a group",
+    buckets=(0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800),
+)
+
+GENERATION_SECONDS = Histogram(
+    "asyncrl_rollout_generation_seconds",
+    "Admission to the last sample of a group generated",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
+GENERATED_TOKENS = Counter(
+    "asyncrl_rollout_generated_tokens_total", "Completion tokens received from engines"
+)
+TOKENS_PER_SECOND = Gauge(
+    "asyncrl_rollout_tokens_per_second", "Completion tokens per second of the last group"
+)
+ABORTS = Counter("asyncrl_rollout_aborts_total", "Generate calls that came back with finish_reason abort")
+RESUBMITS = Counter("asyncrl_rollout_resubmits_total", "Partial samples resubmitted (prompt + tokens so far)")
+ENGINE_REQUESTS = Counter(
+    "asyncrl_rollout_engine_requests_total", "Engine HTTP calls by outcome", ["engine", "op", "result"]
+)
+ENGINE_HEALTHY = Gauge(
+    "asyncrl_rollout_engine_healthy", "1 when the engine is used, 0 when marked unhealthy", ["engine"]
+)
+ENGINE_IN_FLIGHT = Gauge("asyncrl_rollout_engine_in_flight", "Generate calls in flight", ["engine"])
+
+REWARD_SECONDS = Histogram(
+    "asyncrl_rollout_reward_seconds",
+    "Latency of one reward batch (a group)",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120),
+)
+REWARD_RESULTS = Counter(
+    "asyncrl_rollout_reward_results_total", "Scored samples by reward status", ["status"]
+)
+REWARD_CALLS = Counter("asyncrl_rollout_reward_calls_total", "Reward HTTP calls by outcome", ["result"])
+
+STALENESS_AT_WRITE = Histogram(
+    "asyncrl_rollout_staleness_at_write",
+    "Trainer version minus the group's oldest token version when the group is written",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+WEIGHT_UPDATES = Counter(
+    "asyncrl_rollout_weight_updates_total", "Weight events handled by method and result", ["method", "result"]
+)
+WEIGHT_UPDATE_SECONDS = Histogram(
+    "asyncrl_rollout_weight_update_seconds",
+    "Pause → update → continue on all engines",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
+)
+POLICY_VERSION = Gauge(
+    "asyncrl_rollout_engine_weight_version", "Weight version the engines were last updated to"
+)

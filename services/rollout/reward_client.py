@@ -1,0 +1,127 @@
+"""Client of the reward service (`POST /v1/rewards`, `GET /v1/verifiers`).
+
+`score` never invents a reward: a batch that times out gives every item status `timeout`, a
+transport error or a garbage answer (after `retries`) gives `error`, an item missing from the
+answer gives `error`; each outcome is counted. Batches in flight are bounded by a semaphore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+from pydantic import ValidationError
+
+from proto.records import RewardStatus
+from proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, VerifierList
+from services.common.logging import log_event
+from services.rollout import metrics as m
+
+log = logging.getLogger(__name__)
+
+RETRY_DELAY_S = 0.5  # first delay between reward retries; doubles
+
+
+class VerifiersUnavailable(Exception):
+    """The reward service could not tell which verifiers it serves."""
+
+
+class RewardClient:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        concurrency: int,
+        retries: int,
+        verifiers_ttl_s: float,
+        headers: dict[str, str] | None = None,
+    ):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.verifiers_ttl_s = verifiers_ttl_s
+        self._sem = asyncio.Semaphore(concurrency)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
+        self._verifiers: tuple[float, frozenset[str]] | None = None
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def score(self, items: list[RewardItem]) -> list[RewardResult]:
+        """One result per item, in order; never raises for reward-service failures."""
+        async with self._sem:
+            t0 = time.perf_counter()
+            results = await self._score(items)
+            m.REWARD_SECONDS.observe(time.perf_counter() - t0)
+        for r in results:
+            m.REWARD_RESULTS.labels(r.status.value).inc()
+        return results
+
+    async def _score(self, items: list[RewardItem]) -> list[RewardResult]:
+        body = RewardRequest(items=items).model_dump(mode="json")
+        delay = RETRY_DELAY_S
+        problem = ""
+        for attempt in range(self.retries + 1):
+            try:
+                resp = await self._http.post(f"{self.url}/v1/rewards", json=body)
+            except httpx.TimeoutException:
+                m.REWARD_CALLS.labels("timeout").inc()
+                return _all(
+                    items, RewardStatus.timeout, f"reward service did not answer within {self.timeout_s} s"
+                )
+            except httpx.HTTPError as exc:
+                m.REWARD_CALLS.labels("transport_error").inc()
+                problem = f"{type(exc).__name__}: {exc}"
+            else:
+                if resp.status_code == 200:
+                    try:
+                        results = RewardResponse.model_validate_json(resp.content).results
+                    except ValidationError as exc:
+                        m.REWARD_CALLS.labels("garbage").inc()
+                        problem = f"garbage answer: {exc.errors()[:2]}"
+                    else:
+                        m.REWARD_CALLS.labels("ok").inc()
+                        return _match(items, results)
+                elif 400 <= resp.status_code < 500 and resp.status_code != 429:
+                    # The batch itself was refused: resending it cannot help.
+                    m.REWARD_CALLS.labels("rejected").inc()
+                    return _all(
+                        items, RewardStatus.invalid_input, f"HTTP {resp.status_code}: {resp.text[:300]}"
+                    )
+                else:
+                    m.REWARD_CALLS.labels("server_error").inc()
+                    problem = f"HTTP {resp.status_code}: {resp.text[:300]}"
+            if attempt < self.retries:
+                await asyncio.sleep(delay)
+                delay *= 2
+        log_event(log, "reward batch failed", logging.WARNING, items=len(items), problem=problem)
+        return _all(items, RewardStatus.error, problem)
+
+    async def verifiers(self) -> frozenset[str]:
+        """Names served by the reward service, cached for `verifiers_ttl_s`."""
+        now = time.monotonic()
+        if self._verifiers and now - self._verifiers[0] < self.verifiers_ttl_s:
+            return self._verifiers[1]
+        try:
+            resp = await self._http.get(f"{self.url}/v1/verifiers", timeout=10.0)
+            resp.raise_for_status()
+            names = frozenset(v.name for v in VerifierList.model_validate_json(resp.content).verifiers)
+        except (httpx.HTTPError, ValidationError) as exc:
+            raise VerifiersUnavailable(
+                f"cannot list the reward service's verifiers at {self.url}: {exc}"
+            ) from exc
+        self._verifiers = (now, names)
+        return names
+
+
+def _all(items: list[RewardItem], status: RewardStatus, reason: str) -> list[RewardResult]:
+    return [RewardResult(id=i.id, status=status, details={"error": reason}) for i in items]
+
+
+def _match(items: list[RewardItem], results: list[RewardResult]) -> list[RewardResult]:
+    by_id = {r.id: r for r in results}
+    lost = {"error": "item missing from the reward service's answer"}
+    return [by_id.get(i.id) or RewardResult(id=i.id, status=RewardStatus.error, details=lost) for i in items]

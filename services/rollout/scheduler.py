@@ -1,0 +1,375 @@
+"""The rollout scheduler: claim group jobs → wait for admission → generate the group on one
+engine (partial rollouts across weight updates) → score → write to the buffer → ack.
+
+    for each claimed job (up to `max_active_groups` at once; dead replicas' jobs recovered):
+        cancelled?                     → release, ack `cancelled`
+        try_admit until not `full`     (each `full` counted)
+        `done` (already buffered)      → ack `done`
+        engine = least-loaded healthy engine (the whole group stays on it)
+        generate group_size samples concurrently; a sample aborted by a weight update is
+            resubmitted as prompt + tokens so far with the remaining budget; every token
+            keeps the engine's `weight_version` of the segment that sampled it
+        engine failed                  → requeue: same slot, another engine, after a backoff
+        engine refused (4xx)           → release, ack `failed`
+        score the samples (one reward batch per group)
+        put_group (idempotent), ack `done`
+
+Each group's phase is recorded in its job's hash (`GET /v1/rollouts/{id}` counts them). Jobs in
+progress are heartbeated; a job of a dead replica (idle past `recover_idle_s`) is recovered. On
+shutdown, unfinished groups are left pending for a restart (`resume_own_jobs`) or another
+replica: nothing is acked that was not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+
+import redis
+from pydantic import ValidationError
+
+from buffer import Admission, ClaimedJob, ReplayBuffer
+from proto import Group, GroupJob, Sample, Timings
+from proto.rewards import RewardItem, RewardSpec
+from services.common.logging import log_event
+from services.rollout import metrics as m
+from services.rollout.config import RolloutSettings
+from services.rollout.engine_client import Engine, EngineClient, EngineFailure, EngineRejected
+from services.rollout.reward_client import RewardClient
+from services.rollout.weights import WeightSync
+
+log = logging.getLogger(__name__)
+
+SEED_STRIDE = 1_000_003  # spreads a job's sampling_seed over samples and segments (a prime)
+SEED_MOD = 2**63
+INTERNAL_RETRY_S = 5.0  # pause before a group that hit an internal error starts again
+
+
+@dataclass
+class Draft:
+    """A generated sample before scoring."""
+
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    text: str = ""
+    submitted: float = 0.0
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class Active:
+    claimed: ClaimedJob
+    stage: str = "claimed"  # claimed | admission | generating | scoring | writing
+    task: asyncio.Task | None = None
+    cancel_reason: str | None = None
+    engine: Engine | None = None
+    rids: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        buf: ReplayBuffer,
+        engines: EngineClient,
+        rewards: RewardClient,
+        weights: WeightSync,
+        tokenizer,
+        context_length: int,
+    ):
+        self.s = settings
+        self.buf = buf  # used only on the `_redis` thread (a ReplayBuffer is one-thread)
+        self.engines, self.rewards, self.weights = engines, rewards, weights
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.active: dict[str, Active] = {}
+        self._redis = ThreadPoolExecutor(1, thread_name_prefix="rollout-buffer")
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    async def _db(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._redis, partial(fn, *args, **kwargs))
+
+    # --- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        background = [
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self.engines.probe_unhealthy()),
+        ]
+        try:
+            for c in await self._db(self.buf.resume_own_jobs):
+                self._start(c, "resumed")
+            next_recover = time.monotonic() + self.s.recover_interval_s
+            while True:
+                claimed: list[tuple[ClaimedJob, str]] = []
+                free = self.s.max_active_groups - len(self.active)
+                if free > 0 and time.monotonic() >= next_recover:
+                    idle_ms = int(self.s.recover_idle_s * 1000)
+                    claimed += [(c, "recovered") for c in await self._db(self.buf.recover_jobs, idle_ms)]
+                    next_recover = time.monotonic() + self.s.recover_interval_s
+                if free - len(claimed) > 0:
+                    claimed += [
+                        (c, "new") for c in await self._db(self.buf.claim_jobs, free - len(claimed), 0)
+                    ]
+                for c, source in claimed:
+                    self._start(c, source)
+                if not claimed:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), self.s.claim_poll_s)
+                    except TimeoutError:
+                        pass
+        finally:
+            self._stopping = True
+            for t in background:
+                t.cancel()
+            tasks = [a.task for a in self.active.values() if a.task]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, *background, return_exceptions=True)
+            self._redis.shutdown(wait=True)
+
+    def _start(self, c: ClaimedJob, source: str) -> None:
+        gid = c.job.group_id
+        if (
+            self._stopping or gid in self.active
+        ):  # e.g. recovered while we still work on it: keep the one we have
+            return
+        m.GROUPS_CLAIMED.labels(source).inc()
+        a = Active(c)
+        self.active[gid] = a
+        m.ACTIVE_GROUPS.set(len(self.active))
+        a.task = asyncio.create_task(self._group(a), name=f"group-{gid}")
+
+    async def _group(self, a: Active) -> None:
+        job = a.claimed.job
+        try:
+            if await self._db(self.buf.job_cancelled, job.job_id):
+                return await self._close(a, "cancelled")
+            a.stage = "admission"
+            if await self._admit(job) is Admission.done:
+                return await self._close(a, "duplicate")
+            submit_version = await self._db(self.buf.get_version)
+            a.stage = "generating"
+            await self._phase(job, "generating")
+            drafts = await self._generate(a)
+            a.stage = "scoring"
+            await self._phase(job, "scoring")
+            samples = await self._score(job, drafts)
+            a.stage = "writing"
+            group = Group.build(
+                group_id=job.group_id,
+                job_id=job.job_id,
+                prompt_ids=job.prompt_ids,
+                reward_spec=job.reward_spec,
+                samples=samples,
+                submit_version=submit_version,
+            )
+            new = await self._db(self.buf.put_group, group)
+            m.STALENESS_AT_WRITE.observe(max(await self._db(self.buf.get_version) - group.min_version, 0))
+            await self._close(a, "buffered" if new else "duplicate")
+        except (EngineRejected, ValidationError) as exc:
+            # The request or what came back for it is wrong: retrying cannot help. Counted,
+            # recorded in the job (`GET /v1/rollouts/{id}` shows the reason), slot given back.
+            log_event(log, "group failed", logging.ERROR, group_id=job.group_id, error=str(exc)[:2000])
+            await self._close(a, "failed", error=f"{type(exc).__name__}: {exc}")
+        except (EngineFailure, OSError, redis.RedisError) as exc:
+            # Not the group's fault (an engine aborting forever, a Redis hiccup): keep the
+            # claim and the admission slot and start the group again.
+            m.GROUPS_REQUEUED.labels("internal").inc()
+            log_event(
+                log,
+                "group restarted after an error",
+                logging.ERROR,
+                group_id=job.group_id,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            asyncio.get_running_loop().call_later(INTERNAL_RETRY_S, self._start, a.claimed, "retry")
+        except Exception as exc:  # a bug: fail this group visibly rather than leave its job stuck
+            log.exception("group %s crashed the scheduler", job.group_id)
+            await self._close(a, "failed", error=f"internal error: {type(exc).__name__}: {exc}")
+        except asyncio.CancelledError:
+            if a.cancel_reason != "job_cancelled":
+                raise  # shutdown: leave the job pending for a restart or another replica
+            await asyncio.gather(*(self.engines.abort(a.engine, rid) for rid in a.rids if a.engine))
+            await self._close(a, "cancelled")
+        finally:
+            self.active.pop(job.group_id, None)
+            m.ACTIVE_GROUPS.set(len(self.active))
+            self._wake.set()
+
+    async def _admit(self, job: GroupJob) -> Admission:
+        t0 = time.monotonic()
+        while (admission := await self._db(self.buf.try_admit, job.group_id)) is Admission.full:
+            m.ADMISSION_WAITS.inc()
+            await asyncio.sleep(self.s.admission_poll_s)
+        m.ADMISSION_WAIT_SECONDS.observe(time.monotonic() - t0)
+        if admission.go:
+            m.GROUPS_ADMITTED.inc()
+        return admission
+
+    async def _close(self, a: Active, result: str, error: str = "") -> None:
+        """The group leaves this service: `buffered`/`duplicate` (in the buffer), `failed`, `cancelled`."""
+        job = a.claimed.job
+        if result in ("failed", "cancelled"):
+            await self._db(self.buf.release, job.group_id)
+        await self._db(
+            self.buf.ack_job, job.group_id, {"buffered": "done", "duplicate": "done"}.get(result, result)
+        )
+        phase = "buffered" if result == "duplicate" else result
+        await self._phase(job, phase, **({"error": error[:500]} if error else {}))
+        m.GROUPS_FINISHED.labels(result).inc()
+
+    async def _phase(self, job: GroupJob, phase: str, **extra: str) -> None:
+        fields = {f"phase:{job.group_id}": phase, **{f"{k}:{job.group_id}": v for k, v in extra.items()}}
+        await self._db(self.buf.set_job_info, job.job_id, **fields)
+
+    async def _heartbeat(self) -> None:
+        """Keep our jobs from looking dead; stop groups of cancelled jobs before they are scored."""
+        while True:
+            await asyncio.sleep(self.s.heartbeat_s)
+            await self._db(self.buf.touch_jobs, [a.claimed.entry_id for a in self.active.values()])
+            for job_id in {a.claimed.job.job_id for a in self.active.values()}:
+                if not await self._db(self.buf.job_cancelled, job_id):
+                    continue
+                for a in list(self.active.values()):
+                    if a.claimed.job.job_id == job_id and a.stage in ("admission", "generating") and a.task:
+                        a.cancel_reason = "job_cancelled"
+                        a.task.cancel()
+
+    # --- generation -----------------------------------------------------------------------
+
+    async def _generate(self, a: Active) -> list[Draft]:
+        """All samples of the group on one engine; on engine failure, the whole group again."""
+        job = a.claimed.job
+        attempt = 0
+        while True:
+            a.engine = await self.engines.pick()
+            t0 = time.monotonic()
+            try:
+                drafts = await _all_or_nothing([self._sample(a, i, attempt) for i in range(job.group_size)])
+            except EngineFailure as exc:
+                attempt += 1
+                m.GROUPS_REQUEUED.labels("engine").inc()
+                delay = min(self.s.engine_backoff_s * 2**attempt, self.s.requeue_backoff_max_s)
+                log_event(
+                    log,
+                    "group requeued after an engine failure",
+                    logging.WARNING,
+                    group_id=job.group_id,
+                    engine=a.engine.url,
+                    attempt=attempt,
+                    error=str(exc),
+                )
+                await asyncio.sleep(delay)
+                continue
+            seconds = time.monotonic() - t0
+            tokens = sum(len(d.tokens) for d in drafts)
+            m.GENERATION_SECONDS.observe(seconds)
+            m.GENERATED_TOKENS.inc(tokens)
+            m.TOKENS_PER_SECOND.set(tokens / seconds if seconds > 0 else 0.0)
+            return drafts
+
+    async def _sample(self, a: Active, index: int, attempt: int) -> Draft:
+        """One completion, resubmitting the remainder after every abort (partial rollout)."""
+        job, engine = a.claimed.job, a.engine
+        assert engine is not None
+        params = dict(job.sampling_params)
+        budget = int(params.get("max_new_tokens", self.s.default_max_new_tokens))
+        prompt = job.prompt_ids.tolist()
+        d = Draft(index, submitted=time.time())
+        for segment in range(self.s.max_resubmits + 1):
+            await self.weights.ready.wait()  # never start a segment while the weights change
+            seg_params = {**params, "max_new_tokens": budget - len(d.tokens)}
+            if "sampling_seed" in params:  # distinct, reproducible streams per sample and segment
+                seg_params["sampling_seed"] = (
+                    params["sampling_seed"] + SEED_STRIDE * (index + 1) + segment
+                ) % SEED_MOD
+            rid = f"{job.group_id}-{index}-a{attempt}-s{segment}"
+            a.rids.add(rid)
+            try:
+                gen = await self.engines.generate(engine, prompt + d.tokens, seg_params, rid)
+            finally:
+                a.rids.discard(rid)
+            version = self._version(gen.weight_version)
+            d.tokens += gen.output_ids
+            d.logprobs += gen.logprobs
+            d.versions += [version] * len(gen.output_ids)
+            if gen.output_ids and d.first_token is None:
+                d.first_token = time.time()
+            if gen.finish_reason != "abort":
+                d.finish_reason = gen.finish_reason
+                break
+            m.ABORTS.inc()
+            if len(d.tokens) >= budget or len(prompt) + len(d.tokens) >= self.context_length:
+                d.finish_reason = "length"
+                break
+            m.RESUBMITS.inc()
+        else:
+            raise EngineFailure(
+                f"sample {index} of {job.group_id} was aborted {self.s.max_resubmits + 1} times"
+            )
+        d.finished = time.time()
+        text_ids = d.tokens[:-1] if d.finish_reason == "stop" and not params.get("no_stop_trim") else d.tokens
+        d.text = self.tokenizer.decode(text_ids, skip_special_tokens=params.get("skip_special_tokens", True))
+        return d
+
+    def _version(self, weight_version: str | None) -> int:
+        """The engine's `weight_version` as a policy version (SGLang starts at "default")."""
+        if weight_version is not None and weight_version.isdigit():
+            return int(weight_version)
+        return self.s.initial_weight_version
+
+    # --- scoring --------------------------------------------------------------------------
+
+    async def _score(self, job: GroupJob, drafts: list[Draft]) -> list[Sample]:
+        spec = RewardSpec.model_validate(job.reward_spec)
+        items = [
+            RewardItem(id=str(d.index), prompt=job.prompt_text, completion=d.text, spec=spec) for d in drafts
+        ]
+        results = await self.rewards.score(items)
+        scored_at = time.time()
+        return [
+            Sample(
+                prompt_id=job.prompt_id,
+                index=d.index,
+                completion_ids=d.tokens,
+                behavior_logprobs=d.logprobs,
+                versions=d.versions,
+                finish_reason=d.finish_reason,
+                truncated=d.finish_reason == "length",
+                text=d.text,
+                reward=r.reward,
+                reward_status=r.status,
+                reward_details=r.details,
+                timings=Timings(
+                    submitted=d.submitted, first_token=d.first_token, finished=d.finished, scored=scored_at
+                ),
+            )
+            for d, r in zip(drafts, results)
+        ]
+
+
+async def _all_or_nothing(coros: list) -> list:
+    """Run concurrently; on the first exception cancel the rest and raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
