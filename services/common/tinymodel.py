@@ -25,24 +25,50 @@ def char_vocab(chars: str = DEFAULT_CHARS) -> dict[str, int]:
     return vocab
 
 
-def build_char_tokenizer(out_dir: str | Path, chars: str = DEFAULT_CHARS, model_max_length: int = 512):
-    """A real `tokenizers` WordLevel tokenizer over single characters, saved as tokenizer.json."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+def _byte_level_char(ch: str) -> str:
+    """GPT-2's byte→unicode map for one ASCII character (space → 'Ġ', newline → 'Ċ')."""
+    b = ord(ch)
+    if ord("!") <= b <= ord("~"):
+        return ch
+    # bytes outside the printable ranges map to U+0100 + their rank among such bytes
+    outside = [x for x in range(256) if not (ord("!") <= x <= ord("~") or 0xA1 <= x <= 0xAC or 0xAE <= x <= 0xFF)]
+    return chr(256 + outside.index(b))
 
+
+def build_char_tokenizer(out_dir: str | Path, chars: str = DEFAULT_CHARS, model_max_length: int = 512):
+    """A character-level tokenizer saved as a real tokenizer.json.
+
+    It is a byte-level BPE with no merges, built exactly as transformers' Qwen2Tokenizer
+    rebuilds one (NFC, Qwen2's split regex, ByteLevel, no BOS): AutoTokenizer maps a qwen2
+    model to that class, which keeps only the vocabulary of tokenizer.json, so any other
+    construction would tokenize differently depending on how it is loaded.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    if any(ord(c) > 126 or (ord(c) < 32 and c != "\n") for c in chars):
+        raise ValueError("tiny tokenizer characters must be printable ASCII or newline")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    vocab = char_vocab(chars)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS_ID)])
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in dict.fromkeys(chars):
+        vocab.setdefault(_byte_level_char(ch), len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix="",
+                               fuse_unk=False, byte_fallback=False))  # fmt: skip
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]  # fmt: skip
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",
         eos_token="<eos>",
         pad_token="<pad>",
+        unk_token="<pad>",
         model_max_length=model_max_length,
     )
     fast.chat_template = (
