@@ -1,0 +1,709 @@
+"""Deployment artefacts, checked by the real tools and against the code they deploy.
+
+* docker-compose.yml: Debian's `docker-compose` (1.29) validates it (`config -q`; no Docker
+  engine needed) and prints the normalised config (interpolated, anchors merged) that the
+  other compose checks read.
+* deploy/prometheus/prometheus.yml: `promtool check config`; every Grafana query goes through
+  `promtool check rules` as a recording rule (PromQL syntax).
+* Every `asyncrl …` command line, in compose and in the k8s manifests, is parsed by the
+  service's own settings loader with its run config TOML, so a renamed flag or field fails
+  here; the ports, URLs and paths it resolves to must match the topology around it.
+* Grafana panels may use only metric and label names the code registers: the metric modules
+  are imported and the Prometheus registry is read, which also sees names built with
+  f-strings (the trainer's per-step gauges), where a grep of the sources would not.
+* k8s: PyYAML plus structural checks (kinds, fields, selectors, ports, references). There is
+  no `kubectl` (nor a cluster or schemas) in CI, so nothing here needs one.
+
+`docker-compose` and `promtool` come from Debian packages; when one is missing the test
+fails with the install line (CI installs them), it does not skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+PROMETHEUS = ROOT / "deploy/prometheus/prometheus.yml"
+DASHBOARD = ROOT / "deploy/grafana/dashboards/asyncrl.json"
+PROVISIONING = ROOT / "deploy/grafana/provisioning"
+K8S = ROOT / "deploy/k8s"
+APT_LINE = "apt-get install -y --no-install-recommends docker-compose prometheus"
+
+SETTINGS = {  # asyncrl subcommand -> (module, settings class, run-config table)
+    "engine": ("services.engine.config", "EngineSettings", "engine"),
+    "rollout": ("services.rollout.config", "RolloutSettings", "rollout"),
+    "reward": ("services.reward.config", "RewardSettings", "reward"),
+    "train": ("trainer.config", "TrainerSettings", "trainer"),
+}
+# SGLang is not installed here, so its metric names cannot be read from code: the dashboard
+# may use only these, from docs.sglang.io/references/production_metrics.
+SGLANG_METRICS = {"sglang:generation_tokens_total", "sglang:num_running_reqs", "sglang:num_queue_reqs"}
+PROFILES = {
+    "cpu": {"redis", "init", "engine-cpu", "rollout", "reward", "trainer", "submit", "prometheus", "grafana"},
+    "gpu": {"redis", "init", "engine", "rollout", "reward", "trainer-gpu", "prometheus", "grafana"},
+}
+# One-shot services, and trainers that exit 0 at max_steps and must then stay down.
+RESTART = {
+    "init": ("no",),
+    "submit": ("on-failure",),
+    "trainer": ("on-failure",),
+    "trainer-gpu": ("on-failure",),
+}
+METRIC = re.compile(r"\b(asyncrl_[a-z0-9_]+|sglang:[a-z0-9_:]+)")
+GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+MATCHERS = re.compile(r"\{([^}]*)\}")
+MATCHER_LABEL = re.compile(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)")
+LEGEND_LABEL = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+def run_tool(*argv: str) -> subprocess.CompletedProcess:
+    exe = shutil.which(argv[0])
+    if exe is None:
+        pytest.fail(f"`{argv[0]}` is not installed; CI installs it with: {APT_LINE}")
+    # A clean environment: no ASYNCRL_*/COMPOSE_* variable of this machine leaks into interpolation.
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
+    return subprocess.run(
+        [exe, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+# --- compose helpers ---------------------------------------------------------------------------
+
+
+def exposed(svc: dict) -> set[int]:
+    return {int(p) for p in svc.get("expose", [])}
+
+
+def names(name: str, svc: dict) -> set[str]:
+    nets = svc.get("networks") or {}
+    return {name} | {a for net in nets.values() for a in ((net or {}).get("aliases") or [])}
+
+
+def active(compose: dict, profile: str) -> dict[str, dict]:
+    return {n: s for n, s in compose["services"].items() if not s.get("profiles") or profile in s["profiles"]}
+
+
+def mounts(svc: dict) -> dict[str, str]:
+    """container path -> source (an absolute host path for binds, a volume name otherwise)."""
+    out = {}
+    for vol in svc.get("volumes", []):
+        if isinstance(vol, dict):  # long syntax (docker compose v2 prints this)
+            out[vol["target"]] = vol["source"]
+        else:
+            source, target = vol.split(":")[:2]
+            out[target] = source
+    return out
+
+
+def answering(compose: dict, host: str, profile: str) -> list[str]:
+    return [n for n, s in active(compose, profile).items() if host in names(n, s)]
+
+
+def assert_reaches(compose: dict, url: str, profile: str) -> str:
+    """Exactly one service of the profile answers the URL's host, and it exposes the URL's port."""
+    parts = urlsplit(url)
+    found = answering(compose, parts.hostname, profile)
+    assert len(found) == 1, f"{url}: {found or 'no'} service answers {parts.hostname!r} in profile {profile}"
+    assert parts.port in exposed(compose["services"][found[0]]), f"{url}: {found[0]} lacks port {parts.port}"
+    return found[0]
+
+
+def resolve(argv: list[str], env: dict, files: dict[str, str], mp: pytest.MonkeyPatch):
+    """Parse an `asyncrl <cmd> …` command line with the service's own settings loader, in the
+    environment the container gets; container paths in `files` are read from the host."""
+    from services.cli import SUBCOMMANDS
+    from services.common.config import load_settings
+
+    assert argv[0] == "asyncrl" and argv[1] in SUBCOMMANDS, argv
+    sub, rest, launch = argv[1], [files.get(a, a) for a in argv[2:]], None
+    for key in [k for k in os.environ if k.startswith("ASYNCRL_")]:
+        mp.delenv(key)
+    for key, value in (env or {}).items():
+        mp.setenv(key, str(value))
+    if sub == "train":
+        launch = torchrun_args(rest, mp)
+        assert launch.module and launch.training_script == "trainer.main", launch
+        assert launch.training_script_args[0] == "--worker"
+        rest = launch.training_script_args[1:]  # what each worker parses
+    module, cls_name, section = SETTINGS[sub]
+    cls = getattr(importlib.import_module(module), cls_name)
+    return load_settings(cls, rest, prog=f"asyncrl {sub}", section=section), launch
+
+
+class Exec(Exception):
+    pass
+
+
+def torchrun_args(argv: list[str], mp: pytest.MonkeyPatch):
+    """`asyncrl train ARGV` builds a torchrun command and execs it: catch the command and parse
+    it with torchrun's own parser (which refuses, e.g., an option that abbreviates one of its own)."""
+    from torch.distributed.run import get_args_parser
+
+    import trainer.main as launcher
+
+    def execv(path, cmd):
+        raise Exec(cmd)
+
+    mp.setattr(launcher.os, "execv", execv)
+    with pytest.raises(Exec) as exec_:
+        launcher.main(argv)
+    cmd = exec_.value.args[0]
+    assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
+    try:
+        return get_args_parser().parse_args(cmd[3:])
+    except SystemExit:
+        pytest.fail(f"torchrun refuses the command `asyncrl train` builds: {cmd[3:]}")
+
+
+def listen(settings) -> tuple[str, int]:
+    if hasattr(settings, "metrics_port"):
+        return settings.metrics_host, settings.metrics_port
+    return settings.host, settings.port
+
+
+def flag(argv: list[str], name: str) -> str:
+    assert name in argv, f"{name} missing from {argv}"
+    return argv[argv.index(name) + 1]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    proc = run_tool("docker-compose", "-f", str(COMPOSE), "config")
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING" not in proc.stderr, proc.stderr  # e.g. a variable without a default
+    return yaml.safe_load(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def compose_settings(compose) -> dict:
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, svc in compose["services"].items():
+            cmd = svc.get("command")
+            if isinstance(cmd, list) and cmd[:1] == ["asyncrl"] and cmd[1] in SETTINGS:
+                out[name] = resolve(cmd, svc.get("environment"), mounts(svc), mp)
+    return out
+
+
+# --- docker compose ----------------------------------------------------------------------------
+
+
+def test_compose_file_passes_docker_compose_config(tmp_path):
+    proc = run_tool("docker-compose", "-f", str(COMPOSE), "config", "-q")
+    assert (proc.returncode, proc.stderr) == (0, "")
+    # The parser really validates: the same file with a misspelt dependency condition is refused.
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE.read_text().replace("service_healthy", "service_healty", 1))
+    proc = run_tool("docker-compose", "-f", str(broken), "config", "-q")
+    assert proc.returncode != 0 and "service_healty" in proc.stderr
+
+
+def test_profiles_select_the_demo_and_gpu_topologies(compose):
+    listed = run_tool("docker-compose", "-f", str(COMPOSE), "--profile", "cpu", "config", "--services")
+    assert listed.returncode == 0, listed.stderr
+    # docker-compose 1.29 lists every service here whatever the profile; membership is read below.
+    assert PROFILES["cpu"] <= set(listed.stdout.split())
+    for profile, expected in PROFILES.items():
+        services = active(compose, profile)
+        assert set(services) == expected, profile
+        for name, svc in services.items():  # `up --profile X` refuses dependencies outside X
+            assert set(svc.get("depends_on") or {}) <= expected, (profile, name)
+    for name in ("engine-cpu", "rollout", "trainer", "trainer-gpu", "engine"):
+        init = compose["services"][name]["depends_on"]["init"]
+        assert init["condition"] == "service_completed_successfully", name
+
+
+def test_compose_health_restart_volumes_and_privileges(compose):
+    services = compose["services"]
+    for name, svc in services.items():
+        assert svc["restart"] in RESTART.get(name, ("unless-stopped", "always")), name
+        if name in ("init", "submit"):  # one-shot
+            continue
+        test = svc["healthcheck"]["test"]
+        assert test[0] in ("CMD", "CMD-SHELL") and len(test) > 1, name
+        for port in re.findall(r"127\.0\.0\.1:(\d+)/", " ".join(test)):
+            assert int(port) in exposed(svc), f"{name}'s health check probes a port it does not expose"
+
+    redis = services["redis"]
+    cmd = redis["command"]
+    assert flag(cmd, "--appendonly") == "yes" and flag(cmd, "--appendfsync") == "everysec"
+    assert mounts(redis)["/data"] in compose["volumes"]
+
+    weights = mounts(services["trainer"])["/weights"]
+    assert weights in compose["volumes"]
+    for name in ("trainer-gpu", "engine", "engine-cpu", "init"):
+        assert mounts(services[name])["/weights"] == weights, f"{name} must share the weights volume"
+
+    for name in ("engine", "trainer-gpu"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], name
+
+    # Only the reward service gets what bubblewrap needs; nothing is privileged.
+    reward = services["reward"]
+    assert set(reward["security_opt"]) == {
+        f"{opt}=unconfined" for opt in ("seccomp", "apparmor", "systempaths")
+    }
+    assert reward["user"] == "0:0"
+    for name, svc in services.items():
+        assert not svc.get("privileged") and not svc.get("cap_add"), name
+        if name != "reward":
+            assert not svc.get("security_opt"), name
+
+
+def test_compose_commands_parse_with_the_services_settings(compose, compose_settings):
+    services = compose["services"]
+    assert set(compose_settings) == {"engine-cpu", "rollout", "reward", "trainer", "trainer-gpu"}
+    for name, (settings, _) in compose_settings.items():
+        host, port = listen(settings)
+        assert host == "0.0.0.0", f"{name} listens on {host}: unreachable from other containers"
+        assert port in exposed(services[name]), f"{name} listens on {port}, exposes {exposed(services[name])}"
+
+    rollout = compose_settings["rollout"][0]
+    trainer, launch = compose_settings["trainer"]
+    assert int(launch.nproc_per_node) >= 1
+    for profile in PROFILES:
+        assert [assert_reaches(compose, u, profile) for u in rollout.engine_url_list] == [
+            "engine-cpu" if profile == "cpu" else "engine"
+        ]
+        assert assert_reaches(compose, rollout.reward_url, profile) == "reward"
+        assert assert_reaches(compose, rollout.redis_url, profile) == "redis"
+    assert trainer.redis_url == rollout.redis_url and trainer.run == rollout.run
+    assert compose_settings["trainer-gpu"][0].model_dump() == trainer.model_dump()
+
+    # One policy: init builds it, the engines serve it, rollout tokenizes with it, the trainer trains it.
+    model = flag(services["init"]["command"], "--model")
+    sglang = services["engine"]["command"]
+    assert sglang[:3] == ["python3", "-m", "sglang.launch_server"] and "--enable-metrics" in sglang
+    assert flag(sglang, "--port") == "30000" and flag(sglang, "--host") == "0.0.0.0"
+    assert compose_settings["engine-cpu"][0].model == rollout.tokenizer == trainer.model_path == model
+    assert flag(sglang, "--model-path") == model
+    # Published versions land on the volume every engine mounts at the same path.
+    assert PurePosixPath(trainer.output_dir).is_relative_to("/weights")
+
+
+def test_demo_submission_is_a_valid_rollout_job(compose, tmp_path):
+    from proto.rollout import RolloutRequest
+    from services.reward.verifiers.toy import ReverseVerifier, target_from_prompt
+    from services.rollout.submit import read_rows
+
+    services = compose["services"]
+    submit = services["submit"]["command"]
+    assert submit[:2] == ["asyncrl", "submit"] and submit[2] == flag(services["init"]["command"], "--data")
+    options = dict(zip(submit[3::2], submit[4::2]))
+    assert assert_reaches(compose, options["--url"], "cpu") == "rollout"
+
+    spec = importlib.util.spec_from_file_location("init_demo", ROOT / "deploy/init_demo.py")
+    init_demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(init_demo)
+    init = services["init"]["command"]
+    config = Path(mounts(services["init"])[flag(init, "--config")])
+    model, demo = init_demo.load_config(config)  # the run config every service of the stack reads
+    assert config == ROOT / "configs/demo.toml" and model.build_tiny
+    init_demo.write_dataset(tmp_path / "reverse.jsonl", demo, 64)
+    rows = list(read_rows(tmp_path / "reverse.jsonl"))  # the submit command's own reader
+    request = RolloutRequest(
+        prompts=rows,
+        group_size=int(options["--group-size"]),
+        sampling_params=json.loads(options["--sampling-params"]),
+        reward_spec=json.loads(options["--reward-spec"]),
+        idempotency_key=options["--idempotency-key"],
+    )
+    assert request.reward_spec.verifier == ReverseVerifier.name and request.group_size == demo.group_size
+    # Fixed-length answers, as `asyncrl demo` asks: early EOS cannot collapse entropy.
+    assert request.sampling_params.ignore_eos and request.sampling_params.max_new_tokens == demo.prompt_len
+    assert len({row["prompt_id"] for row in rows}) == len(rows)
+    for row in rows:
+        target = target_from_prompt(row["text"])
+        assert len(target) == demo.prompt_len and set(target) <= set(demo.letters)
+        assert row["text"] == target[::-1] + ">"
+
+
+def test_dockerfile_pins_cpu_torch_and_installs_bubblewrap(compose):
+    text = (ROOT / "deploy/Dockerfile").read_text()
+    pin = re.search(r'"torch==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert re.search(rf"^ARG TORCH_VERSION={re.escape(pin)}$", text, re.MULTILINE), (
+        "Dockerfile torch != pyproject pin"
+    )
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    torch_at = re.search(
+        r'^RUN pip install "torch==\$\{TORCH_VERSION\}" --index-url "\$\{TORCH_INDEX_URL\}"$',
+        text,
+        re.MULTILINE,
+    )
+    package_at = re.search(r"^RUN pip install \.", text, re.MULTILINE)
+    assert torch_at and package_at and torch_at.start() < package_at.start(), "torch must be installed first"
+
+    assert re.search(r"apt-get install[^\n]*\bbubblewrap\b", text)
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]  # fmt: skip
+    for source in re.findall(r"^COPY (\S+(?: \S+)*) \S+$", text, re.MULTILINE):
+        for path in source.split():
+            assert (ROOT / path).exists(), f"COPY {path}: no such path"
+            assert not any(PurePosixPath(path).match(p) or path.split("/")[0] == p for p in ignored), path
+    for name, svc in compose["services"].items():
+        if "build" in svc:
+            assert (
+                Path(svc["build"]["context"]) == ROOT and svc["build"]["dockerfile"] == "deploy/Dockerfile"
+            ), name
+
+
+# --- Prometheus and Grafana ----------------------------------------------------------------------
+
+
+def test_prometheus_config_passes_promtool(tmp_path):
+    proc = run_tool("promtool", "check", "config", str(PROMETHEUS))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    bad = tmp_path / "prometheus.yml"
+    bad.write_text(PROMETHEUS.read_text().replace("scrape_interval: 5s", "scrape_interval: 5 parsecs"))
+    assert run_tool("promtool", "check", "config", str(bad)).returncode != 0
+
+
+def test_scrape_targets_are_compose_services_and_ports(compose):
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    scraped = set()
+    for job in config["scrape_configs"]:
+        targets = [t for sc in job.get("static_configs", []) for t in sc["targets"]]
+        targets += [f"{n}:{sd['port']}" for sd in job.get("dns_sd_configs", []) for n in sd["names"]]
+        assert targets, job["job_name"]
+        for target in targets:
+            host, port = target.rsplit(":", 1)
+            if host == "localhost":  # Prometheus scraping itself
+                assert job["job_name"] == "prometheus"
+                host = "prometheus"
+            for profile in PROFILES:
+                scraped.add(assert_reaches(compose, f"http://{host}:{port}/metrics", profile))
+    assert {"rollout", "reward", "trainer", "trainer-gpu", "engine", "engine-cpu"} <= scraped
+    prometheus = compose["services"]["prometheus"]
+    assert Path(mounts(prometheus)["/etc/prometheus/prometheus.yml"]) == PROMETHEUS
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+
+
+@pytest.fixture(scope="module")
+def code_metrics() -> dict[str, set[str]]:
+    """Every exposed sample name of the code's asyncrl_ metrics -> its label names."""
+    from prometheus_client import REGISTRY
+
+    for path in [
+        *ROOT.glob("services/**/metrics.py"),
+        *ROOT.glob("trainer/metrics.py"),
+        *ROOT.glob("buffer/metrics.py"),
+    ]:
+        importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    out: dict[str, set[str]] = {}
+    # The registry keeps collectors -> exposed names only privately; there is no public listing.
+    for collector, exposed_names in list(REGISTRY._collector_to_names.items()):
+        labels = set(getattr(collector, "_labelnames", ()))
+        for name in exposed_names:
+            if name.startswith("asyncrl_"):
+                out[name] = labels | ({"le"} if name.endswith("_bucket") else set())
+    return out
+
+
+def dashboard_targets() -> list[tuple[dict, dict]]:
+    dash = json.loads(DASHBOARD.read_text())
+    return [(panel, target) for panel in dash["panels"] for target in panel.get("targets", [])]
+
+
+def test_dashboard_metric_and_label_names_exist_in_the_code(code_metrics):
+    assert len(code_metrics) > 50  # the modules were found and imported
+    for panel, target in dashboard_targets():
+        used = set(METRIC.findall(target["expr"]))
+        assert used, f"{panel['title']}: no asyncrl_/sglang: metric in {target['expr']}"
+        unknown = {m for m in used if m not in code_metrics and m not in SGLANG_METRICS}
+        assert not unknown, f"panel {panel['title']!r} uses metrics no code registers: {sorted(unknown)}"
+        allowed = {"instance", "job"} | {l for m in used for l in code_metrics.get(m, ())}
+        if used & SGLANG_METRICS:
+            allowed |= {"le", "model_name"}
+        labels = {l.strip() for g in GROUPING.findall(target["expr"]) for l in g.split(",") if l.strip()}
+        labels |= {l for g in MATCHERS.findall(target["expr"]) for l in MATCHER_LABEL.findall(g)}
+        labels |= set(LEGEND_LABEL.findall(target.get("legendFormat", "")))
+        assert labels <= allowed, f"panel {panel['title']!r}: labels {sorted(labels - allowed)} do not exist"
+
+
+def test_dashboard_queries_pass_promtool(tmp_path):
+    rules = [{"record": f"asyncrl:dashboard_{panel['id']}_{target['refId']}",
+              "expr": target["expr"].replace("$__rate_interval", "1m")}
+             for panel, target in dashboard_targets()]  # fmt: skip
+    path = tmp_path / "dashboard_rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    proc = run_tool("promtool", "check", "rules", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(rules)} rules found" in proc.stdout
+
+
+def test_dashboard_has_the_required_panels():
+    exprs_by_kind: dict[str, str] = {}
+    for panel, target in dashboard_targets():
+        exprs_by_kind[panel["type"]] = exprs_by_kind.get(panel["type"], "") + "\n" + target["expr"]
+    every = "\n".join(exprs_by_kind.values())
+    required = {
+        "reward": ["asyncrl_trainer_reward_mean"],
+        "buffer depth": ["asyncrl_buffer_depth"],
+        "IS weight and mismatch KL": ["asyncrl_trainer_is_weight_mean", "asyncrl_trainer_mismatch_kl"],
+        "tokens/s per engine": ["by (instance) (rate(asyncrl_engine_generated_tokens_total",
+                                "by (instance) (rate(sglang:generation_tokens_total"],
+        "reward latency and failures": ["asyncrl_reward_verify_seconds_bucket", "asyncrl_reward_verifier_failures_total"],
+        "trainer step time split": ["by (phase) (rate(asyncrl_trainer_phase_seconds_sum"],
+        "idle ratios": ["asyncrl_trainer_idle_ratio", "asyncrl_engine_running_requests > bool 0"],
+    }  # fmt: skip
+    for topic, needles in required.items():
+        for needle in needles:
+            assert needle in every, f"no panel for {topic}: {needle!r} not queried"
+    assert "asyncrl_trainer_group_staleness_bucket" in exprs_by_kind.get("heatmap", ""), "staleness histogram"
+
+
+def test_grafana_provisioning_matches_compose_and_dashboard(compose):
+    grafana, prometheus = compose["services"]["grafana"], compose["services"]["prometheus"]
+    (datasource,) = yaml.safe_load((PROVISIONING / "datasources/prometheus.yml").read_text())["datasources"]
+    url = urlsplit(datasource["url"])
+    assert (
+        datasource["type"] == "prometheus"
+        and url.hostname == "prometheus"
+        and url.port in exposed(prometheus)
+    )
+    (provider,) = yaml.safe_load((PROVISIONING / "dashboards/asyncrl.yml").read_text())["providers"]
+    grafana_mounts = mounts(grafana)
+    assert Path(grafana_mounts[provider["options"]["path"]]) == DASHBOARD.parent
+    assert Path(grafana_mounts["/etc/grafana/provisioning"]) == PROVISIONING
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/{DASHBOARD.name}"
+
+    dash = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dash["panels"]:
+        assert panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24, panel["title"]
+        if panel["type"] != "row":
+            uids = {panel["datasource"]["uid"]} | {t["datasource"]["uid"] for t in panel["targets"]}
+            assert uids == {datasource["uid"]}, panel["title"]
+
+
+# --- Kubernetes ----------------------------------------------------------------------------------
+
+API_VERSIONS = {
+    "Namespace": "v1", "ConfigMap": "v1", "Service": "v1", "PersistentVolumeClaim": "v1", "ServiceAccount": "v1",
+    "StatefulSet": "apps/v1", "Deployment": "apps/v1", "Job": "batch/v1", "NetworkPolicy": "networking.k8s.io/v1",
+    "Role": "rbac.authorization.k8s.io/v1", "RoleBinding": "rbac.authorization.k8s.io/v1",
+}  # fmt: skip
+WORKLOADS = ("StatefulSet", "Deployment", "Job")
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # a label the Job controller adds
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[tuple[str, str], dict]:
+    docs = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in docs, f"{key} defined twice"
+            docs[key] = doc
+    return docs
+
+
+def pod_spec(doc: dict) -> dict:
+    return doc["spec"]["template"]["spec"]
+
+
+def containers(docs: dict) -> list[tuple[dict, dict]]:
+    return [
+        (doc, c) for (kind, _), doc in docs.items() if kind in WORKLOADS for c in pod_spec(doc)["containers"]
+    ]
+
+
+def test_k8s_manifests_are_well_formed(k8s):
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert set(kustomization["resources"]) == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    for (kind, name), doc in k8s.items():
+        assert doc["apiVersion"] == API_VERSIONS[kind], (kind, name)
+        if kind != "Namespace":
+            assert doc["metadata"]["namespace"] == kustomization["namespace"], (kind, name)
+    for (kind, name), doc in k8s.items():
+        if kind not in WORKLOADS:
+            continue
+        template_labels = doc["spec"]["template"]["metadata"]["labels"]
+        if kind != "Job":
+            assert doc["spec"]["selector"]["matchLabels"].items() <= template_labels.items(), name
+        spec = pod_spec(doc)
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        volumes |= {t["metadata"]["name"]: t for t in doc["spec"].get("volumeClaimTemplates", [])}
+        for volume in volumes.values():
+            if "configMap" in volume:
+                assert ("ConfigMap", volume["configMap"]["name"]) in k8s, name
+            if "persistentVolumeClaim" in volume:
+                assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in k8s, name
+        if "serviceAccountName" in spec:
+            assert ("ServiceAccount", spec["serviceAccountName"]) in k8s, name
+        for container in spec["containers"]:
+            assert container["name"] and container["image"], name
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes, f"{name}: volumeMount {mount['name']} has no volume"
+
+
+def selected(k8s: dict, selector: dict) -> list[dict]:
+    """Workloads whose pods carry the selector's labels (the Job controller adds the index label)."""
+    found = []
+    for (kind, _), doc in k8s.items():
+        if kind not in WORKLOADS:
+            continue
+        labels = dict(doc["spec"]["template"]["metadata"]["labels"])
+        if kind == "Job" and doc["spec"].get("completionMode") == "Indexed":
+            labels[COMPLETION_INDEX] = selector.get(COMPLETION_INDEX, "0")
+        if selector.items() <= labels.items():
+            found.append(doc)
+    return found
+
+
+def test_k8s_services_select_pods_with_their_ports(k8s):
+    for (kind, name), svc in k8s.items():
+        if kind != "Service":
+            continue
+        (workload,) = selected(k8s, svc["spec"]["selector"])
+        ports = [p for c in pod_spec(workload)["containers"] for p in c.get("ports", [])]
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            assert any(target in (p.get("name"), p["containerPort"]) for p in ports), (name, target)
+
+
+def k8s_reaches(k8s: dict, url: str) -> dict:
+    """The workload a URL inside the namespace reaches: `<service>` or `<statefulset>-<i>.<service>`."""
+    parts = urlsplit(url)
+    host = parts.hostname.split(".")
+    if len(host) == 2:  # a StatefulSet pod through its headless service
+        pod, service = host
+        (sts,) = [
+            d for (k, _), d in k8s.items() if k == "StatefulSet" and d["spec"]["serviceName"] == service
+        ]
+        ordinal = pod.removeprefix(sts["metadata"]["name"] + "-")
+        assert ordinal.isdigit() and int(ordinal) < sts["spec"]["replicas"], url
+        workload = sts
+    else:
+        svc = k8s[("Service", host[0])]
+        assert any(p["port"] == parts.port for p in svc["spec"]["ports"]), url
+        (workload,) = selected(k8s, svc["spec"]["selector"])
+    assert parts.port in ports_of(workload), url
+    return workload
+
+
+def container_env(container: dict) -> dict[str, str]:
+    """Literal values; downward-API fields get a placeholder; optional secrets stay unset."""
+    env = {}
+    for var in container.get("env", []):
+        if "secretKeyRef" not in var.get("valueFrom", {}):
+            env[var["name"]] = var.get("value", "0")  # e.g. a pod name or a completion index
+    return env
+
+
+def ports_of(workload: dict) -> set[int]:
+    return {p["containerPort"] for c in pod_spec(workload)["containers"] for p in c.get("ports", [])}
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], value)
+
+
+def test_k8s_asyncrl_commands_parse_and_wire_up(k8s, tmp_path):
+    parsed = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for doc, container in containers(k8s):
+            args = container.get("command", []) + container.get("args", [])
+            if args[:1] != ["asyncrl"]:
+                continue
+            name, env, files = doc["metadata"]["name"], container_env(container), {}
+            volumes = {v["name"]: v for v in pod_spec(doc).get("volumes", [])}
+            for mount in container.get("volumeMounts", []):
+                if "configMap" in volumes.get(mount["name"], {}):
+                    data = k8s[("ConfigMap", volumes[mount["name"]]["configMap"]["name"])]["data"]
+                    for key, text in data.items():
+                        (tmp_path / key).write_text(text)
+                        files[f"{mount['mountPath']}/{key}"] = str(tmp_path / key)
+            settings, launch = resolve([expand(a, env) for a in args], env, files, mp)
+            host, port = listen(settings)
+            assert host == "0.0.0.0" and port in {p["containerPort"] for p in container["ports"]}, name
+            parsed[name] = (settings, launch, args, container)
+    assert set(parsed) == {"rollout", "reward", "trainer"}
+
+    rollout, trainer = parsed["rollout"][0], parsed["trainer"][0]
+    sglang = k8s[("StatefulSet", "sglang")]
+    assert [k8s_reaches(k8s, u)["metadata"]["name"] for u in rollout.engine_url_list] == ["sglang-router"]
+    admins = [k8s_reaches(k8s, u) for u in rollout.admin_url_list]
+    assert admins == [sglang] * sglang["spec"]["replicas"] and len(set(rollout.admin_url_list)) == len(admins)
+    assert k8s_reaches(k8s, rollout.reward_url)["metadata"]["name"] == "reward"
+    assert k8s_reaches(k8s, rollout.redis_url)["metadata"]["name"] == "redis"
+    assert trainer.redis_url == rollout.redis_url
+    (engine,) = pod_spec(sglang)["containers"]
+    assert flag(engine["args"], "--model-path") == rollout.tokenizer == trainer.model_path
+    assert "--enable-metrics" in engine["args"] and engine["resources"]["limits"]["nvidia.com/gpu"] >= 1
+
+    # torchrun across the Indexed Job's pods, rank 0 on pod 0 of the headless service.
+    job = k8s[("Job", "trainer")]
+    launch, container = parsed["trainer"][1], parsed["trainer"][3]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert int(launch.nnodes) == job["spec"]["completions"] == job["spec"]["parallelism"] >= 2
+    assert int(launch.nproc_per_node) == container["resources"]["limits"]["nvidia.com/gpu"]
+    subdomain = pod_spec(job)["subdomain"]
+    headless = k8s[("Service", subdomain)]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"].get("publishNotReadyAddresses")
+    assert selected(k8s, headless["spec"]["selector"]) == [job]
+    assert launch.master_addr == f"{job['metadata']['name']}-0.{subdomain}"
+    assert int(launch.master_port) in {p["port"] for p in headless["spec"]["ports"]}
+    rank_var = flag(parsed["trainer"][2], "--node-rank")
+    rank_env = next(e for e in container["env"] if f"$({e['name']})" == rank_var)
+    assert COMPLETION_INDEX in rank_env["valueFrom"]["fieldRef"]["fieldPath"]
+    assert k8s[("Service", "trainer-metrics")]["spec"]["selector"][COMPLETION_INDEX] == "0"
+
+    # Published weights: on the ReadWriteMany volume both the trainer and the engines mount at /weights.
+    claim = k8s[("PersistentVolumeClaim", "asyncrl-weights")]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for workload in (job, sglang):
+        spec = pod_spec(workload)
+        mounted = {m["mountPath"]: m["name"] for c in spec["containers"] for m in c["volumeMounts"]}
+        volume = next(v for v in spec["volumes"] if v["name"] == mounted["/weights"])
+        assert volume["persistentVolumeClaim"]["claimName"] == "asyncrl-weights"
+    assert PurePosixPath(trainer.output_dir).is_relative_to("/weights")
+
+
+def test_k8s_router_redis_and_reward_sandbox(k8s):
+    router_spec, sglang = pod_spec(k8s[("Deployment", "sglang-router")]), k8s[("StatefulSet", "sglang")]
+    (router,) = router_spec["containers"]
+    assert router["command"][-1] == "sglang_router.launch_router" and "--service-discovery" in router["args"]
+    key, value = flag(router["args"], "--selector").split("=")
+    assert sglang["spec"]["template"]["metadata"]["labels"][key] == value
+    assert {int(flag(router["args"], "--service-discovery-port"))} == ports_of(sglang)
+    assert flag(router["args"], "--service-discovery-namespace") == sglang["metadata"]["namespace"]
+    role = k8s[("Role", "sglang-router")]
+    assert {"list", "watch"} <= set(role["rules"][0]["verbs"]) and role["rules"][0]["resources"] == ["pods"]
+    binding = k8s[("RoleBinding", "sglang-router")]
+    assert binding["roleRef"]["name"] == "sglang-router"
+    assert binding["subjects"][0]["name"] == router_spec["serviceAccountName"]
+
+    redis = k8s[("StatefulSet", "redis")]
+    (container,) = pod_spec(redis)["containers"]
+    args = container["args"]
+    assert flag(args, "--appendonly") == "yes" and flag(args, "--appendfsync") == "everysec"
+    (claim,) = redis["spec"]["volumeClaimTemplates"]
+    mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounted[flag(args, "--dir")] == claim["metadata"]["name"]
+
+    reward = k8s[("Deployment", "reward")]
+    (container,) = pod_spec(reward)["containers"]
+    ctx = container["securityContext"]
+    assert ctx["seccompProfile"]["type"] == ctx["appArmorProfile"]["type"] == "Unconfined"
+    assert ctx["procMount"] == "Unmasked" and pod_spec(reward)["hostUsers"] is False
+    assert not ctx.get("privileged") and not ctx.get("capabilities", {}).get("add")
+    for doc, other in containers(k8s):
+        if doc is not reward:
+            assert "securityContext" not in other, doc["metadata"]["name"]
