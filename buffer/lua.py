@@ -129,16 +129,19 @@ return accepted
 """
 
 # KEYS: weights, latest, version
-# ARGV: version, payload, channel, keep
+# ARGV: version, payload, channel, keep, rollback
+# `latest` only moves forward, except on rollback (a trainer resumed from a checkpoint older
+# than what it had published): then versions above this one are forgotten, their weights gone.
 PUBLISH_WEIGHTS = """
+local v = tonumber(ARGV[1])
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 local latest = tonumber(redis.call('HGET', KEYS[2], 'version') or '-1')
-if tonumber(ARGV[1]) >= latest then
+if v >= latest or ARGV[5] == '1' then
   redis.call('HSET', KEYS[2], 'version', ARGV[1], 'data', ARGV[2])
 end
-local old = tonumber(ARGV[1]) - tonumber(ARGV[4])
-for _, v in ipairs(redis.call('HKEYS', KEYS[1])) do
-  if tonumber(v) <= old then redis.call('HDEL', KEYS[1], v) end
+for _, key in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local kv = tonumber(key)
+  if kv <= v - tonumber(ARGV[4]) or (ARGV[5] == '1' and kv > v) then redis.call('HDEL', KEYS[1], key) end
 end
 redis.call('PUBLISH', ARGV[3], ARGV[2])
 return 1

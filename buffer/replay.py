@@ -403,11 +403,13 @@ class ReplayBuffer:
         return bool(self.r.sismember(self.keys.cancelled, job_id))
 
     # ------------------------------------------------------------------ weights
-    def publish_weights(self, info: WeightsInfo) -> None:
+    def publish_weights(self, info: WeightsInfo, *, rollback: bool = False) -> None:
+        """Record and announce where version `info.version` is. `rollback=True` (a trainer resumed
+        behind what it had published) makes it the latest and forgets every newer version."""
         k = self.keys
         self._scripts["PUBLISH_WEIGHTS"](
             keys=[k.weights, k.latest_weights, k.version],
-            args=[info.version, encode(info), k.weights_channel, WEIGHTS_KEEP],
+            args=[info.version, encode(info), k.weights_channel, WEIGHTS_KEEP, "1" if rollback else "0"],
         )
 
     def latest_weights(self) -> WeightsInfo | None:

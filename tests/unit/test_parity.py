@@ -1,0 +1,167 @@
+"""η = 0, bypass off: the trainer's step (FSDP2 over gloo, sharded rows, micro-batches, global
+loss denominators, decoupled recompute of log π_old) must give the same parameter update as a
+plain synchronous on-policy step of an unsharded model on the whole batch at once.
+
+The "engine" logprobs are a separate forward of the same weights, one unpadded sample at a
+time, as an engine would produce them. SGD is used for the update comparison because Adam's
+first step (≈ lr · sign(g)) would hide gradient-scale errors such as a wrong denominator.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from proto import Group, Sample
+from trainer.batch import build_rows, collate, micro_batches, token_logprobs
+from trainer.losses import LossConfig, policy_loss
+from trainer.step import StepConfig, policy_step, recompute_logprobs
+
+torch.set_num_threads(1)
+LR = 0.5
+CLIP = 0.5  # small enough that clipping is active: the clipped update must match too
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from services.common.tinymodel import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(path, seed=1)
+    return path
+
+
+def engine_groups(model_dir, n_groups=3, n=4, seed=0) -> list[Group]:
+    """Groups whose behaviour logprobs come from an unpadded per-sample forward of the model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rng = np.random.default_rng(seed)
+    groups = []
+    for gi in range(n_groups):
+        prompt = np.array([1, *rng.integers(3, 40, 3 + gi)], np.int32)
+        samples = []
+        for i in range(n):
+            comp = rng.integers(3, 40, int(rng.integers(2, 7))).astype(np.int32)
+            ids = torch.from_numpy(np.concatenate([prompt, comp]).astype(np.int64))[None]
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            lp = logp[len(prompt) - 1 : len(ids[0]) - 1].gather(-1, torch.from_numpy(comp.astype(np.int64))[:, None])
+            samples.append(Sample(prompt_id=f"p{gi}", index=i, completion_ids=comp,
+                                  behavior_logprobs=lp[:, 0].numpy().astype(np.float32), versions=np.zeros(len(comp), np.int32),
+                                  finish_reason="length", reward=float(rng.integers(0, 3)), reward_status="scored"))  # fmt: skip
+        groups.append(Group.build(group_id=f"g{gi}", job_id="j", prompt_ids=prompt, reward_spec={"verifier": "reverse"},
+                                  samples=samples, submit_version=0))  # fmt: skip
+    return groups
+
+
+def plain_step(model_dir, groups, loss_cfg: LossConfig):
+    """A synchronous on-policy step: one forward of the whole batch, π_old = sg(π_θ)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    batch = collate(build_rows(groups, "grpo").rows, pad_id=0)
+    lp, _ = token_logprobs(model, batch)
+    loss, _ = policy_loss(lp, lp.detach(), batch.behavior_logprobs, batch.advantages, batch.mask, loss_cfg)
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+    opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norm, float(loss.detach())
+
+
+AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def fsdp_worker(rank, world, port, model_dir, cases, out_path, micro_batch_size):
+    """Trainer steps on `world` gloo ranks, a fresh sharded model per case; rank 0 saves
+    [(full state dict, stats)] in case order."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    import torch.distributed as dist
+
+    from trainer.model import build_model, full_state_dict, init_distributed
+
+    d = init_distributed("cpu", timeout_s=120)
+    results = []
+    try:
+        for groups, loss_cfg, optimizer, lr in cases:
+            model = build_model(model_dir, d)
+            opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
+                   else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))  # fmt: skip
+            rows = build_rows(groups, "grpo").rows
+            micro = micro_batches(rows, d.rank, d.world, 1, micro_batch_size, 0, d.device)
+            old = recompute_logprobs(model, micro, 1.0)
+            stats = policy_step(model, opt, micro, old, [None] * len(micro), StepConfig(loss=loss_cfg, grad_clip=CLIP),
+                                d.device)  # fmt: skip
+            state = full_state_dict(model)
+            results.append({"state": state, "stats": stats})
+        if d.is_main:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tiny, tmp_path_factory):
+    """One 2-rank world runs every case (process start-up dominates the cost)."""
+    from buffer.server import free_port
+
+    groups, groups_lr0 = engine_groups(tiny), engine_groups(tiny, seed=1)
+    cases = [(groups, LossConfig(agg=agg, max_tokens=8), "sgd", LR) for agg in AGGS]
+    cases.append((groups_lr0, LossConfig(is_correction="tis"), "adamw", 0.0))
+    out = tmp_path_factory.mktemp("fsdp") / "results.pt"
+    port, world = free_port(), 2
+    ctx = mp.get_context("spawn")
+    # 12 rows → 6 per rank → micro-batches of 4 and 2
+    procs = [ctx.Process(target=fsdp_worker, args=(r, world, port, tiny, cases, out, 4)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return groups, groups_lr0, torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("case", range(len(AGGS)), ids=AGGS)
+def test_fsdp_step_equals_plain_synchronous_step(tiny, fsdp_results, case):
+    from safetensors.torch import load_file
+
+    groups, _, results = fsdp_results
+    expected, norm, loss = plain_step(tiny, groups, LossConfig(agg=AGGS[case], max_tokens=8))
+    got = results[case]
+    initial = load_file(tiny / "model.safetensors")
+    assert got["stats"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert norm > CLIP  # clipping was active in both
+    assert got["stats"]["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    moved = 0.0
+    for name, value in got["state"].items():
+        assert torch.allclose(value, expected[name], atol=2e-6, rtol=1e-5), name
+        moved = max(moved, float((expected[name] - initial[name]).abs().max()))
+    assert "lm_head.weight" not in got["state"]  # tied: published once, as HF writes it
+    assert moved > 1e-3  # the step did move the weights
+
+
+def test_lr_zero_gives_unit_is_weights_and_zero_mismatch(tiny, fsdp_results):
+    from safetensors.torch import load_file
+
+    stats, state = fsdp_results[2][-1]["stats"], fsdp_results[2][-1]["state"]
+    # the trainer's π_old (batched, padded, sharded) and the engine's μ (unpadded, one by one)
+    # agree to float rounding, so ρ = 1 and KL(μ‖π_old) = 0
+    assert stats["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["is_weight_max"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(stats["mismatch_kl"]) < 1e-9
+    assert stats["approx_kl"] == 0.0 and stats["clip_frac"] == 0.0
+    initial = load_file(tiny / "model.safetensors")
+    for name, value in state.items():
+        assert torch.equal(value, initial[name]), name  # lr 0: AdamW (with weight decay) leaves them as they were
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

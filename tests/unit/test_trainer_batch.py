@@ -1,0 +1,78 @@
+"""trainer/batch.py: groups → rows (advantages, masking of unscored samples, overlong shaping)
+→ rank shards → padded tensors, on a hand-built group.
+
+Group: prompt [1, 5, 6]; s0 completion [7, 8] reward 1; s1 [9] reward 0; s2 [10, 11, 12]
+timed out (no reward). GRPO over the scored two: mean 0.5, centred ±0.5, unbiased std
+√(0.5/1) = 0.7071068 → advantages ±0.5/(0.7071068 + 1e-6) = ±0.7071058; s2 is masked and counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from proto import Group, Sample
+from trainer.batch import Shaping, build_rows, collate, shard_rows, zero_spread_groups
+
+torch.set_num_threads(1)
+
+
+def sample(i, completion, reward, status="scored", truncated=False):
+    n = len(completion)
+    return Sample(prompt_id="p", index=i, completion_ids=np.array(completion, np.int32),
+                  behavior_logprobs=np.full(n, -0.5, np.float32), versions=np.zeros(n, np.int32),
+                  finish_reason="length", truncated=truncated, reward=reward, reward_status=status)  # fmt: skip
+
+
+@pytest.fixture
+def group():
+    return Group.build(group_id="g", job_id="j", prompt_ids=np.array([1, 5, 6], np.int32),
+                       reward_spec={"verifier": "reverse"}, submit_version=0,
+                       samples=[sample(0, [7, 8], 1.0), sample(1, [9], 0.0, truncated=True),
+                                sample(2, [10, 11, 12], None, "timeout")])  # fmt: skip
+
+
+def test_rows_mask_unscored_and_count(group):
+    out = build_rows([group], "grpo")
+    assert [r.valid for r in out.rows] == [True, True, False]
+    assert out.rows[0].advantage == pytest.approx(0.7071058, abs=1e-6)
+    assert out.rows[1].advantage == pytest.approx(-0.7071058, abs=1e-6)
+    assert out.rows[2].advantage == 0.0
+    assert dict(out.masked) == {"timeout": 1}
+    assert out.lengths == [2, 1, 3] and out.truncated == 1
+    assert out.rewards == [1.0, 0.0]
+
+
+def test_overlong_shaping_changes_rewards(group):
+    # max_len 3, window 2 → penalty from length 1: s0 (2) −0.5 → 0.5; s1 (1) 0 → 0.
+    # dr_grpo: mean 0.25 → [0.25, −0.25] (without shaping: [0.5, −0.5])
+    plain = build_rows([group], "dr_grpo")
+    shaped = build_rows([group], "dr_grpo", Shaping(max_len=3, cache_len=2))
+    assert [r.advantage for r in plain.rows[:2]] == [0.5, -0.5]
+    assert [r.advantage for r in shaped.rows[:2]] == [0.25, -0.25]
+    assert shaped.rewards == [0.5, 0.0]
+
+
+def test_zero_spread_detection_uses_scored_samples_only(group):
+    flat = group.model_copy(deep=True)
+    flat.samples[1].reward = 1.0  # scored rewards now [1, 1]; the timed-out one does not count
+    assert zero_spread_groups([group, flat]) == [False, True]
+
+
+def test_shards_and_padded_tensors(group):
+    rows = build_rows([group], "grpo").rows
+    assert shard_rows(rows, 0, 2) == [rows[0], rows[2]]
+    assert shard_rows(rows, 1, 2) == [rows[1], None]  # padded so both ranks run the same forwards
+    assert shard_rows(rows, 1, 2, multiple=4) == [rows[1], None, None, None]
+    b = collate([rows[0], rows[2], None], pad_id=0)
+    # L = max(3+2, 3+3, 1) = 6, T = 3
+    assert b.input_ids.tolist() == [[1, 5, 6, 7, 8, 0], [1, 5, 6, 10, 11, 12], [0, 0, 0, 0, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]]
+    # logits at position len(prompt) − 1 + t predict completion token t
+    assert b.logit_pos.tolist() == [[2, 3, 0], [2, 3, 4], [0, 0, 0]]
+    assert b.targets.tolist() == [[7, 8, 0], [10, 11, 12], [0, 0, 0]]
+    assert b.mask.tolist() == [[1, 1, 0], [0, 0, 0], [0, 0, 0]]  # the timed-out sample is masked
+    assert b.behavior_logprobs.tolist() == [[-0.5, -0.5, 0.0], [-0.5, -0.5, -0.5], [0.0, 0.0, 0.0]]
+    assert b.advantages[0, :2].tolist() == pytest.approx([0.7071058] * 2, abs=1e-6)
+    assert b.real_rows == 2

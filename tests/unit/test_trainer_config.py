@@ -1,0 +1,46 @@
+"""`asyncrl train` settings: TOML [trainer] + [trainer.loss], env, flags, and clear refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from services.common.config import load_settings
+from trainer.config import TrainerSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_toml_env_and_flags_layer(tmp_path, monkeypatch):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[trainer]\nmodel_path = "/m"\nbatch_groups = 4\nlr = 0.5\n[trainer.loss]\nkind = "gspo"\nclip_high = 0.4\n')
+    monkeypatch.setenv("ASYNCRL_TRAINER_LR", "0.25")
+    s = load_settings(TrainerSettings, ["--config", str(cfg), "--batch-groups", "6"], prog="t", section="trainer")
+    assert (s.model_path, s.batch_groups, s.lr) == ("/m", 6, 0.25)  # flag > env > file
+    assert (s.loss.kind, s.loss.clip_high, s.loss.clip_low, s.loss.is_correction) == ("gspo", 0.4, 0.2, "tis")
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"publish": "distributed"}, "engine_urls"),
+    ({"batch_groups": 0}, "greater than or equal to 1"),
+    ({"overlong_max_len": 100, "overlong_cache_len": 200}, "overlong"),
+    ({"loss": {"agg": "seq_mean_token_sum_norm"}}, "max_tokens"),
+    ({"loss": {"kind": "dpo"}}, "kind"),
+    ({"unknown_field": 1}, "unknown_field"),
+])  # fmt: skip
+def test_bad_settings_are_refused(bad, match):
+    with pytest.raises(ValidationError, match=match):
+        TrainerSettings(model_path="/m", **bad)
+
+
+def test_cli_rejects_bad_config_before_starting_torchrun(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[trainer]\nmodel_path = "/m"\nmax_staleness = -1\n')
+    res = subprocess.run([sys.executable, "-m", "services.cli", "train", "--config", str(cfg)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert res.returncode != 0
+    assert "max_staleness" in res.stderr and "torch.distributed.run" not in res.stderr

@@ -1,0 +1,126 @@
+"""Weight publishing (disk and broadcast to a real reference engine) and checkpoint round trips
+of a FSDP2-sharded model, in a one-rank gloo group inside the test process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainer.checkpoint import Checkpointer
+from trainer.model import build_model, full_state_dict, init_distributed
+from trainer.weights import BroadcastPublisher, DiskPublisher, WeightSyncError, cast_state
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from services.common.tinymodel import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(path, seed=2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dist1():
+    import torch.distributed as dist
+
+    d = init_distributed("cpu", timeout_s=60)
+    yield d
+    dist.destroy_process_group()
+
+
+def perturbed(state: dict[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:
+    return {k: v + delta * torch.arange(v.numel(), dtype=v.dtype).reshape(v.shape) / v.numel() for k, v in state.items()}
+
+
+def test_disk_publisher_atomic_dirs_keep_n_and_tied_reload(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    pub = DiskPublisher(tmp_path / "w", tiny, keep=2)
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict()
+    base.pop("lm_head.weight")  # the trainer publishes a tied weight once
+    for v in (1, 2, 3):
+        out = pub.write(v, perturbed(base, 0.01 * v))
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v00000002", "v00000003"]  # no temp dirs left
+    assert out.path == str(tmp_path / "w" / "v00000003")
+    assert out.nbytes == sum(t.numel() * 4 for t in base.values())
+    files = {p.name for p in (tmp_path / "w" / "v00000003").iterdir()}
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= files
+    # a resumed trainer republishes an older version: the lost, newer ones go
+    pub.write(2, perturbed(base, 0.02))
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v00000002"]
+    out = pub.write(3, perturbed(base, 0.03))
+    loaded = AutoModelForCausalLM.from_pretrained(out.path, dtype=torch.float32)
+    expected = perturbed(base, 0.03)
+    for name, value in loaded.state_dict().items():
+        want = expected["model.embed_tokens.weight"] if name == "lm_head.weight" else expected[name]
+        assert torch.equal(value, want), name
+
+
+def test_checkpoint_round_trip_restores_model_optimizer_rng(tiny, tmp_path, dist1):
+    model = build_model(tiny, dist1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(3, 40, (2, 8))
+
+    def step():
+        model(input_ids=ids).logits.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    ck = Checkpointer(tmp_path / "ck", dist1, keep=1)
+    torch.manual_seed(123)
+    path = ck.save(model, opt, 7, ["g1", "g2"])
+    saved_model = {k: v.clone() for k, v in full_state_dict(model).items()}
+    saved_adam = {k: v["exp_avg"].full_tensor().clone() for k, v in _named_optim_state(model, opt).items()}
+    after_save = torch.rand(3)
+    assert json.loads((path / "meta.json").read_text())["consumed_ids"] == ["g1", "g2"]
+    step()  # diverge, then restore
+    torch.rand(5)
+    assert not torch.equal(full_state_dict(model)["model.norm.weight"], saved_model["model.norm.weight"])
+
+    meta = ck.load(model, opt)
+    assert (meta.version, meta.consumed_ids, meta.path) == (7, ["g1", "g2"], path)
+    for k, v in full_state_dict(model).items():
+        assert torch.equal(v, saved_model[k]), k
+    for k, v in _named_optim_state(model, opt).items():
+        assert torch.equal(v["exp_avg"].full_tensor(), saved_adam[k]), k
+    assert torch.equal(torch.rand(3), after_save)  # RNG continues where the checkpoint was taken
+    ck.save(model, opt, 9, [])
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_00000009"]  # keep=1 pruned 7
+
+
+def _named_optim_state(model, opt):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: s for p, s in opt.state.items()}
+
+
+def test_broadcast_publisher_updates_a_reference_engine(tiny, dist1):
+    """Real engine (uvicorn in a thread), real gloo group: the engine ends up with exactly the
+    trainer's tensors and reports the new weight_version."""
+    from buffer.server import free_port
+    from services.engine.testing import serve_in_thread
+
+    engine = serve_in_thread(str(tiny), device="cpu", dtype="float32")
+    try:
+        model = build_model(tiny, dist1)
+        state = cast_state(perturbed(full_state_dict(model), 0.05), torch.float32)
+        pub = BroadcastPublisher([engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60)
+        out = pub.publish(4, state)
+        assert out.nbytes == sum(t.numel() * 4 for t in state.values())
+        got = engine.engine.runner.model.state_dict()
+        for name, value in state.items():
+            assert torch.equal(got[name], value), name
+        assert torch.equal(got["lm_head.weight"], state["model.embed_tokens.weight"])  # tie kept on the engine
+        info = pub.http.get(engine.url + "/get_model_info").json()
+        assert info["weight_version"] == "4"
+        bad = {"model.norm.weight": torch.zeros(3)}  # wrong shape: refused after the tensors are received
+        with pytest.raises(WeightSyncError):
+            pub.publish(5, bad)
+        pub.close()
+    finally:
+        engine.stop()

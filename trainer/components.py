@@ -1,0 +1,130 @@
+"""The trainer's parts, built once per worker: model, optimizer, buffer, publishers, checkpoints.
+
+Rank 0 alone talks to Redis, writes weights and checkpoints and serves /metrics; every rank
+holds its FSDP shard and takes part in the collectives (state-dict gathers, broadcasts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from proto import WeightsInfo
+from services.common.logging import log_event
+from trainer import metrics as tm
+from trainer.batch import Shaping
+from trainer.checkpoint import Checkpointer
+from trainer.config import TrainerSettings
+from trainer.data import GroupSource
+from trainer.model import DTYPES, Dist, build_model, full_state_dict
+from trainer.step import StepConfig
+from trainer.weights import BroadcastPublisher, DiskPublisher, cast_state
+
+log = logging.getLogger("asyncrl.trainer")
+
+
+@dataclass
+class Parts:
+    cfg: TrainerSettings
+    d: Dist
+    model: nn.Module
+    ref_model: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    step_cfg: StepConfig
+    source: GroupSource
+    ckpt: Checkpointer
+    buf: object | None  # buffer.ReplayBuffer on rank 0
+    disk: DiskPublisher | None
+    broadcast: BroadcastPublisher | None
+    health: tm.Health
+    pad_id: int
+    audit_path: Path | None
+
+    def publish(self, version: int, rollback: bool = False) -> None:
+        """Collective: gather the full weights, then rank 0 ships them and announces `version`."""
+        if self.cfg.publish == "none":
+            if self.buf is not None:
+                self.buf.set_version(version)
+            return
+        t0 = time.perf_counter()
+        state = full_state_dict(self.model)
+        if not self.d.is_main:
+            return
+        state = cast_state(state, DTYPES[self.cfg.publish_dtype])
+        if self.disk is not None:
+            out = self.disk.write(version, state)
+            info = WeightsInfo(version=version, method="disk", path=out.path, published_at=time.time())
+        else:
+            out = self.broadcast.publish(version, state)
+            info = WeightsInfo(version=version, method="distributed", published_at=time.time(),
+                               extra={"group_name": self.broadcast.group_name})  # fmt: skip
+        self.buf.publish_weights(info, rollback=rollback)
+        self.buf.set_version(version)
+        seconds = time.perf_counter() - t0
+        tm.PUBLISH_SECONDS.labels(info.method).observe(seconds)
+        tm.PUBLISH_BYTES.labels(info.method).inc(out.nbytes)
+        log_event(log, "weights published", version=version, method=info.method, bytes=out.nbytes,
+                  seconds=round(seconds, 4), path=info.path)  # fmt: skip
+
+    def audit(self, event: str, version: int, **fields) -> None:
+        """Rank 0: append one JSON line (one write: a killed process leaves whole lines)."""
+        if self.audit_path is None or not self.d.is_main:
+            return
+        line = json.dumps({"event": event, "version": version, "t": time.time(), **fields}) + "\n"
+        fd = os.open(self.audit_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+
+def build(cfg: TrainerSettings, d: Dist) -> Parts:
+    from transformers import AutoConfig
+
+    out = Path(cfg.output_dir)
+    if d.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    model = build_model(cfg.model_path, d, random_init=cfg.random_init, seed=cfg.seed,
+                        mixed_precision=cfg.mixed_precision)  # fmt: skip
+    ref_model = None
+    if cfg.kl_coef > 0:
+        ref_model = build_model(cfg.model_path, d, random_init=cfg.random_init, seed=cfg.seed,
+                                mixed_precision=cfg.mixed_precision, trainable=False)  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)  # fmt: skip
+    step_cfg = StepConfig(loss=cfg.loss, temperature=cfg.temperature, grad_clip=cfg.grad_clip,
+                          minibatches=cfg.minibatches, kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind,
+                          entropy_coef=cfg.entropy_coef)  # fmt: skip
+    shaping = Shaping(cfg.overlong_max_len, cfg.overlong_cache_len, cfg.overlong_factor)
+    buf = disk = broadcast = None
+    health = tm.Health()
+    if d.is_main:
+        from buffer import ReplayBuffer
+
+        buf = ReplayBuffer(cfg.redis_url, run=cfg.run, consumer=cfg.consumer)
+        buf.configure(batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness)
+        if cfg.publish == "disk":
+            disk = DiskPublisher(out / "weights", cfg.model_path, keep=cfg.keep_weights)
+        elif cfg.publish == "distributed":
+            from buffer.server import free_port
+
+            backend = cfg.broadcast_backend if cfg.broadcast_backend != "auto" else d.backend
+            broadcast = BroadcastPublisher(cfg.engine_urls, cfg.broadcast_master_addr, cfg.broadcast_port or free_port(),
+                                           backend, cfg.bucket_mb << 20, group_name=f"asyncrl-{cfg.run}-{time.time_ns()}",
+                                           api_token=os.environ.get("ASYNCRL_API_TOKEN"))  # fmt: skip
+            # a fresh group name per trainer start: engines still hold the dead group of a crashed one
+        if cfg.metrics_port:
+            tm.serve(cfg.metrics_host, cfg.metrics_port, health)
+    source = GroupSource(d, buf, cfg.batch_groups, cfg.max_staleness, cfg.staleness_policy, cfg.block_ms,
+                         cfg.dynamic_sampling, shaping if cfg.overlong_max_len else None, cfg.heartbeat_s)  # fmt: skip
+    pad_id = AutoConfig.from_pretrained(cfg.model_path).pad_token_id or 0
+    return Parts(cfg, d, model, ref_model, optimizer, step_cfg, source,
+                 Checkpointer(out / "checkpoints", d, cfg.keep_checkpoints), buf, disk, broadcast, health,
+                 int(pad_id), out / "trained.jsonl" if cfg.audit_log else None)  # fmt: skip

@@ -1,0 +1,96 @@
+"""Trainer settings: the `[trainer]` table of a run's TOML, `ASYNCRL_TRAINER_…` env, CLI flags.
+
+The loss has its own table, `[trainer.loss]` (trainer/losses.py `LossConfig`); env
+`ASYNCRL_TRAINER_LOSS__KIND=gspo` sets one of its fields.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.common.config import ServiceSettings
+from trainer.loss_config import LossConfig
+
+
+class TrainerSettings(ServiceSettings):
+    """FSDP2 trainer: takes scored groups from the Redis buffer, trains, publishes weights."""
+
+    model_config = SettingsConfigDict(env_prefix="ASYNCRL_TRAINER_", extra="forbid", env_nested_delimiter="__")
+
+    # where things are
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="replay buffer Redis URL")
+    run: str = Field("default", min_length=1, description="run id (buffer namespace)")
+    consumer: str = Field("trainer-0", min_length=1, description="stable consumer name across restarts")
+    model_path: str = Field(..., min_length=1, description="local HF model directory (config.json [+ safetensors])")
+    random_init: bool = Field(False, description="initialise from config.json with `seed` instead of loading weights")
+    output_dir: str = Field("runs/trainer", description="checkpoints/, weights/ and the audit log go here")
+
+    # the RL step
+    batch_groups: int = Field(8, ge=1, description="B: groups per optimizer step")
+    max_staleness: int = Field(1, ge=0, description="η: train on a group only if v − min_version ≤ η")
+    staleness_policy: Literal["drop", "withhold"] = Field("drop", description="what happens to too-stale groups")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field("grpo", description="advantage estimator")
+    bypass: bool = Field(False, description="skip the old-logprob recompute: π_old := μ (engine logprobs)")
+    temperature: float = Field(1.0, gt=0.0, description="sampling temperature the engine used")
+    loss: LossConfig = Field(default_factory=LossConfig, description="policy loss ([trainer.loss])")
+    kl_coef: float = Field(0.0, ge=0.0, description="weight of the KL penalty to the frozen initial model")
+    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
+    entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus weight")
+    dynamic_sampling: bool = Field(False, description="DAPO: skip (discard, counted) zero-reward-spread groups")
+    overlong_max_len: int | None = Field(None, gt=0, description="DAPO overlong shaping: hard length limit")
+    overlong_cache_len: int = Field(0, ge=0, description="DAPO overlong shaping: soft punishment window")
+    overlong_factor: float = Field(1.0, ge=0.0, description="DAPO overlong shaping: maximum penalty")
+
+    # optimisation
+    lr: float = Field(1e-6, ge=0.0, description="AdamW learning rate (constant)")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW β1")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW β2")
+    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW ε")
+    grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per batch (PPO minibatches)")
+    micro_batch_size: int = Field(8, ge=1, description="sequences per forward on each rank")
+    max_steps: int = Field(0, ge=0, description="stop after this version (0: run until stopped)")
+    seed: int = Field(0, description="seed for random_init and the RNG state")
+
+    # parallelism
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda+nccl when available, else cpu+gloo")
+    mixed_precision: Literal["float32", "bfloat16", "float16"] = Field("float32", description="FSDP2 param dtype")
+    dist_timeout_s: float = Field(1800.0, gt=0, description="collective timeout (ranks wait while rank 0 waits for data)")
+
+    # data
+    block_ms: int = Field(1000, ge=1, description="how long one buffer read blocks")
+    heartbeat_s: float = Field(30.0, gt=0, description="ranks exchange a heartbeat this often while waiting for data")
+
+    # weights
+    publish: Literal["disk", "distributed", "none"] = Field("disk", description="how new weights reach engines")
+    publish_dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="dtype of published weights")
+    keep_weights: int = Field(3, ge=1, description="weight directories kept on disk")
+    engine_urls: list[str] = Field(default_factory=list, description="engines joining the broadcast group")
+    broadcast_master_addr: str = Field("127.0.0.1", description="address engines reach the trainer's rank 0 on")
+    broadcast_port: int = Field(0, ge=0, le=65535, description="TCPStore port of the broadcast group (0: pick one)")
+    broadcast_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="broadcast group backend")
+    bucket_mb: int = Field(512, ge=1, description="broadcast bucket size cap in MiB")
+
+    # checkpoints
+    checkpoint_every: int = Field(10, ge=1, description="checkpoint (and ack the groups it covers) every k steps")
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
+    audit_log: bool = Field(True, description="append the group ids of every step to output_dir/trained.jsonl")
+
+    # serving
+    metrics_host: str = Field("127.0.0.1", description="address of the /metrics and /healthz server")
+    metrics_port: int = Field(0, ge=0, le=65535, description="port of /metrics and /healthz (0: disabled)")
+    log_level: str = Field("info", description="log level")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerSettings:
+        if self.publish == "distributed" and not self.engine_urls:
+            raise ValueError("publish=distributed needs engine_urls")
+        if self.heartbeat_s * 2 > self.dist_timeout_s:
+            raise ValueError("heartbeat_s must be well under dist_timeout_s")
+        if self.overlong_max_len is not None and not 0 < self.overlong_cache_len <= self.overlong_max_len:
+            raise ValueError("overlong shaping needs 0 < overlong_cache_len <= overlong_max_len")
+        return self

@@ -1,0 +1,104 @@
+"""Where a step's groups come from: rank 0 reads the buffer, every rank receives the same list.
+
+Rank 0 takes groups until it has `B` trainable ones: too-stale groups are dropped or withheld
+by the buffer (counted there and here), undecodable ones are dead-lettered, and with dynamic
+sampling groups without reward spread are discarded (`zero_spread`, counted). The groups are
+sent to the other ranks as msgpack-framed records (proto codec bytes in a uint8 tensor; no
+pickle on the wire). A stop request (SIGTERM/SIGINT on rank 0) is sent the same way, so all
+ranks leave the loop at the same step; a stop with a partial batch leaves those groups
+pending, and the next start reclaims them.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from proto import Group, decode, encode
+from trainer import metrics as tm
+from trainer.batch import Shaping, zero_spread_groups
+from trainer.model import Dist, broadcast_from_main
+
+READY, STOP, WAIT = 0, 1, 2
+
+
+@dataclass
+class Taken:
+    groups: list[Group] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    withheld: list[Group] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    discarded: list[str] = field(default_factory=list)
+    dead_lettered: int = 0
+    stop: bool = False
+
+
+class GroupSource:
+    def __init__(self, d: Dist, buf, batch_groups: int, max_staleness: int, policy: str, block_ms: int,
+                 dynamic_sampling: bool, shaping: Shaping | None, heartbeat_s: float = 30.0):  # fmt: skip
+        self.d, self.buf = d, buf
+        self.batch_groups, self.max_staleness, self.policy = batch_groups, max_staleness, policy
+        self.block_ms, self.dynamic_sampling, self.shaping = block_ms, dynamic_sampling, shaping
+        self.heartbeat_s = heartbeat_s
+        self.heartbeats = 0
+        self.stop_requested = threading.Event()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop_requested.set())
+
+    def _read(self, version: int, taken: Taken, deadline: float) -> None:
+        """Rank 0: add to `taken` until it holds B trainable groups, a stop request, or `deadline`."""
+        while len(taken.groups) < self.batch_groups and not self.stop_requested.is_set() and time.monotonic() < deadline:
+            res = self.buf.take_groups(self.batch_groups - len(taken.groups), version, self.max_staleness,
+                                       self.block_ms, self.policy)  # fmt: skip
+            taken.withheld += res.withheld
+            taken.dropped += res.dropped
+            taken.dead_lettered += res.dead_lettered
+            tm.GROUPS.labels("stale_dropped").inc(len(res.dropped))
+            tm.GROUPS.labels("stale_withheld").inc(len(res.withheld))
+            tm.GROUPS.labels("dead_lettered").inc(res.dead_lettered)
+            flat = zero_spread_groups(res.groups, self.shaping) if self.dynamic_sampling else [False] * len(res.groups)
+            skip = [g.group_id for g, z in zip(res.groups, flat) if z]
+            if skip:
+                self.buf.discard(skip, "zero_spread")
+                tm.GROUPS.labels("zero_spread").inc(len(skip))
+                taken.discarded += skip
+            for g, s, z in zip(res.groups, res.staleness, flat):
+                if not z:
+                    taken.groups.append(g)
+                    taken.staleness.append(s)
+
+    def next(self, version: int) -> Taken:
+        """Collective: every rank returns the same groups (only rank 0's Taken has the rest).
+
+        While rank 0 waits for data the ranks exchange a heartbeat every `heartbeat_s`, so an
+        idle trainer never trips the collective timeout of the ranks waiting for it."""
+        taken = Taken()
+        while True:
+            state = READY
+            if self.d.is_main:
+                self._read(version, taken, time.monotonic() + self.heartbeat_s)
+                if len(taken.groups) < self.batch_groups:
+                    state = STOP if self.stop_requested.is_set() else WAIT
+            payload = msgpack.packb([encode(g) for g in taken.groups]) if self.d.is_main and state == READY else b""
+            header = torch.tensor([state, len(payload)], dtype=torch.long)
+            broadcast_from_main(self.d, header)
+            state = int(header[0])
+            if state == WAIT:
+                self.heartbeats += 1
+                tm.HEARTBEATS.inc()
+                continue
+            taken.stop = state == STOP
+            if state == READY:
+                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.d.is_main else \
+                    torch.empty(int(header[1]), dtype=torch.uint8)  # fmt: skip
+                broadcast_from_main(self.d, data)
+                if not self.d.is_main:
+                    taken.groups = [decode(b, Group) for b in msgpack.unpackb(data.numpy().tobytes())]
+            return taken

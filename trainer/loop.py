@@ -1,0 +1,139 @@
+"""The trainer loop (DESIGN.md §6), read top to bottom as the algorithm:
+
+    resume from the last durable checkpoint (ack what it covers, reclaim what it does not)
+    repeat:  take B groups (staleness rule) → recompute log π_old (unless bypass)
+             → advantages → minibatch steps → v += 1 → publish weights
+             → every k steps: checkpoint, then XACK the groups it covers
+
+Exactly-once: a group is acked only after the checkpoint holding its update is durable; after a
+crash the groups consumed since that checkpoint are redelivered (`recover_pending`) and trained
+again from the same version, so each group is in the surviving lineage exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+
+from services.common.logging import log_event
+from trainer import metrics as tm
+from trainer.batch import build_rows, micro_batches, zero_spread_groups
+from trainer.components import Parts
+from trainer.step import policy_step, recompute_logprobs
+
+log = logging.getLogger("asyncrl.trainer")
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def resume(p: Parts) -> int:
+    """Restore the last durable checkpoint, settle the buffer, return the version."""
+    meta = p.ckpt.load(p.model, p.optimizer)
+    version = meta.version if meta else 0
+    if p.d.is_main:
+        if meta:
+            p.buf.ack(meta.consumed_ids)  # a crash between checkpoint and ack: finish the ack
+        reclaimed = p.buf.recover_pending(0)  # consumed after the checkpoint: train them again
+        accepted = p.buf.rebuild_admission(version)
+        log_event(log, "trainer resumed", version=version, checkpoint=str(meta.path) if meta else None,
+                  reclaimed=reclaimed, accepted=accepted)  # fmt: skip
+        p.audit("resume", version, reclaimed=reclaimed)
+    if meta and version > 0:
+        p.publish(version, rollback=True)  # engines may hold weights of a lost, uncheckpointed step
+    return version
+
+
+def train(p: Parts) -> int:
+    cfg, d = p.cfg, p.d
+    version, consumed = resume(p), []
+    p.health.state, p.health.version = "training", version
+    tm.VERSION.set(version)
+    while cfg.max_steps == 0 or version < cfg.max_steps:
+        timer, t_step = PhaseTimer(), time.perf_counter()
+        with timer("wait"):
+            taken = p.source.next(version)
+        if taken.stop:
+            break
+        with timer("recompute"):
+            rows = build_rows(taken.groups, cfg.advantage, p.source.shaping)
+            micro = micro_batches(rows.rows, d.rank, d.world, cfg.minibatches, cfg.micro_batch_size, p.pad_id, d.device)
+            old = ([mb.behavior_logprobs for mb in micro] if cfg.bypass
+                   else recompute_logprobs(p.model, micro, cfg.temperature))  # fmt: skip
+            ref = (recompute_logprobs(p.ref_model, micro, cfg.temperature) if p.ref_model is not None
+                   else [None] * len(micro))  # fmt: skip
+        stats = policy_step(p.model, p.optimizer, micro, old, ref, p.step_cfg, d.device)
+        timer.seconds["forward_backward"] = stats.pop("forward_backward_s")
+        timer.seconds["optimizer"] = stats.pop("optimizer_s")
+        version += 1
+        with timer("publish"):
+            p.publish(version)
+        ids = [g.group_id for g in taken.groups]
+        consumed += ids
+        p.audit("step", version, groups=ids, dropped=taken.dropped, discarded=taken.discarded,
+                withheld=[g.group_id for g in taken.withheld], dead_lettered=taken.dead_lettered)  # fmt: skip
+        if version % cfg.checkpoint_every == 0 or version == cfg.max_steps:
+            with timer("checkpoint"):
+                checkpoint_and_ack(p, version, consumed)
+            consumed = []
+        record(p, version, taken, rows, stats, timer.seconds, time.perf_counter() - t_step)
+    if consumed:  # stopped between checkpoints: make the last steps durable before leaving
+        checkpoint_and_ack(p, version, consumed)
+    p.health.state = "stopped"
+    return 0
+
+
+def checkpoint_and_ack(p: Parts, version: int, consumed: list[str]) -> None:
+    p.ckpt.save(p.model, p.optimizer, version, consumed)
+    if p.d.is_main:
+        acked = p.buf.ack(consumed)  # only now: the update of these groups is durable
+        tm.CHECKPOINTS.inc()
+        p.audit("checkpoint", version, acked=len(consumed))
+        log_event(log, "checkpoint", version=version, groups=len(consumed), acked=acked)
+
+
+def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_s: float) -> None:
+    """Rank 0: step metrics to Prometheus and one log line."""
+    if not p.d.is_main:
+        return
+    busy = max(step_s - phases.get("wait", 0.0), 1e-9)
+    for phase, s in phases.items():
+        tm.PHASE_SECONDS.labels(phase).observe(s)
+    tm.VERSION.set(version)
+    tm.STEPS.inc()
+    tm.STEP_SECONDS.set(step_s)
+    tm.IDLE_RATIO.set(phases.get("wait", 0.0) / max(step_s, 1e-9))
+    tm.IDLE_SECONDS.inc(phases.get("wait", 0.0))
+    tm.BUSY_SECONDS.inc(busy)
+    tm.TOKENS.inc(stats["tokens"])
+    tm.TOKENS_PER_SECOND.set(stats["tokens"] / busy)
+    tm.GROUPS.labels("trained").inc(len(taken.groups))
+    for reason, n in rows.masked.items():
+        tm.SAMPLES_MASKED.labels(reason).inc(n)
+    for s in taken.staleness:
+        tm.STALENESS.observe(s)
+    for n in rows.lengths:
+        tm.RESPONSE_LENGTH.observe(n)
+    tm.TRUNCATION.set(rows.truncated / max(len(rows.rows), 1))
+    tm.ZERO_SPREAD.set(sum(zero_spread_groups(taken.groups)) + len(taken.discarded))
+    withheld_rewards = [s.reward for g in taken.withheld for s in g.samples if s.reward is not None]
+    all_rewards = rows.rewards + withheld_rewards
+    reward_mean = sum(all_rewards) / len(all_rewards) if all_rewards else 0.0
+    gauges = {"loss": stats["loss"], "clip_fraction": stats["clip_frac"], "is_weight_mean": stats["is_weight_mean"],
+              "is_weight_max": stats["is_weight_max"], "is_masked_fraction": stats["is_masked_frac"],
+              "mismatch_kl": stats["mismatch_kl"], "approx_kl": stats["approx_kl"], "entropy": stats["entropy"],
+              "ref_kl": stats["ref_kl"], "grad_norm": stats["grad_norm"], "reward_mean": reward_mean}  # fmt: skip
+    tm.observe_step(gauges)
+    p.health.version, p.health.last_step_at = version, time.time()
+    log_event(log, "step", version=version, groups=len(taken.groups), tokens=int(stats["tokens"]),
+              step_s=round(step_s, 4), **{k: round(v, 6) for k, v in gauges.items()},
+              **{f"{k}_s": round(v, 4) for k, v in phases.items()})  # fmt: skip

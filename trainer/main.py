@@ -1,0 +1,91 @@
+"""`asyncrl train --config FILE [--nproc-per-node N]`: validate the config, then run torchrun.
+
+The launcher process only parses and checks settings (no torch import) and execs
+`python -m torch.distributed.run … -m trainer.main --worker …`; each worker joins the process
+group and runs trainer/loop.py. Extra torchrun options (`--nnodes`, `--node-rank`,
+`--rdzv-endpoint`, `--rdzv-backend`, `--master-port`) pass through for multi-node runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+TORCHRUN_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--master-port",
+                  "--master-addr", "--max-restarts")  # fmt: skip
+
+
+def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--nproc-per-node", default="1")
+    parser.add_argument("--worker", action="store_true")
+    for flag in TORCHRUN_FLAGS:
+        parser.add_argument(flag)
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # what follows torchrun's `--` separator
+        argv = argv[1:]
+    launch, rest = _split(argv)
+    if launch.worker:
+        return worker(rest)
+    from services.common.config import load_settings
+    from trainer.config import TrainerSettings
+
+    load_settings(TrainerSettings, rest, prog="asyncrl train", section="trainer")  # fails fast, or --print-config
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={launch.nproc_per_node}"]
+    passthrough = {f: getattr(launch, f[2:].replace("-", "_")) for f in TORCHRUN_FLAGS}
+    cmd += [f"{f}={v}" for f, v in passthrough.items() if v is not None]
+    if launch.nnodes is None and launch.rdzv_endpoint is None:
+        cmd.append("--standalone")
+    # `--` ends torchrun's own options: its parser would otherwise take e.g. `--run` as an
+    # ambiguous abbreviation of `--run-path` even after the module name.
+    cmd += ["-m", "trainer.main", "--", "--worker", *rest]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.execv(sys.executable, cmd)  # replaces this process: signals reach torchrun directly
+    return 0  # unreachable
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when torchrun dies, so a killed trainer leaves no orphan rank
+    training on (and holding its buffer consumer) behind it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def worker(argv: list[str]) -> int:
+    _die_with_parent()
+    from services.common.config import load_settings
+    from services.common.logging import setup_logging
+    from trainer.config import TrainerSettings
+
+    cfg = load_settings(TrainerSettings, argv, prog="asyncrl train", section="trainer")
+    setup_logging(cfg.log_level)
+    os.environ.setdefault("ASYNCRL_RUN", cfg.run)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from trainer.components import build
+    from trainer.loop import train
+    from trainer.model import init_distributed
+
+    d = init_distributed(cfg.device, cfg.dist_timeout_s)
+    torch.manual_seed(cfg.seed + d.rank)
+    parts = build(cfg, d)
+    parts.source.install_signal_handlers()
+    try:
+        return train(parts)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Trainer metrics (DESIGN.md §6) and rank 0's `/metrics` + `/healthz` server.
+
+The trainer is not a FastAPI service: it serves two read-only routes from a stdlib
+ThreadingHTTPServer in a daemon thread, so a slow scrape never touches the training loop.
+Gauges hold the last step's value; counters and histograms accumulate. Names follow
+DESIGN.md §9 (`asyncrl_` prefix, base units, `_total` counters, bounded labels).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+
+PHASES = ("wait", "recompute", "forward_backward", "optimizer", "publish", "checkpoint")
+
+VERSION = Gauge("asyncrl_trainer_version", "policy version v (optimizer steps taken)")
+STEPS = Counter("asyncrl_trainer_steps_total", "training steps completed")
+PHASE_SECONDS = Histogram("asyncrl_trainer_phase_seconds", "time per step phase", ["phase"],
+                          buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))  # fmt: skip
+STEP_SECONDS = Gauge("asyncrl_trainer_step_seconds", "wall time of the last step")
+IDLE_RATIO = Gauge("asyncrl_trainer_idle_ratio", "fraction of the last step spent waiting for data")
+IDLE_SECONDS = Counter("asyncrl_trainer_idle_seconds_total", "time spent waiting for data")
+BUSY_SECONDS = Counter("asyncrl_trainer_busy_seconds_total", "time spent not waiting for data")
+TOKENS = Counter("asyncrl_trainer_tokens_total", "completion tokens trained on")
+TOKENS_PER_SECOND = Gauge("asyncrl_trainer_tokens_per_second", "trained completion tokens / step time (excl. wait)")
+GROUPS = Counter("asyncrl_trainer_groups_total", "groups leaving the trainer's input, by outcome", ["outcome"])
+SAMPLES_MASKED = Counter("asyncrl_trainer_samples_masked_total", "samples masked out of the loss", ["reason"])
+ZERO_SPREAD = Gauge("asyncrl_trainer_zero_spread_groups", "groups with zero reward spread in the last step")
+STALENESS = Histogram("asyncrl_trainer_group_staleness", "v − min_version of trained groups",
+                      buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))  # fmt: skip
+RESPONSE_LENGTH = Histogram("asyncrl_trainer_response_length_tokens", "completion length of trained samples",
+                            buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768))  # fmt: skip
+TRUNCATION = Gauge("asyncrl_trainer_truncation_ratio", "truncated samples / samples in the last step")
+PUBLISH_SECONDS = Histogram("asyncrl_trainer_weight_publish_seconds", "end of optimizer step → version visible",
+                            ["method"], buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))  # fmt: skip
+PUBLISH_BYTES = Counter("asyncrl_trainer_weight_publish_bytes_total", "weight bytes published", ["method"])
+HEARTBEATS = Counter("asyncrl_trainer_wait_heartbeats_total", "heartbeats exchanged by the ranks while waiting for data")
+CHECKPOINTS = Counter("asyncrl_trainer_checkpoints_total", "durable checkpoints written")
+STEP_GAUGES = {
+    name: Gauge(f"asyncrl_trainer_{name}", help_)
+    for name, help_ in {
+        "loss": "policy loss of the last step (mean over minibatches)",
+        "clip_fraction": "fraction of tokens whose ratio was clipped",
+        "is_weight_mean": "mean behaviour-correction weight",
+        "is_weight_max": "max behaviour-correction weight",
+        "is_masked_fraction": "fraction of tokens the IS correction zeroed",
+        "mismatch_kl": "k3 KL of engine μ against trainer π_old",
+        "approx_kl": "k3 KL of π_old against π_θ",
+        "entropy": "mean token entropy",
+        "ref_kl": "KL estimate to the reference model",
+        "grad_norm": "global gradient norm before clipping",
+        "reward_mean": "mean scored reward (trained and withheld groups)",
+    }.items()
+}
+
+
+def observe_step(stats: dict[str, float]) -> None:
+    for name, gauge in STEP_GAUGES.items():
+        if name in stats:
+            gauge.set(stats[name])
+
+
+class Health:
+    """What /healthz reports; the loop updates it."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.last_step_at: float | None = None
+        self.started_at = time.time()
+        self.state = "starting"
+
+    def as_dict(self) -> dict:
+        return {"status": "ok", "state": self.state, "version": self.version,
+                "last_step_at": self.last_step_at, "uptime_s": round(time.time() - self.started_at, 3)}  # fmt: skip
+
+
+def serve(host: str, port: int, health: Health) -> ThreadingHTTPServer:
+    """Start /metrics and /healthz on (host, port) in a daemon thread; port 0 picks one."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/metrics":
+                body, ctype, code = generate_latest(REGISTRY), CONTENT_TYPE_LATEST, 200
+            elif self.path == "/healthz":
+                body, ctype, code = json.dumps(health.as_dict()).encode(), "application/json", 200
+            else:
+                body, ctype, code = b'{"detail":"not found"}', "application/json", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # scrapes are not events worth a log line
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="trainer-metrics", daemon=True).start()
+    return server

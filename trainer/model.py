@@ -1,0 +1,174 @@
+"""Process group, model loading and FSDP2 sharding for the trainer.
+
+Any HF causal LM in a local directory (config.json + safetensors) loads; nothing is fetched
+from a hub. The model is built on the meta device, sharded with `fully_shard` (one unit per
+decoder layer plus the root), materialised with `to_empty`, and filled from a full state dict
+that rank 0 reads and broadcasts, so no rank ever holds more than its shard plus one copy on
+rank 0. Non-persistent buffers (rotary `inv_freq`) are not in any state dict and come out of
+`to_empty` as garbage: they are rebuilt from the config afterwards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
+    """Join the torchrun group (env:// rendezvous): NCCL on GPU, gloo on CPU.
+
+    Works without torchrun too (a world of one on a free local port), for tests and tools.
+    """
+    from buffer.server import free_port
+
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    backend = "nccl" if use_cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)  # fmt: skip
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+
+
+def _rebuild_nonpersistent_buffers(model: nn.Module, device: torch.device) -> int:
+    """Recompute rotary `inv_freq` (and siblings) after `to_empty`; returns modules fixed."""
+    fixed = 0
+    for module in model.modules():
+        if not hasattr(module, "inv_freq") or not hasattr(module, "config"):
+            continue
+        with torch.device(device):
+            fresh = type(module)(config=module.config)
+        for name, buf in fresh.named_buffers(recurse=False):
+            getattr(module, name).copy_(buf)
+        fixed += 1
+    return fixed
+
+
+def load_full_state_dict(model_path: str | Path, random_init: bool, seed: int) -> dict[str, torch.Tensor]:
+    """Rank 0's full (unsharded) CPU state dict: from the directory's safetensors, or a seeded
+    fresh initialisation of its config.json when `random_init`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(model_path)
+    if random_init:
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).state_dict()
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def build_model(
+    model_path: str | Path,
+    d: Dist,
+    *,
+    random_init: bool = False,
+    seed: int = 0,
+    mixed_precision: str = "float32",
+    reshard_after_forward: bool = True,
+    trainable: bool = True,
+) -> nn.Module:
+    """Meta-init → fully_shard per decoder layer and root → to_empty → broadcast weights from rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
+    layers = _decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    model.to_empty(device=d.device)
+    _rebuild_nonpersistent_buffers(model, d.device)
+    full = load_full_state_dict(model_path, random_init, seed) if d.is_main else {}
+    for alias, canonical in tied_aliases(model).items():
+        if d.is_main and alias not in full:  # HF writes a tied weight once
+            full[alias] = full[canonical]
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    )
+    del full
+    model.train(trainable)
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (the FSDP units): the largest ModuleList in the model."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of decoder layers to shard")
+    return list(max(lists, key=len))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: every rank calls; rank 0 gets the full CPU state dict, the others {}.
+
+    Tied weights appear once (under the input embedding's name), as HF writes them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for alias in tied_aliases(model):
+        state.pop(alias, None)
+    return state
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """{name: first name} for parameters registered under several names (tied embeddings)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def broadcast_from_main(d: Dist, t: torch.Tensor) -> None:
+    """In-place broadcast of a CPU tensor from rank 0 (through the device under NCCL)."""
+    if d.backend == "nccl":
+        moved = t.to(d.device)
+        dist.broadcast(moved, 0)
+        t.copy_(moved.cpu())
+    else:
+        dist.broadcast(t, 0)

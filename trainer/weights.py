@@ -1,0 +1,170 @@
+"""Publishing a new policy version to the engines: to disk, or broadcast over torch.distributed.
+
+Disk: rank 0 writes `<root>/v<version:08d>/` holding `model.safetensors` (tied weights once,
+as HF writes them) plus the source directory's config and tokenizer files, in a temp
+directory that is fsynced and renamed into place, keeps the newest `keep` versions, and
+announces `WeightsInfo(method="disk", path=…)` through the buffer. Engines load it with
+`/update_weights_from_disk` (SGLang) or `AutoModelForCausalLM.from_pretrained`.
+
+Broadcast: SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`
+protocol as written down in `services/engine/weight_sync.py` (the contract shared with the
+engine): the trainer's rank 0 is rank 0 of a separate process group on its own TCPStore,
+tensors go in buckets of about `bucket_bytes`, one metadata request per bucket and engine,
+then one broadcast per tensor. Generation is paused on every engine for the update. Not
+handled here: engines joining after the group is formed (list them at start), and re-forming
+a broken group (restart the trainer).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from trainer.checkpoint import atomic_publish_dir
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+WEIGHT_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+@dataclass
+class Published:
+    version: int
+    nbytes: int
+    seconds: float
+    path: str | None = None
+
+
+def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors to `dtype`, contiguous (safetensors and broadcast need it)."""
+    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+
+
+class DiskPublisher:
+    def __init__(self, root: str | Path, source_dir: str | Path, keep: int = 3):
+        self.root = Path(root)
+        self.source_dir = Path(source_dir)
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path_of(self, version: int) -> Path:
+        return self.root / f"v{version:08d}"
+
+    def write(self, version: int, state: dict[str, torch.Tensor]) -> Published:
+        """Rank 0: write version `version` durably; returns where and how many bytes."""
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        self._drop_newer(version)
+        final = self.path_of(version)
+        tmp = self.root / f".tmp-{final.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in self.source_dir.iterdir():
+            if f.is_file() and not f.name.endswith(WEIGHT_FILES) and f.name not in WEIGHT_INDEX:
+                shutil.copy2(f, tmp / f.name)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "asyncrl_version": str(version)})
+        atomic_publish_dir(tmp, final)
+        self._prune()
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        return Published(version, nbytes, time.perf_counter() - t0, str(final))
+
+    def _drop_newer(self, version: int) -> None:
+        """Versions above `version` come from steps lost in a crash (the trainer resumed from an
+        older checkpoint): they must never be served again, and must not crowd out `version`."""
+        for p in self.root.glob("v*"):
+            if p.name[1:].isdigit() and int(p.name[1:]) > version:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _prune(self) -> None:
+        versions = sorted(self.root.glob("v*"), key=lambda p: p.name)
+        for old in versions[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class BroadcastPublisher:
+    """Rank 0 only. `connect()` once (engines join the group), then `publish(version, state)`.
+
+    The wire protocol is `services/engine/weight_sync.py`'s (SGLang's): this class adds the
+    engine-side choreography around it: group membership from each engine's TP size, pausing
+    generation for the duration of an update, and a typed error when an engine refuses."""
+
+    def __init__(self, engine_urls: list[str], master_address: str, master_port: int, backend: str,
+                 bucket_bytes: int, group_name: str = "asyncrl_weights", timeout_s: float = 600.0,
+                 api_token: str | None = None):  # fmt: skip
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.master_address, self.master_port, self.backend = master_address, master_port, backend
+        self.bucket_bytes, self.group_name, self.timeout_s = bucket_bytes, group_name, timeout_s
+        self.headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
+        self.http = httpx.Client(timeout=timeout_s, headers=self.headers)
+        self.group = None
+
+    def _engine_world_size(self, url: str) -> int:
+        """An SGLang engine joins with tp_size ranks (`/get_server_info`); the reference engine with 1."""
+        resp = self.http.get(url + "/get_server_info")
+        if resp.status_code == 404:
+            return 1
+        resp.raise_for_status()
+        return int(resp.json().get("tp_size", 1))
+
+    def _post_all(self, path: str, bodies: list[dict]) -> None:
+        with ThreadPoolExecutor(max_workers=max(len(bodies), 1)) as pool:
+            answers = list(pool.map(lambda ub: self._post(ub[0] + path, ub[1]), zip(self.engine_urls, bodies)))
+        failed = [a for a in answers if a]
+        if failed:
+            raise WeightSyncError("; ".join(failed))
+
+    def _post(self, url: str, body: dict) -> str:
+        """'' on success, else what went wrong."""
+        try:
+            resp = self.http.post(url, json=body)
+        except httpx.HTTPError as exc:
+            return f"{url}: {exc!r}"
+        ok = resp.status_code == 200 and (not resp.content or resp.json().get("success", True) is not False)
+        return "" if ok else f"{url}: HTTP {resp.status_code} {resp.text[:300]}"
+
+    def connect(self) -> None:
+        from services.engine.weight_sync import init_weight_update_group
+
+        sizes = [self._engine_world_size(u) for u in self.engine_urls]
+        world = 1 + sum(sizes)
+        bodies = [{"master_address": self.master_address, "master_port": self.master_port,
+                   "rank_offset": 1 + sum(sizes[:i]), "world_size": world, "group_name": self.group_name,
+                   "backend": self.backend} for i in range(len(sizes))]  # fmt: skip
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the rendezvous needs both sides at once
+            joining = pool.submit(self._post_all, "/init_weights_update_group", bodies)
+            self.group = init_weight_update_group(self.master_address, self.master_port, 0, world, self.group_name,
+                                                  self.backend, self.timeout_s)  # fmt: skip
+            joining.result()
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> Published:
+        from services.engine.weight_sync import broadcast_weights, http_announcer
+
+        if self.group is None:
+            self.connect()
+        t0 = time.perf_counter()
+        device = torch.device("cpu") if self.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        announce = http_announcer(self.engine_urls, weight_version=str(version), group_name=self.group_name,
+                                  timeout_s=self.timeout_s, headers=self.headers)  # fmt: skip
+        self._post_all("/pause_generation", [{}] * len(self.engine_urls))
+        try:
+            broadcast_weights(((n, t.to(device)) for n, t in state.items()), self.group, self.bucket_bytes,
+                              announce=announce)  # fmt: skip
+        except RuntimeError as exc:
+            raise WeightSyncError(str(exc)) from exc
+        finally:
+            self._post_all("/continue_generation", [{}] * len(self.engine_urls))
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        return Published(version, nbytes, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused or failed a weight update."""
