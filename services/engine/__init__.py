@@ -1,0 +1,17 @@
+"""The reference inference engine (`asyncrl engine`): SGLang's native HTTP API on transformers.
+
+    main.py          entry point: settings (config.py), then torch, then uvicorn
+    app.py           FastAPI routes (SGLang native API + OpenAI /v1/chat/completions)
+    engine.py        validation, submission, SGLang response shapes, weight updates
+    scheduler.py     continuous batching loop on one thread (admit → prefill → decode)
+    model_runner.py  the model, the slot KV cache, batched prefill/decode forwards
+    sampling.py      temperature / top-p / top-k / min-p sampling and the logprobs returned
+    weight_sync.py   the trainer-side broadcast helper and the weight-update group
+    metrics.py       Prometheus metrics (`asyncrl_engine_…`)
+    testing.py       run an engine on a free loopback port in a thread (tests, benchmarks)
+
+Guarantees: a forward never mixes weight versions; KV computed under old weights is never
+reused after an update; every response carries the `weight_version` that finished it. Not
+provided: streaming, n > 1, penalties, grammars, stop strings, prefix caching, tensor
+parallelism, sliding-window attention (all refused with a clear error, not ignored).
+"""

@@ -1,0 +1,344 @@
+"""HTTP bodies of SGLang's native API, the subset asyncrl speaks (DESIGN.md §7).
+
+Both sides import these: the reference engine (`services/engine`) validates requests with
+them, and the rollout service's engine client builds requests and parses responses with them,
+so a real SGLang server, `sglang-router` or the reference engine are interchangeable.
+
+Field names and defaults follow SGLang's `python/sglang/srt/managers/io_struct.py`
+(`GenerateReqInput`, `AbortReq`, `UpdateWeightFromDiskReqInput`, `InitWeightsUpdateGroupReqInput`,
+`UpdateWeightsFromDistributedReqInput`, `PauseGenerationReqInput`) and
+`python/sglang/srt/sampling/sampling_params.py`, pinned to sgl-project/sglang commit
+`001067fffe33427bee0ed2f007fb7551a1d76b44` (the v0.5 line). Response shapes follow
+`TokenizerManager` (`{"text", "output_ids", "meta_info"}`, `finish_reason` from
+`BaseFinishReason.to_json()`, `output_token_logprobs` as `[logprob, token_id, text|None]`).
+
+Limits of this subset, stated rather than silently ignored: `stream`, `n > 1`, penalties,
+grammars (`regex`, `json_schema`, `ebnf`), `logit_bias`, `top_logprobs_num > 0`, stop strings
+and multimodal inputs are refused with a 4xx by the reference engine (a real SGLang accepts
+them; the models below still carry the fields so a client can send them to SGLang).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SGLANG_COMMIT = "001067fffe33427bee0ed2f007fb7551a1d76b44"
+
+# Sanity bounds on sampling values: anything outside is a client bug, not a preference.
+MAX_TEMPERATURE = 100.0
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class SamplingParams(BaseModel):
+    """SGLang `SamplingParams` (same names and defaults). `temperature = 0` is greedy."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    max_new_tokens: int = Field(default=128, ge=0)
+    min_new_tokens: int = Field(default=0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = Field(default=1, ge=1)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # SGLang's name is `sampling_seed`; `seed` (the OpenAI name) is accepted as an alias.
+    sampling_seed: int | None = Field(
+        default=None, ge=0, validation_alias=AliasChoices("sampling_seed", "seed")
+    )
+
+    @field_validator("temperature", "top_p", "min_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(not 0 <= t <= MAX_TOKEN_ID for t in value):
+            raise ValueError("token ids must be non-negative 32-bit integers")
+        return value
+
+
+class GenerateReqInput(BaseModel):
+    """Body of `POST /generate`: one prompt, or a batch when `text`/`input_ids` is a list of them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    log_metrics: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateReqInput:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of `text` or `input_ids` must be given")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    @property
+    def batch_size(self) -> int:
+        if not self.is_batch:
+            return 1
+        return len(self.text if self.text is not None else self.input_ids)  # type: ignore[arg-type]
+
+    def item(self, i: int) -> GenerateItem:
+        """The i-th request of a (possibly single) body, with per-item fields resolved."""
+        n = self.batch_size
+        batch = self.is_batch
+
+        def pick(value: Any, default: Any) -> Any:
+            if value is None:
+                return default
+            if isinstance(value, list) and batch:
+                if len(value) != n:
+                    raise ValueError(f"a per-item list has {len(value)} entries for a batch of {n}")
+                return value[i]
+            return value
+
+        rid = self.rid
+        if isinstance(rid, str) and batch:
+            rid = f"{rid}_{i}"
+        elif isinstance(rid, list):
+            if not batch or len(rid) != n:
+                raise ValueError("`rid` as a list needs a batch of the same length")
+            rid = rid[i]
+        params = self.sampling_params
+        if isinstance(params, list):
+            if not batch or len(params) != n:
+                raise ValueError("`sampling_params` as a list needs a batch of the same length")
+            params = params[i]
+        return GenerateItem(
+            text=(self.text[i] if batch else self.text) if self.text is not None else None,  # type: ignore[index]
+            input_ids=(self.input_ids[i] if batch else self.input_ids)
+            if self.input_ids is not None
+            else None,  # type: ignore[index,arg-type]
+            sampling_params=params or SamplingParams(),
+            rid=rid,
+            return_logprob=bool(pick(self.return_logprob, False)),
+            logprob_start_len=int(pick(self.logprob_start_len, -1)),
+            top_logprobs_num=int(pick(self.top_logprobs_num, 0)),
+        )
+
+
+class GenerateItem(BaseModel):
+    """One normalised request of a `/generate` body (not on the wire)."""
+
+    text: str | None
+    input_ids: list[int] | None
+    sampling_params: SamplingParams
+    rid: str | None
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+
+
+FinishType = Literal["stop", "length", "abort"]
+
+
+class FinishReasonInfo(BaseModel):
+    """`BaseFinishReason.to_json()`: `{"type": "stop", "matched": <token id>}`,
+    `{"type": "length", "length": <n>}` or `{"type": "abort", "message": ...}`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: FinishType
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+
+class MetaInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    finish_reason: FinishReasonInfo
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: str | None = None
+    e2e_latency: float | None = None
+    # Present when `return_logprob`: one `[logprob, token_id, text_or_None]` per output token.
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    # Present when `return_logprob`: prompt tokens from `logprob_start_len`; the first
+    # prompt token has no logprob (None), as in SGLang.
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+
+
+class GenerateResponse(BaseModel):
+    """One item of a `/generate` response (a batch request answers a list of these)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class AbortReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rid: str = ""
+    abort_all: bool = False
+    abort_message: str | None = None
+
+
+class UpdateWeightFromDiskReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(min_length=1)
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class UpdateWeightFromDiskReqOutput(BaseModel):
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+class InitWeightsUpdateGroupReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(gt=0, lt=65536)
+    rank_offset: int = Field(ge=1)  # rank 0 is the trainer
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> InitWeightsUpdateGroupReqInput:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} must be below world_size {self.world_size}")
+        return self
+
+
+class UpdateWeightsFromDistributedReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> UpdateWeightsFromDistributedReqInput:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        if any(d < 0 for shape in self.shapes for d in shape):
+            raise ValueError("shapes must be non-negative")
+        return self
+
+
+class WeightUpdateOutput(BaseModel):
+    """Answer of `/init_weights_update_group` and `/update_weights_from_distributed`."""
+
+    success: bool
+    message: str
+
+
+class PauseGenerationReqInput(BaseModel):
+    """`abort`: abort and return running requests; `in_place`: freeze them with their KV;
+    `retract`: freeze them and drop their KV (recomputed on continue)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str
+    tokenizer_path: str | None
+    is_generation: bool = True
+    preferred_sampling_params: str | None = None
+    weight_version: str | None = None
+    model_type: str | None = None
+    architectures: list[str] | None = None
+
+
+# --- OpenAI-compatible chat completions (non-streaming), served by the reference engine ---
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str = Field(min_length=1)
+    content: str
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI chat request. Unknown fields are kept (`model_extra`) so a server can refuse the
+    ones that would change the output (`stop`, `tools`, penalties…) instead of ignoring them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    seed: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    finish_reason: str
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: ChatCompletionUsage

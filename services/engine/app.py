@@ -1,0 +1,229 @@
+"""FastAPI app of the reference engine: SGLang's native HTTP API (the subset of DESIGN.md §7)
+plus an OpenAI-compatible, non-streaming `/v1/chat/completions`.
+
+Status codes follow SGLang's http_server: 200 on success; 400 with `{"error": {"message"}}`
+for a refused request or a failed control operation (`success: false` bodies for the weight
+endpoints); 422 for a body that does not match the schema; 503 when the queue is full.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from proto.sglang import (
+    AbortReq,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    ModelInfo,
+    PauseGenerationReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
+    WeightUpdateOutput,
+)
+from services.common.auth import install_auth
+from services.common.metrics import router as metrics_router
+from services.engine import metrics
+from services.engine.engine import Engine, InvalidRequest
+
+FINISH_TO_OPENAI = {"stop": "stop", "length": "length", "abort": "abort"}
+# OpenAI request fields that do not change what is generated.
+HARMLESS_CHAT_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
+)
+
+
+def build_app(engine: Engine) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="asyncrl reference engine (SGLang native API)", lifespan=lifespan)
+    app.state.engine = engine
+    install_auth(app)
+    app.include_router(metrics_router)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
+        metrics.REQUESTS_REJECTED.labels(reason=exc.reason).inc()
+        return JSONResponse({"error": {"message": str(exc), "code": exc.status}}, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.REQUESTS_REJECTED.labels(reason="malformed").inc()
+        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
+        return JSONResponse(
+            {"detail": errors, "error": {"message": _summary(errors), "code": 422}}, status_code=422
+        )
+
+    # --- generation -----------------------------------------------------------------------
+
+    @app.post("/generate")
+    async def generate(body: GenerateReqInput) -> JSONResponse:
+        # Already plain JSON types: skip FastAPI's element-by-element encoder (slow on logprob lists).
+        return JSONResponse(await engine.generate(body))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest) -> ChatCompletionResponse:
+        return await _chat(engine, body)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        name = engine.settings.served_model_name or engine.settings.model
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "asyncrl"}]}
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortReq) -> Response:
+        engine.scheduler.abort(body.rid, body.abort_all, body.abort_message)
+        return Response(status_code=200)
+
+    # --- weights --------------------------------------------------------------------------
+
+    @app.post("/update_weights_from_disk", response_model=UpdateWeightFromDiskReqOutput)
+    async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput) -> JSONResponse:
+        ok, message, paused = await engine.update_weights_from_disk(body)
+        out = UpdateWeightFromDiskReqOutput(success=ok, message=message, num_paused_requests=paused)
+        return JSONResponse(out.model_dump(), status_code=200 if ok else 400)
+
+    @app.post("/init_weights_update_group", response_model=WeightUpdateOutput)
+    async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput) -> JSONResponse:
+        ok, message = await engine.init_weights_update_group(body)
+        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+
+    @app.post("/update_weights_from_distributed", response_model=WeightUpdateOutput)
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput) -> JSONResponse:
+        ok, message = await engine.update_weights_from_distributed(body)
+        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict:
+        return {"weight_version": engine.weight_version}
+
+    # --- scheduling control ---------------------------------------------------------------
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseGenerationReqInput | None = None) -> dict:
+        mode = (body or PauseGenerationReqInput()).mode
+        affected = await engine.on_scheduler(lambda: engine.scheduler.pause(mode))
+        return {
+            "message": "Generation paused successfully.",
+            "status": "ok",
+            "mode": mode,
+            "num_requests": affected,
+        }
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict:
+        await engine.on_scheduler(engine.scheduler.resume)
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # No prefix cache is kept across requests, so flushing has nothing to drop; like SGLang
+        # it refuses while requests are in flight.
+        idle = await engine.on_scheduler(
+            lambda: not engine.scheduler.running and not engine.scheduler.waiting
+        )
+        if idle:
+            return PlainTextResponse("Cache flushed.\n", status_code=200)
+        return PlainTextResponse("Cache not flushed: requests are in flight.\n", status_code=400)
+
+    # --- probes and info ------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        return Response(status_code=200 if await engine.health_generate() else 503)
+
+    @app.get("/get_model_info", response_model=ModelInfo)
+    async def get_model_info() -> ModelInfo:
+        config = engine.runner.config
+        return ModelInfo(
+            model_path=engine.settings.model,
+            tokenizer_path=engine.settings.model,
+            weight_version=engine.weight_version,
+            model_type=getattr(config, "model_type", None),
+            architectures=getattr(config, "architectures", None),
+        )
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        return engine.server_info()
+
+    return app
+
+
+async def _chat(engine: Engine, body: ChatCompletionRequest) -> ChatCompletionResponse:
+    if body.stream:
+        raise InvalidRequest("stream=true is not supported by the reference engine")
+    changes_output = {
+        k: v for k, v in (body.model_extra or {}).items() if v not in (None, 0, 0.0, [], {}, False)
+    }
+    changes_output = {k: v for k, v in changes_output.items() if k not in HARMLESS_CHAT_FIELDS}
+    if changes_output:
+        raise InvalidRequest(f"not supported by the reference engine: {sorted(changes_output)}")
+    tokenizer = engine.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("the model's tokenizer has no chat template")
+    messages = [m.model_dump() for m in body.messages]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    room = engine.runner.context_length - len(ids)
+    max_tokens = (
+        body.max_completion_tokens or body.max_tokens or min(room, engine.settings.max_new_tokens_cap)
+    )
+    params = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p}
+    if body.seed is not None:
+        params["sampling_seed"] = body.seed
+    out = await engine.generate(
+        GenerateReqInput(
+            input_ids=ids, sampling_params=params, return_logprob=body.logprobs, return_text_in_logprobs=True
+        )
+    )
+    meta = out["meta_info"]
+    logprobs = None
+    if body.logprobs:
+        logprobs = {
+            "content": [
+                {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+                for lp, _, text in meta["output_token_logprobs"]
+            ]
+        }
+    return ChatCompletionResponse(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=body.model or engine.settings.served_model_name or engine.settings.model,
+        choices=[
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": out["text"]},
+                "finish_reason": FINISH_TO_OPENAI[meta["finish_reason"]["type"]],
+                "logprobs": logprobs,
+            }
+        ],
+        usage={
+            "prompt_tokens": meta["prompt_tokens"],
+            "completion_tokens": meta["completion_tokens"],
+            "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"],
+        },
+    )
+
+
+def _summary(errors: list[dict]) -> str:
+    parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:5]]
+    return "; ".join(parts) or "invalid request body"

@@ -1,0 +1,328 @@
+"""The engine behind the HTTP routes: request validation, submission to the scheduler, SGLang
+response shapes, and weight updates. Runs on the asyncio loop; the model lives on the
+scheduler thread (`services/engine/scheduler.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from proto.sglang import (
+    SGLANG_COMMIT,
+    GenerateItem,
+    GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+)
+from services.common.logging import log_event
+from services.engine import metrics, weight_sync
+from services.engine.config import EngineSettings
+from services.engine.model_runner import ModelRunner, read_checkpoint
+from services.engine.sampling import RowSampling, draw_uniforms
+from services.engine.scheduler import Request, Scheduler
+
+log = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+class InvalidRequest(Exception):
+    """A request the engine refuses; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400, reason: str = "invalid_input"):
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        self.runner = ModelRunner(
+            settings.model,
+            slots=settings.max_running_requests,
+            context_length=settings.context_length,
+            device=settings.device,
+            dtype=settings.dtype,
+        )
+        self.scheduler = Scheduler(
+            self.runner,
+            max_running=settings.max_running_requests,
+            max_prefill_tokens=settings.max_prefill_tokens,
+            weight_version=settings.weight_version,
+            continuous_decode_steps=settings.num_continuous_decode_steps,
+        )
+        self.groups: dict[str, object] = {}  # group_name → process group
+        self._rng = random.Random(settings.seed)  # seeds requests that bring no sampling_seed
+        self._in_flight: set[str] = set()
+        metrics.set_weight_version(settings.weight_version)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    @property
+    def tokenizer(self):
+        return self.runner.tokenizer
+
+    # --- generation -----------------------------------------------------------------------
+
+    async def generate(self, body: GenerateReqInput) -> dict | list[dict]:
+        if body.stream:
+            raise InvalidRequest("stream=true is not supported by the reference engine; use stream=false")
+        try:
+            items = [body.item(i) for i in range(body.batch_size)]
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        if body.is_batch and not items:
+            raise InvalidRequest("empty batch")
+        requests = [self._build(item) for item in items]  # validate all before running any
+        rids = [r.rid for r in requests]
+        if len(set(rids)) != len(rids) or self._in_flight.intersection(rids):
+            raise InvalidRequest("duplicate rid: a request with this rid is already in flight")
+        if self.scheduler.num_waiting + len(requests) > self.settings.max_queued_requests:
+            raise InvalidRequest("engine queue is full; retry later", status=503, reason="queue_full")
+        self._in_flight.update(rids)  # before any await, so a concurrent duplicate is refused
+        finished = await asyncio.gather(*(self._run(r) for r in requests))
+        outputs = [self._response(r, item, body.return_text_in_logprobs) for r, item in zip(finished, items)]
+        return outputs if body.is_batch else outputs[0]
+
+    async def _run(self, req: Request) -> Request:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Request] = loop.create_future()
+
+        def on_finish(r: Request) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
+
+        req.on_finish = on_finish
+        self.scheduler.submit(req)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:  # the client went away: free its slot
+            self.scheduler.abort(req.rid, message="client disconnected")
+            raise
+        finally:
+            self._in_flight.discard(req.rid)
+
+    def _build(self, item: GenerateItem) -> Request:
+        sp = item.sampling_params
+        self._refuse_unsupported(item)
+        if item.input_ids is not None:
+            ids = list(item.input_ids)
+            bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"input_ids out of the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}"
+                )
+        else:
+            if not item.text:
+                raise InvalidRequest("empty prompt")
+            ids = self.tokenizer(item.text)["input_ids"]
+        if not ids:
+            raise InvalidRequest("empty prompt")
+        context = self.runner.context_length
+        if len(ids) >= context:
+            raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the context length {context}")
+        if sp.max_new_tokens > self.settings.max_new_tokens_cap:
+            raise InvalidRequest(
+                f"max_new_tokens {sp.max_new_tokens} exceeds the cap {self.settings.max_new_tokens_cap}"
+            )
+        if item.logprob_start_len >= len(ids):
+            raise InvalidRequest(
+                f"logprob_start_len {item.logprob_start_len} must be below the prompt length {len(ids)}"
+            )
+        stop = set(sp.stop_token_ids or [])
+        if not sp.ignore_eos:
+            stop |= self.runner.eos_token_ids
+        seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(63)
+        max_new_tokens = min(sp.max_new_tokens, context - len(ids))
+        return Request(
+            rid=item.rid or f"{time.time_ns():x}{self._rng.getrandbits(32):08x}",
+            prompt_ids=ids,
+            # A request never outgrows the context: the remainder is clipped (finish "length").
+            max_new_tokens=max_new_tokens,
+            stop_ids=frozenset(stop),
+            sampling=RowSampling(sp.temperature, sp.top_p, sp.top_k, sp.min_p),
+            uniforms=draw_uniforms(max_new_tokens, seed) if sp.temperature > 0 else [0.0] * max_new_tokens,
+            on_finish=lambda r: None,
+            return_logprob=item.return_logprob,
+            logprob_start_len=item.logprob_start_len,
+        )
+
+    def _refuse_unsupported(self, item: GenerateItem) -> None:
+        sp = item.sampling_params
+        unsupported = {
+            "n > 1": sp.n != 1,
+            "stop strings (use stop_token_ids)": bool(sp.stop),
+            "min_new_tokens": sp.min_new_tokens != 0,
+            "frequency/presence/repetition penalties": (
+                sp.frequency_penalty,
+                sp.presence_penalty,
+                sp.repetition_penalty,
+            )
+            != (0.0, 0.0, 1.0),
+            "constrained decoding (regex, json_schema, ebnf)": bool(sp.regex or sp.json_schema or sp.ebnf),
+            "logit_bias": bool(sp.logit_bias),
+            "top_logprobs_num > 0": item.top_logprobs_num > 0,
+        }
+        refused = [name for name, used in unsupported.items() if used]
+        if refused:
+            raise InvalidRequest(f"not supported by the reference engine: {', '.join(refused)}")
+
+    def _response(self, r: Request, item: GenerateItem, text_in_logprobs: bool) -> dict:
+        sp = item.sampling_params
+        text_ids = r.output_ids
+        if r.finish_reason and r.finish_reason.get("type") == "stop" and not sp.no_stop_trim:
+            text_ids = r.output_ids[:-1]  # SGLang trims the matched stop token from `text`
+        meta: dict = {
+            "id": r.rid,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": len(r.prompt_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": 0,  # no prefix cache: nothing is ever reused across requests
+            "weight_version": r.weight_version,
+            "e2e_latency": (r.finished_at or time.monotonic()) - r.submitted_at,
+        }
+        if r.return_logprob:
+            decode = self._token_text if text_in_logprobs else (lambda t: None)
+            meta["output_token_logprobs"] = [
+                [lp, t, decode(t)] for lp, t in zip(r.output_logprobs, r.output_ids)
+            ]
+            start = max(r.logprob_start_len, 0)
+            meta["input_token_logprobs"] = [
+                [lp, t, decode(t)] for lp, t in zip(r.input_logprobs or [], r.prompt_ids[start:])
+            ]
+        return {
+            "text": self.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens),
+            "output_ids": list(r.output_ids),
+            "meta_info": meta,
+        }
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    async def health_generate(self) -> bool:
+        probe = GenerateReqInput(
+            input_ids=[self.tokenizer.bos_token_id or 0],
+            sampling_params={"max_new_tokens": 1, "temperature": 0},
+        )
+        try:
+            await asyncio.wait_for(self.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            return False
+        return True
+
+    # --- control --------------------------------------------------------------------------
+
+    async def on_scheduler(self, fn, *, drain: bool = False):
+        return await asyncio.wrap_future(self.scheduler.call(fn, drain=drain))
+
+    async def update_weights_from_disk(self, req: UpdateWeightFromDiskReqInput) -> tuple[bool, str, int]:
+        try:
+            named = await asyncio.to_thread(read_checkpoint, req.model_path)
+        except (OSError, ValueError) as exc:
+            metrics.WEIGHT_UPDATES.labels(source="disk", result="error").inc()
+            return False, f"cannot read {req.model_path}: {exc}", 0
+        error = self.runner.check_weights(named, full=True)
+        if error:
+            metrics.WEIGHT_UPDATES.labels(source="disk", result="error").inc()
+            return False, f"{req.model_path}: {error}", 0
+        if req.abort_all_requests:
+            self.scheduler.abort(abort_all=True, message="aborted for a weight update")
+        retracted = await self.on_scheduler(
+            lambda: self.scheduler.set_weights(lambda: self.runner.apply_weights(named), req.weight_version),
+            drain=True,
+        )
+        metrics.WEIGHT_UPDATES.labels(source="disk", result="ok").inc()
+        log_event(log, "weights updated from disk", path=req.model_path, version=self.weight_version)
+        return True, f"Succeeded to update model weights from {req.model_path}.", retracted
+
+    async def init_weights_update_group(self, req: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
+        if req.group_name in self.groups:
+            return False, f"group {req.group_name!r} already exists"
+        if req.backend == "nccl" and self.runner.device.type != "cuda":
+            return False, "backend nccl needs a CUDA device; this engine runs on CPU (use gloo)"
+        try:
+            group = await asyncio.to_thread(
+                weight_sync.init_weight_update_group,
+                req.master_address,
+                req.master_port,
+                req.rank_offset,
+                req.world_size,
+                req.group_name,
+                req.backend,
+            )
+        except (RuntimeError, ValueError) as exc:  # rendezvous timeout, refused connection, bad backend
+            return False, f"failed to join {req.group_name!r}: {exc}"
+        self.groups[req.group_name] = group
+        log_event(
+            log,
+            "joined weight update group",
+            group=req.group_name,
+            rank=req.rank_offset,
+            world=req.world_size,
+        )
+        return True, f"Joined weight update group {req.group_name!r} as rank {req.rank_offset}."
+
+    async def update_weights_from_distributed(
+        self, req: UpdateWeightsFromDistributedReqInput
+    ) -> tuple[bool, str]:
+        group = self.groups.get(req.group_name)
+        if group is None:
+            return False, f"no weight update group {req.group_name!r}; call /init_weights_update_group first"
+        try:
+            dtypes = [weight_sync.parse_dtype(d) for d in req.dtypes]
+        except ValueError as exc:
+            return False, str(exc)
+        if req.abort_all_requests:
+            self.scheduler.abort(abort_all=True, message="aborted for a weight update")
+
+        device = "cpu" if isinstance(group, dist.ProcessGroupGloo) else self.runner.device
+
+        def receive_and_apply() -> tuple[bool, str]:
+            received = {}
+            for name, dtype, shape in zip(req.names, dtypes, req.shapes):
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                weight_sync.broadcast(group, tensor)
+                received[name] = tensor
+            error = self.runner.check_weights(received, full=False)
+            if error:  # every tensor was received anyway, so the sender is never left blocked
+                return False, error
+            self.scheduler.set_weights(lambda: self.runner.apply_weights(received), req.weight_version)
+            return True, f"Succeeded to update {len(received)} parameters."
+
+        ok, message = await self.on_scheduler(receive_and_apply, drain=True)
+        metrics.WEIGHT_UPDATES.labels(source="distributed", result="ok" if ok else "error").inc()
+        if ok:
+            log_event(
+                log, "weights updated from broadcast", count=len(req.names), version=self.weight_version
+            )
+        return ok, message
+
+    def server_info(self) -> dict:
+        return {
+            **self.settings.model_dump(mode="json"),
+            "context_length": self.runner.context_length,
+            "weight_version": self.weight_version,
+            "internal_states": [
+                {
+                    **self.scheduler.stats,
+                    "num_running_reqs": self.scheduler.num_running,
+                    "num_waiting_reqs": self.scheduler.num_waiting,
+                    "paused": self.scheduler.paused,
+                }
+            ],
+            "sglang_api_commit": SGLANG_COMMIT,
+        }

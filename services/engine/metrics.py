@@ -1,0 +1,83 @@
+"""Prometheus metrics of the reference engine (process-wide, default registry, `/metrics`).
+
+Names follow DESIGN.md §9: `asyncrl_engine_` prefix, base units, `_total` counters, bounded
+labels (finish reasons, rejection reasons, weight sources: never request ids).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import Counter, Gauge, Histogram
+
+RUNNING = Gauge("asyncrl_engine_running_requests", "Requests holding a KV slot (decoding or frozen)")
+QUEUED = Gauge("asyncrl_engine_queued_requests", "Requests waiting for a KV slot")
+GENERATED_TOKENS = Counter("asyncrl_engine_generated_tokens_total", "Tokens sampled")
+PROMPT_TOKENS = Counter(
+    "asyncrl_engine_prompt_tokens_total", "Prompt tokens prefilled (first admission only)"
+)
+TOKENS_PER_SECOND = Gauge(
+    "asyncrl_engine_generation_tokens_per_second", "Tokens sampled per second, last 10 s"
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "asyncrl_engine_time_to_first_token_seconds",
+    "Submission to first sampled token",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+E2E_LATENCY = Histogram(
+    "asyncrl_engine_request_latency_seconds",
+    "Submission to finish",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+DECODE_BATCH = Histogram(
+    "asyncrl_engine_decode_batch_size", "Requests per decode step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
+)
+PREFILL_STEPS = Counter("asyncrl_engine_prefill_steps_total", "Batched prefill forwards")
+DECODE_STEPS = Counter("asyncrl_engine_decode_steps_total", "Batched decode forwards")
+REQUESTS_FINISHED = Counter(
+    "asyncrl_engine_requests_finished_total", "Requests answered, by finish reason", ["finish_reason"]
+)
+REQUESTS_REJECTED = Counter(
+    "asyncrl_engine_requests_rejected_total", "Requests refused before scheduling, by reason", ["reason"]
+)
+STEP_FAILURES = Counter(
+    "asyncrl_engine_step_failures_total", "Scheduler steps that raised (requests aborted)"
+)
+WEIGHT_UPDATES = Counter(
+    "asyncrl_engine_weight_updates_total", "Weight update attempts", ["source", "result"]
+)
+WEIGHT_VERSION = Gauge("asyncrl_engine_weight_version", "Current weight_version when it is an integer")
+
+
+def set_weight_version(version: str) -> None:
+    try:
+        WEIGHT_VERSION.set(int(version))
+    except ValueError:
+        pass  # a non-integer version (SGLang allows any string) has no numeric gauge value
+
+
+class Throughput:
+    """Tokens per second over a sliding window (O(1) per step: a running sum)."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def add(self, tokens: int) -> None:
+        with self._lock:
+            self._events.append((time.monotonic(), tokens))
+            self._total += tokens
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._events and now - self._events[0][0] > self.window_s:
+                self._total -= self._events.popleft()[1]
+            if not self._events:
+                return 0.0
+            span = max(now - self._events[0][0], 1.0)  # no spike from a single fresh step
+            return self._total / span

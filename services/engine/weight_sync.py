@@ -1,0 +1,213 @@
+"""Weight broadcast from the trainer (rank 0) to inference engines, SGLang's protocol.
+
+Contract (the same for a real SGLang server and the reference engine):
+
+1. Every engine is told to join a group: `POST /init_weights_update_group` with
+   `{master_address, master_port, rank_offset, world_size, group_name, backend}`. The trainer
+   is rank 0 and hosts the rendezvous store on `master_address:master_port`; engine `i` is
+   rank `rank_offset` (one rank per engine here; an SGLang engine with TP=k takes k ranks).
+   The trainer calls `init_weight_update_group(..., rank=0)` *concurrently* with those HTTP
+   calls: the rendezvous completes only when every rank has joined.
+2. For each bucket of parameters the trainer announces the bucket to every engine with one
+   `POST /update_weights_from_distributed` `{names, dtypes, shapes, group_name, flush_cache,
+   weight_version}`, then broadcasts each tensor of the bucket from rank 0, in `names` order,
+   one collective per tensor. The HTTP call returns once the engine has received and loaded
+   the bucket. `weight_version` goes with the last bucket only.
+3. Callers pause generation (`POST /pause_generation`) before the first bucket and continue
+   after the last, as slime does, so no request is decoded with half-updated weights; the
+   reference engine applies each bucket between two scheduler steps and drops old-weight KV.
+4. An engine that refuses a bucket (unknown name, wrong shape) still receives every tensor
+   of it first, so the trainer never blocks; the refusal comes back through the HTTP answer
+   and `broadcast_weights` raises. A body the engine cannot even parse (HTTP 422) leaves the
+   trainer's broadcast to time out after `timeout_s`.
+
+Names are the HF state-dict names (`model.layers.0.self_attn.q_proj.weight`); dtypes are torch
+dtype names (`"bfloat16"`, `"float32"`; a `"torch."` prefix is accepted); tensors are sent
+contiguous, on the group's device (CPU for gloo).
+
+The group is a standalone `ProcessGroupGloo`/`ProcessGroupNCCL` on its own TCP store, so it
+never touches the trainer's default (FSDP) process group. Its store layout (`{group_name}/`
+then `{device}/` prefixes on a TCPStore hosted by rank 0) matches torch's
+`_new_process_group_helper`, which SGLang's `init_custom_process_group` uses, so either side
+can be a real SGLang.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def init_weight_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = "weight_update_group",
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+):
+    """Join (rank > 0) or host (rank 0) a weight-update group; returns the process group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    group_store = dist.PrefixStore(f"{group_name}/", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", group_store), rank, world_size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", group_store), rank, world_size, options)
+    raise ValueError(f"unsupported backend {backend!r} (gloo or nccl)")
+
+
+def broadcast(group, tensor: torch.Tensor, src: int = 0) -> None:
+    """Blocking broadcast of `tensor` from `src` over a group made by `init_weight_update_group`."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+DTYPES = {
+    dtype_name(d): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; one of {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class Bucket:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    last: bool
+
+
+# announce(bucket) starts the engines' metadata calls and returns a Future that resolves
+# once they have received the bucket (and raises if any engine refused it).
+Announce = Callable[[Bucket], Future]
+
+
+def broadcast_weights(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    group,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    announce: Announce,
+) -> int:
+    """Send `named_tensors` to every engine of `group` (called on rank 0); returns the number
+    of buckets. One `announce` (one metadata HTTP call per engine) per bucket."""
+    count = 0
+    for tensors, bucket in _buckets(named_tensors, bucket_bytes):
+        pending = announce(bucket)
+        for tensor in tensors:
+            broadcast(group, tensor)
+        pending.result()
+        count += 1
+    return count
+
+
+def _buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[tuple[list[torch.Tensor], Bucket]]:
+    items = [(name, t.detach().contiguous()) for name, t in named]
+    current: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for i, (name, t) in enumerate(items):
+        current.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes or i == len(items) - 1:
+            yield (
+                [t for _, t in current],
+                Bucket(
+                    names=[n for n, _ in current],
+                    dtypes=[dtype_name(t.dtype) for _, t in current],
+                    shapes=[list(t.shape) for _, t in current],
+                    last=i == len(items) - 1,
+                ),
+            )
+            current, size = [], 0
+
+
+def http_announcer(
+    engine_urls: list[str],
+    *,
+    weight_version: str | None,
+    group_name: str = "weight_update_group",
+    flush_cache: bool = True,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    headers: dict[str, str] | None = None,
+) -> Announce:
+    """An `announce` that POSTs each bucket to `/update_weights_from_distributed` of every
+    engine in parallel; the Future raises `RuntimeError` naming the engines that failed."""
+    import httpx
+
+    # one worker per engine plus one for the gathering job
+    pool = ThreadPoolExecutor(max_workers=len(engine_urls) + 1, thread_name_prefix="weight-announce")
+
+    def post(url: str, body: dict) -> None:
+        resp = httpx.post(
+            f"{url.rstrip('/')}/update_weights_from_distributed",
+            json=body,
+            timeout=timeout_s,
+            headers=headers,
+        )
+        if resp.status_code != 200 or not resp.json().get("success", False):
+            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:500]}")
+
+    def announce(bucket: Bucket) -> Future:
+        body = {
+            "names": bucket.names,
+            "dtypes": bucket.dtypes,
+            "shapes": bucket.shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "weight_version": weight_version if bucket.last else None,
+        }
+        futures = [pool.submit(post, url, body) for url in engine_urls]
+        done: Future = Future()
+
+        def gather() -> None:
+            errors = []
+            for f in futures:
+                try:
+                    f.result()
+                except Exception as exc:  # noqa: BLE001 — collected and re-raised below as one error
+                    errors.append(str(exc))
+            if errors:
+                done.set_exception(RuntimeError("weight update failed: " + "; ".join(errors)))
+            else:
+                done.set_result(None)
+
+        pool.submit(gather)
+        return done
+
+    return announce
