@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 MAX_BACKOFF_S = 10.0  # one engine retry never sleeps longer than this
+GENERATE_KEEPALIVE = 256  # idle generation connections kept; concurrency is bounded by active groups
 
 
 class EngineFailure(Exception):
@@ -91,7 +92,15 @@ class EngineClient:
         self.retries, self.backoff_s = retries, backoff_s
         self.unhealthy_after, self.probe_s = unhealthy_after, probe_s
         self.update_timeout_s = update_timeout_s
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
+        # Generation requests can sit in a paused engine for as long as a weight update takes;
+        # they get a pool sized for them, and control calls (pause, update, flush, continue,
+        # abort, probes) get their own, so an update is never queued behind the requests it
+        # is about to release.
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=GENERATE_KEEPALIVE),
+        )  # fmt: skip
+        self._control_http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
         self._rr = itertools.count()
         self._health_changed = asyncio.Event()
         for e in self.engines:
@@ -99,6 +108,7 @@ class EngineClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        await self._control_http.aclose()
 
     # --- choosing an engine -----------------------------------------------------------------
 
@@ -138,7 +148,7 @@ class EngineClient:
             for e in [e for e in self.engines if not e.healthy]:
                 try:
                     ok = (
-                        await self._http.get(f"{e.url}/health", timeout=self.probe_s * 5)
+                        await self._control_http.get(f"{e.url}/health", timeout=self.probe_s * 5)
                     ).status_code == 200
                 except httpx.HTTPError:
                     ok = False
@@ -196,7 +206,7 @@ class EngineClient:
     async def abort(self, engine: Engine, rid: str) -> None:
         """Best effort: ask the engine to stop `rid` (its partial output is discarded by the caller)."""
         try:
-            await self._http.post(f"{engine.url}/abort_request", json={"rid": rid}, timeout=10.0)
+            await self._control_http.post(f"{engine.url}/abort_request", json={"rid": rid}, timeout=10.0)
         except httpx.HTTPError:
             m.ENGINE_REQUESTS.labels(engine.label, "abort", "error").inc()
 
@@ -214,7 +224,7 @@ class EngineClient:
         try:
             await self._control(e, "pause_generation", {"mode": "abort"}, timeout)
             try:
-                resp = await self._http.post(
+                resp = await self._control_http.post(
                     f"{e.url}/update_weights_from_disk",
                     json={"model_path": path, "weight_version": str(version), "flush_cache": True},
                     timeout=timeout,
@@ -237,7 +247,7 @@ class EngineClient:
         return None
 
     async def _control(self, e: Engine, op: str, body: dict | None, timeout: float) -> None:
-        resp = await self._http.post(f"{e.url}/{op}", json=body, timeout=timeout)
+        resp = await self._control_http.post(f"{e.url}/{op}", json=body, timeout=timeout)
         ok = resp.status_code == 200
         m.ENGINE_REQUESTS.labels(e.label, op, "ok" if ok else "error").inc()
         if not ok:
@@ -256,7 +266,7 @@ class EngineClient:
 
         async def one(e: Engine) -> str | None:
             try:
-                resp = await self._http.get(f"{e.url}/get_model_info", timeout=10.0)
+                resp = await self._control_http.get(f"{e.url}/get_model_info", timeout=10.0)
                 return resp.json().get("weight_version") if resp.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
                 return None

@@ -266,11 +266,60 @@ def test_service_environment_secrets_are_not_visible(client):
 def test_early_exit_cannot_fake_assert_code(client):
     for exit_call in ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit(0)"]:
         spec = {"verifier": "code", "assert_code": "assert add(2, 2) == 5", "timeout_s": 2}
-        body = {"items": [{"id": "x", "completion": f"def add(a, b):\n    return a + b\n{exit_call}", "spec": spec}]}
+        body = {
+            "items": [
+                {"id": "x", "completion": f"def add(a, b):\n    return a + b\n{exit_call}", "spec": spec}
+            ]
+        }
         result = client.post("/v1/rewards", json=body).json()["results"][0]
         assert_attack_failed(result, "failed")
         assert "sentinel missing" in result["details"]["tests"][0]["error"]
     honest = {"verifier": "code", "assert_code": "assert add(2, 2) == 4", "timeout_s": 2}
     body = {"items": [{"id": "y", "completion": "def add(a, b):\n    return a + b", "spec": honest}]}
     assert client.post("/v1/rewards", json=body).json()["results"][0]["reward"] == 1.0
+    assert_host_clean_and_serving(client)
+
+
+def test_raising_the_rlimits_back_fails(client):
+    # The limits are set inside the sandbox by a bootstrap before the program runs: they must be
+    # in force and the program must not be able to raise any of them again.
+    program = (
+        "import resource as r\n"
+        "names = ['RLIMIT_CPU', 'RLIMIT_AS', 'RLIMIT_FSIZE', 'RLIMIT_NOFILE', 'RLIMIT_NPROC', 'RLIMIT_CORE']\n"
+        "raised = []\n"
+        "for name in names:\n"
+        "    key = getattr(r, name)\n"
+        "    soft, hard = r.getrlimit(key)\n"
+        "    if hard == r.RLIM_INFINITY or soft == r.RLIM_INFINITY:\n"
+        "        raised.append(name + ' not set')\n"
+        "    try:\n"
+        "        r.setrlimit(key, (r.RLIM_INFINITY, r.RLIM_INFINITY))\n"
+        "        raised.append(name)\n"
+        "    except (ValueError, OSError):\n"
+        "        pass\n"
+        "print('PWNED' if raised else 'held')"
+    )
+    result = score(client, program)
+    assert_attack_failed(result, "failed")
+    assert_host_clean_and_serving(client)
+
+
+def test_rewriting_the_assert_tests_fails(client):
+    # solution.py runs before tests.py is read: overwriting (or replacing) tests.py must fail.
+    completion = (
+        "import os\n"
+        "for attempt in (lambda: open('tests.py', 'w').write('pass\\n'),\n"
+        "                lambda: os.replace('solution.py', 'tests.py'),\n"
+        "                lambda: os.remove('tests.py')):\n"
+        "    try:\n"
+        "        attempt()\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "def add(a, b):\n"
+        "    return a + b\n"
+    )
+    spec = {"verifier": "code", "assert_code": "assert add(2, 2) == 5", "timeout_s": 2}
+    body = {"items": [{"id": "x", "completion": completion, "spec": spec}]}
+    result = client.post("/v1/rewards", json=body).json()["results"][0]
+    assert_attack_failed(result, "failed")
     assert_host_clean_and_serving(client)

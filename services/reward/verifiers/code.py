@@ -214,7 +214,7 @@ def _classify(run: RunResult) -> str:
     if any(marker in run.stderr[-4096:] for marker in MEMORY_MARKERS):
         return "memory"
     if run.exit_code in (SIGXCPU_EXIT, SIGKILL_EXIT):
-        return "timeout"  # CPU-time limit (SIGXCPU, then SIGKILL at the hard limit)
+        return "timeout"  # CPU-time limit: SIGXCPU, or (as the sandbox's pid 1) the hard limit's SIGKILL
     return "exited_ok" if run.exit_code == 0 else "runtime_error"
 
 

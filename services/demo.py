@@ -1,0 +1,364 @@
+"""`asyncrl demo`: the CPU demo end to end, in a fresh run directory.
+
+Embedded Redis, a tiny Qwen2 model with a character tokenizer built on the spot, the
+reference engine, reward service, rollout service and trainer as separate processes on
+loopback; submits the `reverse` task and trains asynchronously until the mean reward over
+the last few steps reaches the target or the time limit passes. Shows a live progress line,
+then a summary table, and writes `progress.jsonl`, `summary.json` and `demo.png` (reward and
+staleness against wall time) into the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
+
+
+class DemoSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompts_per_step: int = Field(32, ge=1)
+    group_size: int = Field(8, ge=2)
+    letters: str = Field("abcdefghij", min_length=2)
+    prompt_len: int = Field(4, ge=1, le=32)
+    target_reward: float = Field(0.9, gt=0, le=1)
+    target_window: int = Field(5, ge=1)
+    time_limit_s: float = Field(300, gt=0)
+    seed: int = 0
+
+
+@dataclass
+class Scrape:
+    """What the demo reads off the trainer's /metrics each poll."""
+
+    t: float
+    version: int
+    reward: float | None
+    entropy: float | None
+    tokens_per_s: float | None
+    staleness_sum: float
+    staleness_count: float
+    staleness_max_bucket: float | None
+    dropped: float
+
+
+def scrape_trainer(url: str, t0: float) -> Scrape | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=2.0).text
+    except httpx.HTTPError:
+        return None
+    values: dict[str, float] = {}
+    buckets: list[tuple[float, float]] = []
+    dropped = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "asyncrl_trainer_group_staleness_bucket":
+                buckets.append((float(s.labels["le"]), s.value))
+            elif s.name == "asyncrl_trainer_groups_total" and s.labels.get("outcome") not in ("trained", None):
+                dropped += s.value
+            elif not s.labels:
+                values[s.name] = s.value
+    count = values.get("asyncrl_trainer_group_staleness_count", 0.0)
+    # the largest staleness seen is the first bucket bound that already holds every observation
+    max_bucket = next((le for le, c in sorted(buckets) if c >= count), None) if count else None
+    return Scrape(
+        t=time.monotonic() - t0,
+        version=int(values.get("asyncrl_trainer_version", 0)),
+        reward=values.get("asyncrl_trainer_reward_mean"),
+        entropy=values.get("asyncrl_trainer_entropy"),
+        tokens_per_s=values.get("asyncrl_trainer_tokens_per_second"),
+        staleness_sum=values.get("asyncrl_trainer_group_staleness_sum", 0.0),
+        staleness_count=count,
+        staleness_max_bucket=max_bucket,
+        dropped=dropped,
+    )
+
+
+@dataclass
+class History:
+    """One row per trainer version seen: the curve the plot and the summary come from."""
+
+    rows: list[dict] = field(default_factory=list)
+    _last: Scrape | None = None
+
+    def add(self, s: Scrape) -> dict | None:
+        if self._last is not None and s.version == self._last.version:
+            return None
+        prev = self._last
+        self._last = s
+        dc = s.staleness_count - (prev.staleness_count if prev else 0)
+        ds = s.staleness_sum - (prev.staleness_sum if prev else 0)
+        row = {"t": round(s.t, 3), "version": s.version, "reward": s.reward, "entropy": s.entropy,
+               "tokens_per_s": s.tokens_per_s, "staleness": ds / dc if dc else None,
+               "staleness_max": s.staleness_max_bucket, "dropped": s.dropped}  # fmt: skip
+        self.rows.append(row)
+        return row
+
+    def windowed_reward(self, window: int) -> float | None:
+        recent = [r["reward"] for r in self.rows[-window:] if r["reward"] is not None]
+        return sum(recent) / len(recent) if len(recent) == window else None
+
+
+def make_prompts(n: int, cfg: DemoSection, rng: random.Random) -> list[dict]:
+    return [{"text": "".join(rng.choice(cfg.letters) for _ in range(cfg.prompt_len)) + ">"} for _ in range(n)]
+
+
+def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Random) -> str:
+    body = {
+        "prompts": make_prompts(n_prompts, cfg, rng),
+        "group_size": cfg.group_size,
+        # Fixed-length answers: every completion has exactly prompt_len tokens, so stopping
+        # early is never an option the policy can collapse into (DESIGN.md §10).
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": cfg.prompt_len, "ignore_eos": True},
+        "reward_spec": {"verifier": "reverse"},
+        "idempotency_key": f"demo-{cfg.seed}",
+    }
+    resp = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=60)
+    resp.raise_for_status()
+    return resp.json()["job_id"]
+
+
+def scrape_counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Unlabelled samples of `names` from a service's /metrics (missing ones are left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return {}
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name in names and not s.labels}  # fmt: skip
+
+
+def utilisation(launcher, wall_s: float) -> dict[str, float | None]:
+    """Engine busy ratio and trainer idle ratio over the run, from the services' counters."""
+    busy = [scrape_counters(u, ("asyncrl_engine_busy_seconds_total",)).get("asyncrl_engine_busy_seconds_total")
+            for u in launcher.engine_urls]  # fmt: skip
+    t = scrape_counters(launcher.trainer_url, ("asyncrl_trainer_idle_seconds_total", "asyncrl_trainer_busy_seconds_total"))
+    idle, tbusy = t.get("asyncrl_trainer_idle_seconds_total"), t.get("asyncrl_trainer_busy_seconds_total")
+    known = [b for b in busy if b is not None]
+    return {
+        "engine_busy_ratio": sum(known) / (len(known) * wall_s) if known and wall_s > 0 else None,
+        "trainer_idle_ratio": idle / (idle + tbusy) if idle is not None and tbusy else None,
+        "trainer_idle_s": idle, "trainer_busy_s": tbusy,
+    }  # fmt: skip
+
+
+def plot(history: History, out: Path, target: float, eta: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in history.rows if r["reward"] is not None]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    ax.plot([r["t"] for r in rows], [r["reward"] for r in rows], color="tab:blue", label="mean reward")
+    ax.axhline(target, color="tab:blue", linestyle=":", linewidth=1, label=f"target {target}")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("mean reward", color="tab:blue")
+    ax.set_ylim(0, 1.02)
+    ax2 = ax.twinx()
+    st = [r for r in rows if r["staleness"] is not None]
+    ax2.plot([r["t"] for r in st], [r["staleness"] for r in st], color="tab:orange", alpha=0.8, label="mean staleness")
+    ax2.axhline(eta, color="tab:orange", linestyle=":", linewidth=1, label=f"η = {eta}")
+    ax2.set_ylabel("staleness (versions)", color="tab:orange")
+    ax2.set_ylim(0, max(eta + 0.5, 1))
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    labels = ax.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
+    ax.legend(lines, labels, loc="lower right")
+    ax.set_title("asyncrl CPU demo: reverse, async GRPO")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def summary_table(s: dict) -> str:
+    rows = [
+        ("steps (versions)", s["steps"]),
+        ("wall time", f"{s['wall_s']:.0f} s"),
+        ("first / final reward", f"{s['first_reward']:.3f} / {s['final_reward']:.3f}"),
+        (f"time to reward {s['target']}", f"{s['time_to_target_s']:.0f} s" if s["time_to_target_s"] else "not reached"),
+        ("mean / max staleness", f"{s['mean_staleness']:.2f} / {s['max_staleness']} (η = {s['eta']})"),
+        ("groups not trained (stale etc.)", int(s["dropped"])),
+        ("trainer tokens/s (last)", f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "-"),
+        ("plot", s["plot"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncrl demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--run-dir", type=Path, help="default: runs/demo-<time>")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--time-limit", type=float, help="seconds of training before giving up")
+    parser.add_argument("--max-steps", type=int, help="stop after this many versions whatever the reward")
+    parser.add_argument("--max-staleness", type=int, help="η (0 = synchronous)")
+    args = parser.parse_args(argv)
+
+    from services.launcher import Launcher, UpConfig
+
+    raw = tomllib.loads(args.config.read_text())
+    demo = DemoSection.model_validate(raw.get("demo", {}))
+    if args.seed is not None:
+        demo.seed = args.seed
+    if args.time_limit is not None:
+        demo.time_limit_s = args.time_limit
+    run_dir = (args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a demo is always a fresh run: no stale buffer or checkpoint
+    run_dir.mkdir(parents=True)
+    trainer_cfg = raw.setdefault("trainer", {})
+    trainer_cfg["seed"] = demo.seed
+    if args.max_staleness is not None:
+        trainer_cfg["max_staleness"] = args.max_staleness
+    raw["model"]["seed"] = demo.seed
+    raw["model"]["path"] = str(run_dir / "base")
+    raw["run"].update(id=run_dir.name, dir=str(run_dir))
+    config_path = run_dir / "config.toml"
+    config_path.write_text(_to_toml(raw))
+    eta = int(trainer_cfg.get("max_staleness", 1))
+    max_steps = args.max_steps or int(trainer_cfg.get("max_steps", 0)) or 10**9
+
+    launcher = Launcher(UpConfig.model_validate(raw), config_path, echo=False)
+    history, progress = History(), (run_dir / "progress.jsonl").open("w")
+    tty = sys.stdout.isatty()
+    t0 = time.monotonic()
+    reached_at: float | None = None
+    code = 0
+    print(f"asyncrl demo: run directory {run_dir} (service logs in logs/)")
+    try:
+        print("starting Redis, reward, engine, rollout and trainer ...", flush=True)
+        launcher.start()
+        n_prompts = (min(max_steps, 10_000) + eta + 2) * demo.prompts_per_step
+        job = submit(launcher.rollout_urls()[0], demo, n_prompts, random.Random(demo.seed))
+        print(f"submitted job {job}: {n_prompts} prompts x {demo.group_size} samples; training (Ctrl-C stops)")
+        t0 = time.monotonic()
+        trainer = launcher.find("trainer")
+        last_print = 0.0
+        while True:
+            s = scrape_trainer(launcher.trainer_url, t0)
+            row = history.add(s) if s else None
+            if row:
+                progress.write(json.dumps(row) + "\n")
+                progress.flush()
+                windowed = history.windowed_reward(demo.target_window)
+                if reached_at is None and windowed is not None and windowed >= demo.target_reward:
+                    reached_at = row["t"]
+                line = _progress_line(row, windowed, demo)
+                if tty:
+                    print("\r" + line.ljust(110), end="", flush=True)
+                elif row["t"] - last_print >= 5:
+                    print(line, flush=True)
+                    last_print = row["t"]
+            elapsed = time.monotonic() - t0
+            if reached_at is not None:
+                print(f"\nreward {demo.target_reward} reached (mean of the last {demo.target_window} steps)")
+                break
+            if s and s.version >= max_steps:
+                print(f"\nstep limit {max_steps} reached")
+                break
+            if elapsed > demo.time_limit_s:
+                print(f"\ntime limit {demo.time_limit_s:.0f} s reached")
+                code = 1
+                break
+            if trainer is not None and not trainer.alive:
+                code = 1
+                print(f"\ntrainer exited with {trainer.popen.returncode} (see {run_dir / 'logs' / 'trainer.log'})")
+                break
+            if dead := [p.name for p in launcher.procs if not p.alive]:
+                code = 1
+                print(f"\n{', '.join(dead)} exited (see {run_dir / 'logs'})")
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\ninterrupted")
+        code = 130
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(f"\nerror: {exc}")
+        code = 1
+    finally:
+        if tty:
+            print()
+        usage = utilisation(launcher, time.monotonic() - t0) if launcher.procs else {}
+        print("stopping services ...", flush=True)
+        launcher.stop()
+        progress.close()
+    if history.rows:
+        summary = {**_summary(history, demo, eta, reached_at, run_dir), **usage,
+                   "samples_per_step": demo.prompts_per_step * demo.group_size}  # fmt: skip
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot(history, run_dir / "demo.png", demo.target_reward, eta)
+        print(summary_table(summary))
+        if reached_at is None and code == 0:
+            code = 1
+    return code
+
+
+def _progress_line(row: dict, windowed: float | None, demo: DemoSection) -> str:
+    reward = f"{row['reward']:.3f}" if row["reward"] is not None else "-"
+    avg = f"{windowed:.3f}" if windowed is not None else "-"
+    stale = f"{row['staleness']:.2f}" if row["staleness"] is not None else "-"
+    tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
+    ent = f"{row['entropy']:.2f}" if row["entropy"] is not None else "-"
+    done = min(int(20 * (windowed or 0) / demo.target_reward), 20)
+    return (f"[{'#' * done}{'.' * (20 - done)}] {row['t']:6.1f}s  step {row['version']:4d}  reward {reward} "
+            f"(avg{demo.target_window} {avg})  staleness {stale}  entropy {ent}  tok/s {tps}")  # fmt: skip
+
+
+def _summary(history: History, demo: DemoSection, eta: int, reached_at: float | None, run_dir: Path) -> dict:
+    rows = history.rows
+    rewards = [r["reward"] for r in rows if r["reward"] is not None]
+    st = [r["staleness"] for r in rows if r["staleness"] is not None]
+    maxes = [r["staleness_max"] for r in rows if r["staleness_max"] is not None]
+    return {
+        "steps": rows[-1]["version"], "wall_s": rows[-1]["t"], "target": demo.target_reward,
+        "first_reward": rewards[0] if rewards else float("nan"), "final_reward": rewards[-1] if rewards else float("nan"),
+        "time_to_target_s": reached_at, "mean_staleness": sum(st) / len(st) if st else 0.0,
+        "max_staleness": int(max(maxes)) if maxes else 0, "eta": eta, "dropped": rows[-1]["dropped"],
+        "tokens_per_s": rows[-1]["tokens_per_s"], "seed": demo.seed, "plot": str(run_dir / "demo.png"),
+    }  # fmt: skip
+
+
+def _to_toml(data: dict) -> str:
+    """Write the (flat-tabled) run config back out; values are str/int/float/bool/lists."""
+
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    out: list[str] = []
+
+    def table(name: str, d: dict) -> None:
+        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+        out.append(f"[{name}]")
+        out.extend(f"{k} = {value(v)}" for k, v in scalars.items())
+        out.append("")
+        for k, v in d.items():
+            if isinstance(v, dict):
+                table(f"{name}.{k}", v)
+
+    for name, d in data.items():
+        table(name, d)
+    return "\n".join(out)
