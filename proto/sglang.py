@@ -92,11 +92,23 @@ class GenerateReqInput(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
+    # Fields sglang-router (0.3.x) re-sends on every request with their defaults. They are
+    # accepted at those defaults; asking for what this engine does not do is refused below.
+    model: str | None = None
+    return_hidden_states: bool | list[bool] = False
+    return_entropy: bool = False
+    return_bytes: bool = False
+    background: bool = False
+    no_logs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of `text` or `input_ids` must be given")
+        unsupported = [name for name in ("return_hidden_states", "return_entropy", "return_bytes", "background")
+                       if any(getattr(self, name) if isinstance(getattr(self, name), list) else [getattr(self, name)])]  # fmt: skip
+        if unsupported:
+            raise ValueError(f"not supported by the reference engine: {', '.join(unsupported)}")
         return self
 
     @property

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 from dataclasses import dataclass, field
 
 import httpx
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from proto.sglang import GenerateResponse, UpdateWeightFromDiskReqOutput
 from services.common.logging import log_event
@@ -161,19 +162,46 @@ class EngineClient:
     # --- generation -------------------------------------------------------------------------
 
     async def generate(
-        self, engine: Engine, input_ids: list[int], sampling_params: dict, rid: str
-    ) -> Generation:
-        body = {
-            "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "return_logprob": True,
-            "logprob_start_len": len(input_ids) - 1,
-        }
+        self, engine: Engine, inputs: list[list[int]], sampling_params: list[dict], rid: str, in_flight: set[str]
+    ) -> list[Generation]:
+        """Generate for every input (one answer per input, in order) in as few requests as
+        possible: items with the same sampling params go as one SGLang batch. `in_flight`
+        holds the item rids while their request runs (so a cancel can abort them).
+
+        Batches carry one `sampling_params` map and one string `rid` (items become
+        `rid_0`, `rid_1`, …), the form SGLang and sglang-router both accept.
+        """
+        by_params: dict[str, list[int]] = {}
+        for i, params in enumerate(sampling_params):
+            by_params.setdefault(json.dumps(params, sort_keys=True), []).append(i)
+        answers: list[Generation | None] = [None] * len(inputs)
+
+        async def batch(k: int, items: list[int]) -> None:
+            gens = await self._generate_batch(
+                engine, [inputs[i] for i in items], sampling_params[items[0]], f"{rid}-b{k}", in_flight
+            )
+            for i, gen in zip(items, gens):
+                answers[i] = gen
+
+        tasks = [asyncio.ensure_future(batch(k, items)) for k, items in enumerate(by_params.values())]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()  # the first failure ends the others
+        return answers  # type: ignore[return-value]
+
+    async def _generate_batch(
+        self, engine: Engine, inputs: list[list[int]], params: dict, rid: str, in_flight: set[str]
+    ) -> list[Generation]:
+        body = {"input_ids": inputs, "sampling_params": params, "return_logprob": True}
         delay = self.backoff_s
         last = "no attempt"
         for attempt in range(self.retries + 1):
             body["rid"] = rid if attempt == 0 else f"{rid}-r{attempt}"
-            engine.in_flight += 1
+            item_rids = {f"{body['rid']}_{j}" for j in range(len(inputs))}
+            in_flight |= item_rids
+            engine.in_flight += len(inputs)
             m.ENGINE_IN_FLIGHT.labels(engine.label).set(engine.in_flight)
             try:
                 resp = await self._http.post(f"{engine.url}/generate", json=body)
@@ -181,7 +209,8 @@ class EngineClient:
                 last = f"{type(exc).__name__}: {exc}"
                 resp = None
             finally:
-                engine.in_flight -= 1
+                in_flight -= item_rids
+                engine.in_flight -= len(inputs)
                 m.ENGINE_IN_FLIGHT.labels(engine.label).set(engine.in_flight)
             if resp is not None:
                 if 400 <= resp.status_code < 500 and resp.status_code not in RETRY_STATUSES:
@@ -189,7 +218,7 @@ class EngineClient:
                     raise EngineRejected(_error_message(resp), resp.status_code)
                 if resp.status_code == 200:
                     try:
-                        out = _parse_generation(resp)
+                        out = _parse_generations(resp, len(inputs))
                     except ValueError as exc:
                         last = f"garbage response: {exc}"
                     else:
@@ -274,11 +303,20 @@ class EngineClient:
         return list(await asyncio.gather(*(one(e) for e in self.admins)))
 
 
-def _parse_generation(resp: httpx.Response) -> Generation:
+_BATCH = TypeAdapter(list[GenerateResponse])
+
+
+def _parse_generations(resp: httpx.Response, n: int) -> list[Generation]:
     try:
-        out = GenerateResponse.model_validate_json(resp.content)
+        outs = _BATCH.validate_json(resp.content)
     except ValidationError as exc:
-        raise ValueError(f"not a GenerateResponse: {exc.errors()[:2]}") from exc
+        raise ValueError(f"not a list of GenerateResponse: {exc.errors()[:2]}") from exc
+    if len(outs) != n:
+        raise ValueError(f"{len(outs)} answers for a batch of {n}")
+    return [_check_generation(out) for out in outs]
+
+
+def _check_generation(out: GenerateResponse) -> Generation:
     meta = out.meta_info
     lps = meta.output_token_logprobs
     if lps is None:

@@ -6,9 +6,9 @@ engine (partial rollouts across weight updates) → score → write to the buffe
         try_admit until not `full`     (each `full` counted)
         `done` (already buffered)      → ack `done`
         engine = least-loaded healthy engine (the whole group stays on it)
-        generate group_size samples concurrently; a sample aborted by a weight update is
-            resubmitted as prompt + tokens so far with the remaining budget; every token
-            keeps the engine's `weight_version` of the segment that sampled it
+        generate the group_size samples in one batched /generate; the samples aborted by a
+            weight update are resubmitted together as prompt + tokens so far with the remaining
+            budget; every token keeps the engine's `weight_version` of the segment that sampled it
         engine failed                  → requeue: same slot, another engine, after a backoff
         engine refused (4xx)           → release, ack `failed`
         score the samples (one reward batch per group)
@@ -256,7 +256,7 @@ class Scheduler:
             a.engine = await self.engines.pick()
             t0 = time.monotonic()
             try:
-                drafts = await _all_or_nothing([self._sample(a, i, attempt) for i in range(job.group_size)])
+                drafts = await self._samples(a, attempt)
             except EngineFailure as exc:
                 attempt += 1
                 m.GROUPS_REQUEUED.labels("engine").inc()
@@ -279,49 +279,66 @@ class Scheduler:
             m.TOKENS_PER_SECOND.set(tokens / seconds if seconds > 0 else 0.0)
             return drafts
 
-    async def _sample(self, a: Active, index: int, attempt: int) -> Draft:
-        """One completion, resubmitting the remainder after every abort (partial rollout)."""
+    async def _samples(self, a: Active, attempt: int) -> list[Draft]:
+        """The group's completions in one batched request; after a weight-update abort, the
+        aborted samples' remainders (prompt + their tokens so far) go again as one batch."""
         job, engine = a.claimed.job, a.engine
         assert engine is not None
         params = dict(job.sampling_params)
         budget = int(params.get("max_new_tokens", self.s.default_max_new_tokens))
         prompt = job.prompt_ids.tolist()
-        d = Draft(index, submitted=time.time())
+        now = time.time()
+        drafts = [Draft(i, submitted=now) for i in range(job.group_size)]
+        pending = list(range(job.group_size))
         for segment in range(self.s.max_resubmits + 1):
             await self.weights.ready.wait()  # never start a segment while the weights change
-            seg_params = {**params, "max_new_tokens": budget - len(d.tokens)}
-            if "sampling_seed" in params:  # distinct, reproducible streams per sample and segment
-                seg_params["sampling_seed"] = (
-                    params["sampling_seed"] + SEED_STRIDE * (index + 1) + segment
-                ) % SEED_MOD
-            rid = f"{job.group_id}-{index}-a{attempt}-s{segment}"
-            a.rids.add(rid)
-            try:
-                gen = await self.engines.generate(engine, prompt + d.tokens, seg_params, rid)
-            finally:
-                a.rids.discard(rid)
-            version = self._version(gen.weight_version)
-            d.tokens += gen.output_ids
-            d.logprobs += gen.logprobs
-            d.versions += [version] * len(gen.output_ids)
-            if gen.output_ids and d.first_token is None:
-                d.first_token = time.time()
-            if gen.finish_reason != "abort":
-                d.finish_reason = gen.finish_reason
-                break
-            m.ABORTS.inc()
-            if len(d.tokens) >= budget or len(prompt) + len(d.tokens) >= self.context_length:
-                d.finish_reason = "length"
-                break
-            m.RESUBMITS.inc()
-        else:
-            raise EngineFailure(
-                f"sample {index} of {job.group_id} was aborted {self.s.max_resubmits + 1} times"
+            gens = await self.engines.generate(
+                engine,
+                [prompt + drafts[i].tokens for i in pending],
+                [self._segment_params(params, budget, drafts[i], segment) for i in pending],
+                f"{job.group_id}-a{attempt}-s{segment}",
+                a.rids,
             )
-        d.finished = time.time()
-        text_ids = d.tokens[:-1] if d.finish_reason == "stop" and not params.get("no_stop_trim") else d.tokens
-        d.text = self.tokenizer.decode(text_ids, skip_special_tokens=params.get("skip_special_tokens", True))
-        return d
+            still = []
+            for i, gen in zip(pending, gens):
+                if self._extend(drafts[i], gen, budget, len(prompt)):
+                    still.append(i)
+            if not still:
+                break
+            m.RESUBMITS.inc(len(still))
+            pending = still
+        else:
+            raise EngineFailure(f"samples of {job.group_id} were aborted {self.s.max_resubmits + 1} times")
+        for d in drafts:
+            d.finished = d.finished or time.time()
+            stop_trim = d.finish_reason == "stop" and not params.get("no_stop_trim")
+            d.text = self.tokenizer.decode(d.tokens[:-1] if stop_trim else d.tokens,
+                                           skip_special_tokens=params.get("skip_special_tokens", True))  # fmt: skip
+        return drafts
+
+    def _segment_params(self, params: dict, budget: int, d: Draft, segment: int) -> dict:
+        seg = {**params, "max_new_tokens": budget - len(d.tokens)}
+        if "sampling_seed" in params:  # distinct, reproducible streams per sample and segment
+            seg["sampling_seed"] = (params["sampling_seed"] + SEED_STRIDE * (d.index + 1) + segment) % SEED_MOD
+        return seg
+
+    def _extend(self, d: Draft, gen, budget: int, prompt_len: int) -> bool:
+        """Append one segment's tokens (each with the version that sampled it); True when the
+        sample was aborted with budget left and must be resubmitted."""
+        version = self._version(gen.weight_version)
+        d.tokens += gen.output_ids
+        d.logprobs += gen.logprobs
+        d.versions += [version] * len(gen.output_ids)
+        if gen.output_ids and d.first_token is None:
+            d.first_token = time.time()
+        if gen.finish_reason != "abort":
+            d.finish_reason, d.finished = gen.finish_reason, time.time()
+            return False
+        m.ABORTS.inc()
+        if len(d.tokens) >= budget or prompt_len + len(d.tokens) >= self.context_length:
+            d.finish_reason, d.finished = "length", time.time()
+            return False
+        return True
 
     def _version(self, weight_version: str | None) -> int:
         """The engine's `weight_version` as a policy version (SGLang starts at "default")."""
@@ -357,19 +374,3 @@ class Scheduler:
             )
             for d, r in zip(drafts, results)
         ]
-
-
-async def _all_or_nothing(coros: list) -> list:
-    """Run concurrently; on the first exception cancel the rest and raise it."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            if t.exception() is not None:
-                raise t.exception()
-        return [t.result() for t in tasks]
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -3,7 +3,6 @@ all-or-nothing gather. No network, no Redis (the integration tests cover those).
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -13,9 +12,8 @@ from pydantic import ValidationError
 from proto.rollout import RolloutRequest
 from services.common.tinymodel import build_char_tokenizer
 from services.rollout.config import RolloutSettings
-from services.rollout.engine_client import _parse_generation
+from services.rollout.engine_client import _parse_generations
 from services.rollout.intake import BadRequest, Intake, body_hash, job_id_for
-from services.rollout.scheduler import _all_or_nothing
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +57,7 @@ def test_build_gives_one_group_job_per_prompt_with_stable_ids(intake):
     jobs = intake.build(req, "jX", frozenset({"reverse", "arith"}))
     assert [j.group_id for j in jobs] == ["jX-000000", "jX-000001"]
     assert [j.prompt_id for j in jobs] == ["jX-p0", "jX-p1"]
-    assert jobs[0].prompt_ids.tolist() == [1, 3, 4, 5]  # <bos> a b c in the char vocabulary
+    assert jobs[0].prompt_ids.tolist() == [3, 4, 5]  # a b c in the char vocabulary (no BOS, as Qwen2)
     assert jobs[0].reward_spec == {"verifier": "reverse"}
     assert jobs[1].reward_spec == {"verifier": "arith", "answer": "3"}
     assert {j.group_size for j in jobs} == {3}
@@ -67,7 +65,7 @@ def test_build_gives_one_group_job_per_prompt_with_stable_ids(intake):
 
 def test_build_refuses_long_prompts_and_unknown_verifiers(intake):
     with pytest.raises(BadRequest, match="prompt 1 has 10 tokens"):
-        intake.build(request(prompts=[{"text": "ab"}, {"text": "abcdefghi"}]), "j", frozenset({"reverse"}))
+        intake.build(request(prompts=[{"text": "ab"}, {"text": "abcdefghij"}]), "j", frozenset({"reverse"}))
     with pytest.raises(BadRequest, match=r"unknown verifier\(s\) \['astro'\]"):
         intake.build(
             request(prompts=[{"text": "ab", "reward_spec": {"verifier": "astro"}}]),
@@ -101,8 +99,8 @@ def test_settings_parse_engine_url_lists(tok_dir):
         RolloutSettings(tokenizer=tok_dir, heartbeat_s=5, recover_idle_s=10)
 
 
-def generate_response(output_ids, logprobs, version="3") -> httpx.Response:
-    body = {
+def generate_item(output_ids, logprobs, version="3") -> dict:
+    return {
         "text": "x",
         "output_ids": output_ids,
         "meta_info": {
@@ -114,43 +112,25 @@ def generate_response(output_ids, logprobs, version="3") -> httpx.Response:
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, output_ids)],
         },
     }
-    return httpx.Response(200, json=body)
+
+
+def batch(*items: dict) -> httpx.Response:
+    return httpx.Response(200, json=list(items))
 
 
 def test_generation_answers_are_checked():
-    out = _parse_generation(generate_response([5, 6], [-0.5, -1.25]))
-    assert (out.output_ids, out.logprobs, out.weight_version, out.finish_reason) == (
-        [5, 6],
-        [-0.5, -1.25],
-        "3",
-        "length",
-    )
+    out = _parse_generations(batch(generate_item([5, 6], [-0.5, -1.25]), generate_item([7], [-2.0], "4")), 2)
+    assert [(o.output_ids, o.logprobs, o.weight_version, o.finish_reason) for o in out] == [
+        ([5, 6], [-0.5, -1.25], "3", "length"),
+        ([7], [-2.0], "4", "length"),
+    ]
+    with pytest.raises(ValueError, match="1 answers for a batch of 2"):
+        _parse_generations(batch(generate_item([5], [-0.5])), 2)
     with pytest.raises(ValueError, match="do not match"):
-        _parse_generation(generate_response([5, 6], [-0.5]))
+        _parse_generations(batch(generate_item([5, 6], [-0.5])), 1)
     with pytest.raises(ValueError, match="<= 0"):
-        _parse_generation(generate_response([5], [0.7]))
-    with pytest.raises(ValueError, match="not a GenerateResponse"):
-        _parse_generation(httpx.Response(200, json={"text": 1}))
-
-
-def test_all_or_nothing_cancels_the_rest_on_the_first_error():
-    cancelled = []
-
-    async def slow(i):
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.append(i)
-            raise
-
-    async def boom():
-        await asyncio.sleep(0.01)
-        raise RuntimeError("engine gone")
-
-    async def main():
-        with pytest.raises(RuntimeError, match="engine gone"):
-            await _all_or_nothing([slow(0), boom(), slow(2)])
-        return await _all_or_nothing([asyncio.sleep(0, result=i) for i in range(3)])
-
-    assert asyncio.run(main()) == [0, 1, 2]
-    assert sorted(cancelled) == [0, 2]
+        _parse_generations(batch(generate_item([5], [0.7])), 1)
+    with pytest.raises(ValueError, match="not a list of GenerateResponse"):
+        _parse_generations(httpx.Response(200, json=[{"text": 1}]), 1)
+    with pytest.raises(ValueError, match="not a list of GenerateResponse"):
+        _parse_generations(httpx.Response(200, json=generate_item([5], [-0.5])), 1)  # a single, unbatched answer
