@@ -341,9 +341,20 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ rollout jobs
     def enqueue_job(self, job: GroupJob) -> bool:
         """Queue one prompt group for generation; idempotent on job.group_id."""
+        return self.enqueue_jobs([job]) == 1
+
+    def enqueue_jobs(self, jobs: list[GroupJob], chunk: int = 512) -> int:
+        """`enqueue_job` for many, pipelined `chunk` at a time (each stays atomic). Returns how
+        many were new."""
         k = self.keys
-        new, _ = self._scripts["ENQUEUE_JOB"](keys=[k.job_index, k.jobs, k.stats], args=[job.group_id, encode(job)])
-        return bool(new)
+        new = 0
+        for start in range(0, len(jobs), chunk):
+            pipe = self.r.pipeline(transaction=False)
+            for job in jobs[start : start + chunk]:
+                self._scripts["ENQUEUE_JOB"](keys=[k.job_index, k.jobs, k.stats], args=[job.group_id, encode(job)],
+                                             client=pipe)  # fmt: skip
+            new += sum(int(reply[0]) for reply in pipe.execute())
+        return new
 
     def claim_jobs(self, n: int, block_ms: int = 1000) -> list[ClaimedJob]:
         resp = self.r.xreadgroup(ROLLOUT_GROUP, self.consumer, {self.keys.jobs: ">"}, count=n, block=block_ms or None)

@@ -113,7 +113,14 @@ class History:
 
 
 def make_prompts(n: int, cfg: DemoSection, rng: random.Random) -> list[dict]:
-    return [{"text": "".join(rng.choice(cfg.letters) for _ in range(cfg.prompt_len)) + ">"} for _ in range(n)]
+    """`<bos>` + letters + `>`, each with its target: the letters reversed. (The tiny tokenizer,
+    like Qwen2's, adds no BOS itself; a fixed first token gives the model a place to anchor
+    its attention, and without it the recipe learns far more slowly.)"""
+    prompts = []
+    for _ in range(n):
+        word = "".join(rng.choice(cfg.letters) for _ in range(cfg.prompt_len))
+        prompts.append({"text": f"<bos>{word}>", "reward_spec": {"verifier": "reverse", "target": word[::-1]}})
+    return prompts
 
 
 def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Random) -> str:
@@ -121,9 +128,11 @@ def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Rando
         "prompts": make_prompts(n_prompts, cfg, rng),
         "group_size": cfg.group_size,
         # Fixed-length answers: every completion has exactly prompt_len tokens, so stopping
-        # early is never an option the policy can collapse into (DESIGN.md §10).
-        "sampling_params": {"temperature": 1.0, "max_new_tokens": cfg.prompt_len, "ignore_eos": True},
-        "reward_spec": {"verifier": "reverse"},
+        # early is never an option the policy can collapse into (DESIGN.md §10). Special tokens
+        # stay in the text, so a sampled <eos> costs its position instead of vanishing and
+        # sliding the later characters into place: the reward is exact per token.
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": cfg.prompt_len, "ignore_eos": True,
+                            "skip_special_tokens": False},
         "idempotency_key": f"demo-{cfg.seed}",
     }
     resp = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=60)
@@ -244,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print("starting Redis, reward, engine, rollout and trainer ...", flush=True)
         launcher.start()
-        n_prompts = (min(max_steps, 10_000) + eta + 2) * demo.prompts_per_step
+        # stale groups are dropped and consume prompts too: submit twice what the steps need
+        n_prompts = 2 * (min(max_steps, 10_000) + eta + 2) * demo.prompts_per_step
         job = submit(launcher.rollout_urls()[0], demo, n_prompts, random.Random(demo.seed))
         print(f"submitted job {job}: {n_prompts} prompts x {demo.group_size} samples; training (Ctrl-C stops)")
         t0 = time.monotonic()

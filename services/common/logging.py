@@ -30,7 +30,9 @@ def setup_logging(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    # one line per HTTP request is noise at this rate (and costs CPU on the hot path)
+    for name in ("uvicorn.access", "httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def log_event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields) -> None:

@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import json
 import logging
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
@@ -35,7 +36,9 @@ log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 MAX_BACKOFF_S = 10.0  # one engine retry never sleeps longer than this
-GENERATE_KEEPALIVE = 256  # idle generation connections kept; concurrency is bounded by active groups
+GENERATE_KEEPALIVE = 64  # idle generation connections kept
+COALESCE_S = 0.005  # how long a generate call waits for others (same engine, same params) to share its request
+MAX_COALESCED_ITEMS = 1024  # items in one coalesced /generate at most
 
 
 class EngineFailure(Exception):
@@ -74,6 +77,20 @@ class Generation:
     text: str
 
 
+@dataclass
+class _Waiting:
+    """A generate call waiting for its coalesced request."""
+
+    inputs: list[list[int]]
+    in_flight: set[str]
+    future: asyncio.Future
+
+
+def _settle(fut: asyncio.Future, *, result=None, exc: BaseException | None = None) -> None:
+    if not fut.done():  # a caller cancelled meanwhile (its group was cancelled): nothing to hand over
+        fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+
 class EngineClient:
     def __init__(
         self,
@@ -103,6 +120,10 @@ class EngineClient:
         )  # fmt: skip
         self._control_http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
         self._rr = itertools.count()
+        self._batch_ids = itertools.count()
+        self._rid_prefix = uuid.uuid4().hex[:12]  # engine rids stay unique across rollout replicas
+        self._pending: dict[tuple[str, str], list[_Waiting]] = {}
+        self._flushes: set[asyncio.Task] = set()
         self._health_changed = asyncio.Event()
         for e in self.engines:
             m.ENGINE_HEALTHY.labels(e.label).set(1)
@@ -162,28 +183,25 @@ class EngineClient:
     # --- generation -------------------------------------------------------------------------
 
     async def generate(
-        self, engine: Engine, inputs: list[list[int]], sampling_params: list[dict], rid: str, in_flight: set[str]
+        self, engine: Engine, inputs: list[list[int]], sampling_params: list[dict], in_flight: set[str]
     ) -> list[Generation]:
         """Generate for every input (one answer per input, in order) in as few requests as
-        possible: items with the same sampling params go as one SGLang batch. `in_flight`
-        holds the item rids while their request runs (so a cancel can abort them).
-
-        Batches carry one `sampling_params` map and one string `rid` (items become
-        `rid_0`, `rid_1`, …), the form SGLang and sglang-router both accept.
+        possible. Items with the same sampling params share an SGLang batch, and so do the
+        calls of other groups for the same engine and params arriving within `COALESCE_S`:
+        a step's worth of groups costs a few HTTP requests, not one per sample. `in_flight`
+        holds the engine rids of this call's items while their request runs (for cancels).
         """
         by_params: dict[str, list[int]] = {}
         for i, params in enumerate(sampling_params):
             by_params.setdefault(json.dumps(params, sort_keys=True), []).append(i)
         answers: list[Generation | None] = [None] * len(inputs)
 
-        async def batch(k: int, items: list[int]) -> None:
-            gens = await self._generate_batch(
-                engine, [inputs[i] for i in items], sampling_params[items[0]], f"{rid}-b{k}", in_flight
-            )
+        async def batch(key: str, items: list[int]) -> None:
+            gens = await self._coalesced(engine, key, sampling_params[items[0]], [inputs[i] for i in items], in_flight)
             for i, gen in zip(items, gens):
                 answers[i] = gen
 
-        tasks = [asyncio.ensure_future(batch(k, items)) for k, items in enumerate(by_params.values())]
+        tasks = [asyncio.ensure_future(batch(key, items)) for key, items in by_params.items()]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -191,16 +209,70 @@ class EngineClient:
                 t.cancel()  # the first failure ends the others
         return answers  # type: ignore[return-value]
 
-    async def _generate_batch(
-        self, engine: Engine, inputs: list[list[int]], params: dict, rid: str, in_flight: set[str]
+    async def _coalesced(
+        self, engine: Engine, key: str, params: dict, inputs: list[list[int]], in_flight: set[str]
     ) -> list[Generation]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        queue = self._pending.setdefault((engine.url, key), [])
+        queue.append(_Waiting(inputs, in_flight, fut))
+        if len(queue) == 1:
+            loop.call_later(COALESCE_S, self._start_flush, engine, key, params)
+        return await fut
+
+    def _start_flush(self, engine: Engine, key: str, params: dict) -> None:
+        task = asyncio.ensure_future(self._flush(engine, key, params))
+        self._flushes.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self, engine: Engine, key: str, params: dict) -> None:
+        """Send everything waiting under `key`, in requests of at most MAX_COALESCED_ITEMS."""
+        waiting = [w for w in self._pending.pop((engine.url, key), []) if not w.future.done()]
+        chunks: list[list[_Waiting]] = []
+        size = MAX_COALESCED_ITEMS
+        for w in waiting:
+            if size + len(w.inputs) > MAX_COALESCED_ITEMS:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(w)
+            size += len(w.inputs)
+        m.COALESCED_CALLS.observe(len(waiting))
+        await asyncio.gather(*(self._send(engine, params, chunk) for chunk in chunks))
+
+    async def _send(self, engine: Engine, params: dict, chunk: list[_Waiting]) -> None:
+        owners = [w.in_flight for w in chunk for _ in w.inputs]
+        try:
+            gens = await self._generate_batch(engine, [x for w in chunk for x in w.inputs], params, owners)
+        except EngineRejected as exc:
+            if len(chunk) == 1:
+                _settle(chunk[0].future, exc=exc)
+                return
+            m.COALESCED_SPLITS.inc()  # one caller's input may be what the engine refused: isolate it
+            await asyncio.gather(*(self._send(engine, params, [w]) for w in chunk))
+            return
+        except Exception as exc:  # noqa: BLE001 — handed to every waiting caller, who owns the policy
+            for w in chunk:
+                _settle(w.future, exc=exc)
+            return
+        offset = 0
+        for w in chunk:
+            _settle(w.future, result=gens[offset : offset + len(w.inputs)])
+            offset += len(w.inputs)
+
+    async def _generate_batch(
+        self, engine: Engine, inputs: list[list[int]], params: dict, owners: list[set[str]]
+    ) -> list[Generation]:
+        """One `/generate` of a batch with one `sampling_params` map and one string `rid` (items
+        become `rid_0`, `rid_1`, …): the form SGLang and sglang-router both accept."""
         body = {"input_ids": inputs, "sampling_params": params, "return_logprob": True}
+        rid = f"{self._rid_prefix}-{next(self._batch_ids)}"
         delay = self.backoff_s
         last = "no attempt"
         for attempt in range(self.retries + 1):
             body["rid"] = rid if attempt == 0 else f"{rid}-r{attempt}"
-            item_rids = {f"{body['rid']}_{j}" for j in range(len(inputs))}
-            in_flight |= item_rids
+            item_rids = [f"{body['rid']}_{j}" for j in range(len(inputs))]
+            for owner, item in zip(owners, item_rids):
+                owner.add(item)
             engine.in_flight += len(inputs)
             m.ENGINE_IN_FLIGHT.labels(engine.label).set(engine.in_flight)
             try:
@@ -209,7 +281,8 @@ class EngineClient:
                 last = f"{type(exc).__name__}: {exc}"
                 resp = None
             finally:
-                in_flight -= item_rids
+                for owner, item in zip(owners, item_rids):
+                    owner.discard(item)
                 engine.in_flight -= len(inputs)
                 m.ENGINE_IN_FLIGHT.labels(engine.label).set(engine.in_flight)
             if resp is not None:

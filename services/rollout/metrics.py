@@ -58,6 +58,13 @@ ENGINE_REQUESTS = Counter(
 ENGINE_HEALTHY = Gauge(
     "asyncrl_rollout_engine_healthy", "1 when the engine is used, 0 when marked unhealthy", ["engine"]
 )
+COALESCED_CALLS = Histogram(
+    "asyncrl_rollout_coalesced_calls", "Generate calls (groups or resubmission rounds) sharing one flush",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+COALESCED_SPLITS = Counter(
+    "asyncrl_rollout_coalesced_splits_total", "Coalesced requests refused (4xx) and retried per caller"
+)
 ENGINE_IN_FLIGHT = Gauge("asyncrl_rollout_engine_in_flight", "Generate calls in flight", ["engine"])
 
 REWARD_SECONDS = Histogram(

@@ -296,7 +296,6 @@ class Scheduler:
                 engine,
                 [prompt + drafts[i].tokens for i in pending],
                 [self._segment_params(params, budget, drafts[i], segment) for i in pending],
-                f"{job.group_id}-a{attempt}-s{segment}",
                 a.rids,
             )
             still = []

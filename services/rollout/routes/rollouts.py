@@ -58,7 +58,7 @@ async def submit(body: RolloutRequest, service: ServiceDep) -> RolloutAccepted:
             buf.set_job_info(job_id, groups=len(jobs), created_at=time.time(), body_hash=digest)
         # Re-enqueueing a replayed request is a no-op per group, and completes a submission
         # that was interrupted half-way.
-        return sum(buf.enqueue_job(job) for job in jobs)
+        return buf.enqueue_jobs(jobs)
 
     new = await run_in_threadpool(enqueue)
     if not duplicate:
