@@ -13,7 +13,7 @@
 
     .venv/bin/python benchmarks/trainer_step.py            # full run (~4 min on 2 cores)
     .venv/bin/python benchmarks/trainer_step.py --quick    # smaller models, smoke test
-Prints one JSON object; figures go to benchmarks/RESULTS_trainer.md by hand.
+Prints one JSON object; figures go to benchmarks/RESULTS.md (trainer section) by hand.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,7 +50,9 @@ class ModelSection(BaseModel):
 
 class LaunchSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    engines: int = Field(1, ge=0, le=64, description="reference engines to start")
+    engine_kind: Literal["reference", "sglang"] = Field("reference", description="what `engines` starts")
+    engine_args: list[str] = Field(default_factory=list, description="extra flags for each started engine")
+    engines: int = Field(1, ge=0, le=64, description="engines to start")
     engine_urls: list[str] = Field(default_factory=list, description="external engines (SGLang) instead")
     engine_port: int = Field(30000, gt=0, lt=65536, description="port of engine 0; engine i uses +i")
     reward_replicas: int = Field(1, ge=1, le=64)
@@ -61,11 +65,23 @@ class LaunchSection(BaseModel):
     health_timeout_s: float = Field(180.0, gt=0)
 
 
+class SubmitSection(BaseModel):
+    """A dataset posted to rollout-0 once everything is healthy (`asyncrl submit`'s options)."""
+
+    model_config = ConfigDict(extra="forbid")
+    file: str = Field(description="JSONL of prompts: text | messages | input_ids, optional reward_spec")
+    group_size: int | None = Field(None, ge=1)
+    sampling_params: dict | None = None
+    reward_spec: dict | None = None
+    idempotency_key: str | None = None
+
+
 class UpConfig(BaseModel):
     model_config = ConfigDict(extra="ignore")  # the services' own tables are theirs
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection
     launch: LaunchSection = Field(default_factory=LaunchSection)
+    submit: SubmitSection | None = None
 
     @classmethod
     def load(cls, path: Path) -> UpConfig:
@@ -122,7 +138,7 @@ class Launcher:
         rewards = [Proc(f"reward-{i}", self._cli("reward", "--port", str(ln.reward_port + i)), f"{url}/healthz")
                    for i, url in enumerate(self.reward_urls)]  # fmt: skip
         engines = [] if ln.engine_urls else [
-            Proc(f"engine-{i}", self._cli("engine", "--model", model, "--port", str(ln.engine_port + i)), f"{url}/health")
+            Proc(f"engine-{i}", self._engine_cmd(model, ln.engine_port + i), f"{url}/health")
             for i, url in enumerate(self.engine_urls)
         ]  # fmt: skip
         rollouts = [
@@ -142,6 +158,31 @@ class Launcher:
                 "--metrics-port", str(ln.trainer_metrics_port)], f"{self.trainer_url}/healthz")  # fmt: skip
             stages.append([trainer])
         return [s for s in stages if s]
+
+    def _engine_cmd(self, model: str, port: int) -> list[str]:
+        ln = self.cfg.launch
+        if ln.engine_kind == "sglang":  # a real SGLang server (GPU); the rollout speaks its native API
+            return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+                    "--port", str(port), "--enable-metrics", *ln.engine_args]  # fmt: skip
+        return [*self._cli("engine", "--model", model, "--port", str(port)), *ln.engine_args]
+
+    def submit_dataset(self) -> None:
+        sub = self.cfg.submit
+        if sub is None:
+            return
+        cmd = [sys.executable, "-m", "services.cli", "submit", str(Path(sub.file).resolve()), "--url", self.rollout_urls()[0]]
+        for flag, value in (("--group-size", sub.group_size), ("--idempotency-key", sub.idempotency_key)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        for flag, obj in (("--sampling-params", sub.sampling_params), ("--reward-spec", sub.reward_spec)):
+            if obj is not None:
+                cmd += [flag, json.dumps(obj)]
+        self._say("launcher", f"submitting {sub.file}")
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        for line in (out.stdout + out.stderr).splitlines():
+            self._say("submit", line)
+        if out.returncode != 0:
+            raise RuntimeError(f"asyncrl submit {sub.file} failed with {out.returncode}")
 
     # ------------------------------------------------------------------ lifecycle
     def prepare(self) -> None:
@@ -165,7 +206,7 @@ class Launcher:
                "ASYNCRL_RUN_DIR": str(self.run_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
         for stage in self.plan():
             for proc in stage:
-                log = open(self.run_dir / "logs" / f"{proc.name}.log", "ab")
+                log = open(self.run_dir / "logs" / f"{proc.name}.log", "ab")  # noqa: SIM115 — _pump closes it
                 proc.popen = subprocess.Popen(proc.cmd, env={**env, **proc.env}, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
                 threading.Thread(target=self._pump, args=(proc, log), daemon=True).start()
@@ -235,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launcher.start()
         launcher._say("launcher", "all services healthy; Ctrl-C stops everything")
+        launcher.submit_dataset()
         trainer = launcher.find("trainer")
         while True:
             if trainer is not None and not trainer.alive:

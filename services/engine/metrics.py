@@ -34,6 +34,9 @@ E2E_LATENCY = Histogram(
 DECODE_BATCH = Histogram(
     "asyncrl_engine_decode_batch_size", "Requests per decode step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
 )
+BUSY_SECONDS = Counter(
+    "asyncrl_engine_busy_seconds_total", "Wall time the scheduler spent in prefill and decode forwards"
+)
 PREFILL_STEPS = Counter("asyncrl_engine_prefill_steps_total", "Batched prefill forwards")
 DECODE_STEPS = Counter("asyncrl_engine_decode_steps_total", "Batched decode forwards")
 REQUESTS_FINISHED = Counter(

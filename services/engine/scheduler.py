@@ -145,7 +145,9 @@ class Scheduler:
                     self._prefill(admitted)
                 if self.running:
                     self._decode()
-                self.stats["forward_seconds"] += time.perf_counter() - started
+                busy = time.perf_counter() - started
+                self.stats["forward_seconds"] += busy
+                metrics.BUSY_SECONDS.inc(busy)
             except Exception:  # the policy owner: a failed step fails its requests, not the engine
                 log.exception("scheduler step failed; aborting the requests in flight")
                 metrics.STEP_FAILURES.inc()

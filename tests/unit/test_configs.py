@@ -1,0 +1,53 @@
+"""Every shipped run config validates against every service's own settings, so a config and
+the code cannot drift apart unnoticed."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from services.common.config import load_settings
+from services.launcher import Launcher, UpConfig
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+RUN_CONFIGS = [c for c in CONFIGS if "example" not in c.name]
+
+
+def test_the_three_run_configs_ship():
+    assert {c.name for c in RUN_CONFIGS} >= {"demo.toml", "math.toml", "code.toml"}
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.name)
+def test_run_config_validates_for_every_service(path):
+    from services.reward.config import RewardSettings
+    from services.rollout.config import RolloutSettings
+    from trainer.config import TrainerSettings
+
+    up = UpConfig.model_validate(tomllib.loads(path.read_text()))
+    trainer = load_settings(TrainerSettings, ["--config", str(path), "--model-path", up.model.path], prog="t",
+                            section="trainer")  # fmt: skip
+    reward = load_settings(RewardSettings, ["--config", str(path)], prog="r", section="reward")
+    load_settings(RolloutSettings, ["--config", str(path), "--tokenizer", up.model.path], prog="r", section="rollout")
+    assert trainer.batch_groups >= 1 and trainer.max_staleness >= 0
+    if path.name == "demo.toml":
+        assert up.launch.engine_kind == "reference" and up.model.build_tiny and not reward.code_enabled
+    else:  # the GPU configs: SGLang engines, a dataset, a real model path
+        assert up.launch.engine_kind == "sglang" and up.submit is not None and not up.model.build_tiny
+        assert trainer.device == "cuda" and trainer.mixed_precision == "bfloat16"
+
+
+def test_launcher_plans_the_topology_in_start_order(tmp_path):
+    raw = tomllib.loads((Path(__file__).resolve().parents[2] / "configs" / "math.toml").read_text())
+    raw["launch"].update(engines=2, rollout_replicas=2, reward_replicas=1)
+    raw["run"]["redis_url"] = "redis://127.0.0.1:1/0"
+    launcher = Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
+    stages = [[p.name for p in stage] for stage in launcher.plan()]
+    assert stages == [["reward-0"], ["engine-0", "engine-1"], ["rollout-0", "rollout-1"], ["trainer"]]
+    engine = launcher.plan()[1][1]
+    assert engine.cmd[1:4] == ["-m", "sglang.launch_server", "--model-path"] and "30001" in engine.cmd
+    rollout = launcher.plan()[2][1].cmd
+    urls = rollout[rollout.index("--engine-urls") + 1]
+    assert urls == "http://127.0.0.1:30000,http://127.0.0.1:30001"
+    assert rollout[rollout.index("--replica") + 1] == "rollout-1"
