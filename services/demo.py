@@ -123,21 +123,29 @@ def make_prompts(n: int, cfg: DemoSection, rng: random.Random) -> list[dict]:
     return prompts
 
 
-def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Random) -> str:
-    body = {
-        "prompts": make_prompts(n_prompts, cfg, rng),
-        "group_size": cfg.group_size,
-        # Fixed-length answers: every completion has exactly prompt_len tokens, so stopping
-        # early is never an option the policy can collapse into (DESIGN.md §10). Special tokens
-        # stay in the text, so a sampled <eos> costs its position instead of vanishing and
-        # sliding the later characters into place: the reward is exact per token.
-        "sampling_params": {"temperature": 1.0, "max_new_tokens": cfg.prompt_len, "ignore_eos": True,
-                            "skip_special_tokens": False},
-        "idempotency_key": f"demo-{cfg.seed}",
-    }
-    resp = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=60)
-    resp.raise_for_status()
-    return resp.json()["job_id"]
+PROMPTS_PER_JOB = 20_000  # well under the rollout service's per-job cap
+
+
+def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Random) -> list[str]:
+    """Post the reverse task in jobs of at most PROMPTS_PER_JOB prompts; returns the job ids."""
+    jobs = []
+    for k, start in enumerate(range(0, n_prompts, PROMPTS_PER_JOB)):
+        body = {
+            "prompts": make_prompts(min(PROMPTS_PER_JOB, n_prompts - start), cfg, rng),
+            "group_size": cfg.group_size,
+            # Fixed-length answers: every completion has exactly prompt_len tokens, so stopping
+            # early is never an option the policy can collapse into (DESIGN.md §10). Special
+            # tokens stay in the text, so a sampled <eos> costs its position instead of vanishing
+            # and sliding the later characters into place: the reward is exact per token.
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": cfg.prompt_len, "ignore_eos": True,
+                                "skip_special_tokens": False},
+            "idempotency_key": f"demo-{cfg.seed}-{k}",
+        }
+        resp = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=120)
+        if resp.status_code != 202:
+            raise RuntimeError(f"the rollout service refused the demo job ({resp.status_code}): {resp.text[:500]}")
+        jobs.append(resp.json()["job_id"])
+    return jobs
 
 
 def scrape_counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -254,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         print("starting Redis, reward, engine, rollout and trainer ...", flush=True)
         launcher.start()
         # stale groups are dropped and consume prompts too: submit twice what the steps need
-        n_prompts = 2 * (min(max_steps, 10_000) + eta + 2) * demo.prompts_per_step
-        job = submit(launcher.rollout_urls()[0], demo, n_prompts, random.Random(demo.seed))
-        print(f"submitted job {job}: {n_prompts} prompts x {demo.group_size} samples; training (Ctrl-C stops)")
+        # (at most what the time limit could use at 3 steps/s; the demo runs at ~2 on 2 cores)
+        steps = min(max_steps, int(demo.time_limit_s * 3))
+        n_prompts = 2 * (steps + eta + 2) * demo.prompts_per_step
+        jobs = submit(launcher.rollout_urls()[0], demo, n_prompts, random.Random(demo.seed))
+        print(f"submitted {len(jobs)} job(s), {n_prompts} prompts x {demo.group_size} samples; training (Ctrl-C stops)")
         t0 = time.monotonic()
         trainer = launcher.find("trainer")
         last_print = 0.0

@@ -3,35 +3,25 @@ calling process (for tests and benchmarks; `asyncrl engine` is the production en
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from dataclasses import dataclass
 
-STARTUP_TIMEOUT_S = 60.0
+from buffer.server import free_port
+from services.common.serving import ThreadServer, serve_app_in_thread
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["RunningEngine", "free_port", "serve_in_thread"]
 
 
 @dataclass
 class RunningEngine:
     url: str
     engine: object  # services.engine.engine.Engine
-    server: object  # uvicorn.Server
-    thread: threading.Thread
+    http: ThreadServer
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.http.stop()
 
 
 def serve_in_thread(model: str, **overrides) -> RunningEngine:
-    import uvicorn
-
     from services.engine.app import build_app
     from services.engine.config import EngineSettings
     from services.engine.engine import Engine
@@ -40,15 +30,5 @@ def serve_in_thread(model: str, **overrides) -> RunningEngine:
         model=model, host="127.0.0.1", port=overrides.pop("port", None) or free_port(), **overrides
     )
     engine = Engine(settings)
-    config = uvicorn.Config(
-        build_app(engine), host=settings.host, port=settings.port, log_level="warning", access_log=False
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"engine-http-{settings.port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"engine on port {settings.port} did not start")
-        time.sleep(0.02)
-    return RunningEngine(f"http://127.0.0.1:{settings.port}", engine, server, thread)
+    http = serve_app_in_thread(build_app(engine), settings.port, "engine", settings.host)
+    return RunningEngine(http.url, engine, http)

@@ -3,37 +3,28 @@ calling process (tests and benchmarks; `asyncrl rollout` is the production entry
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from dataclasses import dataclass
 
+from buffer.server import free_port
+from services.common.serving import STARTUP_TIMEOUT_S, ThreadServer, serve_app_in_thread
 from services.rollout.config import RolloutSettings
 
-STARTUP_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["RunningProcess", "RunningRollout", "free_port", "serve_in_thread", "start_process",
+           "start_reward_service", "wait_job"]  # fmt: skip
 
 
 @dataclass
 class RunningRollout:
     url: str
     service: object  # services.rollout.service.RolloutService
-    server: object  # uvicorn.Server
-    thread: threading.Thread
+    http: ThreadServer
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.http.stop()
 
 
 def serve_in_thread(redis_url: str, loaded_tokenizer=None, **fields) -> RunningRollout:
-    import uvicorn
-
     from services.rollout.app import build_app
     from services.rollout.service import RolloutService
 
@@ -41,18 +32,8 @@ def serve_in_thread(redis_url: str, loaded_tokenizer=None, **fields) -> RunningR
         host="127.0.0.1", port=fields.pop("port", None) or free_port(), redis_url=redis_url, **fields
     )
     service = RolloutService(settings, redis_url, tokenizer=loaded_tokenizer)
-    config = uvicorn.Config(
-        build_app(service), host=settings.host, port=settings.port, log_level="warning", access_log=False
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"rollout-http-{settings.port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"rollout service on port {settings.port} did not start")
-        time.sleep(0.02)
-    return RunningRollout(f"http://127.0.0.1:{settings.port}", service, server, thread)
+    http = serve_app_in_thread(build_app(service), settings.port, "rollout", settings.host)
+    return RunningRollout(http.url, service, http)
 
 
 @dataclass

@@ -295,7 +295,7 @@ def test_compose_commands_parse_with_the_services_settings(compose, compose_sett
 
 def test_demo_submission_is_a_valid_rollout_job(compose, tmp_path):
     from proto.rollout import RolloutRequest
-    from services.reward.verifiers.toy import ReverseVerifier, target_from_prompt
+    from services.reward.verifiers.toy import ReverseVerifier
     from services.rollout.submit import read_rows
 
     services = compose["services"]
@@ -321,13 +321,16 @@ def test_demo_submission_is_a_valid_rollout_job(compose, tmp_path):
         idempotency_key=options["--idempotency-key"],
     )
     assert request.reward_spec.verifier == ReverseVerifier.name and request.group_size == demo.group_size
-    # Fixed-length answers, as `asyncrl demo` asks: early EOS cannot collapse entropy.
+    # Fixed-length answers, as `asyncrl demo` asks: early EOS cannot collapse entropy; special
+    # tokens stay in the text so the reward is exact per token.
     assert request.sampling_params.ignore_eos and request.sampling_params.max_new_tokens == demo.prompt_len
+    assert request.sampling_params.skip_special_tokens is False
     assert len({row["prompt_id"] for row in rows}) == len(rows)
     for row in rows:
-        target = target_from_prompt(row["text"])
+        target = row["reward_spec"]["target"]  # each prompt carries its own target, as in the demo
+        assert row["reward_spec"]["verifier"] == ReverseVerifier.name
         assert len(target) == demo.prompt_len and set(target) <= set(demo.letters)
-        assert row["text"] == target[::-1] + ">"
+        assert row["text"] == "<bos>" + target[::-1] + ">"
 
 
 def test_dockerfile_pins_cpu_torch_and_installs_bubblewrap(compose):

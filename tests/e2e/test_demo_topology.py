@@ -1,0 +1,98 @@
+"""The demo topology end to end, short: embedded Redis, reference engine, reward, rollout and
+trainer as separate processes on loopback (`asyncrl up`'s launcher), the reverse task.
+
+Asserts that reward rose, versions advanced (and reached the engine), staleness never
+exceeded η, every service's /metrics answered, and shutdown left no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+
+from buffer.server import free_port
+from services.demo import DemoSection, History, _to_toml, scrape_trainer, submit
+from services.launcher import Launcher, UpConfig
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 16
+ETA = 1
+
+
+def _config(tmp_path: Path) -> tuple[dict, Path]:
+    raw = tomllib.loads((REPO / "configs" / "demo.toml").read_text())
+    raw["run"].update(id="e2e", dir=str(tmp_path / "run"))
+    raw["model"]["path"] = str(tmp_path / "run" / "base")
+    raw["launch"].update(engine_port=free_port(), reward_port=free_port(), rollout_port=free_port(),
+                         trainer_metrics_port=free_port(), health_timeout_s=120)  # fmt: skip
+    # Short and steep: a higher learning rate makes the rise visible within STEPS versions.
+    # max_steps leaves headroom: the test stops the trainer, which must still be up when polled.
+    raw["trainer"].update(max_steps=STEPS + 1000, max_staleness=ETA, batch_groups=16, lr=1e-3, checkpoint_every=8)
+    raw["demo"].update(prompts_per_step=16)
+    path = tmp_path / "config.toml"
+    path.write_text(_to_toml(raw))
+    return raw, path
+
+
+def _metrics_ok(url: str) -> bool:
+    resp = httpx.get(f"{url}/metrics", timeout=5)
+    return resp.status_code == 200 and "asyncrl_" in resp.text
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(400)
+def test_demo_topology_learns_and_shuts_down_cleanly(tmp_path):
+    raw, path = _config(tmp_path)
+    launcher = Launcher(UpConfig.model_validate(raw), path, echo=False)
+    demo = DemoSection.model_validate(raw["demo"])
+    history = History()
+    metrics_answered: dict[str, bool] = {}
+    try:
+        launcher.start()
+        services = {"trainer": launcher.trainer_url, "rollout": launcher.rollout_urls()[0],
+                    "reward": launcher.reward_urls[0], "engine": launcher.engine_urls[0]}  # fmt: skip
+        submit(launcher.rollout_urls()[0], demo, (STEPS + ETA + 2) * demo.prompts_per_step, random.Random(0))
+        t0 = time.monotonic()
+        deadline = t0 + 300
+        while time.monotonic() < deadline:
+            s = scrape_trainer(launcher.trainer_url, t0)
+            if s is not None:
+                history.add(s)
+                if s.version >= 2 and not metrics_answered:
+                    metrics_answered = {name: _metrics_ok(url) for name, url in services.items()}
+                if s.version >= STEPS:
+                    break
+            assert all(p.alive for p in launcher.procs), [p.name for p in launcher.procs if not p.alive]
+            time.sleep(0.3)
+        engine_version = httpx.get(f"{launcher.engine_urls[0]}/get_weight_version", timeout=5).json()
+        final = scrape_trainer(launcher.trainer_url, t0)
+    finally:
+        pgids = [p.popen.pid for p in launcher.procs if p.popen is not None]
+        launcher.stop()
+
+    assert final is not None and final.version >= STEPS, f"only reached version {final and final.version}"
+    assert metrics_answered == {"trainer": True, "rollout": True, "reward": True, "engine": True}
+    rewards = [r["reward"] for r in history.rows if r["reward"] is not None]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.05, f"reward did not rise: first steps {rewards[:3]}, last steps {rewards[-3:]}"
+    # Every trained group had v − min_version ≤ η: the histogram's η bucket holds all of them.
+    assert final.staleness_count > 0 and final.staleness_max_bucket is not None
+    assert final.staleness_max_bucket <= ETA
+    assert int(engine_version.get("weight_version", "0")) > 0, "published weights never reached the engine"
+    # Shutdown left nothing behind: no process group of any service, no Redis.
+    time.sleep(0.5)
+    assert [g for g in pgids if _group_alive(g)] == []
+    assert launcher.redis is None
