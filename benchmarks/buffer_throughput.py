@@ -18,8 +18,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from buffer import RedisServer, ReplayBuffer  # noqa: E402
-from proto import Group, RewardStatus, Sample, encode  # noqa: E402
+from buffer import RedisServer, ReplayBuffer
+from proto import Group, RewardStatus, Sample, encode
 
 SAMPLES, TOKENS = 8, 2048
 

@@ -400,7 +400,7 @@ class ReplayBuffer:
             pipe.hincrby(self.keys.job_prefix + job_id, name, n)
         pipe.execute()
 
-    def set_job_info(self, job_id: str, **fields: str | int | float) -> None:
+    def set_job_info(self, job_id: str, **fields: str | float) -> None:
         self.r.hset(self.keys.job_prefix + job_id, mapping={f"info:{k}": v for k, v in fields.items()})
 
     def job_progress(self, job_id: str) -> dict[str, str]:

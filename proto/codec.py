@@ -163,7 +163,7 @@ def decode(data: bytes, expected: type[R] | None = None) -> R:
         raise RecordDecodeError(f"expected bytes, got {type(data).__name__}")
     try:
         payload = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises a zoo of types for bad input; all mean the same
+    except Exception as exc:  # noqa: BLE001 — msgpack raises a zoo of types for bad input; all mean the same
         raise RecordDecodeError(f"malformed msgpack: {type(exc).__name__}: {exc}"[:MAX_DEPTH_ERROR]) from None
     if not isinstance(payload, dict):
         raise RecordDecodeError(f"expected a msgpack map, got {type(payload).__name__}")

@@ -83,7 +83,8 @@ def _array_type(dtype: np.dtype, json_item: str) -> Any:
         if isinstance(value, (list, tuple)):
             for item in value:
                 if isinstance(item, bool) or not isinstance(item, (int, float)):
-                    raise ValueError(f"expected a list of numbers, found {type(item).__name__}")
+                    # ValueError, not TypeError: pydantic turns only ValueError into a validation error
+                    raise ValueError(f"expected a list of numbers, found {type(item).__name__}")  # noqa: TRY004
                 if integral and not isinstance(item, int):
                     raise ValueError("expected a list of integers, found a float")
             try:

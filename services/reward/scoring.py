@@ -171,14 +171,14 @@ class Scorer:
         started = time.monotonic()
         try:
             await asyncio.wait_for(slots.acquire(), self.queue_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return Verdict.failed(RewardStatus.timeout, "queue_timeout", waited_s=self.queue_timeout_s)
         budget = verifier.item_timeout_s(job.spec)
         try:
             return await asyncio.wait_for(
                 verifier.verify(job.spec, job.item.prompt, job.item.completion), budget
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return Verdict.failed(RewardStatus.timeout, "item_timeout", timeout_s=budget)
         except Exception as exc:  # noqa: BLE001 -- a verifier bug must not sink the batch
             log_event(

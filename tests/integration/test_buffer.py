@@ -9,15 +9,14 @@ import os
 import signal
 import time
 
+import buffer_workers as workers
 import msgpack
 import pytest
+from factories import make_group, make_job
 from prometheus_client import REGISTRY
 
 from buffer import Admission, RedisServer, ReplayBuffer
-from factories import make_group, make_job
 from proto import Group, encode
-
-import buffer_workers as workers
 
 SPAWN = mp.get_context("spawn")
 
@@ -100,7 +99,7 @@ def test_consumer_killed_mid_batch_loses_nothing(redis_url, run_id, tmp_path):
 
     # The survivor sees only the 4 never-delivered groups until it recovers the victim's.
     first = buf.take_groups(10, current_version=0, max_staleness=0, block_ms=50)
-    assert sorted(g.group_id for g in first.groups) == sorted(set(f"g{i}" for i in range(10)) - set(taken_by_victim))
+    assert sorted(g.group_id for g in first.groups) == sorted({f"g{i}" for i in range(10)} - set(taken_by_victim))
     assert buf.recover_pending(idle_ms=10_000) == 0  # not idle long enough yet
     time.sleep(0.2)
     assert buf.recover_pending(idle_ms=100) == 6

@@ -101,10 +101,19 @@ def test_rollout_behind_sglang_router(topology, models, redis_url, run_id):
     }
     try:
         with httpx.Client(base_url=running.url, timeout=30) as client:
-            first = client.post("/v1/rollouts", json=body)
-            assert first.status_code == 202, first.text
-            progress = wait_job(client, first.json()["job_id"])
-            assert progress["buffered"] == 8, progress
+            # The rollout service coalesces groups with the same sampling params into one
+            # /generate; jobs with four different temperatures make at least four requests,
+            # so round-robin must hand work to both engines.
+            jobs = []
+            for k, temperature in enumerate((1.0, 0.9, 0.8, 0.7)):
+                job = {**body, "prompts": body["prompts"][2 * k : 2 * k + 2],
+                       "sampling_params": {"temperature": temperature, "max_new_tokens": 8}}  # fmt: skip
+                resp = client.post("/v1/rollouts", json=job)
+                assert resp.status_code == 202, resp.text
+                jobs.append(resp.json()["job_id"])
+            for job_id in jobs:
+                progress = wait_job(client, job_id)
+                assert progress["buffered"] == 2, progress
             served = [e.engine.scheduler.stats["generated_tokens"] for e in engines]
             assert all(n > 0 for n in served), f"the router sent no work to one engine: {served}"
 
@@ -124,7 +133,7 @@ def test_rollout_behind_sglang_router(topology, models, redis_url, run_id):
     assert len(groups) == 12
     v1 = AutoModelForCausalLM.from_pretrained(models[1]).eval()
     for g in groups:
-        version = 0 if g.job_id == first.json()["job_id"] else 1
+        version = 0 if g.job_id in jobs else 1
         for s in g.samples:
             assert s.reward_status is RewardStatus.scored
             assert s.versions.tolist() == [version] * len(s.completion_ids)

@@ -7,10 +7,10 @@ import math
 import msgpack
 import numpy as np
 import pytest
+from factories import make_group, make_job, make_sample
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from factories import make_group, make_job, make_sample
 from proto import Group, GroupJob, RecordDecodeError, RewardStatus, Sample, WeightsInfo, decode, encode
 from proto.codec import RecordEncodeError
 

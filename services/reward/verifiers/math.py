@@ -149,7 +149,7 @@ class MathPool:
             reply = await asyncio.wait_for(worker.request({"gold": gold, "pred": pred}), self.timeout_s)
             done = True
             return reply
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise WorkerTimeout(f"math-verify ran past {self.timeout_s:g}s") from None
         finally:
             if done:
