@@ -189,7 +189,9 @@ def plot(history: History, out: Path, target: float, eta: int) -> None:
     ax.set_ylim(0, 1.02)
     ax2 = ax.twinx()
     st = [r for r in rows if r["staleness"] is not None]
-    ax2.plot([r["t"] for r in st], [r["staleness"] for r in st], color="tab:orange", alpha=0.8, label="mean staleness")
+    window = 10  # per-poll staleness jumps between 0 and η; a rolling mean shows the level
+    smooth = [sum(r["staleness"] for r in st[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(st))]
+    ax2.plot([r["t"] for r in st], smooth, color="tab:orange", alpha=0.9, label=f"mean staleness (last {window} steps)")
     ax2.axhline(eta, color="tab:orange", linestyle=":", linewidth=1, label=f"η = {eta}")
     ax2.set_ylabel("staleness (versions)", color="tab:orange")
     ax2.set_ylim(0, max(eta + 0.5, 1))
