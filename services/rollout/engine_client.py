@@ -31,6 +31,7 @@ from pydantic import TypeAdapter, ValidationError
 from proto.sglang import GenerateResponse, UpdateWeightFromDiskReqOutput
 from services.common.logging import log_event
 from services.rollout import metrics as m
+from services.rollout.batching import chunk_by_size
 
 log = logging.getLogger(__name__)
 
@@ -228,14 +229,7 @@ class EngineClient:
     async def _flush(self, engine: Engine, key: str, params: dict) -> None:
         """Send everything waiting under `key`, in requests of at most MAX_COALESCED_ITEMS."""
         waiting = [w for w in self._pending.pop((engine.url, key), []) if not w.future.done()]
-        chunks: list[list[_Waiting]] = []
-        size = MAX_COALESCED_ITEMS
-        for w in waiting:
-            if size + len(w.inputs) > MAX_COALESCED_ITEMS:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(w)
-            size += len(w.inputs)
+        chunks = chunk_by_size(waiting, lambda w: len(w.inputs), MAX_COALESCED_ITEMS)
         m.COALESCED_CALLS.observe(len(waiting))
         await asyncio.gather(*(self._send(engine, params, chunk) for chunk in chunks))
 

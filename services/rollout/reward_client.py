@@ -21,6 +21,7 @@ from proto.records import RewardStatus
 from proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, VerifierList
 from services.common.logging import log_event
 from services.rollout import metrics as m
+from services.rollout.batching import chunk_by_size
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +80,7 @@ class RewardClient:
 
     def _start_flush(self) -> None:
         waiting, self._waiting = [w for w in self._waiting if not w[1].done()], []
-        chunks: list[list[tuple[list[RewardItem], asyncio.Future]]] = []
-        size = MAX_COALESCED_ITEMS
-        for w in waiting:
-            if size + len(w[0]) > MAX_COALESCED_ITEMS:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(w)
-            size += len(w[0])
-        for chunk in chunks:
+        for chunk in chunk_by_size(waiting, lambda w: len(w[0]), MAX_COALESCED_ITEMS):
             task = asyncio.ensure_future(self._send(chunk))
             self._flushes.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._flushes.discard)

@@ -134,3 +134,11 @@ def test_generation_answers_are_checked():
         _parse_generations(httpx.Response(200, json=[{"text": 1}]), 1)
     with pytest.raises(ValueError, match="not a list of GenerateResponse"):
         _parse_generations(httpx.Response(200, json=generate_item([5], [-0.5])), 1)  # a single, unbatched answer
+
+
+def test_chunk_by_size_keeps_order_and_the_limit():
+    from services.rollout.batching import chunk_by_size
+
+    # sizes 3,3,2 | 5 | 9 (alone: larger than the limit) | 1 ; limit 8
+    assert chunk_by_size([3, 3, 2, 5, 9, 1], lambda n: n, 8) == [[3, 3, 2], [5], [9], [1]]
+    assert chunk_by_size([], lambda n: n, 8) == []
