@@ -8,24 +8,36 @@ The admission rule is AReaL's: a replica may start a group only while
 (group_id → admit time), which makes admission idempotent per group.
 """
 
-# KEYS: index, groups, admission, stats, running, gjob, payload
-# ARGV: group_id, job_id
-# The payload itself was written by `SET payload NX` in the same pipeline: passing ~200 kB
-# through a Lua argument costs as much as the XADD itself, so the stream entry holds the id.
-PUT_GROUP = """
-redis.call('HDEL', KEYS[5], ARGV[1])
-local state = redis.call('HGET', KEYS[1], ARGV[1])
-if state then
-  redis.call('HINCRBY', KEYS[4], 'duplicates', 1)
-  if not string.find(state, '^%d+%-%d+$') then redis.call('DEL', KEYS[7]) end
-  return {0, state}
+# KEYS: index, groups, admission, stats, running, gjob, payload_1 .. payload_n
+# ARGV: n, then per group: group_id, job_id, min_version
+# Returns one flag per group: 1 new, 0 seen before (idempotent on group_id).
+# The payloads were written by `SET payload NX` in the same pipeline: passing ~200 kB through a
+# Lua argument costs as much as the XADD itself, so the stream entry holds the id (and the oldest
+# token version, for inspection).
+PUT_GROUPS = """
+local n, new = tonumber(ARGV[1]), 0
+local out = {}
+for i = 1, n do
+  local gid, job, mv = ARGV[3 * i - 1], ARGV[3 * i], ARGV[3 * i + 1]
+  redis.call('HDEL', KEYS[5], gid)
+  local state = redis.call('HGET', KEYS[1], gid)
+  if state then
+    redis.call('HINCRBY', KEYS[4], 'duplicates', 1)
+    if not string.find(state, '^%d+%-%d+$') then redis.call('DEL', KEYS[6 + i]) end
+    out[i] = 0
+  else
+    local eid = redis.call('XADD', KEYS[2], '*', 'gid', gid, 'mv', mv)
+    redis.call('HSET', KEYS[1], gid, eid)
+    redis.call('HSET', KEYS[6], gid, job)
+    new = new + 1
+    out[i] = 1
+  end
 end
-local eid = redis.call('XADD', KEYS[2], '*', 'gid', ARGV[1])
-redis.call('HSET', KEYS[1], ARGV[1], eid)
-redis.call('HSET', KEYS[6], ARGV[1], ARGV[2])
-redis.call('HINCRBY', KEYS[3], 'accepted', 1)
-redis.call('HINCRBY', KEYS[4], 'put', 1)
-return {1, eid}
+if new > 0 then
+  redis.call('HINCRBY', KEYS[3], 'accepted', new)
+  redis.call('HINCRBY', KEYS[4], 'put', new)
+end
+return out
 """
 
 # KEYS: admission, running, version, config, index
@@ -55,25 +67,33 @@ return {0, accepted, running, capacity}
 # admission slot back (it will never be trained, so it must not hold capacity).
 FINISH = """
 local group, reason, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local changed = 0
+local changed, entries, payloads, jobs = 0, {}, {}, {}
 for i = 0, n - 1 do
   local gid, eid = ARGV[4 + 2 * i], ARGV[5 + 2 * i]
   local state = redis.call('HGET', KEYS[1], gid)
   if eid == '' then eid = state end
-  if eid and eid ~= '' and string.find(eid, '^%d+%-%d+$') then
-    redis.call('XACK', KEYS[2], group, eid)
-    redis.call('XDEL', KEYS[2], eid)
-  end
+  if eid and eid ~= '' and string.find(eid, '^%d+%-%d+$') then entries[#entries + 1] = eid end
   if state and string.find(state, '^%d+%-%d+$') then
-    redis.call('DEL', KEYS[7] .. gid)
+    payloads[#payloads + 1] = KEYS[7] .. gid
     redis.call('HSET', KEYS[1], gid, reason)
-    redis.call('HINCRBY', KEYS[4], reason, 1)
-    if reason ~= 'acked' then redis.call('HINCRBY', KEYS[3], 'accepted', -1) end
     local job = redis.call('HGET', KEYS[5], gid)
-    if job then redis.call('HINCRBY', KEYS[6] .. job, reason, 1) end
+    if job then jobs[job] = (jobs[job] or 0) + 1 end
     changed = changed + 1
   end
 end
+-- one command per kind, in slices (Lua's unpack has a stack limit); UNLINK frees the payloads
+-- off the main thread
+for s = 1, #entries, 1000 do
+  local slice = {unpack(entries, s, math.min(s + 999, #entries))}
+  redis.call('XACK', KEYS[2], group, unpack(slice))
+  redis.call('XDEL', KEYS[2], unpack(slice))
+end
+for s = 1, #payloads, 1000 do redis.call('UNLINK', unpack(payloads, s, math.min(s + 999, #payloads))) end
+if changed > 0 then
+  redis.call('HINCRBY', KEYS[4], reason, changed)
+  if reason ~= 'acked' then redis.call('HINCRBY', KEYS[3], 'accepted', -changed) end
+end
+for job, count in pairs(jobs) do redis.call('HINCRBY', KEYS[6] .. job, reason, count) end
 return changed
 """
 

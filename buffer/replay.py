@@ -15,11 +15,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Self
 
 import redis
 
 from buffer import lua
 from buffer import metrics as m
+from buffer.alloc import tune_malloc
 from proto import Group, GroupJob, RecordDecodeError, WeightsInfo, decode, encode
 
 TRAINER_GROUP = "trainer"
@@ -90,6 +92,7 @@ class ReplayBuffer:
         max_staleness: int = 0,
         client: redis.Redis | None = None,
     ):
+        tune_malloc()  # large payloads: keep freed memory instead of faulting it in again (buffer/alloc.py)
         self.keys = Keys(run)
         self.run = run
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
@@ -102,7 +105,7 @@ class ReplayBuffer:
         self._held_groups: dict[str, str] = {}  # group_id -> entry id
         self._held_jobs: dict[str, str] = {}
         self._scripts = {name: self.r.register_script(getattr(lua, name)) for name in (
-            "PUT_GROUP", "TRY_ADMIT", "FINISH", "DEAD_LETTER", "ENQUEUE_JOB", "ACK_JOB",
+            "PUT_GROUPS", "TRY_ADMIT", "FINISH", "DEAD_LETTER", "ENQUEUE_JOB", "ACK_JOB",
             "REBUILD_ADMISSION", "PUBLISH_WEIGHTS")}  # fmt: skip
         for stream, group in ((self.keys.groups, TRAINER_GROUP), (self.keys.jobs, ROLLOUT_GROUP)):
             try:
@@ -110,6 +113,26 @@ class ReplayBuffer:
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+
+    def _evalsha(self, pipe, name: str, keys: list, args: list) -> None:
+        """A script call queued on a pipeline. Script objects there would cost a SCRIPT EXISTS
+        round trip per execute; `_pipeline` loads the scripts only if Redis lost them."""
+        pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
+
+    def _pipeline(self, fill) -> list:
+        """Run the commands `fill(pipe)` queues in one round trip. If Redis lost its script
+        cache (a restart), load the scripts and run them again: every queued write is idempotent."""
+        for attempt in (0, 1):
+            pipe = self.r.pipeline(transaction=False)
+            fill(pipe)
+            try:
+                return pipe.execute()
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                for script in self._scripts.values():
+                    self.r.script_load(script.script)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self.r.close()
@@ -134,24 +157,28 @@ class ReplayBuffer:
         return self.put_groups([group])[0]
 
     def put_groups(self, groups: list[Group]) -> list[bool]:
-        """`put_group` for many groups in one round trip (each put is still atomic)."""
+        """`put_group` for many groups in one round trip and one script (each put stays
+        idempotent; a group_id twice in one call is put once)."""
+        if not groups:
+            return []
         t0 = time.perf_counter()
         k = self.keys
-        pipe = self.r.pipeline(transaction=False)
-        sizes = []
+        payloads, payload_keys, args = [], [], [len(groups)]
         for group in groups:
             if not group.scored:
                 raise ValueError(f"group {group.group_id} has samples without a reward status")
-            payload = encode(group)
-            sizes.append(len(payload))
-            pipe.set(k.payload(group.group_id), payload, nx=True)
-            self._scripts["PUT_GROUP"](
-                keys=[k.index, k.groups, k.admission, k.stats, k.running, k.gjob, k.payload(group.group_id)],
-                args=[group.group_id, group.job_id],
-                client=pipe,
-            )
-        replies = pipe.execute()
-        results = [bool(replies[2 * i + 1][0]) for i in range(len(groups))]
+            payloads.append(encode(group))
+            payload_keys.append(k.payload(group.group_id))
+            args += [group.group_id, group.job_id, group.min_version]
+
+        def fill(pipe) -> None:
+            for key, payload in zip(payload_keys, payloads):
+                pipe.set(key, payload, nx=True)
+            self._evalsha(pipe, "PUT_GROUPS", [k.index, k.groups, k.admission, k.stats, k.running, k.gjob,
+                                               *payload_keys], args)  # fmt: skip
+
+        results = [bool(flag) for flag in self._pipeline(fill)[-1]]
+        sizes = map(len, payloads)
         for new, size in zip(results, sizes):
             if new:
                 m.PUT_BYTES.inc(size)
@@ -349,11 +376,13 @@ class ReplayBuffer:
         k = self.keys
         new = 0
         for start in range(0, len(jobs), chunk):
-            pipe = self.r.pipeline(transaction=False)
-            for job in jobs[start : start + chunk]:
-                self._scripts["ENQUEUE_JOB"](keys=[k.job_index, k.jobs, k.stats], args=[job.group_id, encode(job)],
-                                             client=pipe)  # fmt: skip
-            new += sum(int(reply[0]) for reply in pipe.execute())
+            encoded = [(job.group_id, encode(job)) for job in jobs[start : start + chunk]]
+
+            def fill(pipe, encoded=encoded) -> None:
+                for group_id, payload in encoded:
+                    self._evalsha(pipe, "ENQUEUE_JOB", [k.job_index, k.jobs, k.stats], [group_id, payload])
+
+            new += sum(int(reply[0]) for reply in self._pipeline(fill))
         return new
 
     def claim_jobs(self, n: int, block_ms: int = 1000) -> list[ClaimedJob]:
@@ -451,7 +480,7 @@ class ReplayBuffer:
             "counters": {key.decode(): int(v) for key, v in counters.items()},
             "admission": self.admission(),
             "staleness": {"histogram": dict(sorted(histogram.items())), "count": total, "mean": mean,
-                          "max": max(histogram) if histogram else None},  # fmt: skip
+                          "max": max(histogram) if histogram else None},
         }
 
 
@@ -481,7 +510,7 @@ class WeightsSubscription:
     def close(self) -> None:
         self._pubsub.close()
 
-    def __enter__(self) -> WeightsSubscription:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

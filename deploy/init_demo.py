@@ -20,9 +20,8 @@ import os
 import random
 import shutil
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from services.demo import DemoSection, make_prompts
 from services.launcher import ModelSection

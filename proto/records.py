@@ -24,7 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a group's sample arrays travel as three columns (codec)
+READABLE_SCHEMAS = (1, 2)
 
 # A sampled token's logprob is ≤ 0 in exact arithmetic; engines in bf16 can round a
 # near-certain token to a hair above 0, so allow that much and no more.
@@ -36,11 +37,12 @@ ARRAYS_CHECKED = "asyncrl.arrays_checked"
 
 def check_token_arrays(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> None:
     """Content rules for token arrays (any length, possibly several samples concatenated)."""
-    if len(logprobs):
+    # min and max are NaN if any value is, and every comparison with NaN is False: two passes
+    # decide the common case; the detailed checks run only to word the error.
+    if len(logprobs) and not (float(logprobs.min()) > -math.inf and float(logprobs.max()) <= MAX_LOGPROB):
         if not np.all(np.isfinite(logprobs)):
             raise ValueError("behavior_logprobs contain NaN or inf")
-        if float(logprobs.max()) > MAX_LOGPROB:
-            raise ValueError(f"behavior_logprobs must be <= 0, found {float(logprobs.max())}")
+        raise ValueError(f"behavior_logprobs must be <= 0, found {float(logprobs.max())}")
     if len(ids) and int(ids.min()) < 0:
         raise ValueError("negative token id")
     if len(versions) and int(versions.min()) < 0:

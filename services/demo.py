@@ -31,7 +31,7 @@ class DemoSection(BaseModel):
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=2)
     letters: str = Field("abcdefghij", min_length=2)
-    prompt_len: int = Field(4, ge=1, le=32)
+    prompt_len: int = Field(3, ge=1, le=32)
     target_reward: float = Field(0.9, gt=0, le=1)
     target_window: int = Field(5, ge=1)
     time_limit_s: float = Field(300, gt=0)

@@ -1,7 +1,8 @@
 """The trainer loop (DESIGN.md §6), read top to bottom as the algorithm:
 
     resume from the last durable checkpoint (ack what it covers, reclaim what it does not)
-    repeat:  take B groups (staleness rule) → recompute log π_old (unless bypass)
+    repeat:  take B groups (staleness rule) → log π_old (μ if bypass; the update's own
+             forward if one minibatch; else a recompute)
              → advantages → minibatch steps → v += 1 → publish weights
              → every k steps: checkpoint, then XACK the groups it covers
 
@@ -67,8 +68,7 @@ def train(p: Parts) -> int:
         with timer("recompute"):
             rows = build_rows(taken.groups, cfg.advantage, p.source.shaping)
             micro = micro_batches(rows.rows, d.rank, d.world, cfg.minibatches, cfg.micro_batch_size, p.pad_id, d.device)
-            old = ([mb.behavior_logprobs for mb in micro] if cfg.bypass
-                   else recompute_logprobs(p.model, micro, cfg.temperature))  # fmt: skip
+            old = old_logprobs(p, micro)
             ref = (recompute_logprobs(p.ref_model, micro, cfg.temperature) if p.ref_model is not None
                    else [None] * len(micro))  # fmt: skip
         stats = policy_step(p.model, p.optimizer, micro, old, ref, p.step_cfg, d.device)
@@ -90,6 +90,17 @@ def train(p: Parts) -> int:
         checkpoint_and_ack(p, version, consumed)
     p.health.state = "stopped"
     return 0
+
+
+def old_logprobs(p: Parts, micro) -> list:
+    """log π_old per micro-batch. Bypass: μ itself. One minibatch: π_old is π_θ before its only
+    update, i.e. the training forward's own logprobs, detached; `policy_step` takes them from
+    there (None here), which is the decoupled loss at no extra forward. Otherwise: recompute."""
+    if p.cfg.bypass:
+        return [mb.behavior_logprobs for mb in micro]
+    if p.cfg.minibatches == 1:
+        return [None] * len(micro)
+    return recompute_logprobs(p.model, micro, p.cfg.temperature)
 
 
 def checkpoint_and_ack(p: Parts, version: int, consumed: list[str]) -> None:

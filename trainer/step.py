@@ -58,13 +58,16 @@ def policy_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     micro: list[Batch],
-    old_logprobs: list[torch.Tensor],
+    old_logprobs: list[torch.Tensor | None],
     ref_logprobs: list[torch.Tensor | None],
     cfg: StepConfig,
     device: torch.device,
 ) -> dict[str, float]:
     """Run `cfg.minibatches` optimizer steps over this rank's micro-batches; return the step's
-    metrics averaged over all ranks' tokens (max for is_weight_max)."""
+    metrics averaged over all ranks' tokens (max for is_weight_max). An `old_logprobs` entry of
+    None means log π_old is this forward's own, detached: exact for the first minibatch only."""
+    if cfg.minibatches > 1 and any(o is None for o in old_logprobs):
+        raise ValueError("old_logprobs may be None only with one minibatch (π_θ moves after the first)")
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_mb = len(micro) // cfg.minibatches  # micro_batches() makes equal minibatches
     sums = {k: 0.0 for k in (*SUM_METRICS, "entropy", "ref_kl", "tokens", "loss", "grad_norm")}
@@ -79,7 +82,8 @@ def policy_step(
         for i in idx:
             mb = micro[i]
             logprobs, entropy = token_logprobs(model, mb, cfg.temperature, with_entropy=True)
-            loss, stats = policy_loss(logprobs, old_logprobs[i], mb.behavior_logprobs, mb.advantages, mb.mask,
+            old = logprobs.detach() if old_logprobs[i] is None else old_logprobs[i]  # None: π_old = π_θ now
+            loss, stats = policy_loss(logprobs, old, mb.behavior_logprobs, mb.advantages, mb.mask,
                                       cfg.loss, denominator=loss_den)  # fmt: skip
             if cfg.entropy_coef > 0:
                 loss = loss + entropy_bonus(entropy, mb.mask, cfg.entropy_coef, denominator=tok_den)

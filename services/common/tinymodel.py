@@ -59,7 +59,7 @@ def build_char_tokenizer(out_dir: str | Path, chars: str = DEFAULT_CHARS, model_
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]  # fmt: skip
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])

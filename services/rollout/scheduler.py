@@ -93,6 +93,7 @@ class Scheduler:
         self.active: dict[str, Active] = {}
         self._redis = ThreadPoolExecutor(1, thread_name_prefix="rollout-buffer")
         self._wake = asyncio.Event()
+        self._admission_queue = asyncio.Lock()
         self._stopping = False
 
     async def _db(self, fn, *args, **kwargs):
@@ -208,10 +209,13 @@ class Scheduler:
             self._wake.set()
 
     async def _admit(self, job: GroupJob) -> Admission:
+        """Groups queue for admission in claim order and only the head asks Redis, so a full
+        buffer costs one `try_admit` per poll interval, not one per waiting group."""
         t0 = time.monotonic()
-        while (admission := await self._db(self.buf.try_admit, job.group_id)) is Admission.full:
-            m.ADMISSION_WAITS.inc()
-            await asyncio.sleep(self.s.admission_poll_s)
+        async with self._admission_queue:  # asyncio locks wake their waiters first in, first out
+            while (admission := await self._db(self.buf.try_admit, job.group_id)) is Admission.full:
+                m.ADMISSION_WAITS.inc()
+                await asyncio.sleep(self.s.admission_poll_s)
         m.ADMISSION_WAIT_SECONDS.observe(time.monotonic() - t0)
         if admission.go:
             m.GROUPS_ADMITTED.inc()

@@ -11,7 +11,18 @@ from factories import make_group, make_job, make_sample
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto import Group, GroupJob, RecordDecodeError, RewardStatus, Sample, WeightsInfo, decode, encode
+from proto import (
+    SCHEMA_VERSION,
+    Group,
+    GroupJob,
+    RecordDecodeError,
+    RewardStatus,
+    Sample,
+    WeightsInfo,
+    codec,
+    decode,
+    encode,
+)
 from proto.codec import RecordEncodeError
 
 
@@ -40,9 +51,83 @@ def test_round_trip_every_record_type(record):
 def test_arrays_are_little_endian_bytes_on_the_wire():
     s = make_sample(n_tokens=3, versions=[1, 2, 258])
     wire = _wire(s)
-    assert wire["schema"] == 1 and wire["type"] == "sample"
+    assert wire["schema"] == SCHEMA_VERSION and wire["type"] == "sample"
     assert wire["versions"] == b"\x01\x00\x00\x00\x02\x00\x00\x00\x02\x01\x00\x00"
     assert np.frombuffer(wire["behavior_logprobs"], "<f4").tolist() == s.behavior_logprobs.tolist()
+
+
+def test_group_arrays_travel_as_columns_in_sample_order():
+    g = make_group(n=3, n_tokens=4)
+    g.samples[1] = make_sample("g0", 1, n_tokens=2, seed=9)  # lengths differ: 4, 2, 4
+    g = Group.build(**{k: getattr(g, k) for k in ("group_id", "job_id", "prompt_ids", "reward_spec", "samples",
+                                                  "submit_version")})  # fmt: skip
+    wire = _wire(g)
+    assert [s["n"] for s in wire["samples"]] == [4, 2, 4]
+    assert not {"completion_ids", "behavior_logprobs", "versions"} & set(wire["samples"][0])
+    assert np.frombuffer(wire["completion_ids"], "<i4").tolist() == [t for s in g.samples for t in s.completion_ids.tolist()]
+    assert np.frombuffer(wire["behavior_logprobs"], "<f4").tolist() == [x for s in g.samples for x in s.behavior_logprobs.tolist()]
+    back = decode(encode(g), Group)
+    assert back == g and [len(s.versions) for s in back.samples] == [4, 2, 4]
+
+
+def test_encoded_group_is_a_plain_msgpack_map_read_in_place():
+    """Columns first, as `bin 32`: any msgpack reader sees the same map, and decode's arrays are
+    views of the payload (no copy), read-only like every decoded array."""
+    g = make_group(n=3, n_tokens=6, version=4)
+    data = encode(g)
+    plain = msgpack.unpackb(data, raw=False)
+    split = codec._split_columns(data)
+    assert {k: bytes(v) if isinstance(v, memoryview) else v for k, v in split.items()} == plain
+    assert list(plain)[:3] == ["completion_ids", "behavior_logprobs", "versions"]
+    back = decode(data, Group)
+    assert back == g
+    assert np.shares_memory(back.samples[1].completion_ids, np.frombuffer(data, np.uint8))
+    assert not back.samples[0].behavior_logprobs.flags.writeable
+    # the same map with the columns elsewhere (another writer) decodes the usual way, to the same group
+    reordered = {k: plain[k] for k in sorted(plain, key=lambda k: k in ("completion_ids", "versions"))}
+    assert codec._split_columns(msgpack.packb(reordered, use_bin_type=True)) is None
+    assert decode(msgpack.packb(reordered, use_bin_type=True), Group) == g
+
+
+def test_schema_1_groups_still_decode():
+    """A buffer written by the previous release (per-sample arrays) drains after an upgrade."""
+    g = make_group(n=3, n_tokens=4, version=2)
+    wire = _wire(g)
+    for sample, column_start in zip(wire["samples"], (0, 4, 8)):
+        n = sample.pop("n")
+        for name, dtype in (("completion_ids", "<i4"), ("behavior_logprobs", "<f4"), ("versions", "<i4")):
+            sample[name] = np.frombuffer(wire[name], dtype)[column_start : column_start + n].tobytes()
+    for name in ("completion_ids", "behavior_logprobs", "versions"):
+        del wire[name]
+    wire["schema"] = 1
+    assert decode(msgpack.packb(wire, use_bin_type=True), Group) == g
+    wire["samples"][0]["behavior_logprobs"] = np.array([np.nan] * 4, "<f4").tobytes()
+    with pytest.raises(RecordDecodeError, match="NaN"):
+        decode(msgpack.packb(wire, use_bin_type=True), Group)
+
+
+def test_fast_path_records_are_pydantic_records():
+    """The group decoder builds records without pydantic when the payload is encode's shape:
+    they must be indistinguishable from validated ones (fields, fields_set, dumps, assignment)."""
+    g = make_group(n=3)
+    g.samples[2].timings.submitted = 12.5
+    g.samples[2].reward_details = {"detail": [1, 2]}
+    data = encode(g)
+    fast = decode(data, Group)
+    codec.FAST_PATH = False
+    try:
+        slow = decode(data, Group)
+    finally:
+        codec.FAST_PATH = True
+    assert fast == slow == g
+    for a, b in [(fast, slow), *zip(fast.samples, slow.samples), *((x.timings, y.timings) for x, y in zip(fast.samples, slow.samples))]:
+        assert a.model_fields_set == b.model_fields_set, type(a)
+        assert a.model_dump(mode="json") == b.model_dump(mode="json")
+    assert fast.samples[2].timings.model_fields_set == {"submitted", "first_token", "finished", "scored"} & set(
+        _wire(g)["samples"][2]["timings"])
+    fast.samples[0].reward = 0.25  # assignment works as on any model
+    assert fast.samples[0].reward == 0.25 and fast.samples[0] != slow.samples[0]
+    assert isinstance(fast.samples[0].finish_reason, codec.FinishReason)
 
 
 def test_group_min_version_is_the_oldest_token():
@@ -69,11 +154,18 @@ def _tamper(record, path, value) -> bytes:
 @pytest.mark.parametrize(
     "path,value,match",
     [
-        (("samples", 0, "behavior_logprobs"), np.array([np.nan] * 5, "<f4").tobytes(), "NaN"),
-        (("samples", 0, "behavior_logprobs"), np.zeros(4, "<f4").tobytes(), "4 logprobs for 5"),
-        (("samples", 0, "versions"), np.zeros(6, "<i4").tobytes(), "6 versions for 5"),
-        (("samples", 0, "completion_ids"), b"\x01\x02\x03", "whole number"),
-        (("samples", 0, "completion_ids"), [1, 2, 3, 4, 5], "expected bytes"),
+        (("behavior_logprobs",), np.array([-1.0] * 9 + [np.nan], "<f4").tobytes(), "NaN"),
+        (("behavior_logprobs",), np.zeros(9, "<f4").tobytes(), "9 logprobs for 10"),
+        (("versions",), np.zeros(11, "<i4").tobytes(), "11 versions for 10"),
+        (("versions",), np.full(10, -1, "<i4").tobytes(), "negative policy version"),
+        (("completion_ids",), b"\x01\x02\x03", "whole number"),
+        (("completion_ids",), [1, 2, 3, 4, 5], "expected bytes"),
+        (("samples", 0, "n"), 4, "add up to 9"),
+        (("samples", 0, "n"), 11, "not a length"),
+        (("samples", 0, "n"), "5", "not a length"),
+        (("samples", 1, "index"), 0, "indices"),
+        (("samples", 0, "timings"), {"submitted": "soon"}, "submitted"),
+        (("samples", 0, "reward_status"), "maybe", "reward_status"),
         (("samples", 0, "reward"), "1.0", "reward"),
         (("samples", 0, "reward"), None, "finite reward"),
         (("samples", 0, "index"), True, "index"),
@@ -82,6 +174,7 @@ def _tamper(record, path, value) -> bytes:
         (("group_id",), 17, "group_id"),
         (("reward_spec",), {"target": "x"}, "verifier"),
         (("schema",), 99, "unknown schema 99"),
+        (("schema",), 1, "completion_ids.*Field required"),  # schema 1 keeps arrays in the samples
         (("schema",), "1", "unknown schema"),
         (("type",), "gruop", "unknown record type"),
         (("samples",), [], "samples"),
@@ -179,13 +272,19 @@ def test_property_any_bytes_decode_to_a_record_or_a_typed_error(data):
     assert isinstance(record, (Group, Sample, GroupJob, WeightsInfo))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_property_corrupted_valid_payloads_never_crash(data):
     payload = bytearray(encode(make_group(n=2, n_tokens=3)))
     for _ in range(data.draw(st.integers(1, 4))):
         pos = data.draw(st.integers(0, len(payload) - 1))
         payload[pos] = data.draw(st.integers(0, 255))
+    codec.FAST_PATH = False
+    try:
+        slow = _decode_outcome(bytes(payload))  # msgpack's own unpacking and pydantic's validation
+    finally:
+        codec.FAST_PATH = True
+    assert _decode_outcome(bytes(payload)) == slow  # the in-place reader agrees byte for byte
     try:
         record = decode(bytes(payload))
     except RecordDecodeError:
@@ -194,3 +293,91 @@ def test_property_corrupted_valid_payloads_never_crash(data):
         for s in record.samples:
             assert len(s.completion_ids) == len(s.behavior_logprobs) == len(s.versions)
             assert all(math.isfinite(x) for x in s.behavior_logprobs.tolist())
+
+
+def _decode_outcome(data: bytes):
+    try:
+        record = decode(data)
+    except RecordDecodeError:
+        return "error"
+    if not isinstance(record, Group):
+        return repr(record)
+    # repr: a NaN inside a free-form field compares equal to itself
+    return repr(record.model_dump(mode="json")), [s.model_fields_set for s in record.samples]
+
+
+_ODD_VALUES = st.one_of(
+    st.sampled_from([None, True, False, 0, 1, 2, -1, 0.0, 1.0, -0.5, float("inf"), 2**40]),
+    st.integers(-3, 300), st.floats(allow_nan=False), st.text(max_size=3),
+    st.sampled_from(["stop", "length", "scored", "timeout", "p", "", "x" * 257, "reverse"]),
+    st.binary(max_size=12), st.lists(st.integers(0, 3), max_size=2),
+    st.dictionaries(st.sampled_from(["verifier", "submitted", "scored", 1]), st.one_of(st.none(), st.floats(0, 9), st.text(max_size=2)), max_size=2),
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_property_fast_and_pydantic_decoders_agree(data):
+    """Tamper with any field (group, sample or timings level, or drop it): the fast decoder and
+    pydantic's validation either both refuse the payload or build the very same record."""
+    wire = _wire(make_group(n=3, n_tokens=2))
+    wire["samples"][1]["timings"]["submitted"] = 1.5
+    for _ in range(data.draw(st.integers(1, 3))):
+        samples = wire.get("samples") if isinstance(wire.get("samples"), list) else []
+        maps = [wire, *(x for x in samples if isinstance(x, dict))]
+        maps += [x["timings"] for x in maps[1:] if isinstance(x.get("timings"), dict)]
+        target = data.draw(st.sampled_from(maps))
+        key = data.draw(st.sampled_from(sorted({*target, "surprise"}, key=str)))
+        if data.draw(st.booleans()) and key in target:
+            del target[key]
+        else:
+            target[key] = data.draw(_ODD_VALUES)
+    try:
+        payload = msgpack.packb(wire, use_bin_type=True)
+    except (TypeError, ValueError):
+        return
+    fast = _decode_outcome(payload)
+    codec.FAST_PATH = False
+    try:
+        slow = _decode_outcome(payload)
+    finally:
+        codec.FAST_PATH = True
+    assert fast == slow
+
+
+_EDGE_VALUES = [None, True, False, 0, 1, 2, 3, -1, 0.0, 1.0, -0.5, float("inf"), 2**40, "", "x", "x" * 257, "stop",
+                "scored", "timeout", b"", b"\x00\x00\x00\x00", [], [0], {}, {"verifier": "v"}, {"submitted": 1.0},
+                {1: 2}, {"submitted": "x"}]  # fmt: skip
+
+
+def test_fast_and_pydantic_decoders_agree_on_every_single_field_edit(monkeypatch):
+    """Every field at every level, set to each edge value or removed: both decoders agree."""
+    base = _wire(make_group(n=3, n_tokens=2, version=1))
+    base["samples"][1]["timings"]["submitted"] = 1.5
+    fast_built = []
+    fast_group = codec._fast_group
+    monkeypatch.setattr(codec, "_fast_group", lambda *a: fast_built.append(fast_group(*a)) or fast_built[-1])
+    paths = [(k,) for k in base] + [("samples", i, k) for i in range(3) for k in base["samples"][i]]
+    paths += [("samples", 1, "timings", k) for k in ("submitted", "scored")] + [("surprise",), ("samples", 0, "surprise")]
+    accepted = 0
+    for path in paths:
+        for value in [*_EDGE_VALUES, "<delete>"]:
+            wire = msgpack.unpackb(msgpack.packb(base, use_bin_type=True), raw=False)
+            target = wire
+            for key in path[:-1]:
+                target = target[key]
+            if value == "<delete>":
+                target.pop(path[-1], None)
+            else:
+                target[path[-1]] = value
+            payload = msgpack.packb(wire, use_bin_type=True)
+            fast = _decode_outcome(payload)
+            codec.FAST_PATH = False
+            try:
+                slow = _decode_outcome(payload)
+            finally:
+                codec.FAST_PATH = True
+            assert fast == slow, (path, value)
+            accepted += fast != "error"
+    assert accepted > 50  # the edits include many valid ones (other texts, rewards, timings…)
+    assert sum(g is not None for g in fast_built) > 50  # …and the fast path built them, not only pydantic

@@ -91,13 +91,13 @@ def fsdp_worker(rank, world, port, model_dir, cases, out_path, micro_batch_size)
     d = init_distributed("cpu", timeout_s=120)
     results = []
     try:
-        for groups, loss_cfg, optimizer, lr in cases:
+        for groups, loss_cfg, optimizer, lr, recompute in cases:
             model = build_model(model_dir, d)
             opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
                    else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))  # fmt: skip
             rows = build_rows(groups, "grpo").rows
             micro = micro_batches(rows, d.rank, d.world, 1, micro_batch_size, 0, d.device)
-            old = recompute_logprobs(model, micro, 1.0)
+            old = recompute_logprobs(model, micro, 1.0) if recompute else [None] * len(micro)  # None: in-step π_old
             stats = policy_step(model, opt, micro, old, [None] * len(micro), StepConfig(loss=loss_cfg, grad_clip=CLIP),
                                 d.device)  # fmt: skip
             state = full_state_dict(model)
@@ -114,8 +114,9 @@ def fsdp_results(tiny, tmp_path_factory):
     from buffer.server import free_port
 
     groups, groups_lr0 = engine_groups(tiny), engine_groups(tiny, seed=1)
-    cases = [(groups, LossConfig(agg=agg, max_tokens=8), "sgd", LR) for agg in AGGS]
-    cases.append((groups_lr0, LossConfig(is_correction="tis"), "adamw", 0.0))
+    cases = [(groups, LossConfig(agg=agg, max_tokens=8), "sgd", LR, True) for agg in AGGS]
+    cases.append((groups, LossConfig(agg="token_mean"), "sgd", LR, False))  # the loop's one-minibatch path
+    cases.append((groups_lr0, LossConfig(is_correction="tis"), "adamw", 0.0, True))
     out = tmp_path_factory.mktemp("fsdp") / "results.pt"
     port, world = free_port(), 2
     ctx = mp.get_context("spawn")
@@ -129,12 +130,17 @@ def fsdp_results(tiny, tmp_path_factory):
     return groups, groups_lr0, torch.load(out, weights_only=True)
 
 
-@pytest.mark.parametrize("case", range(len(AGGS)), ids=AGGS)
+CASES = [*AGGS, "token_mean-in-step-old"]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=CASES)
 def test_fsdp_step_equals_plain_synchronous_step(tiny, fsdp_results, case):
+    """Each aggregation with a recomputed π_old, and token_mean with π_old taken from the update's
+    own forward (what the loop does with one minibatch): both equal the plain step."""
     from safetensors.torch import load_file
 
     groups, _, results = fsdp_results
-    expected, norm, loss = plain_step(tiny, groups, LossConfig(agg=AGGS[case], max_tokens=8))
+    expected, norm, loss = plain_step(tiny, groups, LossConfig(agg=CASES[case].split("-")[0], max_tokens=8))
     got = results[case]
     initial = load_file(tiny / "model.safetensors")
     assert got["stats"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
@@ -161,6 +167,13 @@ def test_lr_zero_gives_unit_is_weights_and_zero_mismatch(tiny, fsdp_results):
     initial = load_file(tiny / "model.safetensors")
     for name, value in state.items():
         assert torch.equal(value, initial[name]), name  # lr 0: AdamW (with weight decay) leaves them as they were
+
+
+def test_in_step_old_logprobs_need_a_single_minibatch():
+    """From the second minibatch on π_θ has moved: π_old must then be a recompute."""
+    with pytest.raises(ValueError, match="one minibatch"):
+        policy_step(None, None, [None, None], [None, None], [None, None],
+                    StepConfig(loss=LossConfig(), minibatches=2), torch.device("cpu"))  # fmt: skip
 
 
 if __name__ == "__main__":
