@@ -93,7 +93,7 @@ def main() -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         history.append(float(rewards.mean()))
-        entropy = float(ent.mean())
+        entropy = float(ent.detach().mean())
         if len(history) >= 5 and sum(history[-5:]) / 5 >= 0.9:
             reached = step + 1
             break
