@@ -279,12 +279,8 @@ def test_property_corrupted_valid_payloads_never_crash(data):
     for _ in range(data.draw(st.integers(1, 4))):
         pos = data.draw(st.integers(0, len(payload) - 1))
         payload[pos] = data.draw(st.integers(0, 255))
-    codec.FAST_PATH = False
-    try:
-        slow = _decode_outcome(bytes(payload))  # msgpack's own unpacking and pydantic's validation
-    finally:
-        codec.FAST_PATH = True
-    assert _decode_outcome(bytes(payload)) == slow  # the in-place reader agrees byte for byte
+    fast, slow = _both_decoders(bytes(payload))
+    assert fast == slow  # the in-place reader agrees byte for byte
     try:
         record = decode(bytes(payload))
     except RecordDecodeError:
@@ -304,6 +300,16 @@ def _decode_outcome(data: bytes):
         return repr(record)
     # repr: a NaN inside a free-form field compares equal to itself
     return repr(record.model_dump(mode="json")), [s.model_fields_set for s in record.samples]
+
+
+def _both_decoders(payload: bytes) -> tuple:
+    """The outcome of the fast decoder, then of msgpack's own unpacking + pydantic validation."""
+    fast = _decode_outcome(payload)
+    codec.FAST_PATH = False
+    try:
+        return fast, _decode_outcome(payload)
+    finally:
+        codec.FAST_PATH = True
 
 
 _ODD_VALUES = st.one_of(
@@ -336,12 +342,7 @@ def test_property_fast_and_pydantic_decoders_agree(data):
         payload = msgpack.packb(wire, use_bin_type=True)
     except (TypeError, ValueError):
         return
-    fast = _decode_outcome(payload)
-    codec.FAST_PATH = False
-    try:
-        slow = _decode_outcome(payload)
-    finally:
-        codec.FAST_PATH = True
+    fast, slow = _both_decoders(payload)
     assert fast == slow
 
 
@@ -371,12 +372,7 @@ def test_fast_and_pydantic_decoders_agree_on_every_single_field_edit(monkeypatch
             else:
                 target[path[-1]] = value
             payload = msgpack.packb(wire, use_bin_type=True)
-            fast = _decode_outcome(payload)
-            codec.FAST_PATH = False
-            try:
-                slow = _decode_outcome(payload)
-            finally:
-                codec.FAST_PATH = True
+            fast, slow = _both_decoders(payload)
             assert fast == slow, (path, value)
             accepted += fast != "error"
     assert accepted > 50  # the edits include many valid ones (other texts, rewards, timings…)
