@@ -178,10 +178,9 @@ class ReplayBuffer:
                                                *payload_keys], args)  # fmt: skip
 
         results = [bool(flag) for flag in self._pipeline(fill)[-1]]
-        sizes = map(len, payloads)
-        for new, size in zip(results, sizes):
+        for new, payload in zip(results, payloads):
             if new:
-                m.PUT_BYTES.inc(size)
+                m.PUT_BYTES.inc(len(payload))
             else:
                 m.DUPLICATES.inc()
         elapsed = time.perf_counter() - t0

@@ -116,6 +116,7 @@ def _to_wire(record: BaseModel, plan=None) -> dict[str, Any]:
 
 # Schema 2 groups: the samples' arrays as group-level columns, in sample order.
 _COLUMNS = tuple(_ARRAY_FIELDS[Sample].items())
+_PROMPT_DTYPE = _ARRAY_FIELDS[Group]["prompt_ids"]
 _GROUP_HEAD = [entry for entry in _PLANS[Group] if entry[0] != "samples"]
 assert len(_GROUP_HEAD) + 3 + len(_COLUMNS) < 16, "the group encoder writes a one-byte fixmap header"
 
@@ -178,6 +179,15 @@ def _split_columns(data: bytes | bytearray | memoryview) -> dict[str, Any] | Non
     return head
 
 
+def _wire_array(raw: Any, dtype: np.dtype, where: str) -> np.ndarray:
+    """Array bytes from the wire (or a view of them) as a native-order numpy view."""
+    if not isinstance(raw, (bytes, memoryview)):  # memoryview: a column `_split_columns` reads in place
+        raise RecordDecodeError(f"{where}: expected bytes, got {type(raw).__name__}")
+    if len(raw) % dtype.itemsize:
+        raise RecordDecodeError(f"{where}: {len(raw)} bytes is not a whole number of {dtype}")
+    return np.frombuffer(raw, dtype=dtype).astype(_NATIVE[dtype], copy=False)
+
+
 def _from_wire(cls: type[Record], payload: Any, where: str) -> dict[str, Any]:
     """Turn array bytes into numpy views, recursively; pydantic validates the rest in one call."""
     if not isinstance(payload, dict):
@@ -185,13 +195,8 @@ def _from_wire(cls: type[Record], payload: Any, where: str) -> dict[str, Any]:
     out = dict(payload)
     for name, dtype in _ARRAY_FIELDS.get(cls, {}).items():
         raw = out.get(name)
-        if raw is None:
-            continue  # pydantic reports the missing field
-        if not isinstance(raw, bytes):
-            raise RecordDecodeError(f"{where}.{name}: expected bytes, got {type(raw).__name__}")
-        if len(raw) % dtype.itemsize:
-            raise RecordDecodeError(f"{where}.{name}: {len(raw)} bytes is not a whole number of {dtype}")
-        out[name] = np.frombuffer(raw, dtype=dtype).astype(_NATIVE[dtype], copy=False)
+        if raw is not None:  # a missing field: pydantic reports it
+            out[name] = _wire_array(raw, dtype, f"{where}.{name}")
     for name, sub in _NESTED.get(cls, {}).items():
         value = out.get(name)
         if value is None or sub is Timings:
@@ -218,15 +223,8 @@ def _check_group_arrays(fields: dict[str, Any]) -> None:
 
 def _read_columns(payload: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Schema 2 group: pop the three columns and check them whole (lengths, contents)."""
-    columns = []
-    for name, dtype in _COLUMNS:
-        raw = payload.pop(name, None)
-        if not isinstance(raw, (bytes, memoryview)):  # memoryview: read in place by _split_columns
-            raise RecordDecodeError(f"group.{name}: expected bytes, got {type(raw).__name__}")
-        if len(raw) % dtype.itemsize:
-            raise RecordDecodeError(f"group.{name}: {len(raw)} bytes is not a whole number of {dtype}")
-        columns.append(np.frombuffer(raw, dtype=dtype).astype(_NATIVE[dtype], copy=False))
-    ids, logprobs, versions = columns
+    ids, logprobs, versions = (_wire_array(payload.pop(name, None), dtype, f"group.{name}")
+                               for name, dtype in _COLUMNS)  # fmt: skip
     if len(logprobs) != len(ids):
         raise RecordDecodeError(f"group: {len(logprobs)} logprobs for {len(ids)} completion tokens")
     if len(versions) != len(ids):
@@ -258,13 +256,8 @@ def _group_fields(payload: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray
     if start != len(ids):
         raise RecordDecodeError(f"group.samples: lengths add up to {start}, the columns hold {len(ids)} tokens")
     fields = dict(payload, samples=out)
-    prompt = fields.get("prompt_ids")
-    if isinstance(prompt, bytes):
-        if len(prompt) % 4:
-            raise RecordDecodeError(f"group.prompt_ids: {len(prompt)} bytes is not a whole number of int32")
-        fields["prompt_ids"] = np.frombuffer(prompt, dtype="<i4").astype(np.int32, copy=False)
-    elif prompt is not None:
-        raise RecordDecodeError(f"group.prompt_ids: expected bytes, got {type(prompt).__name__}")
+    if fields.get("prompt_ids") is not None:  # missing: pydantic reports it
+        fields["prompt_ids"] = _wire_array(fields["prompt_ids"], _PROMPT_DTYPE, "group.prompt_ids")
     return fields
 
 
@@ -346,7 +339,7 @@ def _fast_group(f: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray, versio
     if start != len(ids):
         return None
     return _construct(Group, {
-        "group_id": f["group_id"], "job_id": f["job_id"], "prompt_ids": np.frombuffer(prompt, "<i4").astype(np.int32, copy=False),
+        "group_id": f["group_id"], "job_id": f["job_id"], "prompt_ids": _wire_array(prompt, _PROMPT_DTYPE, ""),
         "reward_spec": dict(spec), "samples": samples, "submit_version": submit, "min_version": min_version})  # fmt: skip
 
 

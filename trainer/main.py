@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import TrainerSettings
 
     load_settings(TrainerSettings, rest, prog="asyncrl train", section="trainer")  # fails fast, or --print-config
-    # torchrun's agent checks its workers every 0.1 s by default, which took ~10% of a core next to
-    # a CPU demo; once a second still notices a dead worker promptly.
+    # torchrun's agent polls its workers every 0.1 s by default; once a second still notices a
+    # dead worker promptly and leaves the cores to the work.
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={launch.nproc_per_node}",
            "--monitor-interval=1"]  # fmt: skip
     passthrough = {f: getattr(launch, f[2:].replace("-", "_")) for f in TORCHRUN_FLAGS}
