@@ -1,21 +1,20 @@
-"""Deployment artefacts, checked by the real tools and against the code they deploy.
+"""Compose, Prometheus and Grafana artefacts, checked by the real tools and against the code.
 
 * docker-compose.yml: Debian's `docker-compose` (1.29) validates it (`config -q`; no Docker
   engine needed) and prints the normalised config (interpolated, anchors merged) that the
   other compose checks read.
 * deploy/prometheus/prometheus.yml: `promtool check config`; every Grafana query goes through
   `promtool check rules` as a recording rule (PromQL syntax).
-* Every `asyncrl …` command line, in compose and in the k8s manifests, is parsed by the
-  service's own settings loader with its run config TOML, so a renamed flag or field fails
-  here; the ports, URLs and paths it resolves to must match the topology around it.
+* Every `asyncrl …` command line in compose is parsed by the service's own settings loader
+  with its run config TOML, so a renamed flag or field fails here; the ports, URLs and paths
+  it resolves to must match the topology around it.
 * Grafana panels may use only metric and label names the code registers: the metric modules
   are imported and the Prometheus registry is read, which also sees names built with
   f-strings (the trainer's per-step gauges), where a grep of the sources would not.
-* k8s: PyYAML plus structural checks (kinds, fields, selectors, ports, references). There is
-  no `kubectl` (nor a cluster or schemas) in CI, so nothing here needs one.
 
 `docker-compose` and `promtool` come from Debian packages; when one is missing the test
-fails with the install line (CI installs them), it does not skip.
+fails with the install line (CI installs them), it does not skip. The k8s manifests are
+checked in test_deploy_k8s.py.
 """
 
 from __future__ import annotations
@@ -32,21 +31,13 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from deploy_support import ROOT, SETTINGS, flag, listen, resolve
 
-ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 PROMETHEUS = ROOT / "deploy/prometheus/prometheus.yml"
 DASHBOARD = ROOT / "deploy/grafana/dashboards/asyncrl.json"
 PROVISIONING = ROOT / "deploy/grafana/provisioning"
-K8S = ROOT / "deploy/k8s"
 APT_LINE = "apt-get install -y --no-install-recommends docker-compose prometheus"
-
-SETTINGS = {  # asyncrl subcommand -> (module, settings class, run-config table)
-    "engine": ("services.engine.config", "EngineSettings", "engine"),
-    "rollout": ("services.rollout.config", "RolloutSettings", "rollout"),
-    "reward": ("services.reward.config", "RewardSettings", "reward"),
-    "train": ("trainer.config", "TrainerSettings", "trainer"),
-}
 # SGLang is not installed here, so its metric names cannot be read from code: the dashboard
 # may use only these, from docs.sglang.io/references/production_metrics.
 SGLANG_METRICS = {"sglang:generation_tokens_total", "sglang:num_running_reqs", "sglang:num_queue_reqs"}
@@ -118,64 +109,6 @@ def assert_reaches(compose: dict, url: str, profile: str) -> str:
     assert len(found) == 1, f"{url}: {found or 'no'} service answers {parts.hostname!r} in profile {profile}"
     assert parts.port in exposed(compose["services"][found[0]]), f"{url}: {found[0]} lacks port {parts.port}"
     return found[0]
-
-
-def resolve(argv: list[str], env: dict, files: dict[str, str], mp: pytest.MonkeyPatch):
-    """Parse an `asyncrl <cmd> …` command line with the service's own settings loader, in the
-    environment the container gets; container paths in `files` are read from the host."""
-    from services.cli import SUBCOMMANDS
-    from services.common.config import load_settings
-
-    assert argv[0] == "asyncrl" and argv[1] in SUBCOMMANDS, argv
-    sub, rest, launch = argv[1], [files.get(a, a) for a in argv[2:]], None
-    for key in [k for k in os.environ if k.startswith("ASYNCRL_")]:
-        mp.delenv(key)
-    for key, value in (env or {}).items():
-        mp.setenv(key, str(value))
-    if sub == "train":
-        launch = torchrun_args(rest, mp)
-        assert launch.module and launch.training_script == "trainer.main", launch
-        assert launch.training_script_args[0] == "--worker"
-        rest = launch.training_script_args[1:]  # what each worker parses
-    module, cls_name, section = SETTINGS[sub]
-    cls = getattr(importlib.import_module(module), cls_name)
-    return load_settings(cls, rest, prog=f"asyncrl {sub}", section=section), launch
-
-
-class Exec(Exception):
-    pass
-
-
-def torchrun_args(argv: list[str], mp: pytest.MonkeyPatch):
-    """`asyncrl train ARGV` builds a torchrun command and execs it: catch the command and parse
-    it with torchrun's own parser (which refuses, e.g., an option that abbreviates one of its own)."""
-    from torch.distributed.run import get_args_parser
-
-    import trainer.main as launcher
-
-    def execv(path, cmd):
-        raise Exec(cmd)
-
-    mp.setattr(launcher.os, "execv", execv)
-    with pytest.raises(Exec) as exec_:
-        launcher.main(argv)
-    cmd = exec_.value.args[0]
-    assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
-    try:
-        return get_args_parser().parse_args(cmd[3:])
-    except SystemExit:
-        pytest.fail(f"torchrun refuses the command `asyncrl train` builds: {cmd[3:]}")
-
-
-def listen(settings) -> tuple[str, int]:
-    if hasattr(settings, "metrics_port"):
-        return settings.metrics_host, settings.metrics_port
-    return settings.host, settings.port
-
-
-def flag(argv: list[str], name: str) -> str:
-    assert name in argv, f"{name} missing from {argv}"
-    return argv[argv.index(name) + 1]
 
 
 @pytest.fixture(scope="module")
@@ -491,222 +424,3 @@ def test_grafana_provisioning_matches_compose_and_dashboard(compose):
         if panel["type"] != "row":
             uids = {panel["datasource"]["uid"]} | {t["datasource"]["uid"] for t in panel["targets"]}
             assert uids == {datasource["uid"]}, panel["title"]
-
-
-# --- Kubernetes ----------------------------------------------------------------------------------
-
-API_VERSIONS = {
-    "Namespace": "v1", "ConfigMap": "v1", "Service": "v1", "PersistentVolumeClaim": "v1", "ServiceAccount": "v1",
-    "StatefulSet": "apps/v1", "Deployment": "apps/v1", "Job": "batch/v1", "NetworkPolicy": "networking.k8s.io/v1",
-    "Role": "rbac.authorization.k8s.io/v1", "RoleBinding": "rbac.authorization.k8s.io/v1",
-}  # fmt: skip
-WORKLOADS = ("StatefulSet", "Deployment", "Job")
-COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # a label the Job controller adds
-
-
-@pytest.fixture(scope="module")
-def k8s() -> dict[tuple[str, str], dict]:
-    docs = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        for doc in yaml.safe_load_all(path.read_text()):
-            key = (doc["kind"], doc["metadata"]["name"])
-            assert key not in docs, f"{key} defined twice"
-            docs[key] = doc
-    return docs
-
-
-def pod_spec(doc: dict) -> dict:
-    return doc["spec"]["template"]["spec"]
-
-
-def containers(docs: dict) -> list[tuple[dict, dict]]:
-    return [
-        (doc, c) for (kind, _), doc in docs.items() if kind in WORKLOADS for c in pod_spec(doc)["containers"]
-    ]
-
-
-def test_k8s_manifests_are_well_formed(k8s):
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert set(kustomization["resources"]) == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    for (kind, name), doc in k8s.items():
-        assert doc["apiVersion"] == API_VERSIONS[kind], (kind, name)
-        if kind != "Namespace":
-            assert doc["metadata"]["namespace"] == kustomization["namespace"], (kind, name)
-    for (kind, name), doc in k8s.items():
-        if kind not in WORKLOADS:
-            continue
-        template_labels = doc["spec"]["template"]["metadata"]["labels"]
-        if kind != "Job":
-            assert doc["spec"]["selector"]["matchLabels"].items() <= template_labels.items(), name
-        spec = pod_spec(doc)
-        volumes = {v["name"]: v for v in spec.get("volumes", [])}
-        volumes |= {t["metadata"]["name"]: t for t in doc["spec"].get("volumeClaimTemplates", [])}
-        for volume in volumes.values():
-            if "configMap" in volume:
-                assert ("ConfigMap", volume["configMap"]["name"]) in k8s, name
-            if "persistentVolumeClaim" in volume:
-                assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in k8s, name
-        if "serviceAccountName" in spec:
-            assert ("ServiceAccount", spec["serviceAccountName"]) in k8s, name
-        for container in spec["containers"]:
-            assert container["name"] and container["image"], name
-            for mount in container.get("volumeMounts", []):
-                assert mount["name"] in volumes, f"{name}: volumeMount {mount['name']} has no volume"
-
-
-def selected(k8s: dict, selector: dict) -> list[dict]:
-    """Workloads whose pods carry the selector's labels (the Job controller adds the index label)."""
-    found = []
-    for (kind, _), doc in k8s.items():
-        if kind not in WORKLOADS:
-            continue
-        labels = dict(doc["spec"]["template"]["metadata"]["labels"])
-        if kind == "Job" and doc["spec"].get("completionMode") == "Indexed":
-            labels[COMPLETION_INDEX] = selector.get(COMPLETION_INDEX, "0")
-        if selector.items() <= labels.items():
-            found.append(doc)
-    return found
-
-
-def test_k8s_services_select_pods_with_their_ports(k8s):
-    for (kind, name), svc in k8s.items():
-        if kind != "Service":
-            continue
-        (workload,) = selected(k8s, svc["spec"]["selector"])
-        ports = [p for c in pod_spec(workload)["containers"] for p in c.get("ports", [])]
-        for port in svc["spec"]["ports"]:
-            target = port.get("targetPort", port["port"])
-            assert any(target in (p.get("name"), p["containerPort"]) for p in ports), (name, target)
-
-
-def k8s_reaches(k8s: dict, url: str) -> dict:
-    """The workload a URL inside the namespace reaches: `<service>` or `<statefulset>-<i>.<service>`."""
-    parts = urlsplit(url)
-    host = parts.hostname.split(".")
-    if len(host) == 2:  # a StatefulSet pod through its headless service
-        pod, service = host
-        (sts,) = [
-            d for (k, _), d in k8s.items() if k == "StatefulSet" and d["spec"]["serviceName"] == service
-        ]
-        ordinal = pod.removeprefix(sts["metadata"]["name"] + "-")
-        assert ordinal.isdigit() and int(ordinal) < sts["spec"]["replicas"], url
-        workload = sts
-    else:
-        svc = k8s[("Service", host[0])]
-        assert any(p["port"] == parts.port for p in svc["spec"]["ports"]), url
-        (workload,) = selected(k8s, svc["spec"]["selector"])
-    assert parts.port in ports_of(workload), url
-    return workload
-
-
-def container_env(container: dict) -> dict[str, str]:
-    """Literal values; downward-API fields get a placeholder; optional secrets stay unset."""
-    env = {}
-    for var in container.get("env", []):
-        if "secretKeyRef" not in var.get("valueFrom", {}):
-            env[var["name"]] = var.get("value", "0")  # e.g. a pod name or a completion index
-    return env
-
-
-def ports_of(workload: dict) -> set[int]:
-    return {p["containerPort"] for c in pod_spec(workload)["containers"] for p in c.get("ports", [])}
-
-
-def expand(value: str, env: dict[str, str]) -> str:
-    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], value)
-
-
-def test_k8s_asyncrl_commands_parse_and_wire_up(k8s, tmp_path):
-    parsed = {}
-    with pytest.MonkeyPatch.context() as mp:
-        for doc, container in containers(k8s):
-            args = container.get("command", []) + container.get("args", [])
-            if args[:1] != ["asyncrl"]:
-                continue
-            name, env, files = doc["metadata"]["name"], container_env(container), {}
-            volumes = {v["name"]: v for v in pod_spec(doc).get("volumes", [])}
-            for mount in container.get("volumeMounts", []):
-                if "configMap" in volumes.get(mount["name"], {}):
-                    data = k8s[("ConfigMap", volumes[mount["name"]]["configMap"]["name"])]["data"]
-                    for key, text in data.items():
-                        (tmp_path / key).write_text(text)
-                        files[f"{mount['mountPath']}/{key}"] = str(tmp_path / key)
-            settings, launch = resolve([expand(a, env) for a in args], env, files, mp)
-            host, port = listen(settings)
-            assert host == "0.0.0.0" and port in {p["containerPort"] for p in container["ports"]}, name
-            parsed[name] = (settings, launch, args, container)
-    assert set(parsed) == {"rollout", "reward", "trainer"}
-
-    rollout, trainer = parsed["rollout"][0], parsed["trainer"][0]
-    sglang = k8s[("StatefulSet", "sglang")]
-    assert [k8s_reaches(k8s, u)["metadata"]["name"] for u in rollout.engine_url_list] == ["sglang-router"]
-    admins = [k8s_reaches(k8s, u) for u in rollout.admin_url_list]
-    assert admins == [sglang] * sglang["spec"]["replicas"] and len(set(rollout.admin_url_list)) == len(admins)
-    assert k8s_reaches(k8s, rollout.reward_url)["metadata"]["name"] == "reward"
-    assert k8s_reaches(k8s, rollout.redis_url)["metadata"]["name"] == "redis"
-    assert trainer.redis_url == rollout.redis_url
-    (engine,) = pod_spec(sglang)["containers"]
-    assert flag(engine["args"], "--model-path") == rollout.tokenizer == trainer.model_path
-    assert "--enable-metrics" in engine["args"] and engine["resources"]["limits"]["nvidia.com/gpu"] >= 1
-
-    # torchrun across the Indexed Job's pods, rank 0 on pod 0 of the headless service.
-    job = k8s[("Job", "trainer")]
-    launch, container = parsed["trainer"][1], parsed["trainer"][3]
-    assert job["spec"]["completionMode"] == "Indexed"
-    assert int(launch.nnodes) == job["spec"]["completions"] == job["spec"]["parallelism"] >= 2
-    assert int(launch.nproc_per_node) == container["resources"]["limits"]["nvidia.com/gpu"]
-    subdomain = pod_spec(job)["subdomain"]
-    headless = k8s[("Service", subdomain)]
-    assert headless["spec"]["clusterIP"] == "None" and headless["spec"].get("publishNotReadyAddresses")
-    assert selected(k8s, headless["spec"]["selector"]) == [job]
-    assert launch.master_addr == f"{job['metadata']['name']}-0.{subdomain}"
-    assert int(launch.master_port) in {p["port"] for p in headless["spec"]["ports"]}
-    rank_var = flag(parsed["trainer"][2], "--node-rank")
-    rank_env = next(e for e in container["env"] if f"$({e['name']})" == rank_var)
-    assert COMPLETION_INDEX in rank_env["valueFrom"]["fieldRef"]["fieldPath"]
-    assert k8s[("Service", "trainer-metrics")]["spec"]["selector"][COMPLETION_INDEX] == "0"
-
-    # Published weights: on the ReadWriteMany volume both the trainer and the engines mount at /weights.
-    claim = k8s[("PersistentVolumeClaim", "asyncrl-weights")]
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
-    for workload in (job, sglang):
-        spec = pod_spec(workload)
-        mounted = {m["mountPath"]: m["name"] for c in spec["containers"] for m in c["volumeMounts"]}
-        volume = next(v for v in spec["volumes"] if v["name"] == mounted["/weights"])
-        assert volume["persistentVolumeClaim"]["claimName"] == "asyncrl-weights"
-    assert PurePosixPath(trainer.output_dir).is_relative_to("/weights")
-
-
-def test_k8s_router_redis_and_reward_sandbox(k8s):
-    router_spec, sglang = pod_spec(k8s[("Deployment", "sglang-router")]), k8s[("StatefulSet", "sglang")]
-    (router,) = router_spec["containers"]
-    assert router["command"][-1] == "sglang_router.launch_router" and "--service-discovery" in router["args"]
-    key, value = flag(router["args"], "--selector").split("=")
-    assert sglang["spec"]["template"]["metadata"]["labels"][key] == value
-    assert {int(flag(router["args"], "--service-discovery-port"))} == ports_of(sglang)
-    assert flag(router["args"], "--service-discovery-namespace") == sglang["metadata"]["namespace"]
-    role = k8s[("Role", "sglang-router")]
-    assert {"list", "watch"} <= set(role["rules"][0]["verbs"]) and role["rules"][0]["resources"] == ["pods"]
-    binding = k8s[("RoleBinding", "sglang-router")]
-    assert binding["roleRef"]["name"] == "sglang-router"
-    assert binding["subjects"][0]["name"] == router_spec["serviceAccountName"]
-
-    redis = k8s[("StatefulSet", "redis")]
-    (container,) = pod_spec(redis)["containers"]
-    args = container["args"]
-    assert flag(args, "--appendonly") == "yes" and flag(args, "--appendfsync") == "everysec"
-    (claim,) = redis["spec"]["volumeClaimTemplates"]
-    mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    assert mounted[flag(args, "--dir")] == claim["metadata"]["name"]
-
-    reward = k8s[("Deployment", "reward")]
-    (container,) = pod_spec(reward)["containers"]
-    ctx = container["securityContext"]
-    assert ctx["seccompProfile"]["type"] == ctx["appArmorProfile"]["type"] == "Unconfined"
-    assert ctx["procMount"] == "Unmasked" and pod_spec(reward)["hostUsers"] is False
-    assert not ctx.get("privileged") and not ctx.get("capabilities", {}).get("add")
-    for doc, other in containers(k8s):
-        if doc is not reward:
-            assert "securityContext" not in other, doc["metadata"]["name"]

@@ -1,0 +1,79 @@
+"""Shared by the compose and k8s deployment tests: parse an `asyncrl …` command line with the
+service's own settings loader (torchrun's parser too, for `asyncrl train`)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy/k8s"
+
+SETTINGS = {  # asyncrl subcommand -> (module, settings class, run-config table)
+    "engine": ("services.engine.config", "EngineSettings", "engine"),
+    "rollout": ("services.rollout.config", "RolloutSettings", "rollout"),
+    "reward": ("services.reward.config", "RewardSettings", "reward"),
+    "train": ("trainer.config", "TrainerSettings", "trainer"),
+}
+
+
+def resolve(argv: list[str], env: dict, files: dict[str, str], mp: pytest.MonkeyPatch):
+    """Parse an `asyncrl <cmd> …` command line with the service's own settings loader, in the
+    environment the container gets; container paths in `files` are read from the host."""
+    from services.cli import SUBCOMMANDS
+    from services.common.config import load_settings
+
+    assert argv[0] == "asyncrl" and argv[1] in SUBCOMMANDS, argv
+    sub, rest, launch = argv[1], [files.get(a, a) for a in argv[2:]], None
+    for key in [k for k in os.environ if k.startswith("ASYNCRL_")]:
+        mp.delenv(key)
+    for key, value in (env or {}).items():
+        mp.setenv(key, str(value))
+    if sub == "train":
+        launch = torchrun_args(rest, mp)
+        assert launch.module and launch.training_script == "trainer.main", launch
+        assert launch.training_script_args[0] == "--worker"
+        rest = launch.training_script_args[1:]  # what each worker parses
+    module, cls_name, section = SETTINGS[sub]
+    cls = getattr(importlib.import_module(module), cls_name)
+    return load_settings(cls, rest, prog=f"asyncrl {sub}", section=section), launch
+
+
+class Exec(Exception):
+    pass
+
+
+def torchrun_args(argv: list[str], mp: pytest.MonkeyPatch):
+    """`asyncrl train ARGV` builds a torchrun command and execs it: catch the command and parse
+    it with torchrun's own parser (which refuses, e.g., an option that abbreviates one of its own)."""
+    from torch.distributed.run import get_args_parser
+
+    import trainer.main as launcher
+
+    def execv(path, cmd):
+        raise Exec(cmd)
+
+    mp.setattr(launcher.os, "execv", execv)
+    with pytest.raises(Exec) as exec_:
+        launcher.main(argv)
+    cmd = exec_.value.args[0]
+    assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
+    try:
+        return get_args_parser().parse_args(cmd[3:])
+    except SystemExit:
+        pytest.fail(f"torchrun refuses the command `asyncrl train` builds: {cmd[3:]}")
+
+
+def listen(settings) -> tuple[str, int]:
+    if hasattr(settings, "metrics_port"):
+        return settings.metrics_host, settings.metrics_port
+    return settings.host, settings.port
+
+
+def flag(argv: list[str], name: str) -> str:
+    assert name in argv, f"{name} missing from {argv}"
+    return argv[argv.index(name) + 1]
