@@ -2,12 +2,19 @@
 `take_groups` / `ack`, next to raw pipelined XADD / XREADGROUP / XACK of the same bytes, in
 the same run against the same private redis-server. Reports groups/s, MB/s and the ratio.
 
-    .venv/bin/python benchmarks/buffer_throughput.py [--groups 400] [--repeats 3]
+Two arrangements, each for both paths:
+* sequential: one process puts every group, then takes them all (one client does both sides);
+* processes: a producer process puts while a consumer process takes, as the rollout service
+  and the trainer do; the time runs from a common start to the consumer's last ack.
+Each also reports the CPU spent per group by the clients and by redis-server (`INFO cpu`).
+
+    .venv/bin/python benchmarks/buffer_throughput.py [--groups 400] [--repeats 3] [--mode both]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import sys
 import tempfile
@@ -88,11 +95,106 @@ def run_raw(url: str, run: str, payloads: list[bytes], batch: int) -> float:
     return elapsed
 
 
+def server_cpu(url: str) -> float:
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        info = r.info("cpu")
+    return info["used_cpu_sys"] + info["used_cpu_user"]
+
+
+def producer(url: str, run: str, kind: str, n: int, batch: int, start, out) -> None:
+    """Child process: build (and for raw, encode) the groups, then push them after `start`."""
+    import redis
+
+    tune_malloc()
+    groups = make_groups(n)
+    if kind == "raw":
+        payloads = [encode(g) for g in groups]
+        r = redis.Redis.from_url(url)
+        stream = f"raw:{{{run}}}:groups"
+        start.wait()
+        c0 = time.process_time()
+        pipe = r.pipeline(transaction=False)
+        for i, p in enumerate(payloads):
+            pipe.xadd(stream, {"gid": f"g{i}", "data": p})
+            if len(pipe) >= batch:
+                pipe.execute()
+        pipe.execute()
+    else:
+        buf = ReplayBuffer(url, run=run, consumer="producer")
+        start.wait()
+        c0 = time.process_time()
+        for i in range(0, n, batch):
+            buf.put_groups(groups[i : i + batch])
+    out.put(("producer", time.process_time() - c0))
+
+
+def consumer(url: str, run: str, kind: str, n: int, batch: int, start, out) -> None:
+    """Child process: take and ack `n` groups after `start`; reports the wall time to the last ack."""
+    import redis
+
+    tune_malloc()
+    taken = 0
+    if kind == "raw":
+        r = redis.Redis.from_url(url)
+        stream = f"raw:{{{run}}}:groups"
+        start.wait()
+        t0, c0 = time.perf_counter(), time.process_time()
+        while taken < n:
+            resp = r.xreadgroup("trainer", "bench", {stream: ">"}, count=min(batch, n - taken), block=1000)
+            ids = [eid for eid, _ in resp[0][1]] if resp else []
+            if ids:
+                r.pipeline(transaction=False).xack(stream, "trainer", *ids).xdel(stream, *ids).execute()
+            taken += len(ids)
+    else:
+        buf = ReplayBuffer(url, run=run, consumer="consumer")
+        start.wait()
+        t0, c0 = time.perf_counter(), time.process_time()
+        while taken < n:
+            res = buf.take_groups(min(batch, n - taken), current_version=3, max_staleness=0, block_ms=1000)
+            buf.ack([g.group_id for g in res.groups])
+            taken += len(res.groups)
+    out.put(("consumer", time.process_time() - c0, time.perf_counter() - t0))
+
+
+def run_processes(url: str, run: str, kind: str, n: int, batch: int) -> tuple[float, float, float]:
+    """(wall s, client CPU s, server CPU s) with a producer and a consumer process."""
+    import redis
+
+    ctx = mp.get_context("spawn")
+    if kind == "raw":
+        with redis.Redis.from_url(url) as r:
+            r.xgroup_create(f"raw:{{{run}}}:groups", "trainer", id="0", mkstream=True)
+    else:
+        ReplayBuffer(url, run=run, consumer="setup").close()  # creates the streams and groups
+    start, out = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=f, args=(url, run, kind, n, batch, start, out)) for f in (producer, consumer)]
+    for p in procs:
+        p.start()
+    s0 = server_cpu(url)
+    start.wait()
+    results = {msg[0]: msg[1:] for msg in (out.get(timeout=600) for _ in procs)}
+    s1 = server_cpu(url)
+    for p in procs:
+        p.join()
+    (producer_cpu,), (consumer_cpu, wall) = results["producer"], results["consumer"]
+    return wall, producer_cpu + consumer_cpu, s1 - s0
+
+
+def timed(url: str, fn, *args) -> tuple[float, float, float]:
+    """(wall s, client CPU s, server CPU s) of one sequential run."""
+    s0, c0 = server_cpu(url), time.process_time()
+    wall = fn(url, *args)
+    return wall, time.process_time() - c0, server_cpu(url) - s0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", type=int, default=400)
     ap.add_argument("--batch", type=int, default=16, help="groups per take / per raw pipeline")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mode", choices=("sequential", "processes", "both"), default="both")
     args = ap.parse_args()
 
     # The buffer tunes glibc's allocator for large payloads on first use (buffer/alloc.py); apply it
@@ -101,25 +203,43 @@ def main() -> int:
     groups = make_groups(args.groups)
     payloads = [encode(g) for g in groups]
     mb = sum(map(len, payloads)) / 1e6
-    buf_t, single_t, raw_t = [], [], []
+    n = args.groups
+    runs: dict[str, list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as d:
         server = RedisServer(d, appendonly=False).start()
         try:
             for rep in range(args.repeats):  # interleaved, so drift hits both alike
-                raw_t.append(run_raw(server.url, f"raw{rep}", payloads, args.batch))
-                buf_t.append(run_buffer(server.url, f"buf{rep}", groups, args.batch, pipelined=True))
-                single_t.append(run_buffer(server.url, f"one{rep}", groups, args.batch, pipelined=False))
+                if args.mode in ("sequential", "both"):
+                    runs.setdefault("raw", []).append(timed(server.url, run_raw, f"raw{rep}", payloads, args.batch))
+                    runs.setdefault("buf", []).append(
+                        timed(server.url, run_buffer, f"buf{rep}", groups, args.batch, True))
+                    runs.setdefault("one", []).append(
+                        timed(server.url, run_buffer, f"one{rep}", groups, args.batch, False))
+                if args.mode in ("processes", "both"):
+                    runs.setdefault("praw", []).append(run_processes(server.url, f"praw{rep}", "raw", n, args.batch))
+                    runs.setdefault("pbuf", []).append(run_processes(server.url, f"pbuf{rep}", "buf", n, args.batch))
         finally:
             server.stop()
-    b, one, r = statistics.median(buf_t), statistics.median(single_t), statistics.median(raw_t)
-    print(f"groups of {SAMPLES} samples x {TOKENS} tokens, {args.groups} groups, {mb / args.groups:.3f} MB/group, "
+    med = {k: tuple(statistics.median(r[i] for r in v) for i in range(3)) for k, v in runs.items()}
+    print(f"groups of {SAMPLES} samples x {TOKENS} tokens, {n} groups, {mb / n:.3f} MB/group, "
           f"median of {args.repeats}, malloc tuned for both: {malloc_tuned}")  # fmt: skip
-    print("| path | groups/s | MB/s |\n|---|---|---|")
-    print(f"| buffer put_groups+take_groups+ack (encode, Lua, decode, validate) | {args.groups / b:,.0f} | {mb / b:,.0f} |")
-    print(f"| buffer put_group one by one+take_groups+ack | {args.groups / one:,.0f} | {mb / one:,.0f} |")
-    print(f"| raw pipelined XADD+XREADGROUP+XACK (same bytes) | {args.groups / r:,.0f} | {mb / r:,.0f} |")
-    print(f"| ratio buffer (put_groups) / raw | {r / b:.2f} | target >= 0.80 |")
-    print(f"| ratio buffer (put_group) / raw | {r / one:.2f} | |")
+    print("| arrangement | path | groups/s | MB/s | client CPU µs/group | redis-server CPU µs/group |")
+    print("|---|---|---|---|---|---|")
+    names = {"buf": ("sequential", "buffer put_groups + take_groups + ack"),
+             "one": ("sequential", "buffer put_group one by one + take_groups + ack"),
+             "raw": ("sequential", "raw pipelined XADD + XREADGROUP + XACK (same bytes)"),
+             "pbuf": ("processes", "buffer put_groups, in parallel take_groups + ack"),
+             "praw": ("processes", "raw pipelined XADD, in parallel XREADGROUP + XACK (same bytes)")}  # fmt: skip
+    for key, (arrangement, label) in names.items():
+        if key in med:
+            wall, client, srv = med[key]
+            print(f"| {arrangement} | {label} | {n / wall:,.0f} | {mb / wall:,.0f} | {client / n * 1e6:,.0f} | "
+                  f"{srv / n * 1e6:,.0f} |")  # fmt: skip
+    print()
+    for key, raw, label in (("buf", "raw", "sequential, put_groups"), ("one", "raw", "sequential, put_group"),
+                            ("pbuf", "praw", "processes, put_groups")):  # fmt: skip
+        if key in med:
+            print(f"ratio buffer / raw ({label}): {med[raw][0] / med[key][0]:.2f} (target >= 0.80)")
     return 0
 
 

@@ -429,7 +429,15 @@ class ReplayBuffer:
         pipe.execute()
 
     def set_job_info(self, job_id: str, **fields: str | float) -> None:
-        self.r.hset(self.keys.job_prefix + job_id, mapping={f"info:{k}": v for k, v in fields.items()})
+        self.set_jobs_info({job_id: fields})
+
+    def set_jobs_info(self, fields_by_job: dict[str, dict[str, str | float]]) -> None:
+        """`set_job_info` for many jobs in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for job_id, fields in fields_by_job.items():
+            if fields:
+                pipe.hset(self.keys.job_prefix + job_id, mapping={f"info:{k}": v for k, v in fields.items()})
+        pipe.execute()
 
     def job_progress(self, job_id: str) -> dict[str, str]:
         raw = self.r.hgetall(self.keys.job_prefix + job_id)

@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 import shutil
+import signal
 import sys
 import time
 import tomllib
@@ -124,12 +125,14 @@ def make_prompts(n: int, cfg: DemoSection, rng: random.Random) -> list[dict]:
 
 
 PROMPTS_PER_JOB = 20_000  # well under the rollout service's per-job cap
+TOPUP_STEPS = 250  # the demo submits prompts for this many steps at a time (twice over)
 
 
-def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Random) -> list[str]:
-    """Post the reverse task in jobs of at most PROMPTS_PER_JOB prompts; returns the job ids."""
+def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Random, first_job: int = 0) -> list[str]:
+    """Post the reverse task in jobs of at most PROMPTS_PER_JOB prompts; returns the job ids.
+    Job k gets the idempotency key demo-<seed>-<first_job + k>."""
     jobs = []
-    for k, start in enumerate(range(0, n_prompts, PROMPTS_PER_JOB)):
+    for k, start in enumerate(range(0, n_prompts, PROMPTS_PER_JOB), start=first_job):
         body = {
             "prompts": make_prompts(min(PROMPTS_PER_JOB, n_prompts - start), cfg, rng),
             "group_size": cfg.group_size,
@@ -254,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     max_steps = args.max_steps or int(trainer_cfg.get("max_steps", 0)) or 10**9
 
     launcher = Launcher(UpConfig.model_validate(raw), config_path, echo=False)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # stop like Ctrl-C
     history, progress = History(), (run_dir / "progress.jsonl").open("w")
     tty = sys.stdout.isatty()
     t0 = time.monotonic()
@@ -265,10 +269,14 @@ def main(argv: list[str] | None = None) -> int:
         launcher.start()
         # stale groups are dropped and consume prompts too: submit twice what the steps need
         # (at most what the time limit could use at 3 steps/s; the demo runs at ~2 on 2 cores)
-        steps = min(max_steps, int(demo.time_limit_s * 3))
-        n_prompts = 2 * (steps + eta + 2) * demo.prompts_per_step
-        jobs = submit(launcher.rollout_urls()[0], demo, n_prompts, random.Random(demo.seed))
-        print(f"submitted {len(jobs)} job(s), {n_prompts} prompts x {demo.group_size} samples; training (Ctrl-C stops)")
+        # Stale groups are dropped and consume prompts too: keep twice what the steps need
+        # submitted, in chunks of TOPUP_STEPS steps, topped up as the trainer advances.
+        rng, rollout_url = random.Random(demo.seed), launcher.rollout_urls()[0]
+        chunk = 2 * TOPUP_STEPS * demo.prompts_per_step
+        jobs = submit(rollout_url, demo, chunk, rng)
+        submitted = chunk
+        print(f"submitted {len(jobs)} job(s), {chunk} prompts x {demo.group_size} samples, more as training "
+              "advances; training (Ctrl-C stops)")  # fmt: skip
         t0 = time.monotonic()
         trainer = launcher.find("trainer")
         last_print = 0.0
@@ -287,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif row["t"] - last_print >= 5:
                     print(line, flush=True)
                     last_print = row["t"]
+            if s and submitted < 2 * (s.version + TOPUP_STEPS // 2 + eta + 2) * demo.prompts_per_step:
+                jobs += submit(rollout_url, demo, chunk, rng, first_job=len(jobs))
+                submitted += chunk
             elapsed = time.monotonic() - t0
             if reached_at is not None:
                 print(f"\nreward {demo.target_reward} reached (mean of the last {demo.target_window} steps)")

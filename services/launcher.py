@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -201,6 +203,8 @@ class Launcher:
             self._say("launcher", f"embedded Redis at {self.redis_url}")
 
     def start(self) -> None:
+        for proc in (p for stage in self.plan() for p in stage):
+            _check_port_free(proc)
         self.prepare()
         env = {**os.environ, "REDIS_URL": self.redis_url, "ASYNCRL_RUN": self.cfg.run.id,
                "ASYNCRL_RUN_DIR": str(self.run_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
@@ -263,6 +267,23 @@ class Launcher:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+def _check_port_free(proc: Proc) -> None:
+    """Refuse to start when a service's port is taken: its health check would answer for the
+    other process (e.g. a previous run still up) and the launcher would trust the wrong service."""
+    if not proc.health_url:
+        return
+    url = urlsplit(proc.health_url)
+    if url.port is None:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+        try:
+            s.bind((url.hostname or "127.0.0.1", url.port))
+        except OSError as exc:
+            raise RuntimeError(f"port {url.port} for {proc.name} is already in use ({exc.strerror}); "
+                               "is another run still up? stop it or choose other ports in [launch]") from None  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,8 +12,7 @@ Guarantees:
   work; a background probe (`GET /health`) brings it back. `pick()` chooses among healthy
   engines by least in-flight requests, ties broken round-robin, and waits while none is
   healthy. Callers keep affinity by passing the same `Engine` for a whole group.
-* Control calls (`pause`, `update_weights_from_disk`, `flush_cache`, `continue_generation`)
-  go to the admin URLs (the workers, when generation goes through a router).
+* Control calls (`update_weights_from_disk`, `continue_generation`, `abort_request`) go to the admin URLs (the workers, when generation goes through a router).
 """
 
 from __future__ import annotations
@@ -124,12 +123,15 @@ class EngineClient:
         self._batch_ids = itertools.count()
         self._rid_prefix = uuid.uuid4().hex[:12]  # engine rids stay unique across rollout replicas
         self._pending: dict[tuple[str, str], list[_Waiting]] = {}
-        self._flushes: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # tasks nobody awaits: coalesced sends, continues
         self._health_changed = asyncio.Event()
         for e in self.engines:
             m.ENGINE_HEALTHY.labels(e.label).set(1)
 
     async def aclose(self) -> None:
+        for task in list(self._background):  # coalesced sends and post-update continues
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self._http.aclose()
         await self._control_http.aclose()
 
@@ -223,8 +225,8 @@ class EngineClient:
 
     def _start_flush(self, engine: Engine, key: str, params: dict) -> None:
         task = asyncio.ensure_future(self._flush(engine, key, params))
-        self._flushes.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._flushes.discard)
+        self._background.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._background.discard)
 
     async def _flush(self, engine: Engine, key: str, params: dict) -> None:
         """Send everything waiting under `key`, in requests of at most MAX_COALESCED_ITEMS."""
@@ -309,53 +311,57 @@ class EngineClient:
     # --- weight updates (admin engines) -----------------------------------------------------
 
     async def update_all_from_disk(self, path: str, version: int) -> list[str]:
-        """Pause (aborting in-flight requests, which come back with their partial tokens),
-        load `path` as `version`, flush the cache and continue, on every admin engine at once.
-        Returns the errors (empty on success)."""
+        """Load `path` as `version` on every admin engine at once, aborting their in-flight
+        requests (which come back with their partial tokens). Returns the errors (empty on
+        success). The caller holds back new `/generate` calls until this returns."""
         results = await asyncio.gather(*(self._update_one(e, path, version) for e in self.admins))
         return [r for r in results if r]
 
     async def _update_one(self, e: Engine, path: str, version: int) -> str | None:
-        timeout = self.update_timeout_s
+        """SGLang's `/update_weights_from_disk` with `abort_all_requests` aborts what is in
+        flight, loads the weights under `weight_version` and, with `flush_cache`, drops every
+        prefix computed under the old ones. Then `/continue_generation` goes out in the
+        background, so an engine someone paused runs again; generation does not wait for it
+        (an engine queues requests while paused). A separate pause before the update and a
+        flush after it, as separate round trips, made generation stand still twice as long at
+        one update per trainer step."""
         try:
-            await self._control(e, "pause_generation", {"mode": "abort"}, timeout)
-            try:
-                resp = await self._control_http.post(
-                    f"{e.url}/update_weights_from_disk",
-                    json={"model_path": path, "weight_version": str(version), "flush_cache": True},
-                    timeout=timeout,
-                )
-                try:
-                    out = UpdateWeightFromDiskReqOutput.model_validate_json(resp.content)
-                except ValidationError:
-                    return f"{e.url}: garbage answer to update_weights_from_disk (HTTP {resp.status_code})"
-                if not out.success:
-                    return f"{e.url}: {out.message}"
-                # The update flushes too (flush_cache=True); an explicit flush after it makes
-                # sure no prefix computed under the old weights survives on any SGLang version.
-                await self._control(e, "flush_cache", None, timeout)
-            finally:
-                await self._control(e, "continue_generation", {}, timeout)
+            resp = await self._control_http.post(
+                f"{e.url}/update_weights_from_disk",
+                json={"model_path": path, "weight_version": str(version), "flush_cache": True,
+                      "abort_all_requests": True},
+                timeout=self.update_timeout_s,
+            )  # fmt: skip
         except httpx.HTTPError as exc:
             m.ENGINE_REQUESTS.labels(e.label, "update", "error").inc()
             return f"{e.url}: {type(exc).__name__}: {exc}"
+        task = asyncio.ensure_future(self._continue(e))
+        self._background.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._background.discard)
+        try:
+            out = UpdateWeightFromDiskReqOutput.model_validate_json(resp.content)
+        except ValidationError:
+            out = None
+        if out is None or not out.success:
+            m.ENGINE_REQUESTS.labels(e.label, "update", "error").inc()
+            if out is None:
+                return f"{e.url}: garbage answer to update_weights_from_disk (HTTP {resp.status_code})"
+            return f"{e.url}: {out.message}"
         m.ENGINE_REQUESTS.labels(e.label, "update", "ok").inc()
         return None
 
-    async def _control(self, e: Engine, op: str, body: dict | None, timeout: float) -> None:
-        resp = await self._control_http.post(f"{e.url}/{op}", json=body, timeout=timeout)
-        ok = resp.status_code == 200
-        m.ENGINE_REQUESTS.labels(e.label, op, "ok" if ok else "error").inc()
-        if not ok:
-            log_event(
-                log,
-                "engine control call failed",
-                logging.WARNING,
-                engine=e.url,
-                op=op,
-                status=resp.status_code,
-                message=_error_message(resp),
-            )
+    async def _continue(self, e: Engine) -> None:
+        try:
+            resp = await self._control_http.post(f"{e.url}/continue_generation", json={},
+                                                 timeout=self.update_timeout_s)  # fmt: skip
+        except httpx.HTTPError as exc:
+            resp, message = None, f"{type(exc).__name__}: {exc}"
+        else:
+            message = "" if resp.status_code == 200 else _error_message(resp)
+        if message:
+            m.ENGINE_REQUESTS.labels(e.label, "continue", "error").inc()
+            log_event(log, "engine did not continue after a weight update", logging.WARNING, engine=e.url,
+                      status=resp.status_code if resp is not None else None, message=message)  # fmt: skip
 
     async def weight_versions(self) -> list[str | None]:
         """`weight_version` of each admin engine (None where it cannot be read)."""

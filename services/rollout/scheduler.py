@@ -14,10 +14,10 @@ engine (partial rollouts across weight updates) → score → write to the buffe
         score the samples (one reward batch per group)
         put_group (idempotent), ack `done`
 
-Each group's phase is recorded in its job's hash (`GET /v1/rollouts/{id}` counts them). Jobs in
-progress are heartbeated; a job of a dead replica (idle past `recover_idle_s`) is recovered. On
-shutdown, unfinished groups are left pending for a restart (`resume_own_jobs`) or another
-replica: nothing is acked that was not finished.
+Each group's phase is recorded in its job's hash (`GET /v1/rollouts/{id}` counts them; written
+every PHASE_FLUSH_S in one pipeline). Jobs in progress are heartbeated; a job of a dead replica
+(idle past `recover_idle_s`) is recovered. On shutdown, unfinished groups are left pending for a
+restart (`resume_own_jobs`) or another replica: nothing is acked that was not finished.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 SEED_STRIDE = 1_000_003  # spreads a job's sampling_seed over samples and segments (a prime)
 SEED_MOD = 2**63
 INTERNAL_RETRY_S = 5.0  # pause before a group that hit an internal error starts again
+PHASE_FLUSH_S = 0.05  # phase records are written in one pipeline per this interval
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._admission_queue = asyncio.Lock()
         self._stopping = False
+        self._phases: dict[str, dict[str, str]] = {}  # job_id -> job-hash fields not yet written
 
     async def _db(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._redis, partial(fn, *args, **kwargs))
@@ -105,6 +107,7 @@ class Scheduler:
         background = [
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self.engines.probe_unhealthy()),
+            asyncio.create_task(self._write_phases()),
         ]
         try:
             for c in await self._db(self.buf.resume_own_jobs):
@@ -137,6 +140,8 @@ class Scheduler:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, *background, return_exceptions=True)
+            if self._phases:  # what the groups recorded last, e.g. `failed` with its error
+                await self._db(self.buf.set_jobs_info, self._phases)
             self._redis.shutdown(wait=True)
 
     def _start(self, c: ClaimedJob, source: str) -> None:
@@ -154,17 +159,17 @@ class Scheduler:
     async def _group(self, a: Active) -> None:
         job = a.claimed.job
         try:
-            if await self._db(self.buf.job_cancelled, job.job_id):
-                return await self._close(a, "cancelled")
             a.stage = "admission"
-            if await self._admit(job) is Admission.done:
+            admission, submit_version = await self._admit(job)
+            if admission is None:
+                return await self._close(a, "cancelled")
+            if admission is Admission.done:
                 return await self._close(a, "duplicate")
-            submit_version = await self._db(self.buf.get_version)
             a.stage = "generating"
-            await self._phase(job, "generating")
+            self._phase(job, "generating")
             drafts = await self._generate(a)
             a.stage = "scoring"
-            await self._phase(job, "scoring")
+            self._phase(job, "scoring")
             samples = await self._score(job, drafts)
             a.stage = "writing"
             group = Group.build(
@@ -175,8 +180,8 @@ class Scheduler:
                 samples=samples,
                 submit_version=submit_version,
             )
-            new = await self._db(self.buf.put_group, group)
-            m.STALENESS_AT_WRITE.observe(max(await self._db(self.buf.get_version) - group.min_version, 0))
+            new, version = await self._db(self._put, group)
+            m.STALENESS_AT_WRITE.observe(max(version - group.min_version, 0))
             await self._close(a, "buffered" if new else "duplicate")
         except (EngineRejected, ValidationError) as exc:
             # The request or what came back for it is wrong: retrying cannot help. Counted,
@@ -208,34 +213,66 @@ class Scheduler:
             m.ACTIVE_GROUPS.set(len(self.active))
             self._wake.set()
 
-    async def _admit(self, job: GroupJob) -> Admission:
-        """Groups queue for admission in claim order and only the head asks Redis, so a full
-        buffer costs one `try_admit` per poll interval, not one per waiting group."""
+    async def _admit(self, job: GroupJob) -> tuple[Admission | None, int]:
+        """(admission, policy version at admission); None for a cancelled job. Groups queue
+        for admission in claim order and only the head asks Redis, so a full buffer costs one
+        `try_admit` per poll interval, not one per waiting group."""
         t0 = time.monotonic()
         async with self._admission_queue:  # asyncio locks wake their waiters first in, first out
-            while (admission := await self._db(self.buf.try_admit, job.group_id)) is Admission.full:
+            while (entry := await self._db(self._try_enter, job))[0] is Admission.full:
                 m.ADMISSION_WAITS.inc()
                 await asyncio.sleep(self.s.admission_poll_s)
         m.ADMISSION_WAIT_SECONDS.observe(time.monotonic() - t0)
-        if admission.go:
+        if entry[0] is not None and entry[0].go:
             m.GROUPS_ADMITTED.inc()
-        return admission
+        return entry
+
+    # The buffer calls a group makes at one point run together on the Redis thread: one hop
+    # there and back instead of one per call (the rollout's CPU went mostly to those hops).
+    def _try_enter(self, job: GroupJob) -> tuple[Admission | None, int]:
+        if self.buf.job_cancelled(job.job_id):
+            return None, 0
+        admission = self.buf.try_admit(job.group_id)
+        return admission, self.buf.get_version() if admission.go else 0
+
+    def _put(self, group: Group) -> tuple[bool, int]:
+        new = self.buf.put_group(group)
+        self.buf.ack_job(group.group_id, "done")  # after the put: a crash between them re-runs the job
+        return new, self.buf.get_version()
+
+    def _give_up(self, group_id: str, state: str) -> None:
+        self.buf.release(group_id)
+        self.buf.ack_job(group_id, state)
 
     async def _close(self, a: Active, result: str, error: str = "") -> None:
         """The group leaves this service: `buffered`/`duplicate` (in the buffer), `failed`, `cancelled`."""
         job = a.claimed.job
         if result in ("failed", "cancelled"):
-            await self._db(self.buf.release, job.group_id)
-        await self._db(
-            self.buf.ack_job, job.group_id, {"buffered": "done", "duplicate": "done"}.get(result, result)
-        )
+            await self._db(self._give_up, job.group_id, result)
+        elif a.stage != "writing":  # already buffered (`duplicate` at admission): the put acked the rest
+            await self._db(self.buf.ack_job, job.group_id, "done")
         phase = "buffered" if result == "duplicate" else result
-        await self._phase(job, phase, **({"error": error[:500]} if error else {}))
+        self._phase(job, phase, **({"error": error[:500]} if error else {}))
         m.GROUPS_FINISHED.labels(result).inc()
 
-    async def _phase(self, job: GroupJob, phase: str, **extra: str) -> None:
-        fields = {f"phase:{job.group_id}": phase, **{f"{k}:{job.group_id}": v for k, v in extra.items()}}
-        await self._db(self.buf.set_job_info, job.job_id, **fields)
+    def _phase(self, job: GroupJob, phase: str, **extra: str) -> None:
+        """Record the group's phase in its job's hash (`GET /v1/rollouts/{id}` counts them).
+        Written by `_write_phases` within PHASE_FLUSH_S, all groups' in one pipeline."""
+        fields = self._phases.setdefault(job.job_id, {})
+        fields[f"phase:{job.group_id}"] = phase
+        fields.update({f"{k}:{job.group_id}": v for k, v in extra.items()})
+
+    async def _write_phases(self) -> None:
+        while True:
+            await asyncio.sleep(PHASE_FLUSH_S)
+            if self._phases:
+                batch, self._phases = self._phases, {}
+                try:
+                    await self._db(self.buf.set_jobs_info, batch)
+                except redis.RedisError as exc:  # keep them for the next round (newer values win)
+                    for job_id, fields in batch.items():
+                        self._phases[job_id] = {**fields, **self._phases.get(job_id, {})}
+                    log_event(log, "phase records not written; retrying", logging.WARNING, error=str(exc))
 
     async def _heartbeat(self) -> None:
         """Keep our jobs from looking dead; stop groups of cancelled jobs before they are scored."""
