@@ -9,11 +9,13 @@ Two arrangements, each for both paths:
 Each also reports the CPU spent per group by the clients and by redis-server (`INFO cpu`).
 
     .venv/bin/python benchmarks/buffer_throughput.py [--groups 400] [--repeats 3] [--mode both]
+        [--codec-removed]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import statistics
 import sys
@@ -182,6 +184,24 @@ def run_processes(url: str, run: str, kind: str, n: int, batch: int) -> tuple[fl
     return wall, producer_cpu + consumer_cpu, s1 - s0
 
 
+@contextlib.contextmanager
+def codec_removed(groups: list[Group], payloads: list[bytes]):
+    """Diagnostic: the buffer's own protocol cost. Inside, the buffer's `encode` hands back the
+    precomputed payload and its `decode` the prebuilt group (found by the payload's tail, which
+    holds the group id), so what is left is Lua, round trips and bookkeeping."""
+    from buffer import replay
+
+    by_group = {id(g): p for g, p in zip(groups, payloads)}
+    by_tail = {bytes(p[-256:]): g for g, p in zip(groups, payloads)}
+    real_encode, real_decode = replay.encode, replay.decode
+    replay.encode = lambda record: by_group[id(record)]
+    replay.decode = lambda data, cls=None: by_tail[bytes(data[-256:])] if cls is Group else real_decode(data, cls)
+    try:
+        yield
+    finally:
+        replay.encode, replay.decode = real_encode, real_decode
+
+
 def timed(url: str, fn, *args) -> tuple[float, float, float]:
     """(wall s, client CPU s, server CPU s) of one sequential run."""
     s0, c0 = server_cpu(url), time.process_time()
@@ -195,6 +215,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16, help="groups per take / per raw pipeline")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mode", choices=("sequential", "processes", "both"), default="both")
+    ap.add_argument("--codec-removed", action="store_true",
+                    help="also run the sequential buffer path with encode/decode replaced by lookups (diagnostic)")
     args = ap.parse_args()
 
     # The buffer tunes glibc's allocator for large payloads on first use (buffer/alloc.py); apply it
@@ -213,6 +235,10 @@ def main() -> int:
                     runs.setdefault("raw", []).append(timed(server.url, run_raw, f"raw{rep}", payloads, args.batch))
                     runs.setdefault("buf", []).append(
                         timed(server.url, run_buffer, f"buf{rep}", groups, args.batch, True))
+                    if args.codec_removed:
+                        with codec_removed(groups, payloads):
+                            runs.setdefault("nocodec", []).append(
+                                timed(server.url, run_buffer, f"nocodec{rep}", groups, args.batch, True))
                     runs.setdefault("one", []).append(
                         timed(server.url, run_buffer, f"one{rep}", groups, args.batch, False))
                 if args.mode in ("processes", "both"):
@@ -226,6 +252,7 @@ def main() -> int:
     print("| arrangement | path | groups/s | MB/s | client CPU µs/group | redis-server CPU µs/group |")
     print("|---|---|---|---|---|---|")
     names = {"buf": ("sequential", "buffer put_groups + take_groups + ack"),
+             "nocodec": ("sequential", "buffer put_groups + take_groups + ack, codec removed (diagnostic)"),
              "one": ("sequential", "buffer put_group one by one + take_groups + ack"),
              "raw": ("sequential", "raw pipelined XADD + XREADGROUP + XACK (same bytes)"),
              "pbuf": ("processes", "buffer put_groups, in parallel take_groups + ack"),
@@ -237,6 +264,7 @@ def main() -> int:
                   f"{srv / n * 1e6:,.0f} |")  # fmt: skip
     print()
     for key, raw, label in (("buf", "raw", "sequential, put_groups"), ("one", "raw", "sequential, put_group"),
+                            ("nocodec", "raw", "sequential, put_groups, codec removed"),
                             ("pbuf", "praw", "processes, put_groups")):  # fmt: skip
         if key in med:
             print(f"ratio buffer / raw ({label}): {med[raw][0] / med[key][0]:.2f} (target >= 0.80)")

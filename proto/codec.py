@@ -221,8 +221,9 @@ def _check_group_arrays(fields: dict[str, Any]) -> None:
         raise RecordDecodeError(f"group.samples: {exc}") from None
 
 
-def _read_columns(payload: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Schema 2 group: pop the three columns and check them whole (lengths, contents)."""
+def _read_columns(payload: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None]:
+    """Schema 2 group: pop the three columns and check them whole (lengths, contents); with
+    them, the oldest token version (None for no tokens)."""
     ids, logprobs, versions = (_wire_array(payload.pop(name, None), dtype, f"group.{name}")
                                for name, dtype in _COLUMNS)  # fmt: skip
     if len(logprobs) != len(ids):
@@ -230,10 +231,10 @@ def _read_columns(payload: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.n
     if len(versions) != len(ids):
         raise RecordDecodeError(f"group: {len(versions)} versions for {len(ids)} completion tokens")
     try:
-        check_token_arrays(ids, logprobs, versions)
+        oldest = check_token_arrays(ids, logprobs, versions)
     except ValueError as exc:
         raise RecordDecodeError(f"group.samples: {exc}") from None
-    return ids, logprobs, versions
+    return ids, logprobs, versions, oldest
 
 
 def _group_fields(payload: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> dict:
@@ -273,7 +274,7 @@ _TIMING_FIELDS = ("submitted", "first_token", "finished", "scored")
 assert _GROUP_WIRE_KEYS == Group.model_fields.keys()
 assert _SAMPLE_WIRE_KEYS - {"n"} | {name for name, _ in _COLUMNS} == Sample.model_fields.keys()
 assert _TIMING_FIELDS == tuple(Timings.model_fields)
-_TIMING_KEYS = frozenset(_TIMING_FIELDS)
+_OPTIONAL_FLOAT = (float, type(None))
 _FINISH = {e.value: e for e in FinishReason}
 _STATUS = {e.value: e for e in RewardStatus}
 _STATUS[None] = None
@@ -299,12 +300,15 @@ def _construct(cls: type[Record], values: dict[str, Any]) -> Any:
     return record
 
 
-def _fast_group(f: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> Group | None:
+def _fast_group(f: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray,
+                oldest: int | None) -> Group | None:  # fmt: skip
+    """`f` is the freshly unpacked map: its dicts become the records' own, uncopied."""
     if f.keys() != _GROUP_WIRE_KEYS:
         return None
     spec, wire_samples, prompt = f["reward_spec"], f["samples"], f["prompt_ids"]
     submit, min_version = f["submit_version"], f["min_version"]
-    oldest = int(versions.min()) if len(versions) else submit
+    if oldest is None:
+        oldest = submit
     if not (_is_id(f["group_id"]) and _is_id(f["job_id"]) and type(prompt) is bytes and prompt and len(prompt) % 4 == 0
             and _str_keyed(spec) and type(spec.get("verifier")) is str and type(submit) is int and submit >= 0
             and type(min_version) is int and min_version == oldest
@@ -319,9 +323,10 @@ def _fast_group(f: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray, versio
         if not (type(n) is int and n >= 0 and _is_id(w["prompt_id"]) and w["index"] == i and type(w["index"]) is int
                 and type(w["truncated"]) is bool and type(w["text"]) is str and _str_keyed(details)
                 and type(finish) is str and finish in _FINISH and (status is None or type(status) is str)
-                and status in _STATUS and type(timings) is dict and timings.keys() == _TIMING_KEYS
-                and all(v is None or type(v) is float for v in timings.values())):  # fmt: skip
-            return None
+                and status in _STATUS and type(timings) is dict and tuple(timings) == _TIMING_FIELDS
+                and type(timings["submitted"]) in _OPTIONAL_FLOAT and type(timings["first_token"]) in _OPTIONAL_FLOAT
+                and type(timings["finished"]) in _OPTIONAL_FLOAT and type(timings["scored"]) in _OPTIONAL_FLOAT):  # fmt: skip
+            return None  # (timings in any other key order: pydantic puts them in field order)
         status = _STATUS[status]
         if status is RewardStatus.scored:
             if type(reward) is not float or not math.isfinite(reward):
@@ -333,14 +338,13 @@ def _fast_group(f: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray, versio
             "prompt_id": w["prompt_id"], "index": i, "completion_ids": ids[start:end],
             "behavior_logprobs": logprobs[start:end], "versions": versions[start:end],
             "finish_reason": _FINISH[finish], "truncated": w["truncated"], "text": w["text"], "reward": reward,
-            "reward_status": status, "reward_details": dict(details),
-            "timings": _construct(Timings, {k: timings[k] for k in _TIMING_FIELDS})}))  # fmt: skip
+            "reward_status": status, "reward_details": details, "timings": _construct(Timings, timings)}))  # fmt: skip
         start = end
     if start != len(ids):
         return None
     return _construct(Group, {
         "group_id": f["group_id"], "job_id": f["job_id"], "prompt_ids": _wire_array(prompt, _PROMPT_DTYPE, ""),
-        "reward_spec": dict(spec), "samples": samples, "submit_version": submit, "min_version": min_version})  # fmt: skip
+        "reward_spec": spec, "samples": samples, "submit_version": submit, "min_version": min_version})  # fmt: skip
 
 
 def _short(exc: ValidationError) -> str:
@@ -390,8 +394,8 @@ def decode(data: bytes, expected: type[R] | None = None) -> R:
         raise RecordDecodeError(f"expected a {TYPE_NAMES[expected]} record, got {type_name}")
     context = None
     if cls is Group and schema >= 2:
-        columns = _read_columns(payload)
-        group = _fast_group(payload, *columns) if FAST_PATH else None
+        *columns, oldest = _read_columns(payload)
+        group = _fast_group(payload, *columns, oldest) if FAST_PATH else None
         if group is not None:
             return group  # type: ignore[return-value]
         fields = _group_fields(payload, *columns)

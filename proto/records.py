@@ -35,8 +35,9 @@ MAX_LOGPROB = 1e-3
 ARRAYS_CHECKED = "asyncrl.arrays_checked"
 
 
-def check_token_arrays(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> None:
-    """Content rules for token arrays (any length, possibly several samples concatenated)."""
+def check_token_arrays(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> int | None:
+    """Content rules for token arrays (any length, possibly several samples concatenated).
+    Returns the oldest version (None for no tokens), which the check computes anyway."""
     # min and max are NaN if any value is, and every comparison with NaN is False: two passes
     # decide the common case; the detailed checks run only to word the error.
     if len(logprobs) and not (float(logprobs.min()) > -math.inf and float(logprobs.max()) <= MAX_LOGPROB):
@@ -45,8 +46,10 @@ def check_token_arrays(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarr
         raise ValueError(f"behavior_logprobs must be <= 0, found {float(logprobs.max())}")
     if len(ids) and int(ids.min()) < 0:
         raise ValueError("negative token id")
-    if len(versions) and int(versions.min()) < 0:
+    oldest = int(versions.min()) if len(versions) else None
+    if oldest is not None and oldest < 0:
         raise ValueError("negative policy version")
+    return oldest
 
 
 class RewardStatus(str, Enum):

@@ -75,12 +75,14 @@ def scrape_trainer(url: str, t0: float) -> Scrape | None:
     count = values.get("asyncrl_trainer_group_staleness_count", 0.0)
     # the largest staleness seen is the first bucket bound that already holds every observation
     max_bucket = next((le for le, c in sorted(buckets) if c >= count), None) if count else None
+    version = int(values.get("asyncrl_trainer_version", 0))
     return Scrape(
         t=time.monotonic() - t0,
-        version=int(values.get("asyncrl_trainer_version", 0)),
-        reward=values.get("asyncrl_trainer_reward_mean"),
-        entropy=values.get("asyncrl_trainer_entropy"),
-        tokens_per_s=values.get("asyncrl_trainer_tokens_per_second"),
+        version=version,
+        # before the first step the trainer's gauges hold their initial 0, not a measurement
+        reward=values.get("asyncrl_trainer_reward_mean") if version else None,
+        entropy=values.get("asyncrl_trainer_entropy") if version else None,
+        tokens_per_s=values.get("asyncrl_trainer_tokens_per_second") if version else None,
         staleness_sum=values.get("asyncrl_trainer_group_staleness_sum", 0.0),
         staleness_count=count,
         staleness_max_bucket=max_bucket,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 
 import torch
@@ -95,26 +96,39 @@ class Engine:
         if self.scheduler.num_waiting + len(requests) > self.settings.max_queued_requests:
             raise InvalidRequest("engine queue is full; retry later", status=503, reason="queue_full")
         self._in_flight.update(rids)  # before any await, so a concurrent duplicate is refused
-        finished = await asyncio.gather(*(self._run(r) for r in requests))
-        outputs = [self._response(r, item, body.return_text_in_logprobs) for r, item in zip(finished, items)]
+        await self._run(requests)
+        outputs = [self._response(r, item, body.return_text_in_logprobs) for r, item in zip(requests, items)]
         return outputs if body.is_batch else outputs[0]
 
-    async def _run(self, req: Request) -> Request:
+    async def _run(self, requests: list[Request]) -> None:
+        """Submit a request's items and wait until all have finished: one future and one wake-up
+        of the event loop per request, not per item (a task, a shield and a thread-safe call
+        per item were a third of this process's CPU in the demo)."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[Request] = loop.create_future()
+        done: asyncio.Future[None] = loop.create_future()
+        left = len(requests)
+        lock = threading.Lock()
 
-        def on_finish(r: Request) -> None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
+        def on_finish(_: Request) -> None:  # on the scheduler thread
+            nonlocal left
+            with lock:
+                left -= 1
+                last = left == 0
+            if last:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
-        req.on_finish = on_finish
-        self.scheduler.submit(req)
+        for req in requests:
+            req.on_finish = on_finish
+            self.scheduler.submit(req)
         try:
-            return await asyncio.shield(done)
-        except asyncio.CancelledError:  # the client went away: free its slot
-            self.scheduler.abort(req.rid, message="client disconnected")
+            await asyncio.shield(done)
+        except asyncio.CancelledError:  # the client went away: free the slots still held
+            for req in requests:
+                if req.finished_at is None:
+                    self.scheduler.abort(req.rid, message="client disconnected")
             raise
         finally:
-            self._in_flight.discard(req.rid)
+            self._in_flight.difference_update(r.rid for r in requests)
 
     def _build(self, item: GenerateItem) -> Request:
         sp = item.sampling_params
