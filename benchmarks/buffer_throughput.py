@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -53,53 +54,73 @@ def make_groups(n: int) -> list[Group]:
     return groups
 
 
-def run_buffer(url: str, run: str, groups: list[Group], batch: int, pipelined: bool) -> float:
-    buf = ReplayBuffer(url, run=run, consumer="bench")
-    t0 = time.perf_counter()
-    if pipelined:  # put_groups: one round trip per `batch` groups, like the raw pipeline
-        for i in range(0, len(groups), batch):
-            buf.put_groups(groups[i : i + batch])
-    else:
-        for g in groups:
-            buf.put_group(g)
+def buffer_put(buf: ReplayBuffer, groups: list[Group], batch: int) -> None:
+    """put_groups: one round trip per `batch` groups, like the raw pipeline."""
+    for i in range(0, len(groups), batch):
+        buf.put_groups(groups[i : i + batch])
+
+
+def buffer_take(buf: ReplayBuffer, n: int, batch: int) -> None:
     taken = 0
-    while taken < len(groups):
+    while taken < n:
         # take_groups waits up to block_ms to fill n; ask only for what is left, like the raw loop.
-        res = buf.take_groups(min(batch, len(groups) - taken), current_version=3, max_staleness=0, block_ms=1000)
+        res = buf.take_groups(min(batch, n - taken), current_version=3, max_staleness=0, block_ms=1000)
         buf.ack([g.group_id for g in res.groups])
         taken += len(res.groups)
-    elapsed = time.perf_counter() - t0
-    buf.close()
-    return elapsed
 
 
-def run_raw(url: str, run: str, payloads: list[bytes], batch: int) -> float:
-    import redis
-
-    r = redis.Redis.from_url(url)
-    stream = f"raw:{{{run}}}:groups"
-    r.xgroup_create(stream, "trainer", id="0", mkstream=True)
-    t0 = time.perf_counter()
+def raw_put(r, stream: str, payloads: list[bytes], batch: int) -> None:
     pipe = r.pipeline(transaction=False)
     for i, p in enumerate(payloads):
         pipe.xadd(stream, {"gid": f"g{i}", "data": p})
         if len(pipe) >= batch:
             pipe.execute()
     pipe.execute()
+
+
+def raw_take(r, stream: str, n: int, batch: int) -> None:
     taken = 0
-    while taken < len(payloads):
-        resp = r.xreadgroup("trainer", "bench", {stream: ">"}, count=batch, block=1000)
-        ids = [eid for eid, _ in resp[0][1]]
-        r.pipeline(transaction=False).xack(stream, "trainer", *ids).xdel(stream, *ids).execute()
+    while taken < n:
+        resp = r.xreadgroup("trainer", "bench", {stream: ">"}, count=min(batch, n - taken), block=1000)
+        ids = [eid for eid, _ in resp[0][1]] if resp else []
+        if ids:
+            r.pipeline(transaction=False).xack(stream, "trainer", *ids).xdel(stream, *ids).execute()
         taken += len(ids)
+
+
+def run_buffer(url: str, run: str, groups: list[Group], batch: int, pipelined: bool) -> float:
+    buf = ReplayBuffer(url, run=run, consumer="bench")
+    t0 = time.perf_counter()
+    if pipelined:
+        buffer_put(buf, groups, batch)
+    else:
+        for g in groups:
+            buf.put_group(g)
+    buffer_take(buf, len(groups), batch)
+    elapsed = time.perf_counter() - t0
+    buf.close()
+    return elapsed
+
+
+def raw_stream(url: str, run: str, create: bool = False):
+    r = redis.Redis.from_url(url)
+    stream = f"raw:{{{run}}}:groups"
+    if create:
+        r.xgroup_create(stream, "trainer", id="0", mkstream=True)
+    return r, stream
+
+
+def run_raw(url: str, run: str, payloads: list[bytes], batch: int) -> float:
+    r, stream = raw_stream(url, run, create=True)
+    t0 = time.perf_counter()
+    raw_put(r, stream, payloads, batch)
+    raw_take(r, stream, len(payloads), batch)
     elapsed = time.perf_counter() - t0
     r.close()
     return elapsed
 
 
 def server_cpu(url: str) -> float:
-    import redis
-
     with redis.Redis.from_url(url) as r:
         info = r.info("cpu")
     return info["used_cpu_sys"] + info["used_cpu_user"]
@@ -107,67 +128,43 @@ def server_cpu(url: str) -> float:
 
 def producer(url: str, run: str, kind: str, n: int, batch: int, start, out) -> None:
     """Child process: build (and for raw, encode) the groups, then push them after `start`."""
-    import redis
-
     tune_malloc()
     groups = make_groups(n)
     if kind == "raw":
         payloads = [encode(g) for g in groups]
-        r = redis.Redis.from_url(url)
-        stream = f"raw:{{{run}}}:groups"
+        r, stream = raw_stream(url, run)
         start.wait()
         c0 = time.process_time()
-        pipe = r.pipeline(transaction=False)
-        for i, p in enumerate(payloads):
-            pipe.xadd(stream, {"gid": f"g{i}", "data": p})
-            if len(pipe) >= batch:
-                pipe.execute()
-        pipe.execute()
+        raw_put(r, stream, payloads, batch)
     else:
         buf = ReplayBuffer(url, run=run, consumer="producer")
         start.wait()
         c0 = time.process_time()
-        for i in range(0, n, batch):
-            buf.put_groups(groups[i : i + batch])
+        buffer_put(buf, groups, batch)
     out.put(("producer", time.process_time() - c0))
 
 
 def consumer(url: str, run: str, kind: str, n: int, batch: int, start, out) -> None:
     """Child process: take and ack `n` groups after `start`; reports the wall time to the last ack."""
-    import redis
-
     tune_malloc()
-    taken = 0
     if kind == "raw":
-        r = redis.Redis.from_url(url)
-        stream = f"raw:{{{run}}}:groups"
+        r, stream = raw_stream(url, run)
         start.wait()
         t0, c0 = time.perf_counter(), time.process_time()
-        while taken < n:
-            resp = r.xreadgroup("trainer", "bench", {stream: ">"}, count=min(batch, n - taken), block=1000)
-            ids = [eid for eid, _ in resp[0][1]] if resp else []
-            if ids:
-                r.pipeline(transaction=False).xack(stream, "trainer", *ids).xdel(stream, *ids).execute()
-            taken += len(ids)
+        raw_take(r, stream, n, batch)
     else:
         buf = ReplayBuffer(url, run=run, consumer="consumer")
         start.wait()
         t0, c0 = time.perf_counter(), time.process_time()
-        while taken < n:
-            res = buf.take_groups(min(batch, n - taken), current_version=3, max_staleness=0, block_ms=1000)
-            buf.ack([g.group_id for g in res.groups])
-            taken += len(res.groups)
+        buffer_take(buf, n, batch)
     out.put(("consumer", time.process_time() - c0, time.perf_counter() - t0))
 
 
 def run_processes(url: str, run: str, kind: str, n: int, batch: int) -> tuple[float, float, float]:
     """(wall s, client CPU s, server CPU s) with a producer and a consumer process."""
-    import redis
-
     ctx = mp.get_context("spawn")
     if kind == "raw":
-        with redis.Redis.from_url(url) as r:
-            r.xgroup_create(f"raw:{{{run}}}:groups", "trainer", id="0", mkstream=True)
+        raw_stream(url, run, create=True)[0].close()
     else:
         ReplayBuffer(url, run=run, consumer="setup").close()  # creates the streams and groups
     start, out = ctx.Barrier(3), ctx.Queue()
