@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -259,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     max_steps = args.max_steps or int(trainer_cfg.get("max_steps", 0)) or 10**9
 
     launcher = Launcher(UpConfig.model_validate(raw), config_path, echo=False)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # stop like Ctrl-C
+    topups = ThreadPoolExecutor(1, thread_name_prefix="demo-submit")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C
     history, progress = History(), (run_dir / "progress.jsonl").open("w")
     tty = sys.stdout.isatty()
     t0 = time.monotonic()
@@ -269,14 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print("starting Redis, reward, engine, rollout and trainer ...", flush=True)
         launcher.start()
-        # stale groups are dropped and consume prompts too: submit twice what the steps need
-        # (at most what the time limit could use at 3 steps/s; the demo runs at ~2 on 2 cores)
         # Stale groups are dropped and consume prompts too: keep twice what the steps need
         # submitted, in chunks of TOPUP_STEPS steps, topped up as the trainer advances.
         rng, rollout_url = random.Random(demo.seed), launcher.rollout_urls()[0]
-        chunk = 2 * TOPUP_STEPS * demo.prompts_per_step
+        chunk = 2 * min(TOPUP_STEPS, max_steps + eta + 2) * demo.prompts_per_step
         jobs = submit(rollout_url, demo, chunk, rng)
-        submitted = chunk
+        submitted, topup = chunk, None  # a top-up posts from a thread: the progress line keeps moving
         print(f"submitted {len(jobs)} job(s), {chunk} prompts x {demo.group_size} samples, more as training "
               "advances; training (Ctrl-C stops)")  # fmt: skip
         t0 = time.monotonic()
@@ -297,8 +297,15 @@ def main(argv: list[str] | None = None) -> int:
                 elif row["t"] - last_print >= 5:
                     print(line, flush=True)
                     last_print = row["t"]
-            if s and submitted < 2 * (s.version + TOPUP_STEPS // 2 + eta + 2) * demo.prompts_per_step:
-                jobs += submit(rollout_url, demo, chunk, rng, first_job=len(jobs))
+            if topup is not None and topup.done():
+                try:
+                    jobs += topup.result()
+                except (RuntimeError, httpx.HTTPError) as exc:  # e.g. a full queue: the next poll retries
+                    submitted -= chunk
+                    print(f"\nprompt top-up refused, retrying: {exc}", flush=True)
+                topup = None
+            if s and topup is None and submitted < 2 * (s.version + TOPUP_STEPS // 2 + eta + 2) * demo.prompts_per_step:
+                topup = topups.submit(submit, rollout_url, demo, chunk, rng, first_job=len(jobs))
                 submitted += chunk
             elapsed = time.monotonic() - t0
             if reached_at is not None:
@@ -327,10 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {exc}")
         code = 1
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the shutdown short
+            signal.signal(sig, signal.SIG_IGN)
         if tty:
             print()
         usage = utilisation(launcher, time.monotonic() - t0) if launcher.procs else {}
         print("stopping services ...", flush=True)
+        topups.shutdown(wait=False, cancel_futures=True)
         launcher.stop()
         progress.close()
     if history.rows:

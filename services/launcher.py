@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = UpConfig.load(args.config)
     launcher = Launcher(cfg, args.config)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C
     code = 0
     try:
         launcher.start()
@@ -316,5 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         launcher._say("launcher", f"error: {exc}")
         code = 1
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the shutdown short
+            signal.signal(sig, signal.SIG_IGN)
         launcher.stop()
     return code

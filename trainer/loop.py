@@ -119,7 +119,6 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
     busy = max(step_s - phases.get("wait", 0.0), 1e-9)
     for phase, s in phases.items():
         tm.PHASE_SECONDS.labels(phase).observe(s)
-    tm.VERSION.set(version)
     tm.STEPS.inc()
     tm.STEP_SECONDS.set(step_s)
     tm.IDLE_RATIO.set(phases.get("wait", 0.0) / max(step_s, 1e-9))
@@ -144,6 +143,7 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
               "mismatch_kl": stats["mismatch_kl"], "approx_kl": stats["approx_kl"], "entropy": stats["entropy"],
               "ref_kl": stats["ref_kl"], "grad_norm": stats["grad_norm"], "reward_mean": reward_mean}  # fmt: skip
     tm.observe_step(gauges)
+    tm.VERSION.set(version)  # last: a scrape that sees version v sees step v's figures
     p.health.version, p.health.last_step_at = version, time.time()
     log_event(log, "step", version=version, groups=len(taken.groups), tokens=int(stats["tokens"]),
               step_s=round(step_s, 4), **{k: round(v, 6) for k, v in gauges.items()},

@@ -12,7 +12,7 @@ Guarantees:
   work; a background probe (`GET /health`) brings it back. `pick()` chooses among healthy
   engines by least in-flight requests, ties broken round-robin, and waits while none is
   healthy. Callers keep affinity by passing the same `Engine` for a whole group.
-* Control calls (`update_weights_from_disk`, `continue_generation`, `abort_request`) go to the admin URLs (the workers, when generation goes through a router).
+* Control calls (`update_weights_from_disk`, `continue_generation`) go to the admin URLs (the workers, when generation goes through a router).
 """
 
 from __future__ import annotations
@@ -335,9 +335,10 @@ class EngineClient:
         except httpx.HTTPError as exc:
             m.ENGINE_REQUESTS.labels(e.label, "update", "error").inc()
             return f"{e.url}: {type(exc).__name__}: {exc}"
-        task = asyncio.ensure_future(self._continue(e))
-        self._background.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._background.discard)
+        finally:  # whatever became of the update (a timeout may still have aborted and paused)
+            task = asyncio.ensure_future(self._continue(e))
+            self._background.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._background.discard)
         try:
             out = UpdateWeightFromDiskReqOutput.model_validate_json(resp.content)
         except ValidationError:
@@ -357,8 +358,8 @@ class EngineClient:
         except httpx.HTTPError as exc:
             resp, message = None, f"{type(exc).__name__}: {exc}"
         else:
-            message = "" if resp.status_code == 200 else _error_message(resp)
-        if message:
+            message = None if resp.status_code == 200 else _error_message(resp) or f"HTTP {resp.status_code}"
+        if message is not None:
             m.ENGINE_REQUESTS.labels(e.label, "continue", "error").inc()
             log_event(log, "engine did not continue after a weight update", logging.WARNING, engine=e.url,
                       status=resp.status_code if resp is not None else None, message=message)  # fmt: skip

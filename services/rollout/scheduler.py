@@ -140,9 +140,13 @@ class Scheduler:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, *background, return_exceptions=True)
-            if self._phases:  # what the groups recorded last, e.g. `failed` with its error
-                await self._db(self.buf.set_jobs_info, self._phases)
-            self._redis.shutdown(wait=True)
+            try:
+                if self._phases:  # the last `generating` / `scoring` records
+                    await self._db(self.buf.set_jobs_info, self._phases)
+            except redis.RedisError as exc:
+                log_event(log, "phase records lost at shutdown", logging.WARNING, error=str(exc))
+            finally:
+                self._redis.shutdown(wait=True)
 
     def _start(self, c: ClaimedJob, source: str) -> None:
         gid = c.job.group_id
@@ -180,9 +184,9 @@ class Scheduler:
                 samples=samples,
                 submit_version=submit_version,
             )
-            new, version = await self._db(self._put, group)
+            new, version = await self._db(self._put, group, self._final_phase(job, "buffered"))
             m.STALENESS_AT_WRITE.observe(max(version - group.min_version, 0))
-            await self._close(a, "buffered" if new else "duplicate")
+            await self._close(a, "buffered" if new else "duplicate", settled=True)
         except (EngineRejected, ValidationError) as exc:
             # The request or what came back for it is wrong: retrying cannot help. Counted,
             # recorded in the job (`GET /v1/rollouts/{id}` shows the reason), slot given back.
@@ -235,44 +239,55 @@ class Scheduler:
         admission = self.buf.try_admit(job.group_id)
         return admission, self.buf.get_version() if admission.go else 0
 
-    def _put(self, group: Group) -> tuple[bool, int]:
+    # A group's last phase is written with its job ack, before it: a crash in between re-runs
+    # the job, which finds its group buffered and writes the phase again.
+    def _put(self, group: Group, final: dict[str, str]) -> tuple[bool, int]:
         new = self.buf.put_group(group)
+        self.buf.set_job_info(group.job_id, **final)
         self.buf.ack_job(group.group_id, "done")  # after the put: a crash between them re-runs the job
         return new, self.buf.get_version()
 
-    def _give_up(self, group_id: str, state: str) -> None:
-        self.buf.release(group_id)
-        self.buf.ack_job(group_id, state)
+    def _settle(self, job: GroupJob, state: str, final: dict[str, str]) -> None:
+        if state in ("failed", "cancelled"):
+            self.buf.release(job.group_id)
+        self.buf.set_job_info(job.job_id, **final)
+        self.buf.ack_job(job.group_id, state)
 
-    async def _close(self, a: Active, result: str, error: str = "") -> None:
-        """The group leaves this service: `buffered`/`duplicate` (in the buffer), `failed`, `cancelled`."""
+    async def _close(self, a: Active, result: str, error: str = "", settled: bool = False) -> None:
+        """The group leaves this service: `buffered`/`duplicate` (in the buffer), `failed`, `cancelled`.
+        `settled`: the put already wrote the last phase and acked the job."""
         job = a.claimed.job
-        if result in ("failed", "cancelled"):
-            await self._db(self._give_up, job.group_id, result)
-        elif a.stage != "writing":  # already buffered (`duplicate` at admission): the put acked the rest
-            await self._db(self.buf.ack_job, job.group_id, "done")
-        phase = "buffered" if result == "duplicate" else result
-        self._phase(job, phase, **({"error": error[:500]} if error else {}))
+        if not settled:
+            final = self._final_phase(job, "buffered" if result == "duplicate" else result, error)
+            await self._db(self._settle, job, {"buffered": "done", "duplicate": "done"}.get(result, result), final)
         m.GROUPS_FINISHED.labels(result).inc()
 
-    def _phase(self, job: GroupJob, phase: str, **extra: str) -> None:
-        """Record the group's phase in its job's hash (`GET /v1/rollouts/{id}` counts them).
-        Written by `_write_phases` within PHASE_FLUSH_S, all groups' in one pipeline."""
-        fields = self._phases.setdefault(job.job_id, {})
-        fields[f"phase:{job.group_id}"] = phase
-        fields.update({f"{k}:{job.group_id}": v for k, v in extra.items()})
+    def _phase(self, job: GroupJob, phase: str) -> None:
+        """Record an intermediate phase in the job's hash (`GET /v1/rollouts/{id}` counts
+        them); `_write_phases` writes them within PHASE_FLUSH_S, all groups' in one pipeline."""
+        self._phases.setdefault(job.job_id, {})[f"phase:{job.group_id}"] = phase
+
+    def _final_phase(self, job: GroupJob, phase: str, error: str = "") -> dict[str, str]:
+        """The fields of a group's last phase, written with its ack; any batched phase of the
+        group not yet written is dropped, so it cannot land after the last one."""
+        pending = self._phases.get(job.job_id, {})
+        pending.pop(f"phase:{job.group_id}", None)
+        return {f"phase:{job.group_id}": phase, **({f"error:{job.group_id}": error[:500]} if error else {})}
 
     async def _write_phases(self) -> None:
         while True:
             await asyncio.sleep(PHASE_FLUSH_S)
-            if self._phases:
-                batch, self._phases = self._phases, {}
-                try:
-                    await self._db(self.buf.set_jobs_info, batch)
-                except redis.RedisError as exc:  # keep them for the next round (newer values win)
-                    for job_id, fields in batch.items():
-                        self._phases[job_id] = {**fields, **self._phases.get(job_id, {})}
-                    log_event(log, "phase records not written; retrying", logging.WARNING, error=str(exc))
+            if not self._phases:
+                continue
+            batch, self._phases = self._phases, {}
+            try:
+                await self._db(self.buf.set_jobs_info, batch)
+            except Exception as exc:  # noqa: BLE001 — never let the writer die: keep them for the next round
+                for job_id, fields in batch.items():  # groups that finished since wrote their last phase
+                    kept = {k: v for k, v in fields.items() if k.split(":", 1)[1] in self.active}
+                    self._phases[job_id] = {**kept, **self._phases.get(job_id, {})}
+                log_event(log, "phase records not written; retrying", logging.WARNING,
+                          error=f"{type(exc).__name__}: {exc}")  # fmt: skip
 
     async def _heartbeat(self) -> None:
         """Keep our jobs from looking dead; stop groups of cancelled jobs before they are scored."""

@@ -15,12 +15,14 @@ from services.rollout.engine_client import EngineClient
 from services.rollout.testing import free_port
 
 
-def recording_engine(calls: list, *, update_ok: bool = True, continue_status: int = 200) -> FastAPI:
+def recording_engine(calls: list, *, update_ok: bool = True, continue_status: int = 200,
+                     update_delay_s: float = 0.0) -> FastAPI:  # fmt: skip
     app = FastAPI()
 
     @app.post("/update_weights_from_disk")
     async def update(req: Request) -> JSONResponse:
         calls.append(("update", await req.json(), time.monotonic()))
+        await asyncio.sleep(update_delay_s)
         message = "Succeeded." if update_ok else "cannot read /nowhere: no such file"
         return JSONResponse({"success": update_ok, "message": message, "num_paused_requests": 0},
                             status_code=200 if update_ok else 400)  # fmt: skip
@@ -40,16 +42,13 @@ def recording_engine(calls: list, *, update_ok: bool = True, continue_status: in
     return app
 
 
-def update(url: str, path: str, version: int) -> list[str]:
+def update(url: str, path: str, version: int, timeout_s: float = 10) -> list[str]:
     async def go() -> list[str]:
         client = EngineClient([url], [url], timeout_s=10, retries=0, backoff_s=0.1, unhealthy_after=3,
-                              probe_s=1.0, update_timeout_s=10)  # fmt: skip
+                              probe_s=1.0, update_timeout_s=timeout_s)  # fmt: skip
         try:
             errors = await client.update_all_from_disk(path, version)
-            for _ in range(200):  # the continue goes out in the background
-                if not client._background:
-                    break
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(asyncio.gather(*client._background), 30)  # the continue goes out in the background
             return errors
         finally:
             await client.aclose()
@@ -96,3 +95,15 @@ def test_a_refused_update_is_reported_with_the_engine_message():
     finally:
         server.stop()
     assert errors == [f"{server.url}: cannot read /nowhere: no such file"]
+
+
+def test_an_update_that_times_out_still_sends_the_continue():
+    """The engine may have aborted and paused before the answer was lost: continue anyway."""
+    calls: list = []
+    server = serve_app_in_thread(recording_engine(calls, update_delay_s=3.0), free_port(), "fake-engine")
+    try:
+        errors = update(server.url, "/ckpt/v10", 10, timeout_s=0.5)
+    finally:
+        server.stop()
+    assert len(errors) == 1 and errors[0].startswith(f"{server.url}: ReadTimeout")
+    assert [op for op, _, _ in calls] == ["update", "continue"]
