@@ -90,5 +90,32 @@ def worker(argv: list[str]) -> int:
         dist.destroy_process_group()
 
 
+def _exit_now(code: int) -> None:
+    """Leave a worker without interpreter finalization. Gloo's C++ threads can still hold
+    work objects with tensors at that point, and freeing them while the interpreter is torn
+    down aborts the process ("terminate called without an active exception", exit -6), which
+    turned a finished run into a failed one now and then. Everything durable (checkpoints,
+    acks, logs) is written by the time `worker` returns."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
+    if "--worker" in sys.argv[1:]:
+        try:
+            code = main()
+        except SystemExit as exc:  # argparse and friends
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except Exception:  # noqa: BLE001 — printed as Python would, then the exit code says it
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        _exit_now(int(code or 0))
     sys.exit(main())
