@@ -278,7 +278,14 @@ _OPTIONAL_FLOAT = (float, type(None))
 _FINISH = {e.value: e for e in FinishReason}
 _STATUS = {e.value: e for e in RewardStatus}
 _STATUS[None] = None
-_MAX_ID = 256  # max_length of ids in records.py
+
+
+def _max_length(cls: type[Record], name: str) -> int:
+    return next(m.max_length for m in cls.model_fields[name].metadata if getattr(m, "max_length", None))
+
+
+_MAX_ID = _max_length(Group, "group_id")  # the ids' max_length in records.py
+assert _MAX_ID == _max_length(Group, "job_id") == _max_length(Sample, "prompt_id"), "the fast path checks ids alike"
 
 
 def _is_id(value: Any) -> bool:

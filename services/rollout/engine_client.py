@@ -12,7 +12,8 @@ Guarantees:
   work; a background probe (`GET /health`) brings it back. `pick()` chooses among healthy
   engines by least in-flight requests, ties broken round-robin, and waits while none is
   healthy. Callers keep affinity by passing the same `Engine` for a whole group.
-* Control calls (`update_weights_from_disk`, `continue_generation`) go to the admin URLs (the workers, when generation goes through a router).
+* Control calls (`update_weights_from_disk`, `continue_generation`) go to the admin URLs
+  (the workers, when generation goes through a router).
 """
 
 from __future__ import annotations
@@ -224,8 +225,13 @@ class EngineClient:
         return await fut
 
     def _start_flush(self, engine: Engine, key: str, params: dict) -> None:
-        task = asyncio.ensure_future(self._flush(engine, key, params))
-        self._background.add(task)  # the loop keeps only weak references to tasks
+        self._spawn(self._flush(engine, key, params))
+
+    def _spawn(self, coro) -> None:
+        """Run `coro` as a task nobody awaits; kept here because the loop holds tasks only
+        weakly, and cancelled by `aclose`."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def _flush(self, engine: Engine, key: str, params: dict) -> None:
@@ -336,9 +342,7 @@ class EngineClient:
             m.ENGINE_REQUESTS.labels(e.label, "update", "error").inc()
             return f"{e.url}: {type(exc).__name__}: {exc}"
         finally:  # whatever became of the update (a timeout may still have aborted and paused)
-            task = asyncio.ensure_future(self._continue(e))
-            self._background.add(task)  # the loop keeps only weak references to tasks
-            task.add_done_callback(self._background.discard)
+            self._spawn(self._continue(e))
         try:
             out = UpdateWeightFromDiskReqOutput.model_validate_json(resp.content)
         except ValidationError:

@@ -184,7 +184,7 @@ class Scheduler:
                 samples=samples,
                 submit_version=submit_version,
             )
-            new, version = await self._db(self._put, group, self._final_phase(job, "buffered"))
+            new, version = await self._db(self._put, job, group, self._final_phase(job, "buffered"))
             m.STALENESS_AT_WRITE.observe(max(version - group.min_version, 0))
             await self._close(a, "buffered" if new else "duplicate", settled=True)
         except (EngineRejected, ValidationError) as exc:
@@ -241,10 +241,9 @@ class Scheduler:
 
     # A group's last phase is written with its job ack, before it: a crash in between re-runs
     # the job, which finds its group buffered and writes the phase again.
-    def _put(self, group: Group, final: dict[str, str]) -> tuple[bool, int]:
+    def _put(self, job: GroupJob, group: Group, final: dict[str, str]) -> tuple[bool, int]:
         new = self.buf.put_group(group)
-        self.buf.set_job_info(group.job_id, **final)
-        self.buf.ack_job(group.group_id, "done")  # after the put: a crash between them re-runs the job
+        self._settle(job, "done", final)  # after the put: a crash between them re-runs the job
         return new, self.buf.get_version()
 
     def _settle(self, job: GroupJob, state: str, final: dict[str, str]) -> None:
@@ -272,6 +271,8 @@ class Scheduler:
         group not yet written is dropped, so it cannot land after the last one."""
         pending = self._phases.get(job.job_id, {})
         pending.pop(f"phase:{job.group_id}", None)
+        if not pending:
+            self._phases.pop(job.job_id, None)
         return {f"phase:{job.group_id}": phase, **({f"error:{job.group_id}": error[:500]} if error else {})}
 
     async def _write_phases(self) -> None:

@@ -4,10 +4,11 @@ each new policy version.
 * `disk` events: this service drives the engines with one `/update_weights_from_disk` each
   (`weight_version` = the policy version, `abort_all_requests`, `flush_cache`): in-flight
   requests return at once with `finish_reason: abort` and their partial tokens, and the
-  safetensors directory is loaded; then `/continue_generation`. While an update runs, `ready` is clear and no
-  `/generate` is sent, so the resubmitted remainders (prompt + tokens so far) run on the new
-  weights and their tokens carry the new version. No KV from old weights is reused: the
-  engine flushes its cache and the remainder is prefilled from scratch.
+  safetensors directory is loaded; then `/continue_generation`. While an update runs,
+  `ready` is clear and no `/generate` is sent, so the resubmitted remainders (prompt +
+  tokens so far) run on the new weights and their tokens carry the new version. No KV from
+  old weights is reused: the engine flushes its cache and the remainder is prefilled from
+  scratch.
 * `distributed` events: the trainer broadcasts to the engines itself; this service only
   records the version. Any request the trainer's update aborts comes back with
   `finish_reason: abort` and is resubmitted like any other.
