@@ -54,6 +54,17 @@ def make_groups(n: int) -> list[Group]:
     return groups
 
 
+def gather_seconds(groups: list[Group]) -> float:
+    """What the producer pays before `put_groups`: building each group from its `Sample`s (as
+    the rollout service does), which gathers their arrays into the group's columns."""
+    rows = [list(g.samples) for g in groups]
+    t0 = time.perf_counter()
+    for g, samples in zip(groups, rows):
+        Group.build(group_id=g.group_id, job_id=g.job_id, prompt_ids=g.prompt_ids, reward_spec=g.reward_spec,
+                    samples=samples, submit_version=g.submit_version)  # fmt: skip
+    return time.perf_counter() - t0
+
+
 def buffer_put(buf: ReplayBuffer, groups: list[Group], batch: int) -> None:
     """put_groups: one round trip per `batch` groups, like the raw pipeline."""
     for i in range(0, len(groups), batch):
@@ -184,15 +195,15 @@ def run_processes(url: str, run: str, kind: str, n: int, batch: int) -> tuple[fl
 @contextlib.contextmanager
 def codec_removed(groups: list[Group], payloads: list[bytes]):
     """Diagnostic: the buffer's own protocol cost. Inside, the buffer's `encode` hands back the
-    precomputed payload and its `decode` the prebuilt group (found by the payload's tail, which
-    holds the group id), so what is left is Lua, round trips and bookkeeping."""
+    precomputed payload and its `decode` the prebuilt group (found by the payload's first KB,
+    which holds random completion tokens), so what is left is Lua, round trips and bookkeeping."""
     from buffer import replay
 
     by_group = {id(g): p for g, p in zip(groups, payloads)}
-    by_tail = {bytes(p[-256:]): g for g, p in zip(groups, payloads)}
+    by_head = {bytes(p[:1024]): g for g, p in zip(groups, payloads)}
     real_encode, real_decode = replay.encode, replay.decode
     replay.encode = lambda record: by_group[id(record)]
-    replay.decode = lambda data, cls=None: by_tail[bytes(data[-256:])] if cls is Group else real_decode(data, cls)
+    replay.decode = lambda data, cls=None: by_head[bytes(data[:1024])] if cls is Group else real_decode(data, cls)
     try:
         yield
     finally:
@@ -221,6 +232,7 @@ def main() -> int:
     malloc_tuned = tune_malloc()
     groups = make_groups(args.groups)
     payloads = [encode(g) for g in groups]
+    gather = gather_seconds(groups)
     mb = sum(map(len, payloads)) / 1e6
     n = args.groups
     runs: dict[str, list[tuple[float, float, float]]] = {}
@@ -246,6 +258,8 @@ def main() -> int:
     med = {k: tuple(statistics.median(r[i] for r in v) for i in range(3)) for k, v in runs.items()}
     print(f"groups of {SAMPLES} samples x {TOKENS} tokens, {n} groups, {mb / n:.3f} MB/group, "
           f"median of {args.repeats}, malloc tuned for both: {malloc_tuned}")  # fmt: skip
+    print(f"outside both paths, in the producer: Group.build gathering {SAMPLES} Samples into columns, "
+          f"{gather / n * 1e6:,.0f} µs/group")  # fmt: skip
     print("| arrangement | path | groups/s | MB/s | client CPU µs/group | redis-server CPU µs/group |")
     print("|---|---|---|---|---|---|")
     names = {"buf": ("sequential", "buffer put_groups + take_groups + ack"),

@@ -5,14 +5,15 @@ token ids and versions are little-endian int32 bytes and logprobs little-endian 
 bytes. `decode` is total: any byte string gives a record or raises `RecordDecodeError`
 (wrong types, disagreeing lengths, NaN logprobs, unknown schema or type, truncated data).
 
-Groups (schema 2) carry their samples' arrays as three group-level columns
-(`completion_ids`, `behavior_logprobs`, `versions`, samples in order; the encoder writes them
-first in the map) and each sample map its length `n`: encoding copies the arrays once, decoding
-reads them in place, and their checks are three vector operations per group, not per sample.
-Decoding a group checks every field itself and builds the records without pydantic when the
-payload has exactly the shape `encode` writes; anything else goes through pydantic's full
-validation, which gives the same record or the error (`tests/unit/test_codec.py` checks the
-two paths agree). Schema 1 (per-sample arrays) is still read.
+A group (schema 3) travels as its `Samples` columns: the three token columns (`completion_ids`,
+`behavior_logprobs`, `versions`) first in the map as `bin 32`, then the group's fields, whose
+`samples` map holds the other columns as lists (`lengths`, `prompt_id`, `finish_reason`, …).
+Encoding copies the token columns once; decoding reads them in place and checks them in three
+vector operations. When the payload has exactly the shape `encode` writes, decoding checks every
+field itself and builds the two records (`Group`, `Samples`) without pydantic; anything else
+goes through pydantic's full validation, which gives the same record or the error
+(`tests/unit/test_codec.py` checks the two paths agree). Schemas 1 (per-sample arrays) and 2
+(token columns, per-sample maps) are still read.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 import typing
 from enum import Enum
+from itertools import chain
 from typing import Any, TypeVar
 
 import msgpack
@@ -27,7 +29,6 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from proto.records import (
-    ARRAYS_CHECKED,
     READABLE_SCHEMAS,
     SCHEMA_VERSION,
     FinishReason,
@@ -36,15 +37,19 @@ from proto.records import (
     Record,
     RewardStatus,
     Sample,
+    Samples,
+    SampleView,
     Timings,
     WeightsInfo,
     check_token_arrays,
+    construct,
 )
 
 R = TypeVar("R", bound=Record)
 
 TYPE_NAMES: dict[type[Record], str] = {Group: "group", Sample: "sample", GroupJob: "job", WeightsInfo: "weights"}
 TYPES: dict[str, type[Record]] = {v: k for k, v in TYPE_NAMES.items()}
+TYPE_NAMES[SampleView] = "sample"  # a sample read out of a group is put on the wire as a sample
 
 # Wire dtype of every array field, per record type.
 _ARRAY_FIELDS: dict[type[Record], dict[str, np.dtype]] = {
@@ -53,7 +58,7 @@ _ARRAY_FIELDS: dict[type[Record], dict[str, np.dtype]] = {
     GroupJob: {"prompt_ids": np.dtype("<i4")},
     WeightsInfo: {},
 }
-_NESTED: dict[type[Record], dict[str, type[Record]]] = {Group: {"samples": Sample}, Sample: {"timings": Timings}}
+_NESTED: dict[type[Record], dict[str, type[Record]]] = {Sample: {"timings": Timings}}
 _PLANS: dict[type[BaseModel], list[tuple[str, str, Any]]] = {}
 _NATIVE = {dtype: dtype.newbyteorder("=") for fields in _ARRAY_FIELDS.values() for dtype in fields.values()}
 
@@ -95,6 +100,7 @@ def _is_enum(annotation: Any) -> bool:
 
 
 _PLANS.update({cls: _plan(cls) for cls in (Group, Sample, GroupJob, WeightsInfo, Timings)})
+_PLANS[SampleView] = _PLANS[Sample]
 
 
 def _to_wire(record: BaseModel, plan=None) -> dict[str, Any]:
@@ -114,63 +120,57 @@ def _to_wire(record: BaseModel, plan=None) -> dict[str, Any]:
     return out
 
 
-# Schema 2 groups: the samples' arrays as group-level columns, in sample order.
+# Schema 3 groups: the token columns first, as `bin 32`, then the rest of the map.
 _COLUMNS = tuple(_ARRAY_FIELDS[Sample].items())
 _PROMPT_DTYPE = _ARRAY_FIELDS[Group]["prompt_ids"]
 _GROUP_HEAD = [entry for entry in _PLANS[Group] if entry[0] != "samples"]
+_SAMPLE_LISTS = tuple(name for name in Samples.model_fields if name not in dict(_COLUMNS))  # the `samples` map
+_ENUM_LISTS = {name for name in _SAMPLE_LISTS if _is_enum(Samples.model_fields[name].annotation)}
+assert dict(_COLUMNS).keys() < Samples.model_fields.keys()
+assert _ENUM_LISTS == {"finish_reason", "reward_status"}, "the group encoder writes these two as their values"
 assert len(_GROUP_HEAD) + 3 + len(_COLUMNS) < 16, "the group encoder writes a one-byte fixmap header"
 
 
 _BIN32 = b"\xc6"  # msgpack: bin 32 header byte, then the length as big-endian uint32
 _PACKED_NAMES = {name: msgpack.packb(name) for name, _ in _COLUMNS}
+_COLUMN_KEYS = {name: packed + _BIN32 for name, packed in _PACKED_NAMES.items()}  # then the length, 4 bytes
 
 
 def _encode_group(group: Group) -> bytes:
-    """A schema 2 group in one copy of its arrays: the map starts with the three columns as
-    `bin 32` entries gathered straight from the samples' buffers, then msgpack packs the small
-    fields. Any msgpack reader reads it as a plain map; `decode` reads the columns in place."""
+    """A schema 3 group in one copy of its token columns: the map starts with them as `bin 32`
+    entries written straight from their buffers, then msgpack packs the small fields. Any
+    msgpack reader reads it as a plain map; `decode` reads the columns in place."""
     samples = group.samples
-    head = {"schema": SCHEMA_VERSION, "type": "group", **_to_wire(group, _GROUP_HEAD),
-            "samples": [_sample_head(s) for s in samples]}  # fmt: skip
+    lists = {name: getattr(samples, name) for name in _SAMPLE_LISTS}
+    for name in _ENUM_LISTS:
+        lists[name] = [None if e is None else e.value for e in lists[name]]
+    head = {"schema": SCHEMA_VERSION, "type": "group", **_to_wire(group, _GROUP_HEAD), "samples": lists}
     parts: list[Any] = [bytes([0x80 | (len(head) + len(_COLUMNS))])]  # fixmap header
     for name, dtype in _COLUMNS:
-        arrays = [np.ascontiguousarray(getattr(s, name), dtype=dtype) for s in samples]
-        parts += [_PACKED_NAMES[name], _BIN32, sum(a.nbytes for a in arrays).to_bytes(4, "big"), *arrays]
+        column = np.ascontiguousarray(getattr(samples, name), dtype=dtype)
+        parts += [_PACKED_NAMES[name], _BIN32, column.nbytes.to_bytes(4, "big"), column]
     parts.append(memoryview(msgpack.packb(head, use_bin_type=True))[1:])  # its pairs, without its fixmap header
     return b"".join(parts)
 
 
-def _sample_head(s: Sample) -> dict[str, Any]:
-    """A sample's fields but its arrays, and their length `n` (the fields are checked against
-    the model in the fast-construction section)."""
-    t, status = s.timings, s.reward_status
-    return {"n": len(s.completion_ids), "prompt_id": s.prompt_id, "index": s.index,
-            "finish_reason": s.finish_reason.value, "truncated": s.truncated, "text": s.text, "reward": s.reward,
-            "reward_status": None if status is None else status.value, "reward_details": s.reward_details,
-            "timings": {"submitted": t.submitted, "first_token": t.first_token, "finished": t.finished,
-                        "scored": t.scored}}  # fmt: skip
-
-
-def _split_columns(data: bytes | bytearray | memoryview) -> dict[str, Any] | None:
+def _split_columns(data: bytes) -> dict[str, Any] | None:
     """The map of a group laid out as `_encode_group` writes it, its columns as zero-copy
     views of `data`; None for any other layout (the caller then unpacks it the usual way)."""
-    mv = memoryview(data)
-    if mv.ndim != 1 or mv.format != "B" or len(mv) < 1 or mv[0] & 0xF0 != 0x80 or (mv[0] & 0x0F) < len(_COLUMNS):
+    if not data or data[0] & 0xF0 != 0x80 or (data[0] & 0x0F) < len(_COLUMNS):
         return None
-    count, pos, columns = mv[0] & 0x0F, 1, {}
+    view, count, pos, columns = memoryview(data), data[0] & 0x0F, 1, {}
     for name, _ in _COLUMNS:
-        key = _PACKED_NAMES[name]
-        header = pos + len(key)
-        if mv[pos:header] != key or mv[header : header + 1] != _BIN32 or header + 5 > len(mv):
+        key = _COLUMN_KEYS[name]
+        start = pos + len(key) + 4
+        if not data.startswith(key, pos) or start > len(data):
             return None
-        start = header + 5
-        end = start + int.from_bytes(mv[header + 1 : start], "big")
-        if end > len(mv):
+        end = start + int.from_bytes(data[start - 4 : start], "big")
+        if end > len(data):
             return None
-        columns[name] = mv[start:end]
+        columns[name] = view[start:end]
         pos = end
     try:
-        head = msgpack.unpackb(bytes([0x80 | (count - len(_COLUMNS))]) + mv[pos:], raw=False, strict_map_key=True)
+        head = msgpack.unpackb(bytes([0x80 | (count - len(_COLUMNS))]) + data[pos:], raw=False, strict_map_key=True)
     except Exception:  # noqa: BLE001 — the usual path reports it
         return None
     if not isinstance(head, dict) or head.keys() & columns.keys():
@@ -207,20 +207,6 @@ def _from_wire(cls: type[Record], payload: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def _check_group_arrays(fields: dict[str, Any]) -> None:
-    """Schema 1: all samples' token arrays checked in three vector operations."""
-    samples = fields.get("samples")
-    if not isinstance(samples, list) or not samples:
-        return
-    arrays = {name: [s.get(name) for s in samples] for name in ("completion_ids", "behavior_logprobs", "versions")}
-    if any(not isinstance(a, np.ndarray) for values in arrays.values() for a in values):
-        return  # a missing field: leave the message to pydantic
-    try:
-        check_token_arrays(*(np.concatenate(arrays[n]) for n in ("completion_ids", "behavior_logprobs", "versions")))
-    except ValueError as exc:
-        raise RecordDecodeError(f"group.samples: {exc}") from None
-
-
 def _read_columns(payload: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None]:
     """Schema 2 group: pop the three columns and check them whole (lengths, contents); with
     them, the oldest token version (None for no tokens)."""
@@ -237,9 +223,27 @@ def _read_columns(payload: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.n
     return ids, logprobs, versions, oldest
 
 
-def _group_fields(payload: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> dict:
-    """Schema 2 group as pydantic takes it: each sample map gets its views of the columns."""
+def _group_fields(payload: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray,
+                 schema: int) -> dict:  # fmt: skip
+    """A schema 2 or 3 group as pydantic takes it: the token columns go back into `samples`
+    (schema 3: its map of columns; schema 2: a view of them in each sample's map)."""
     samples = payload.get("samples")
+    if schema >= 3:
+        if not isinstance(samples, dict):
+            raise RecordDecodeError(f"group.samples: expected a map, got {type(samples).__name__}")
+        if samples.keys() & dict(_COLUMNS).keys():
+            raise RecordDecodeError("group.samples: the token columns travel at the top of the group map")
+        samples = dict(samples, completion_ids=ids, behavior_logprobs=logprobs, versions=versions)
+    else:
+        samples = _schema2_samples(samples, ids, logprobs, versions)
+    fields = dict(payload, samples=samples)
+    if fields.get("prompt_ids") is not None:  # missing: pydantic reports it
+        fields["prompt_ids"] = _wire_array(fields["prompt_ids"], _PROMPT_DTYPE, "group.prompt_ids")
+    return fields
+
+
+def _schema2_samples(samples: Any, ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> list[dict]:
+    """Schema 2: each sample map with its length `n` gets its views of the columns."""
     if not isinstance(samples, list):
         raise RecordDecodeError(f"group.samples: expected a list, got {type(samples).__name__}")
     out, start = [], 0
@@ -256,28 +260,24 @@ def _group_fields(payload: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray
         start = end
     if start != len(ids):
         raise RecordDecodeError(f"group.samples: lengths add up to {start}, the columns hold {len(ids)} tokens")
-    fields = dict(payload, samples=out)
-    if fields.get("prompt_ids") is not None:  # missing: pydantic reports it
-        fields["prompt_ids"] = _wire_array(fields["prompt_ids"], _PROMPT_DTYPE, "group.prompt_ids")
-    return fields
+    return out
 
 
 # ---------------------------------------------------------------- fast construction
 # Exactly what pydantic would accept and build, for payloads shaped as `encode` writes them;
-# None means "not sure": the caller then validates with pydantic. Field names are spelled out
-# (checked against the models below) so a record is one dict literal in pydantic's field order.
-_GROUP_WIRE_KEYS = frozenset({"group_id", "job_id", "prompt_ids", "reward_spec", "samples", "submit_version",
-                              "min_version"})  # fmt: skip
-_SAMPLE_WIRE_KEYS = frozenset({"n", "prompt_id", "index", "finish_reason", "truncated", "text", "reward",
-                               "reward_status", "reward_details", "timings"})  # fmt: skip
-_TIMING_FIELDS = ("submitted", "first_token", "finished", "scored")
-assert _GROUP_WIRE_KEYS == Group.model_fields.keys()
-assert _SAMPLE_WIRE_KEYS - {"n"} | {name for name, _ in _COLUMNS} == Sample.model_fields.keys()
-assert _TIMING_FIELDS == tuple(Timings.model_fields)
-_OPTIONAL_FLOAT = (float, type(None))
+# None means "not sure": the caller then validates with pydantic.
+_GROUP_WIRE_KEYS = frozenset(Group.model_fields)
+_SAMPLES_WIRE_KEYS = frozenset(_SAMPLE_LISTS)
+_SAMPLES_FIELDS = tuple(Samples.model_fields)
+_PER_SAMPLE = tuple(name for name in _SAMPLE_LISTS if name != "lengths")
+_TIMING_FIELDS = tuple(Timings.model_fields)
+assert set(_TIMING_FIELDS) < _SAMPLES_WIRE_KEYS
+_OPTIONAL_FLOAT, _OPTIONAL_STR = {float, type(None)}, {str, type(None)}
+_LIST, _INT, _STR, _BOOL, _DICT = {list}, {int}, {str}, {bool}, {dict}
 _FINISH = {e.value: e for e in FinishReason}
-_STATUS = {e.value: e for e in RewardStatus}
+_STATUS: dict[str | None, RewardStatus | None] = {e.value: e for e in RewardStatus}
 _STATUS[None] = None
+_SCORED = RewardStatus.scored
 
 
 def _max_length(cls: type[Record], name: str) -> int:
@@ -296,62 +296,49 @@ def _str_keyed(value: Any) -> bool:
     return type(value) is dict and all(type(k) is str for k in value)
 
 
-def _construct(cls: type[Record], values: dict[str, Any]) -> Any:
-    """`cls.model_construct(**values)` for every field, already valid and in field order,
-    without its per-field loop. The test suite checks the result equals pydantic's record."""
-    record = cls.__new__(cls)
-    object.__setattr__(record, "__dict__", values)
-    object.__setattr__(record, "__pydantic_fields_set__", set(values))
-    object.__setattr__(record, "__pydantic_extra__", None)
-    object.__setattr__(record, "__pydantic_private__", None)
-    return record
-
-
 def _fast_group(f: dict[str, Any], ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray,
                 oldest: int | None) -> Group | None:  # fmt: skip
-    """`f` is the freshly unpacked map: its dicts become the records' own, uncopied."""
+    """`f` is the freshly unpacked map: its lists and dicts become the records' own, uncopied."""
     if f.keys() != _GROUP_WIRE_KEYS:
         return None
-    spec, wire_samples, prompt = f["reward_spec"], f["samples"], f["prompt_ids"]
+    spec, s, prompt = f["reward_spec"], f["samples"], f["prompt_ids"]
     submit, min_version = f["submit_version"], f["min_version"]
     if oldest is None:
         oldest = submit
     if not (_is_id(f["group_id"]) and _is_id(f["job_id"]) and type(prompt) is bytes and prompt and len(prompt) % 4 == 0
             and _str_keyed(spec) and type(spec.get("verifier")) is str and type(submit) is int and submit >= 0
             and type(min_version) is int and min_version == oldest
-            and type(wire_samples) is list and wire_samples):  # fmt: skip
+            and type(s) is dict and s.keys() == _SAMPLES_WIRE_KEYS):  # fmt: skip
         return None
-    samples, start = [], 0
-    for i, w in enumerate(wire_samples):
-        if type(w) is not dict or w.keys() != _SAMPLE_WIRE_KEYS:
-            return None
-        n, finish, status, reward, timings, details = (
-            w["n"], w["finish_reason"], w["reward_status"], w["reward"], w["timings"], w["reward_details"])
-        if not (type(n) is int and n >= 0 and _is_id(w["prompt_id"]) and w["index"] == i and type(w["index"]) is int
-                and type(w["truncated"]) is bool and type(w["text"]) is str and _str_keyed(details)
-                and type(finish) is str and finish in _FINISH and (status is None or type(status) is str)
-                and status in _STATUS and type(timings) is dict and tuple(timings) == _TIMING_FIELDS
-                and type(timings["submitted"]) in _OPTIONAL_FLOAT and type(timings["first_token"]) in _OPTIONAL_FLOAT
-                and type(timings["finished"]) in _OPTIONAL_FLOAT and type(timings["scored"]) in _OPTIONAL_FLOAT):  # fmt: skip
-            return None  # (timings in any other key order: pydantic puts them in field order)
-        status = _STATUS[status]
-        if status is RewardStatus.scored:
-            if type(reward) is not float or not math.isfinite(reward):
+    # Type checks of whole columns at C speed: `set(map(type, column))` is the set of its item types.
+    lengths, finish, status, reward = s["lengths"], s["finish_reason"], s["reward_status"], s["reward"]
+    per_sample = [s[name] for name in _PER_SAMPLE]
+    if not (type(lengths) is list and lengths and set(map(type, per_sample)) == _LIST
+            and set(map(len, per_sample)) == {len(lengths)}):  # fmt: skip
+        return None
+    prompt_ids, details = s["prompt_id"], s["reward_details"]
+    if not (set(map(type, lengths)) == _INT and min(lengths) >= 0 and sum(lengths) == len(ids)
+            and set(map(type, prompt_ids)) == _STR and min(map(len, prompt_ids)) > 0
+            and max(map(len, prompt_ids)) <= _MAX_ID
+            and set(map(type, finish)) == _STR and _FINISH.keys() >= set(finish)
+            and set(map(type, status)) <= _OPTIONAL_STR and _STATUS.keys() >= set(status)
+            and set(map(type, s["truncated"])) == _BOOL and set(map(type, s["text"])) == _STR
+            and set(map(type, details)) == _DICT and set(map(type, chain.from_iterable(details))) <= _STR
+            and set(map(type, chain.from_iterable(s[name] for name in _TIMING_FIELDS))) <= _OPTIONAL_FLOAT):  # fmt: skip
+        return None
+    status = [_STATUS[x] for x in status]
+    for r, st in zip(reward, status):
+        if st is _SCORED:
+            if type(r) is not float or not math.isfinite(r):
                 return None
-        elif reward is not None:
+        elif r is not None:
             return None
-        end = start + n
-        samples.append(_construct(Sample, {
-            "prompt_id": w["prompt_id"], "index": i, "completion_ids": ids[start:end],
-            "behavior_logprobs": logprobs[start:end], "versions": versions[start:end],
-            "finish_reason": _FINISH[finish], "truncated": w["truncated"], "text": w["text"], "reward": reward,
-            "reward_status": status, "reward_details": details, "timings": _construct(Timings, timings)}))  # fmt: skip
-        start = end
-    if start != len(ids):
-        return None
-    return _construct(Group, {
+    s.update(completion_ids=ids, behavior_logprobs=logprobs, versions=versions,
+             finish_reason=[_FINISH[x] for x in finish], reward_status=status)  # fmt: skip
+    return construct(Group, {
         "group_id": f["group_id"], "job_id": f["job_id"], "prompt_ids": _wire_array(prompt, _PROMPT_DTYPE, ""),
-        "reward_spec": spec, "samples": samples, "submit_version": submit, "min_version": min_version})  # fmt: skip
+        "reward_spec": spec, "samples": construct(Samples, {name: s[name] for name in _SAMPLES_FIELDS}),
+        "submit_version": submit, "min_version": min_version})  # fmt: skip
 
 
 def _short(exc: ValidationError) -> str:
@@ -399,20 +386,20 @@ def decode(data: bytes, expected: type[R] | None = None) -> R:
         raise RecordDecodeError(f"unknown record type {type_name!r}")
     if expected is not None and cls is not expected:
         raise RecordDecodeError(f"expected a {TYPE_NAMES[expected]} record, got {type_name}")
-    context = None
     if cls is Group and schema >= 2:
         *columns, oldest = _read_columns(payload)
-        group = _fast_group(payload, *columns, oldest) if FAST_PATH else None
+        group = _fast_group(payload, *columns, oldest) if FAST_PATH and schema == SCHEMA_VERSION else None
         if group is not None:
             return group  # type: ignore[return-value]
-        fields = _group_fields(payload, *columns)
-        context = {ARRAYS_CHECKED: True}
+        fields = _group_fields(payload, *columns, schema)
+    elif cls is Group:  # schema 1: each sample map carries its arrays
+        fields = _from_wire(Group, payload, type_name)
+        samples = fields.get("samples")
+        if isinstance(samples, list):
+            fields["samples"] = [_from_wire(Sample, v, f"group.samples[{i}]") for i, v in enumerate(samples)]
     else:
         fields = _from_wire(cls, payload, type_name)
-        if cls is Group:
-            _check_group_arrays(fields)
-            context = {ARRAYS_CHECKED: True}
     try:
-        return cls.model_validate(fields, context=context)  # type: ignore[return-value]
+        return cls.model_validate(fields)  # type: ignore[return-value]
     except ValidationError as exc:
         raise RecordDecodeError(f"{type_name}: {_short(exc)}") from None

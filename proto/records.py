@@ -1,5 +1,8 @@
 """Buffer records (DESIGN.md §3): samples, groups, rollout jobs and weight locations.
 
+A group holds its samples column-wise (`Samples`): the trainer and the codec work on whole
+columns, and a `Sample` is built only when one is read.
+
 Token ids, logprobs and versions are 1-D numpy arrays (int32 / float32 / int32). In JSON they
 appear as plain lists; in Redis the codec stores them as little-endian bytes. Validation is
 strict: lengths must agree, logprobs must be finite and ≤ 0, a `scored` sample must carry a
@@ -19,20 +22,20 @@ from pydantic import (
     Field,
     PlainSerializer,
     PlainValidator,
-    ValidationInfo,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 
-SCHEMA_VERSION = 2  # 2: a group's sample arrays travel as three columns (codec)
-READABLE_SCHEMAS = (1, 2)
+SCHEMA_VERSION = 3  # 2: a group's sample arrays travel as three columns; 3: all its sample fields do
+READABLE_SCHEMAS = (1, 2, 3)
 
 # A sampled token's logprob is ≤ 0 in exact arithmetic; engines in bf16 can round a
 # near-certain token to a hair above 0, so allow that much and no more.
 MAX_LOGPROB = 1e-3
 
 
-ARRAYS_CHECKED = "asyncrl.arrays_checked"
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 
 def check_token_arrays(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> int | None:
@@ -40,13 +43,14 @@ def check_token_arrays(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarr
     Returns the oldest version (None for no tokens), which the check computes anyway."""
     # min and max are NaN if any value is, and every comparison with NaN is False: two passes
     # decide the common case; the detailed checks run only to word the error.
-    if len(logprobs) and not (float(logprobs.min()) > -math.inf and float(logprobs.max()) <= MAX_LOGPROB):
+    # (The ufunc reductions themselves: `ndarray.min` adds a Python-level wrapper per call.)
+    if len(logprobs) and not (float(_MIN(logprobs)) > -math.inf and float(_MAX(logprobs)) <= MAX_LOGPROB):
         if not np.all(np.isfinite(logprobs)):
             raise ValueError("behavior_logprobs contain NaN or inf")
         raise ValueError(f"behavior_logprobs must be <= 0, found {float(logprobs.max())}")
-    if len(ids) and int(ids.min()) < 0:
+    if len(ids) and int(_MIN(ids)) < 0:
         raise ValueError("negative token id")
-    oldest = int(versions.min()) if len(versions) else None
+    oldest = int(_MIN(versions)) if len(versions) else None
     if oldest is not None and oldest < 0:
         raise ValueError("negative policy version")
     return oldest
@@ -116,8 +120,8 @@ class Record(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True, frozen=False)
 
     def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
+        if not (isinstance(other, type(self)) or isinstance(self, type(other))):
+            return NotImplemented  # (a `SampleView` equals the `Sample` it was built from)
         return all(_field_equal(getattr(self, k), getattr(other, k)) for k in type(self).model_fields)
 
     __hash__ = None  # mutable records are not hashable
@@ -162,20 +166,15 @@ class Sample(Record):
     timings: Timings = Field(default_factory=Timings)
 
     @model_validator(mode="after")
-    def _check(self, info: ValidationInfo) -> Sample:
+    def _check(self) -> Sample:
         n = len(self.completion_ids)
         if len(self.behavior_logprobs) != n:
             raise ValueError(f"{len(self.behavior_logprobs)} logprobs for {n} completion tokens")
         if len(self.versions) != n:
             raise ValueError(f"{len(self.versions)} versions for {n} completion tokens")
-        # The codec checks array contents of a whole group at once and says so in the context.
-        if n and not (info.context or {}).get(ARRAYS_CHECKED):
+        if n:
             check_token_arrays(self.completion_ids, self.behavior_logprobs, self.versions)
-        if self.reward_status is RewardStatus.scored:
-            if self.reward is None or not math.isfinite(self.reward):
-                raise ValueError("a scored sample needs a finite reward")
-        elif self.reward is not None:
-            raise ValueError(f"reward must be None when reward_status is {self.reward_status}")
+        _check_reward(self.reward, self.reward_status)
         return self
 
     @property
@@ -183,16 +182,156 @@ class Sample(Record):
         return int(self.versions.min()) if len(self.versions) else None
 
 
+class SampleView(Sample):
+    """A sample read out of a group's columns: its arrays are views of them, and it is frozen
+    (assigning to it raises), since a change could never reach the group."""
+
+    model_config = ConfigDict(frozen=True)
+
+
+class Samples(Record):
+    """A group's samples, column-wise: the unit the buffer stores, the codec moves in one copy
+    and the trainer reads.
+
+    Sample i is `samples[i]` and its `index` is i. Its tokens are `completion_ids[o:o + lengths[i]]`
+    with `o = sum(lengths[:i])` (likewise `behavior_logprobs`, `versions`); every other column
+    is a list with one entry per sample (`submitted` … `scored` are its `Timings`). Indexing and
+    iterating give read-only `SampleView`s, built on access. `Samples.of(samples)` gathers
+    `Sample`s (in any order) into columns; to change a group, build a new one.
+    """
+
+    lengths: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, description="completion tokens per sample")
+    completion_ids: Int32Array
+    behavior_logprobs: Float32Array = Field(description="log μ of each completion token, from the engine")
+    versions: Int32Array = Field(description="policy version that sampled each completion token")
+    prompt_id: list[Annotated[str, Field(min_length=1, max_length=256)]]
+    finish_reason: list[Annotated[FinishReason, Field(strict=False)]]
+    truncated: list[bool]
+    text: list[str]
+    reward: list[float | None]
+    reward_status: list[Annotated[RewardStatus | None, Field(strict=False)]]
+    reward_details: list[dict[str, Any]]
+    submitted: list[float | None]
+    first_token: list[float | None]
+    finished: list[float | None]
+    scored: list[float | None]
+
+    @model_validator(mode="after")
+    def _check(self) -> Samples:
+        n, tokens = len(self.lengths), len(self.completion_ids)
+        for name in _PER_SAMPLE:
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{len(getattr(self, name))} {name} entries for {n} samples")
+        if sum(self.lengths) != tokens:
+            raise ValueError(f"lengths add up to {sum(self.lengths)}, the columns hold {tokens} tokens")
+        if len(self.behavior_logprobs) != tokens:
+            raise ValueError(f"{len(self.behavior_logprobs)} logprobs for {tokens} completion tokens")
+        if len(self.versions) != tokens:
+            raise ValueError(f"{len(self.versions)} versions for {tokens} completion tokens")
+        check_token_arrays(self.completion_ids, self.behavior_logprobs, self.versions)
+        for i, (reward, status) in enumerate(zip(self.reward, self.reward_status)):
+            _check_reward(reward, status, f"sample {i}: ")
+        return self
+
+    @classmethod
+    def of(cls, samples: list[Any]) -> Samples:
+        """Gather `Sample`s (or maps that validate as one) into columns, ordered by `index`,
+        which must run 0..n−1."""
+        rows = sorted((s if isinstance(s, Sample) else Sample.model_validate(s) for s in samples),
+                      key=lambda s: s.index)  # fmt: skip
+        if not rows:
+            raise ValueError("a group needs at least one sample")
+        if [s.index for s in rows] != list(range(len(rows))):
+            raise ValueError(f"sample indices must be 0..{len(rows) - 1}, got {sorted(s.index for s in rows)}")
+        columns = {name: _gather([getattr(s, name) for s in rows], dtype) for name, dtype in _TOKEN_COLUMNS.items()}
+        timings = {name: [getattr(s.timings, name) for s in rows] for name in _TIMINGS}
+        per_sample = {name: [getattr(s, name) for s in rows] for name in _PER_SAMPLE if name not in timings}
+        return cls.model_validate({"lengths": [len(s.completion_ids) for s in rows], **columns, **per_sample, **timings})
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):  # type: ignore[override]  (a model iterates its samples, not its fields)
+        start = 0
+        for i, n in enumerate(self.lengths):
+            yield self._view(i, start, start + n)
+            start += n
+
+    def __getitem__(self, i: int) -> SampleView:
+        if not -len(self.lengths) <= i < len(self.lengths):
+            raise IndexError(f"sample {i} of {len(self.lengths)}")
+        i %= len(self.lengths)
+        start = sum(self.lengths[:i])
+        return self._view(i, start, start + self.lengths[i])
+
+    def _view(self, i: int, start: int, end: int) -> SampleView:
+        """Sample i, its fields in `Sample`'s order (as pydantic would lay them out)."""
+        values: dict[str, Any] = {}
+        for name in Sample.model_fields:
+            if name in _TOKEN_COLUMNS:
+                values[name] = getattr(self, name)[start:end]
+            elif name == "index":
+                values[name] = i
+            elif name == "timings":
+                values[name] = construct(Timings, {t: getattr(self, t)[i] for t in _TIMINGS})
+            else:
+                values[name] = getattr(self, name)[i]
+        return construct(SampleView, values)
+
+    @property
+    def min_version(self) -> int | None:
+        return int(self.versions.min()) if len(self.versions) else None
+
+
+_TOKEN_COLUMNS = {"completion_ids": np.dtype(np.int32), "behavior_logprobs": np.dtype(np.float32),
+                  "versions": np.dtype(np.int32)}  # fmt: skip
+_PER_SAMPLE = [name for name in Samples.model_fields if name not in _TOKEN_COLUMNS and name != "lengths"]
+_TIMINGS = tuple(Timings.model_fields)
+assert set(_TIMINGS) < set(_PER_SAMPLE), "a sample's timings are columns of their own"
+assert {*_TOKEN_COLUMNS, *_PER_SAMPLE} - set(_TIMINGS) == Sample.model_fields.keys() - {"index", "timings"}
+
+
+def _gather(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    out = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+    out.flags.writeable = False  # the columns are shared by every view of the group's samples
+    return out
+
+
+def _check_reward(reward: float | None, status: RewardStatus | None, where: str = "") -> None:
+    if status is RewardStatus.scored:
+        if reward is None or not math.isfinite(reward):
+            raise ValueError(f"{where}a scored sample needs a finite reward")
+    elif reward is not None:
+        raise ValueError(f"{where}reward must be None when reward_status is {status}")
+
+
+def construct(cls: type[BaseModel], values: dict[str, Any]) -> Any:
+    """`cls.model_construct(**values)` for a record whose every field is given, already valid
+    and in field order, without its per-field loop (the codec and `Samples` build many)."""
+    record = cls.__new__(cls)
+    object.__setattr__(record, "__dict__", values)
+    object.__setattr__(record, "__pydantic_fields_set__", set(values))
+    object.__setattr__(record, "__pydantic_extra__", None)
+    object.__setattr__(record, "__pydantic_private__", None)
+    return record
+
+
 class Group(Record):
-    """All samples of one prompt: the unit of admission, storage and advantage estimation."""
+    """All samples of one prompt: the unit of admission, storage and advantage estimation.
+    `samples` is column-wise (`Samples`); a list of `Sample`s is gathered into it."""
 
     group_id: str = Field(min_length=1, max_length=256, description="idempotency key")
     job_id: str = Field(min_length=1, max_length=256)
     prompt_ids: Int32Array
     reward_spec: dict[str, Any]
-    samples: list[Sample] = Field(min_length=1)
+    samples: Samples
     submit_version: int = Field(ge=0, description="trainer version when generation was admitted")
     min_version: int = Field(ge=0, description="oldest token version in the group")
+
+    @field_validator("samples", mode="before")
+    @classmethod
+    def _gather_samples(cls, value: Any) -> Any:
+        return Samples.of(value) if isinstance(value, list) else value
 
     @model_validator(mode="after")
     def _check(self) -> Group:
@@ -200,10 +339,7 @@ class Group(Record):
             raise ValueError("empty prompt")
         if "verifier" not in self.reward_spec or not isinstance(self.reward_spec["verifier"], str):
             raise ValueError("reward_spec needs a string 'verifier'")
-        indices = [s.index for s in self.samples]
-        if sorted(indices) != list(range(len(indices))):
-            raise ValueError(f"sample indices must be 0..{len(indices) - 1}, got {indices}")
-        oldest = _oldest_version(self.samples)
+        oldest = self.samples.min_version
         expected = self.submit_version if oldest is None else oldest
         if self.min_version != expected:
             raise ValueError(f"min_version {self.min_version} but the oldest token version is {expected}")
@@ -213,28 +349,24 @@ class Group(Record):
     def build(cls, **fields: Any) -> Group:
         """Construct a group, deriving `min_version` from the samples' token versions."""
         samples = fields["samples"]
-        oldest = _oldest_version(samples)
+        if isinstance(samples, list):
+            samples = fields["samples"] = Samples.of(samples)
+        oldest = samples.min_version
         fields.setdefault("min_version", fields["submit_version"] if oldest is None else oldest)
         return cls(**fields)
 
     @property
     def rewards(self) -> list[float | None]:
-        return [s.reward for s in self.samples]
+        return list(self.samples.reward)
 
     @property
     def scored(self) -> bool:
         """True when every sample has been through the reward service (whatever the outcome)."""
-        return all(s.reward_status is not None for s in self.samples)
+        return None not in self.samples.reward_status
 
     def num_bytes(self) -> int:
-        return self.prompt_ids.nbytes + sum(
-            s.completion_ids.nbytes + s.behavior_logprobs.nbytes + s.versions.nbytes for s in self.samples
-        )
-
-
-def _oldest_version(samples: list[Sample]) -> int | None:
-    versions = [s.min_version for s in samples if s.min_version is not None]
-    return min(versions) if versions else None
+        s = self.samples
+        return self.prompt_ids.nbytes + s.completion_ids.nbytes + s.behavior_logprobs.nbytes + s.versions.nbytes
 
 
 class GroupJob(Record):

@@ -47,3 +47,11 @@ def make_job(group_id="g0", job_id="j0", group_size=4) -> GroupJob:
         sampling_params={"temperature": 1.0, "max_new_tokens": 4},
         reward_spec={"verifier": "reverse", "target": "dcb"},
     )
+
+
+def edit_sample(group: Group, index: int, **changes) -> Group:
+    """`group` with sample `index` changed (a group's samples are read-only views: build anew)."""
+    samples = list(group.samples)
+    samples[index] = Sample.model_validate({**samples[index].model_dump(), **changes})
+    return Group.build(group_id=group.group_id, job_id=group.job_id, prompt_ids=group.prompt_ids,
+                       reward_spec=group.reward_spec, samples=samples, submit_version=group.submit_version)  # fmt: skip

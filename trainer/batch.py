@@ -136,7 +136,7 @@ def collate(rows: list[Row | None], pad_id: int) -> Batch:
         input_ids[i, p : p + c] = torch.from_numpy(row.completion_ids.astype(np.int64))
         logit_pos[i, :c] = torch.arange(p - 1, p - 1 + c)
         targets[i, :c] = input_ids[i, p : p + c]
-        behavior[i, :c] = torch.from_numpy(row.behavior_logprobs)
+        behavior[i, :c] = torch.tensor(row.behavior_logprobs)  # a copy: record arrays are read-only views
         if row.valid:
             mask[i, :c] = 1.0
             adv[i, :c] = row.advantage

@@ -11,12 +11,13 @@ import time
 
 import buffer_workers as workers
 import msgpack
+import numpy as np
 import pytest
-from factories import make_group, make_job
+from factories import edit_sample, make_group, make_job
 from prometheus_client import REGISTRY
 
 from buffer import Admission, RedisServer, ReplayBuffer
-from proto import Group, encode
+from proto import encode
 
 SPAWN = mp.get_context("spawn")
 
@@ -80,9 +81,7 @@ def test_pipelined_scripts_survive_a_flushed_script_cache(buf):
 
 
 def test_put_refuses_unscored_groups(buf):
-    g = make_group("g1")
-    g.samples[0].reward_status = None
-    g.samples[0].reward = None
+    g = edit_sample(make_group("g1"), 0, reward_status=None, reward=None)
     with pytest.raises(ValueError, match="without a reward status"):
         buf.put_group(g)
 
@@ -148,9 +147,7 @@ def test_staleness_drop_and_withhold_are_counted(buf):
     for gid, v in versions.items():
         g = make_group(gid, n=2, version=v)
         if gid == "f":  # one old token makes the whole group as old as it
-            g.samples[0].versions[0] = 1
-            g = Group.build(**{k: getattr(g, k) for k in ("group_id", "job_id", "prompt_ids", "reward_spec",
-                                                           "samples", "submit_version")})  # fmt: skip
+            g = edit_sample(g, 0, versions=np.array([1, *g.samples[0].versions[1:]], np.int32))
         buf.put_group(g)
     dropped_before = metric("asyncrl_buffer_dropped_total", reason="stale")
     res = buf.take_groups(3, current_version=5, max_staleness=2, block_ms=50, policy="drop")

@@ -7,7 +7,7 @@ import math
 import msgpack
 import numpy as np
 import pytest
-from factories import make_group, make_job, make_sample
+from factories import edit_sample, make_group, make_job, make_sample
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +18,7 @@ from proto import (
     RecordDecodeError,
     RewardStatus,
     Sample,
+    Timings,
     WeightsInfo,
     codec,
     decode,
@@ -56,18 +57,51 @@ def test_arrays_are_little_endian_bytes_on_the_wire():
     assert np.frombuffer(wire["behavior_logprobs"], "<f4").tolist() == s.behavior_logprobs.tolist()
 
 
-def test_group_arrays_travel_as_columns_in_sample_order():
-    g = make_group(n=3, n_tokens=4)
-    g.samples[1] = make_sample("g0", 1, n_tokens=2, seed=9)  # lengths differ: 4, 2, 4
-    g = Group.build(**{k: getattr(g, k) for k in ("group_id", "job_id", "prompt_ids", "reward_spec", "samples",
-                                                  "submit_version")})  # fmt: skip
+def test_a_sample_read_out_of_a_group_round_trips_as_a_sample():
+    view = make_group(n=3).samples[1]
+    back = decode(encode(view), Sample)
+    assert type(back) is Sample and back == view and view == back
+
+
+def _group_of(*samples: Sample, **fields) -> Group:
+    return Group.build(group_id="g0", job_id="j0", prompt_ids=np.array([1, 5, 6, 7], np.int32),
+                       reward_spec={"verifier": "reverse"}, samples=list(samples), **{"submit_version": 0, **fields})  # fmt: skip
+
+
+def test_group_travels_as_columns_in_sample_order():
+    # given out of order, with lengths 4, 2, 4: the group holds them by index
+    g = _group_of(make_sample("g0", 2, 4, seed=3), make_sample("g0", 0, 4), make_sample("g0", 1, 2, seed=9))
+    assert [s.index for s in g.samples] == [0, 1, 2] and g.samples.lengths == [4, 2, 4]
     wire = _wire(g)
-    assert [s["n"] for s in wire["samples"]] == [4, 2, 4]
-    assert not {"completion_ids", "behavior_logprobs", "versions"} & set(wire["samples"][0])
+    assert list(wire)[:3] == ["completion_ids", "behavior_logprobs", "versions"]
+    assert wire["samples"]["lengths"] == [4, 2, 4] and wire["samples"]["finish_reason"] == ["length"] * 3
+    assert not {"completion_ids", "behavior_logprobs", "versions"} & set(wire["samples"])
     assert np.frombuffer(wire["completion_ids"], "<i4").tolist() == [t for s in g.samples for t in s.completion_ids.tolist()]
     assert np.frombuffer(wire["behavior_logprobs"], "<f4").tolist() == [x for s in g.samples for x in s.behavior_logprobs.tolist()]
     back = decode(encode(g), Group)
     assert back == g and [len(s.versions) for s in back.samples] == [4, 2, 4]
+    assert back.samples[1] == make_sample("g0", 1, 2, seed=9) and back.samples[-1] == make_sample("g0", 2, 4, seed=3)
+
+
+def test_group_needs_samples_indexed_from_zero():
+    with pytest.raises(ValueError, match="at least one sample"):
+        _group_of()
+    with pytest.raises(ValueError, match=r"indices must be 0..1, got \[0, 2\]"):
+        _group_of(make_sample("g0", 0), make_sample("g0", 2))
+
+
+def test_group_samples_are_read_only_views():
+    g = make_group(n=2, n_tokens=3)
+    s = g.samples[0]
+    assert isinstance(s, Sample) and np.shares_memory(s.completion_ids, g.samples.completion_ids)
+    with pytest.raises(ValueError, match="frozen"):
+        s.reward = 0.25
+    with pytest.raises(ValueError, match="read-only"):
+        s.behavior_logprobs[0] = 0.0
+    with pytest.raises(IndexError):
+        g.samples[2]
+    edited = edit_sample(g, 0, reward=0.25)  # a change is a new group
+    assert edited.rewards == [0.25, 0.5] and g.rewards == [0.0, 0.5]
 
 
 def test_encoded_group_is_a_plain_msgpack_map_read_in_place():
@@ -89,29 +123,49 @@ def test_encoded_group_is_a_plain_msgpack_map_read_in_place():
     assert decode(msgpack.packb(reordered, use_bin_type=True), Group) == g
 
 
-def test_schema_1_groups_still_decode():
-    """A buffer written by the previous release (per-sample arrays) drains after an upgrade."""
-    g = make_group(n=3, n_tokens=4, version=2)
+def _legacy_wire(g: Group, schema: int) -> dict:
+    """`g` as an earlier release wrote it: schema 2 kept the token columns and gave each sample a
+    map with its length `n`; schema 1 put each sample's arrays in its map."""
     wire = _wire(g)
-    for sample, column_start in zip(wire["samples"], (0, 4, 8)):
-        n = sample.pop("n")
-        for name, dtype in (("completion_ids", "<i4"), ("behavior_logprobs", "<f4"), ("versions", "<i4")):
-            sample[name] = np.frombuffer(wire[name], dtype)[column_start : column_start + n].tobytes()
-    for name in ("completion_ids", "behavior_logprobs", "versions"):
-        del wire[name]
-    wire["schema"] = 1
+    columns = {name: wire.pop(name) for name in ("completion_ids", "behavior_logprobs", "versions")}
+    samples = []
+    for s in g.samples:
+        m = {"prompt_id": s.prompt_id, "index": s.index, "finish_reason": s.finish_reason.value,
+             "truncated": s.truncated, "text": s.text, "reward": s.reward,
+             "reward_status": s.reward_status.value if s.reward_status else None,
+             "reward_details": s.reward_details, "timings": s.timings.model_dump()}  # fmt: skip
+        if schema == 2:
+            m["n"] = len(s.completion_ids)
+        else:
+            m.update(completion_ids=s.completion_ids.tobytes(), behavior_logprobs=s.behavior_logprobs.tobytes(),
+                     versions=s.versions.tobytes())  # fmt: skip
+        samples.append(m)
+    wire.update(schema=schema, samples=samples)
+    return {**columns, **wire} if schema == 2 else wire
+
+
+@pytest.mark.parametrize("schema", [1, 2])
+def test_earlier_schemas_still_decode(schema):
+    """A buffer written by an earlier release drains after an upgrade, checked as strictly."""
+    g = edit_sample(make_group(n=3, n_tokens=4, version=2), 1, timings=Timings(submitted=3.5), text="abc")
+    wire = _legacy_wire(g, schema)
     assert decode(msgpack.packb(wire, use_bin_type=True), Group) == g
-    wire["samples"][0]["behavior_logprobs"] = np.array([np.nan] * 4, "<f4").tobytes()
+    if schema == 1:
+        wire["samples"][0]["behavior_logprobs"] = np.array([np.nan] * 4, "<f4").tobytes()
+    else:
+        wire["behavior_logprobs"] = np.array([-1.0] * 11 + [np.nan], "<f4").tobytes()
     with pytest.raises(RecordDecodeError, match="NaN"):
+        decode(msgpack.packb(wire, use_bin_type=True), Group)
+    wire = _legacy_wire(g, schema)
+    wire["samples"][2]["index"] = 0
+    with pytest.raises(RecordDecodeError, match="indices"):
         decode(msgpack.packb(wire, use_bin_type=True), Group)
 
 
 def test_fast_path_records_are_pydantic_records():
     """The group decoder builds records without pydantic when the payload is encode's shape:
     they must be indistinguishable from validated ones (fields, fields_set, dumps, assignment)."""
-    g = make_group(n=3)
-    g.samples[2].timings.submitted = 12.5
-    g.samples[2].reward_details = {"detail": [1, 2]}
+    g = edit_sample(make_group(n=3), 2, timings=Timings(submitted=12.5), reward_details={"detail": [1, 2]})
     data = encode(g)
     fast = decode(data, Group)
     codec.FAST_PATH = False
@@ -120,23 +174,20 @@ def test_fast_path_records_are_pydantic_records():
     finally:
         codec.FAST_PATH = True
     assert fast == slow == g
-    for a, b in [(fast, slow), *zip(fast.samples, slow.samples), *((x.timings, y.timings) for x, y in zip(fast.samples, slow.samples))]:
+    for a, b in [(fast, slow), (fast.samples, slow.samples), *zip(fast.samples, slow.samples)]:
         assert a.model_fields_set == b.model_fields_set, type(a)
         assert a.model_dump(mode="json") == b.model_dump(mode="json")
-    assert fast.samples[2].timings.model_fields_set == {"submitted", "first_token", "finished", "scored"} & set(
-        _wire(g)["samples"][2]["timings"])
-    fast.samples[0].reward = 0.25  # assignment works as on any model
-    assert fast.samples[0].reward == 0.25 and fast.samples[0] != slow.samples[0]
-    assert isinstance(fast.samples[0].finish_reason, codec.FinishReason)
+    assert fast.samples.submitted == [None, None, 12.5] and fast.samples[2].timings.submitted == 12.5
+    fast.job_id = "j1"  # assignment works as on any model
+    assert fast.job_id == "j1" and fast != slow
+    assert isinstance(fast.samples.finish_reason[0], codec.FinishReason)
+    assert fast.samples.reward_status == [RewardStatus.scored] * 3
 
 
 def test_group_min_version_is_the_oldest_token():
-    g = make_group(n=2, version=5)
-    g.samples[1].versions = np.array([3, 4, 5, 5, 5], dtype=np.int32)
-    g2 = Group.build(**{k: getattr(g, k) for k in ("group_id", "job_id", "prompt_ids", "reward_spec", "samples",
-                                                   "submit_version")})  # fmt: skip
-    assert g2.min_version == 3
-    wire = _wire(g2)
+    g = edit_sample(make_group(n=2, version=5), 1, versions=np.array([3, 4, 5, 5, 5], dtype=np.int32))
+    assert g.min_version == 3
+    wire = _wire(g)
     wire["min_version"] = 5  # disagrees with the tokens
     with pytest.raises(RecordDecodeError, match="min_version"):
         decode(msgpack.packb(wire))
@@ -160,24 +211,32 @@ def _tamper(record, path, value) -> bytes:
         (("versions",), np.full(10, -1, "<i4").tobytes(), "negative policy version"),
         (("completion_ids",), b"\x01\x02\x03", "whole number"),
         (("completion_ids",), [1, 2, 3, 4, 5], "expected bytes"),
-        (("samples", 0, "n"), 4, "add up to 9"),
-        (("samples", 0, "n"), 11, "not a length"),
-        (("samples", 0, "n"), "5", "not a length"),
-        (("samples", 1, "index"), 0, "indices"),
-        (("samples", 0, "timings"), {"submitted": "soon"}, "submitted"),
-        (("samples", 0, "reward_status"), "maybe", "reward_status"),
-        (("samples", 0, "reward"), "1.0", "reward"),
-        (("samples", 0, "reward"), None, "finite reward"),
-        (("samples", 0, "index"), True, "index"),
-        (("samples", 0, "finish_reason"), "exploded", "finish_reason"),
+        (("samples", "lengths"), [4, 5], "add up to 9"),
+        (("samples", "lengths"), [-1, 11], "greater than or equal to 0"),
+        (("samples", "lengths"), ["5", 5], "lengths"),
+        (("samples", "lengths"), [5, 5, 0], "2 prompt_id entries for 3 samples"),
+        (("samples", "truncated"), [False], "1 truncated entries for 2 samples"),
+        (("samples", "truncated"), [0, False], "truncated"),
+        (("samples", "submitted"), ["soon", None], "submitted"),
+        (("samples", "reward_status"), ["maybe", "scored"], "reward_status"),
+        (("samples", "reward"), ["1.0", 0.5], "reward"),
+        (("samples", "reward"), [None, 0.5], "sample 0: a scored sample needs a finite reward"),
+        (("samples", "finish_reason"), ["exploded", "stop"], "finish_reason"),
+        (("samples", "prompt_id"), ["", "g0"], "prompt_id"),
+        (("samples", "reward_details"), [{}, "none"], "reward_details"),
+        (("samples", "completion_ids"), b"", "token columns travel at the top"),
+        (("samples", "surprise"), [1, 2], "surprise"),
+        (("samples",), [], "expected a map, got list"),
+        (("samples",), {}, "lengths"),
+        (("samples",), "columns", "expected a map"),
         (("submit_version",), -1, "submit_version"),
         (("group_id",), 17, "group_id"),
         (("reward_spec",), {"target": "x"}, "verifier"),
         (("schema",), 99, "unknown schema 99"),
-        (("schema",), 1, "completion_ids.*Field required"),  # schema 1 keeps arrays in the samples
+        (("schema",), 2, "expected a list"),  # schema 2 kept a list of sample maps
+        (("schema",), 1, "samples"),  # schema 1 kept the arrays in those maps
         (("schema",), "1", "unknown schema"),
         (("type",), "gruop", "unknown record type"),
-        (("samples",), [], "samples"),
         (("surprise",), 1, "surprise"),
     ],
 )
@@ -205,6 +264,8 @@ def test_encode_refuses_unserialisable_details(value):
     s.reward_details = {"v": value}
     with pytest.raises(RecordEncodeError):
         encode(s)
+    with pytest.raises(RecordEncodeError):
+        encode(_group_of(s))
 
 
 def test_failed_verifier_is_never_a_silent_zero():
@@ -251,7 +312,7 @@ def groups(draw):
         job_id="job",
         prompt_ids=np.array(draw(st.lists(st.integers(0, 1000), min_size=1, max_size=20)), np.int32),
         reward_spec={"verifier": draw(st.sampled_from(["math", "code", "reverse"])), "answer": draw(st.text(max_size=10))},
-        samples=[draw(samples("p", i)) for i in range(k)],
+        samples=draw(st.permutations([draw(samples("p", i)) for i in range(k)])),  # any order: held by index
         submit_version=draw(st.integers(0, 10_000)),
     )
 
@@ -298,8 +359,11 @@ def _decode_outcome(data: bytes):
         return "error"
     if not isinstance(record, Group):
         return repr(record)
-    # repr: a NaN inside a free-form field compares equal to itself
-    return repr(record.model_dump(mode="json")), [s.model_fields_set for s in record.samples]
+    # repr: a NaN inside a free-form field compares equal to itself; the types: a dump shows an
+    # int in a float field as a float
+    types = {k: [type(x) for x in v] if isinstance(v, list) else type(v) for k, v in vars(record.samples).items()}
+    return (repr(record.model_dump(mode="json")), record.model_fields_set, record.samples.model_fields_set,
+            {k: type(v) for k, v in vars(record).items()}, types)  # fmt: skip
 
 
 def _both_decoders(payload: bytes) -> tuple:
@@ -317,22 +381,31 @@ _ODD_VALUES = st.one_of(
     st.integers(-3, 300), st.floats(allow_nan=False), st.text(max_size=3),
     st.sampled_from(["stop", "length", "scored", "timeout", "p", "", "x" * 257, "reverse"]),
     st.binary(max_size=12), st.lists(st.integers(0, 3), max_size=2),
-    st.dictionaries(st.sampled_from(["verifier", "submitted", "scored", 1]), st.one_of(st.none(), st.floats(0, 9), st.text(max_size=2)), max_size=2),
+    st.dictionaries(st.sampled_from(["verifier", "submitted", "scored", 1, b"k"]), st.one_of(st.none(), st.floats(0, 9), st.text(max_size=2)), max_size=2),
 )  # fmt: skip
+
+
+def _edit_targets(wire: dict) -> list:
+    """Every container a tamper can reach: the group map, its `samples` map and that map's lists."""
+    samples = wire.get("samples")
+    if not isinstance(samples, dict):
+        return [wire]
+    return [wire, samples, *(v for v in samples.values() if isinstance(v, list) and v)]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_property_fast_and_pydantic_decoders_agree(data):
-    """Tamper with any field (group, sample or timings level, or drop it): the fast decoder and
-    pydantic's validation either both refuse the payload or build the very same record."""
+    """Tamper with any field (group level, a column, or one sample's entry of a column, or drop
+    it): the fast decoder and pydantic's validation either both refuse the payload or build the
+    very same record."""
     wire = _wire(make_group(n=3, n_tokens=2))
-    wire["samples"][1]["timings"]["submitted"] = 1.5
+    wire["samples"]["submitted"][1] = 1.5
     for _ in range(data.draw(st.integers(1, 3))):
-        samples = wire.get("samples") if isinstance(wire.get("samples"), list) else []
-        maps = [wire, *(x for x in samples if isinstance(x, dict))]
-        maps += [x["timings"] for x in maps[1:] if isinstance(x.get("timings"), dict)]
-        target = data.draw(st.sampled_from(maps))
+        target = data.draw(st.sampled_from(_edit_targets(wire)))
+        if isinstance(target, list):
+            target[data.draw(st.integers(0, len(target) - 1))] = data.draw(_ODD_VALUES)
+            continue
         key = data.draw(st.sampled_from(sorted({*target, "surprise"}, key=str)))
         if data.draw(st.booleans()) and key in target:
             del target[key]
@@ -348,21 +421,24 @@ def test_property_fast_and_pydantic_decoders_agree(data):
 
 _EDGE_VALUES = [None, True, False, 0, 1, 2, 3, -1, 0.0, 1.0, -0.5, float("inf"), 2**40, "", "x", "x" * 257, "stop",
                 "scored", "timeout", b"", b"\x00\x00\x00\x00", [], [0], {}, {"verifier": "v"}, {"submitted": 1.0},
-                {1: 2}, {"submitted": "x"}]  # fmt: skip
+                {1: 2}, {b"k": 1}, {"submitted": "x"}]  # fmt: skip
 
 
 def test_fast_and_pydantic_decoders_agree_on_every_single_field_edit(monkeypatch):
-    """Every field at every level, set to each edge value or removed: both decoders agree."""
+    """Every field at every level (group, column, one sample's entry of a column), set to each
+    edge value or removed: both decoders agree."""
     base = _wire(make_group(n=3, n_tokens=2, version=1))
-    base["samples"][1]["timings"]["submitted"] = 1.5
+    base["samples"]["submitted"][1] = 1.5
     fast_built = []
     fast_group = codec._fast_group
     monkeypatch.setattr(codec, "_fast_group", lambda *a: fast_built.append(fast_group(*a)) or fast_built[-1])
-    paths = [(k,) for k in base] + [("samples", i, k) for i in range(3) for k in base["samples"][i]]
-    paths += [("samples", 1, "timings", k) for k in ("submitted", "scored")] + [("surprise",), ("samples", 0, "surprise")]
+    paths = [(k,) for k in base] + [("samples", k) for k in base["samples"]] + [("surprise",), ("samples", "surprise")]
+    paths += [("samples", k, i) for k, column in base["samples"].items() for i in range(len(column))]
     accepted = 0
     for path in paths:
         for value in [*_EDGE_VALUES, "<delete>"]:
+            if value == "<delete>" and len(path) == 3:
+                continue  # (an entry cannot be removed from the middle of a column without shifting)
             wire = msgpack.unpackb(msgpack.packb(base, use_bin_type=True), raw=False)
             target = wire
             for key in path[:-1]:

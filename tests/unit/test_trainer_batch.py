@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from factories import edit_sample
 
 from proto import Group, Sample
 from trainer.batch import Shaping, build_rows, collate, shard_rows, zero_spread_groups
@@ -55,8 +56,7 @@ def test_overlong_shaping_changes_rewards(group):
 
 
 def test_zero_spread_detection_uses_scored_samples_only(group):
-    flat = group.model_copy(deep=True)
-    flat.samples[1].reward = 1.0  # scored rewards now [1, 1]; the timed-out one does not count
+    flat = edit_sample(group, 1, reward=1.0)  # scored rewards now [1, 1]; the timed-out one does not count
     assert zero_spread_groups([group, flat]) == [False, True]
 
 
