@@ -173,16 +173,14 @@ class ReplayBuffer:
 
         def fill(pipe) -> None:
             for key, payload in zip(payload_keys, payloads):
-                pipe.set(key, payload, nx=True)
+                pipe.execute_command("SET", key, payload, "NX")
             self._evalsha(pipe, "PUT_GROUPS", [k.index, k.groups, k.admission, k.stats, k.running, k.gjob,
                                                *payload_keys], args)  # fmt: skip
 
         results = [bool(flag) for flag in self._pipeline(fill)[-1]]
-        for new, payload in zip(results, payloads):
-            if new:
-                m.PUT_BYTES.inc(len(payload))
-            else:
-                m.DUPLICATES.inc()
+        m.PUT_BYTES.inc(sum(len(payload) for new, payload in zip(results, payloads) if new))
+        if not all(results):
+            m.DUPLICATES.inc(results.count(False))
         elapsed = time.perf_counter() - t0
         for _ in groups:
             m.PUT_SECONDS.observe(elapsed / len(groups))

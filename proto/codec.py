@@ -20,13 +20,13 @@ of the map, per-sample maps) are still read.
 from __future__ import annotations
 
 import math
-import typing
-from enum import Enum
+import operator
+from itertools import repeat
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from proto.records import (
     READABLE_SCHEMAS,
@@ -62,7 +62,6 @@ _ARRAY_FIELDS: dict[type[Record], dict[str, np.dtype]] = {
     WeightsInfo: {},
 }
 _NESTED: dict[type[Record], dict[str, type[Record]]] = {Sample: {"timings": Timings}, Group: {"samples": Samples}}
-_PLANS: dict[type[BaseModel], list[tuple[str, str, Any]]] = {}
 _NATIVE = {dtype: dtype.newbyteorder("=") for fields in _ARRAY_FIELDS.values() for dtype in fields.values()}
 
 MAX_DEPTH_ERROR = 200  # characters of a validation error kept in the message
@@ -80,52 +79,20 @@ class RecordEncodeError(ValueError):
     """A record that cannot be put on the wire (e.g. a non-msgpack value in a free-form dict)."""
 
 
-def _plan(cls: type[BaseModel]) -> list[tuple[str, str, Any]]:
-    """How to put each field of `cls` on the wire: computed once per record type."""
-    arrays, nested = _ARRAY_FIELDS.get(cls, {}), _NESTED.get(cls, {})
-    plan = []
-    for name, info in cls.model_fields.items():
-        if name in arrays:
-            plan.append((name, "array", arrays[name]))
-        elif name in nested:
-            plan.append((name, "record", nested[name]))
-        elif _is_enum(info.annotation):
-            plan.append((name, "enums" if typing.get_origin(info.annotation) is list else "enum", None))
-        else:
-            plan.append((name, "plain", None))
-    return plan
+def _wire_value(value: Any) -> Any:
+    """msgspec's hook for what it cannot write itself: a record is the map of its fields (msgspec
+    writes enum members as their values), an array its little-endian bytes, read in place."""
+    if isinstance(value, Record):
+        return value.__dict__  # exactly the model's fields
+    if isinstance(value, np.ndarray):
+        little = value.dtype.newbyteorder("<")
+        if value.dtype != little or not value.flags.c_contiguous:
+            value = np.ascontiguousarray(value, dtype=little)
+        return memoryview(value)
+    raise TypeError(f"cannot put a {type(value).__name__} on the wire")
 
 
-def _is_enum(annotation: Any) -> bool:
-    """True for an Enum type, an Optional/Annotated/list one, or a union containing one."""
-    args = typing.get_args(annotation) or (annotation,)
-    return any(_is_enum(a) if typing.get_args(a) else isinstance(a, type) and issubclass(a, Enum) for a in args)
-
-
-_PLANS.update({cls: _plan(cls) for cls in (Group, Samples, Sample, GroupJob, WeightsInfo, Timings)})
-_PLANS[SampleView] = _PLANS[Sample]
-
-
-def _to_wire(record: BaseModel) -> dict[str, Any]:
-    """The record as msgpack-ready values; arrays as byte views of themselves (msgspec copies
-    them into the payload once)."""
-    out: dict[str, Any] = {}
-    for name, kind, arg in _PLANS[type(record)]:
-        value = getattr(record, name)
-        if kind == "array":
-            out[name] = memoryview(np.ascontiguousarray(value, dtype=arg)).cast("B")
-        elif kind == "record":
-            out[name] = _to_wire(value)
-        elif kind == "enum" and value is not None:
-            out[name] = value.value
-        elif kind == "enums":
-            out[name] = [None if v is None else v.value for v in value]
-        else:
-            out[name] = value
-    return out
-
-
-_ENCODER = msgspec.msgpack.Encoder()
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_wire_value)
 _UNTYPED = msgspec.msgpack.Decoder()
 
 
@@ -135,7 +102,7 @@ def encode(record: Record) -> bytes:
     if name is None:
         raise RecordEncodeError(f"not a buffer record: {type(record).__name__}")
     try:
-        return _ENCODER.encode({"schema": SCHEMA_VERSION, "type": name, **_to_wire(record)})
+        return _ENCODER.encode({"schema": SCHEMA_VERSION, "type": name, **record.__dict__})
     except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
         raise RecordEncodeError(f"{name} is not msgpack-serialisable: {exc}") from exc
 
@@ -219,51 +186,44 @@ def _mirror(cls: type[Record], head: list[tuple[str, Any]], **nested: Any) -> An
 assert SCHEMA_VERSION == 3, "the fast path reads the current schema: update its Literal with it"
 _WireGroup = _mirror(Group, [("schema", Literal[3]), ("type", Literal["group"])], samples=_mirror(Samples, []))
 _GROUP_DECODER = msgspec.msgpack.Decoder(_WireGroup)
-_PER_SAMPLE = tuple(name for name in Samples.model_fields if name not in _TOKENS and name != "lengths")
-_PROMPT = _ARRAY_FIELDS[Group]["prompt_ids"]
-_SCORED = RewardStatus.scored
+_per_sample = operator.attrgetter(*(name for name in Samples.model_fields if name not in _TOKENS and name != "lengths"))
+# Native dtypes the fast path reads columns as (it runs on little-endian machines only).
+_I4, _F4 = _NATIVE[_TOKENS["completion_ids"]], _NATIVE[_TOKENS["behavior_logprobs"]]
+_LITTLE_ENDIAN = all(dtype == _NATIVE[dtype] for dtype in _TOKENS.values()) and _I4 == _ARRAY_FIELDS[Group]["prompt_ids"]
+_SCORED, _NONES = RewardStatus.scored, repeat(None)
 
 
 def _fast_group(data: bytes) -> Group | None:
     """The group in `data` when it has exactly the shape `encode` writes and is valid; None
-    means "not sure": the caller then decodes it the usual way (which also words the error)."""
+    means "not sure": the caller then decodes it the usual way (which also words the error).
+    (Written for few interpreted steps: most run in C, over whole columns.)"""
     try:
         w = _GROUP_DECODER.decode(data)
     except Exception:  # noqa: BLE001 — msgspec's errors, or bad UTF-8: the usual path words them
         return None
     s = w.samples
-    n, lengths = len(s.lengths), s.lengths
-    if not n or any(len(getattr(s, name)) != n for name in _PER_SAMPLE):
+    n, lengths, rewards = len(s.lengths), s.lengths, s.reward
+    ids, logprobs, versions, prompt = s.completion_ids, s.behavior_logprobs, s.versions, w.prompt_ids
+    if not (n and set(map(len, _per_sample(s))) == {n} and prompt and not len(prompt) % 4
+            and len(ids) == len(logprobs) == len(versions) == 4 * sum(lengths)
+            # a scored sample has a finite reward, any other none (filter(None): 0.0 is finite anyway)
+            and list(map(operator.is_, s.reward_status, repeat(_SCORED))) == list(map(operator.is_not, rewards, _NONES))
+            and all(map(math.isfinite, filter(None, rewards)))
+            and type(w.reward_spec.get("verifier")) is str):  # fmt: skip
         return None
-    raw = (s.completion_ids, s.behavior_logprobs, s.versions)
-    if any(len(r) % 4 for r in raw) or not w.prompt_ids or len(w.prompt_ids) % 4:
-        return None
-    ids, logprobs, versions = (np.frombuffer(r, dtype).astype(_NATIVE[dtype], copy=False)
-                               for r, dtype in zip(raw, _TOKENS.values()))  # fmt: skip
-    if not len(ids) == len(logprobs) == len(versions) == sum(lengths):
-        return None
+    ids, logprobs, versions = np.frombuffer(ids, _I4), np.frombuffer(logprobs, _F4), np.frombuffer(versions, _I4)
     try:
         oldest = check_token_arrays(ids, logprobs, versions)
     except ValueError:
         return None
     if w.min_version != (w.submit_version if oldest is None else oldest):
         return None
-    if type(w.reward_spec.get("verifier")) is not str:
-        return None
-    for reward, status in zip(s.reward, s.reward_status):
-        if status is _SCORED:
-            if reward is None or not math.isfinite(reward):
-                return None
-        elif reward is not None:
-            return None
-    columns = {"completion_ids": ids, "behavior_logprobs": logprobs, "versions": versions}
-    samples = construct(Samples, {name: columns[name] if name in columns else getattr(s, name)
-                                  for name in Samples.model_fields})  # fmt: skip
-    return construct(Group, {
-        "group_id": w.group_id, "job_id": w.job_id, "prompt_ids": _wire_array(w.prompt_ids, _PROMPT, ""),
-        "reward_spec": w.reward_spec, "samples": samples, "submit_version": w.submit_version,
-        "min_version": w.min_version})  # fmt: skip
-
+    columns = msgspec.structs.asdict(s)  # in the model's field order, as pydantic lays them out
+    columns.update(completion_ids=ids, behavior_logprobs=logprobs, versions=versions)
+    fields = msgspec.structs.asdict(w)
+    del fields["schema"], fields["type"]
+    fields.update(prompt_ids=np.frombuffer(prompt, _I4), samples=construct(Samples, columns))
+    return construct(Group, fields)
 
 
 # ---------------------------------------------------------------- decode
@@ -282,7 +242,7 @@ def decode(data: bytes, expected: type[R] | None = None) -> R:
         raise RecordDecodeError(f"expected bytes, got {type(data).__name__}")
     if not isinstance(data, bytes):
         data = bytes(data)  # records may view their payload: it must not change under them
-    if FAST_PATH and expected in (None, Group):
+    if FAST_PATH and _LITTLE_ENDIAN and expected in (None, Group):
         group = _fast_group(data)
         if group is not None:
             return group  # type: ignore[return-value]

@@ -55,13 +55,14 @@ def rewards_matrix(groups: list[Group], shaping: Shaping | None = None) -> tuple
     rewards = torch.full((len(groups), n_max), float("nan"), dtype=torch.float64)
     valid = torch.zeros((len(groups), n_max), dtype=torch.bool)
     for gi, g in enumerate(groups):
-        for s in g.samples:
-            if s.reward_status is RewardStatus.scored:
-                r = float(s.reward)
+        s = g.samples  # column-wise: sample i is entry i of each column
+        for i, (reward, status, length) in enumerate(zip(s.reward, s.reward_status, s.lengths)):
+            if status is RewardStatus.scored:
+                r = float(reward)
                 if shaping is not None and shaping.max_len is not None:
-                    r += float(overlong_penalty(torch.tensor([len(s.completion_ids)]), shaping.max_len,
+                    r += float(overlong_penalty(torch.tensor([length]), shaping.max_len,
                                                 shaping.cache_len, shaping.factor)[0])  # fmt: skip
-                rewards[gi, s.index], valid[gi, s.index] = r, True
+                rewards[gi, i], valid[gi, i] = r, True
     return rewards, valid
 
 
@@ -79,14 +80,16 @@ def build_rows(groups: list[Group], kind: AdvantageKind, shaping: Shaping | None
     adv = group_advantages(rewards, kind, valid)
     out = GroupBatch(rows=[], rewards=rewards[valid].tolist())
     for gi, g in enumerate(groups):
-        for s in g.samples:
-            ok = bool(valid[gi, s.index])
+        s, start = g.samples, 0  # sample i's tokens: the next lengths[i] of each token column
+        for i, (length, status, truncated) in enumerate(zip(s.lengths, s.reward_status, s.truncated)):
+            ok, end = bool(valid[gi, i]), start + length
             if not ok:
-                out.masked[s.reward_status.value if s.reward_status else "unscored"] += 1
-            out.rows.append(Row(g.prompt_ids, s.completion_ids, s.behavior_logprobs,
-                                float(adv[gi, s.index]) if ok else 0.0, ok))  # fmt: skip
-            out.lengths.append(len(s.completion_ids))
-            out.truncated += int(s.truncated)
+                out.masked[status.value if status else "unscored"] += 1
+            out.rows.append(Row(g.prompt_ids, s.completion_ids[start:end], s.behavior_logprobs[start:end],
+                                float(adv[gi, i]) if ok else 0.0, ok))  # fmt: skip
+            out.lengths.append(length)
+            out.truncated += int(truncated)
+            start = end
     return out
 
 

@@ -135,7 +135,7 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
         tm.RESPONSE_LENGTH.observe(n)
     tm.TRUNCATION.set(rows.truncated / max(len(rows.rows), 1))
     tm.ZERO_SPREAD.set(sum(zero_spread_groups(taken.groups)) + len(taken.discarded))
-    withheld_rewards = [s.reward for g in taken.withheld for s in g.samples if s.reward is not None]
+    withheld_rewards = [r for g in taken.withheld for r in g.rewards if r is not None]
     all_rewards = rows.rewards + withheld_rewards
     reward_mean = sum(all_rewards) / len(all_rewards) if all_rewards else 0.0
     gauges = {"loss": stats["loss"], "clip_fraction": stats["clip_frac"], "is_weight_mean": stats["is_weight_mean"],
