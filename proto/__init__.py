@@ -1,8 +1,8 @@
 """Wire types shared by every asyncrl process.
 
-Records that live in Redis (`Sample`, `Group`, `GroupJob`, `WeightsInfo`) are pydantic models
-encoded with the msgpack codec in `proto.codec`; HTTP bodies are pydantic models in the
-sibling modules. Nothing here imports torch.
+Records that live in Redis (`Sample`, `Group` with its `Samples` columns, `GroupJob`,
+`WeightsInfo`) are pydantic models encoded with the msgpack codec in `proto.codec`; HTTP bodies
+are pydantic models in the sibling modules. Nothing here imports torch.
 """
 
 from proto.codec import RecordDecodeError, decode, encode
@@ -13,6 +13,8 @@ from proto.records import (
     GroupJob,
     RewardStatus,
     Sample,
+    Samples,
+    SampleView,
     Timings,
     WeightsInfo,
 )
@@ -25,6 +27,8 @@ __all__ = [
     "RecordDecodeError",
     "RewardStatus",
     "Sample",
+    "SampleView",
+    "Samples",
     "Timings",
     "WeightsInfo",
     "decode",

@@ -19,19 +19,24 @@ of the map, per-sample maps) are still read.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
-from itertools import repeat
-from typing import Annotated, Any, Literal, TypeVar
+import types
+import typing
+from typing import Any, Literal, TypeVar
 
+import annotated_types
 import msgspec
 import numpy as np
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic.types import Strict
 
 from proto.records import (
+    PER_SAMPLE,
     READABLE_SCHEMAS,
     SCHEMA_VERSION,
-    FinishReason,
     Group,
     GroupJob,
     Record,
@@ -40,6 +45,7 @@ from proto.records import (
     Samples,
     SampleView,
     Timings,
+    TimingsView,
     WeightsInfo,
     check_token_arrays,
     construct,
@@ -64,7 +70,7 @@ _ARRAY_FIELDS: dict[type[Record], dict[str, np.dtype]] = {
 _NESTED: dict[type[Record], dict[str, type[Record]]] = {Sample: {"timings": Timings}, Group: {"samples": Samples}}
 _NATIVE = {dtype: dtype.newbyteorder("=") for fields in _ARRAY_FIELDS.values() for dtype in fields.values()}
 
-MAX_DEPTH_ERROR = 200  # characters of a validation error kept in the message
+MAX_ERROR_CHARS = 200  # characters of a validation error kept in the message
 
 
 class RecordDecodeError(ValueError):
@@ -79,20 +85,37 @@ class RecordEncodeError(ValueError):
     """A record that cannot be put on the wire (e.g. a non-msgpack value in a free-form dict)."""
 
 
-def _wire_value(value: Any) -> Any:
-    """msgspec's hook for what it cannot write itself: a record is the map of its fields (msgspec
-    writes enum members as their values), an array its little-endian bytes, read in place."""
-    if isinstance(value, Record):
-        return value.__dict__  # exactly the model's fields
-    if isinstance(value, np.ndarray):
-        little = value.dtype.newbyteorder("<")
-        if value.dtype != little or not value.flags.c_contiguous:
-            value = np.ascontiguousarray(value, dtype=little)
-        return memoryview(value)
+def _to_wire(record: Record) -> dict[str, Any]:
+    """A record as the map msgspec writes: its fields (enum members go out as their values),
+    each array as its wire bytes, read in place, each nested record as its own map."""
+    cls = _BASE.get(type(record), type(record))
+    out = dict(record.__dict__)  # exactly the model's fields
+    for name, dtype in _ARRAY_FIELDS.get(cls, {}).items():
+        out[name] = _wire_bytes(out[name], dtype, name)
+    for name in _NESTED.get(cls, ()):
+        out[name] = _to_wire(out[name])
+    return out
+
+
+def _wire_bytes(array: np.ndarray, dtype: np.dtype, name: str) -> memoryview:
+    if array.dtype != dtype or not array.flags.c_contiguous:
+        if array.dtype.kind != dtype.kind or array.dtype.itemsize != dtype.itemsize:
+            # (a field assigned without validation: casting could wrap values silently)
+            raise TypeError(f"{name} holds {array.dtype} values, the wire takes {dtype}")
+        array = np.ascontiguousarray(array, dtype=dtype)  # byte order or layout only
+    return memoryview(array)
+
+
+def _scalar(value: Any) -> Any:
+    """msgspec's hook for values it cannot write itself: numpy scalars (in free-form maps) as
+    the Python number they hold; anything else is refused."""
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return value.item()
     raise TypeError(f"cannot put a {type(value).__name__} on the wire")
 
 
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_wire_value)
+_BASE: dict[type[Record], type[Record]] = {SampleView: Sample, TimingsView: Timings}
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_scalar)
 _UNTYPED = msgspec.msgpack.Decoder()
 
 
@@ -102,8 +125,8 @@ def encode(record: Record) -> bytes:
     if name is None:
         raise RecordEncodeError(f"not a buffer record: {type(record).__name__}")
     try:
-        return _ENCODER.encode({"schema": SCHEMA_VERSION, "type": name, **record.__dict__})
-    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+        return _ENCODER.encode({"schema": SCHEMA_VERSION, "type": name, **_to_wire(record)})
+    except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError) as exc:
         raise RecordEncodeError(f"{name} is not msgpack-serialisable: {exc}") from exc
 
 
@@ -127,7 +150,7 @@ def _from_wire(cls: type[Record], payload: Any, where: str) -> dict[str, Any]:
         if raw is not None:  # a missing field: pydantic reports it
             out[name] = _wire_array(raw, dtype, f"{where}.{name}")
     for name, sub in _NESTED.get(cls, {}).items():
-        if out.get(name) is not None and sub is not Timings:  # Timings has no arrays
+        if out.get(name) is not None:  # a missing field: pydantic reports it
             out[name] = _from_wire(sub, out[name], f"{where}.{name}")
     return out
 
@@ -160,14 +183,31 @@ def _legacy_group(payload: dict[str, Any], schema: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- the fast path
 # Typed mirrors of a group's wire map: msgspec checks every field's type and bounds while it
 # decodes (strict like the models: no bool for int, int accepted for float), reads the `bin`
-# columns as views of the payload and turns enum values into members. The mirrors are derived
-# from the models' annotations below, so they cannot drift from them.
-_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-_Count = Annotated[int, msgspec.Meta(ge=0)]
-_MIRRORED = {  # fields whose model annotation carries pydantic constraints: their msgspec spelling
-    "group_id": _Id, "job_id": _Id, "prompt_id": list[_Id], "lengths": list[_Count], "submit_version": _Count,
-    "min_version": _Count, "finish_reason": list[FinishReason], "reward_status": list[RewardStatus | None],
-}  # fmt: skip
+# columns as views of the payload and turns enum values into members. The mirrors are built
+# from the models' annotations and constraints; a constraint with no msgspec spelling, a new
+# validator or a model hook that `construct` would skip stops the import.
+_BOUNDS = {annotated_types.MinLen: "min_length", annotated_types.MaxLen: "max_length", annotated_types.Ge: "ge",
+           annotated_types.Gt: "gt", annotated_types.Le: "le", annotated_types.Lt: "lt"}  # fmt: skip
+
+
+def _msgspec_type(annotation: Any, metadata: list[Any] = ()) -> Any:
+    """The msgspec spelling of a pydantic annotation and its field-level constraints."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        base, *extra = args
+        flat = [c for m in extra for c in (m.metadata if isinstance(m, FieldInfo) else [m])]
+        return _msgspec_type(base, [*flat, *metadata])
+    if origin is list:
+        annotation = list[_msgspec_type(args[0])]
+    elif origin in (typing.Union, types.UnionType):
+        annotation = functools.reduce(operator.or_, map(_msgspec_type, args))
+    bounds = {}
+    for c in metadata:
+        if type(c) in _BOUNDS:
+            bounds[_BOUNDS[type(c)]] = getattr(c, _BOUNDS[type(c)])
+        elif not (isinstance(c, Strict) and c.strict is False):  # lax enums: msgspec reads values, as pydantic does
+            raise TypeError(f"no msgspec spelling for the constraint {c!r}")
+    return typing.Annotated[annotation, msgspec.Meta(**bounds)] if bounds else annotation
 
 
 def _mirror(cls: type[Record], head: list[tuple[str, Any]], **nested: Any) -> Any:
@@ -175,22 +215,26 @@ def _mirror(cls: type[Record], head: list[tuple[str, Any]], **nested: Any) -> An
     for name, info in cls.model_fields.items():
         if name in _ARRAY_FIELDS[cls]:
             fields.append((name, memoryview))
-        elif name in nested or name in _MIRRORED:
-            fields.append((name, nested.get(name) or _MIRRORED[name]))
-        else:  # a plain annotation means the same to msgspec; a constrained one must be mirrored
-            assert not info.metadata and "Annotated" not in repr(info.annotation), f"mirror {cls.__name__}.{name}"
-            fields.append((name, info.annotation))
+        else:
+            fields.append((name, nested.get(name) or _msgspec_type(info.annotation, info.metadata)))
     return msgspec.defstruct(f"_Wire{cls.__name__}", fields, forbid_unknown_fields=True)
 
 
+# What the fast path re-checks by hand (`_fast_group`), per model: its validators.
+_VALIDATORS = {Group: ({"_check"}, {"_gather_samples"}), Samples: ({"_check"}, {"_read_only"})}
+for _cls, (_model, _field) in _VALIDATORS.items():
+    _decorators = _cls.__pydantic_decorators__
+    assert (set(_decorators.model_validators), set(_decorators.field_validators)) == (_model, _field), _cls
+for _cls in (Group, Samples):
+    assert _cls.__pydantic_post_init__ is None and not _cls.__private_attributes__, "construct would skip them"
 assert SCHEMA_VERSION == 3, "the fast path reads the current schema: update its Literal with it"
 _WireGroup = _mirror(Group, [("schema", Literal[3]), ("type", Literal["group"])], samples=_mirror(Samples, []))
 _GROUP_DECODER = msgspec.msgpack.Decoder(_WireGroup)
-_per_sample = operator.attrgetter(*(name for name in Samples.model_fields if name not in _TOKENS and name != "lengths"))
+_per_sample = operator.attrgetter(*PER_SAMPLE)
 # Native dtypes the fast path reads columns as (it runs on little-endian machines only).
 _I4, _F4 = _NATIVE[_TOKENS["completion_ids"]], _NATIVE[_TOKENS["behavior_logprobs"]]
 _LITTLE_ENDIAN = all(dtype == _NATIVE[dtype] for dtype in _TOKENS.values()) and _I4 == _ARRAY_FIELDS[Group]["prompt_ids"]
-_SCORED, _NONES = RewardStatus.scored, repeat(None)
+_SCORED = RewardStatus.scored
 
 
 def _fast_group(data: bytes) -> Group | None:
@@ -206,9 +250,9 @@ def _fast_group(data: bytes) -> Group | None:
     ids, logprobs, versions, prompt = s.completion_ids, s.behavior_logprobs, s.versions, w.prompt_ids
     if not (n and set(map(len, _per_sample(s))) == {n} and prompt and not len(prompt) % 4
             and len(ids) == len(logprobs) == len(versions) == 4 * sum(lengths)
-            # a scored sample has a finite reward, any other none (filter(None): 0.0 is finite anyway)
-            and list(map(operator.is_, s.reward_status, repeat(_SCORED))) == list(map(operator.is_not, rewards, _NONES))
-            and all(map(math.isfinite, filter(None, rewards)))
+            # a scored sample has a finite reward, any other none
+            and [status is _SCORED for status in s.reward_status] == [r is not None for r in rewards]
+            and all(math.isfinite(r) for r in rewards if r is not None)
             and type(w.reward_spec.get("verifier")) is str):  # fmt: skip
         return None
     ids, logprobs, versions = np.frombuffer(ids, _I4), np.frombuffer(logprobs, _F4), np.frombuffer(versions, _I4)
@@ -230,7 +274,7 @@ def _fast_group(data: bytes) -> Group | None:
 def _short(exc: ValidationError) -> str:
     first = exc.errors()[0]
     loc = ".".join(str(p) for p in first.get("loc", ()))
-    return f"{len(exc.errors())} error(s), first at '{loc}': {first.get('msg', '')}"[:MAX_DEPTH_ERROR]
+    return f"{len(exc.errors())} error(s), first at '{loc}': {first.get('msg', '')}"[:MAX_ERROR_CHARS]
 
 
 FAST_PATH = True  # tests turn it off to compare the two paths
@@ -238,6 +282,9 @@ FAST_PATH = True  # tests turn it off to compare the two paths
 
 def decode(data: bytes, expected: type[R] | None = None) -> R:
     """Parse bytes made by `encode`. Raises `RecordDecodeError` for anything else."""
+    expected = _BASE.get(expected, expected)  # type: ignore[arg-type]
+    if expected is not None and expected not in TYPES.values():
+        raise TypeError(f"{expected.__name__} is not a buffer record type: expected one of {list(TYPES)}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordDecodeError(f"expected bytes, got {type(data).__name__}")
     if not isinstance(data, bytes):
@@ -249,7 +296,7 @@ def decode(data: bytes, expected: type[R] | None = None) -> R:
     try:
         payload = _UNTYPED.decode(data)
     except Exception as exc:  # noqa: BLE001 — bad input can fail in several ways; all mean the same
-        raise RecordDecodeError(f"malformed msgpack: {type(exc).__name__}: {exc}"[:MAX_DEPTH_ERROR]) from None
+        raise RecordDecodeError(f"malformed msgpack: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]) from None
     if not isinstance(payload, dict):
         raise RecordDecodeError(f"expected a msgpack map, got {type(payload).__name__}")
     schema = payload.pop("schema", None)

@@ -12,6 +12,8 @@ finite reward and any other status must carry none (a failed verifier is never a
 from __future__ import annotations
 
 import math
+import operator
+import typing
 from enum import Enum
 from typing import Annotated, Any
 
@@ -182,9 +184,16 @@ class Sample(Record):
         return int(self.versions.min()) if len(self.versions) else None
 
 
+class TimingsView(Timings):
+    """A sample's timings read out of a group's columns: frozen, like the sample."""
+
+    model_config = ConfigDict(frozen=True)
+
+
 class SampleView(Sample):
-    """A sample read out of a group's columns: its arrays are views of them, and it is frozen
-    (assigning to it raises), since a change could never reach the group."""
+    """A sample read out of a group's columns: its arrays are read-only views of them, and it is
+    frozen (assigning to it raises), since a change could never reach the group. Its
+    `reward_details` is the group's own dict: treat it as read-only too."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -197,8 +206,11 @@ class Samples(Record):
     with `o = sum(lengths[:i])` (likewise `behavior_logprobs`, `versions`); every other column
     is a list with one entry per sample (`submitted` … `scored` are its `Timings`). Indexing and
     iterating give read-only `SampleView`s, built on access. `Samples.of(samples)` gathers
-    `Sample`s (in any order) into columns; to change a group, build a new one.
+    `Sample`s (in any order) into columns. The record is frozen and its arrays read-only; its
+    lists are shared with the views and the wire: to change a group, build a new one.
     """
+
+    model_config = ConfigDict(frozen=True)
 
     lengths: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, description="completion tokens per sample")
     completion_ids: Int32Array
@@ -216,10 +228,19 @@ class Samples(Record):
     finished: list[float | None]
     scored: list[float | None]
 
+    @field_validator("completion_ids", "behavior_logprobs", "versions")
+    @classmethod
+    def _read_only(cls, column: np.ndarray) -> np.ndarray:
+        """A read-only view: the column is shared by every view of the group's samples (the
+        caller's own array stays as it was)."""
+        column = column.view()
+        column.flags.writeable = False
+        return column
+
     @model_validator(mode="after")
     def _check(self) -> Samples:
         n, tokens = len(self.lengths), len(self.completion_ids)
-        for name in _PER_SAMPLE:
+        for name in PER_SAMPLE:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{len(getattr(self, name))} {name} entries for {n} samples")
         if sum(self.lengths) != tokens:
@@ -245,7 +266,7 @@ class Samples(Record):
             raise ValueError(f"sample indices must be 0..{len(rows) - 1}, got {sorted(s.index for s in rows)}")
         columns = {name: _gather([getattr(s, name) for s in rows], dtype) for name, dtype in _TOKEN_COLUMNS.items()}
         timings = {name: [getattr(s.timings, name) for s in rows] for name in _TIMINGS}
-        per_sample = {name: [getattr(s, name) for s in rows] for name in _PER_SAMPLE if name not in timings}
+        per_sample = {name: [getattr(s, name) for s in rows] for name in PER_SAMPLE if name not in timings}
         return cls.model_validate({"lengths": [len(s.completion_ids) for s in rows], **columns, **per_sample, **timings})
 
     def __len__(self) -> int:
@@ -257,7 +278,14 @@ class Samples(Record):
             yield self._view(i, start, start + n)
             start += n
 
-    def __getitem__(self, i: int) -> SampleView:
+    @typing.overload
+    def __getitem__(self, i: int) -> SampleView: ...
+    @typing.overload
+    def __getitem__(self, i: slice) -> list[SampleView]: ...
+    def __getitem__(self, i: int | slice) -> SampleView | list[SampleView]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self.lengths)))]
+        i = operator.index(i)
         if not -len(self.lengths) <= i < len(self.lengths):
             raise IndexError(f"sample {i} of {len(self.lengths)}")
         i %= len(self.lengths)
@@ -273,7 +301,7 @@ class Samples(Record):
             elif name == "index":
                 values[name] = i
             elif name == "timings":
-                values[name] = construct(Timings, {t: getattr(self, t)[i] for t in _TIMINGS})
+                values[name] = construct(TimingsView, {t: getattr(self, t)[i] for t in _TIMINGS})
             else:
                 values[name] = getattr(self, name)[i]
         return construct(SampleView, values)
@@ -285,16 +313,14 @@ class Samples(Record):
 
 _TOKEN_COLUMNS = {"completion_ids": np.dtype(np.int32), "behavior_logprobs": np.dtype(np.float32),
                   "versions": np.dtype(np.int32)}  # fmt: skip
-_PER_SAMPLE = [name for name in Samples.model_fields if name not in _TOKEN_COLUMNS and name != "lengths"]
+PER_SAMPLE = tuple(name for name in Samples.model_fields if name not in _TOKEN_COLUMNS and name != "lengths")  # lists
 _TIMINGS = tuple(Timings.model_fields)
-assert set(_TIMINGS) < set(_PER_SAMPLE), "a sample's timings are columns of their own"
-assert {*_TOKEN_COLUMNS, *_PER_SAMPLE} - set(_TIMINGS) == Sample.model_fields.keys() - {"index", "timings"}
+assert set(_TIMINGS) < set(PER_SAMPLE), "a sample's timings are columns of their own"
+assert {*_TOKEN_COLUMNS, *PER_SAMPLE} - set(_TIMINGS) == Sample.model_fields.keys() - {"index", "timings"}
 
 
 def _gather(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-    out = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
-    out.flags.writeable = False  # the columns are shared by every view of the group's samples
-    return out
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
 
 
 def _check_reward(reward: float | None, status: RewardStatus | None, where: str = "") -> None:
@@ -331,7 +357,7 @@ class Group(Record):
     @field_validator("samples", mode="before")
     @classmethod
     def _gather_samples(cls, value: Any) -> Any:
-        return Samples.of(value) if isinstance(value, list) else value
+        return Samples.of(list(value)) if isinstance(value, (list, tuple)) else value
 
     @model_validator(mode="after")
     def _check(self) -> Group:
@@ -349,9 +375,10 @@ class Group(Record):
     def build(cls, **fields: Any) -> Group:
         """Construct a group, deriving `min_version` from the samples' token versions."""
         samples = fields["samples"]
-        if isinstance(samples, list):
-            samples = fields["samples"] = Samples.of(samples)
-        oldest = samples.min_version
+        if isinstance(samples, Samples):
+            oldest = samples.min_version
+        else:  # a list of `Sample`s: the group gathers it while it validates
+            oldest = min((v for v in (s.min_version for s in samples) if v is not None), default=None)
         fields.setdefault("min_version", fields["submit_version"] if oldest is None else oldest)
         return cls(**fields)
 

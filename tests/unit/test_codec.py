@@ -10,14 +10,18 @@ import pytest
 from factories import edit_sample, make_group, make_job, make_sample
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from proto import (
     SCHEMA_VERSION,
+    FinishReason,
     Group,
     GroupJob,
     RecordDecodeError,
     RewardStatus,
     Sample,
+    Samples,
+    SampleView,
     Timings,
     WeightsInfo,
     codec,
@@ -86,6 +90,59 @@ def test_group_needs_samples_indexed_from_zero():
         _group_of()
     with pytest.raises(ValueError, match=r"indices must be 0..1, got \[0, 2\]"):
         _group_of(make_sample("g0", 0), make_sample("g0", 2))
+
+
+def test_group_build_reports_bad_samples_as_a_validation_error():
+    with pytest.raises(ValidationError, match="indices"):  # (the rollout counts these as failed groups)
+        _group_of(make_sample("g0", 0), make_sample("g0", 0))
+    assert _group_of(*(make_sample("g0", i, seed=i) for i in (1, 0))).samples.lengths == [5, 5]
+
+
+def test_samples_index_like_a_sequence():
+    g = make_group(n=3)
+    assert [s.index for s in g.samples[1:]] == [1, 2] and g.samples[::-2][0].index == 2
+    assert g.samples[np.int64(1)].index == 1 and type(g.samples[np.int64(1)].index) is int
+    assert decode(encode(g.samples[np.int64(1)]), Sample) == g.samples[1]
+
+
+def test_samples_columns_are_read_only_and_frozen():
+    ids = np.array([5, 6, 7], np.int32)
+    s = Sample(prompt_id="p", index=0, completion_ids=ids, behavior_logprobs=np.full(3, -1.0, np.float32),
+               versions=np.zeros(3, np.int32), finish_reason="stop", reward=1.0, reward_status="scored")  # fmt: skip
+    g = _group_of(s)
+    with pytest.raises(ValueError, match="frozen"):
+        g.samples.reward = [0.0]
+    with pytest.raises(ValueError, match="frozen"):
+        g.samples[0].timings.scored = 1.0
+    ids[0] = 9  # the caller's arrays stay theirs: the group gathered a copy
+    assert g.samples.completion_ids.tolist() == [5, 6, 7]
+    mine = np.array([1, 2, 3], np.int32)
+    built = Samples.model_validate({**g.samples.model_dump(), "completion_ids": mine})  # built from it directly
+    assert not built.completion_ids.flags.writeable and mine.flags.writeable
+
+
+def test_encode_refuses_arrays_of_another_dtype():
+    """A field assigned without validation can hold any array: casting it could wrap values, so
+    encode refuses it; arrays and records have no place in free-form maps either."""
+    g = make_group()
+    g.prompt_ids = np.array([1, 2, 3])  # int64
+    with pytest.raises(RecordEncodeError, match="int64"):
+        encode(g)
+    s = make_sample()
+    s.reward_details = {"a": np.array([1.5])}
+    with pytest.raises(RecordEncodeError):
+        encode(s)
+    s.reward_details = {"a": make_sample().timings}
+    with pytest.raises(RecordEncodeError):
+        encode(s)
+    s.reward_details = {"a": np.float64(0.5), "n": np.int64(3)}  # numpy scalars: their Python values
+    assert decode(encode(s), Sample).reward_details == {"a": 0.5, "n": 3}
+
+
+def test_decode_refuses_an_expected_type_that_is_not_a_record():
+    with pytest.raises(TypeError, match="Samples is not a buffer record type"):
+        decode(encode(make_group()), Samples)
+    assert decode(encode(make_sample()), SampleView) == make_sample()
 
 
 def test_group_samples_are_read_only_views():
@@ -177,7 +234,7 @@ def test_fast_path_records_are_pydantic_records():
     assert fast.samples.submitted == [None, None, 12.5] and fast.samples[2].timings.submitted == 12.5
     fast.job_id = "j1"  # assignment works as on any model
     assert fast.job_id == "j1" and fast != slow
-    assert isinstance(fast.samples.finish_reason[0], codec.FinishReason)
+    assert isinstance(fast.samples.finish_reason[0], FinishReason)
     assert fast.samples.reward_status == [RewardStatus.scored] * 3
 
 
