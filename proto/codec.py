@@ -8,7 +8,7 @@ bytes. `decode` is total: any byte string gives a record or raises `RecordDecode
 A group's map mirrors the record: its `samples` map holds the `Samples` columns, the three
 token columns as `bin` and every other field as a list with one entry per sample. Encoding
 copies each column once (msgspec writes it straight from the array); decoding a group reads
-the columns in place and checks them in three vector operations. A payload of exactly the
+the columns in place and checks them in four vector passes. A payload of exactly the
 shape `encode` writes is decoded by msgspec against typed mirrors of the records (types,
 bounds, enums and unknown keys checked in C), and the rules that span fields (lengths, rewards
 against statuses, the oldest version) are checked here; anything else goes through pydantic's
@@ -37,6 +37,7 @@ from proto.records import (
     PER_SAMPLE,
     READABLE_SCHEMAS,
     SCHEMA_VERSION,
+    TOKEN_COLUMNS,
     Group,
     GroupJob,
     Record,
@@ -58,8 +59,8 @@ TYPES: dict[str, type[Record]] = {v: k for k, v in TYPE_NAMES.items()}
 TYPE_NAMES[SampleView] = "sample"  # a sample read out of a group is put on the wire as a sample
 
 # Wire dtype of every array field, per record type.
-_TOKENS = {"completion_ids": np.dtype("<i4"), "behavior_logprobs": np.dtype("<f4"), "versions": np.dtype("<i4")}
-assert {dtype.itemsize for dtype in _TOKENS.values()} == {4}
+_TOKENS = {name: dtype.newbyteorder("<") for name, dtype in TOKEN_COLUMNS.items()}
+assert {dtype.itemsize for dtype in _TOKENS.values()} == {4}, "schema 2 columns are sliced in 4-byte items"
 _ARRAY_FIELDS: dict[type[Record], dict[str, np.dtype]] = {
     Sample: _TOKENS,
     Samples: _TOKENS,
@@ -88,6 +89,8 @@ class RecordEncodeError(ValueError):
 def _to_wire(record: Record) -> dict[str, Any]:
     """A record as the map msgspec writes: its fields (enum members go out as their values),
     each array as its wire bytes, read in place, each nested record as its own map."""
+    if not isinstance(record, Record):  # (a field assigned without validation)
+        raise TypeError(f"expected a record, found a {type(record).__name__}")
     cls = _BASE.get(type(record), type(record))
     out = dict(record.__dict__)  # exactly the model's fields
     for name, dtype in _ARRAY_FIELDS.get(cls, {}).items():
@@ -98,6 +101,8 @@ def _to_wire(record: Record) -> dict[str, Any]:
 
 
 def _wire_bytes(array: np.ndarray, dtype: np.dtype, name: str) -> memoryview:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name} holds a {type(array).__name__}, not an array")
     if array.dtype != dtype or not array.flags.c_contiguous:
         if array.dtype.kind != dtype.kind or array.dtype.itemsize != dtype.itemsize:
             # (a field assigned without validation: casting could wrap values silently)

@@ -264,7 +264,7 @@ class Samples(Record):
             raise ValueError("a group needs at least one sample")
         if [s.index for s in rows] != list(range(len(rows))):
             raise ValueError(f"sample indices must be 0..{len(rows) - 1}, got {sorted(s.index for s in rows)}")
-        columns = {name: _gather([getattr(s, name) for s in rows], dtype) for name, dtype in _TOKEN_COLUMNS.items()}
+        columns = {name: _gather([getattr(s, name) for s in rows], dtype) for name, dtype in TOKEN_COLUMNS.items()}
         timings = {name: [getattr(s.timings, name) for s in rows] for name in _TIMINGS}
         per_sample = {name: [getattr(s, name) for s in rows] for name in PER_SAMPLE if name not in timings}
         return cls.model_validate({"lengths": [len(s.completion_ids) for s in rows], **columns, **per_sample, **timings})
@@ -296,7 +296,7 @@ class Samples(Record):
         """Sample i, its fields in `Sample`'s order (as pydantic would lay them out)."""
         values: dict[str, Any] = {}
         for name in Sample.model_fields:
-            if name in _TOKEN_COLUMNS:
+            if name in TOKEN_COLUMNS:
                 values[name] = getattr(self, name)[start:end]
             elif name == "index":
                 values[name] = i
@@ -311,12 +311,12 @@ class Samples(Record):
         return int(self.versions.min()) if len(self.versions) else None
 
 
-_TOKEN_COLUMNS = {"completion_ids": np.dtype(np.int32), "behavior_logprobs": np.dtype(np.float32),
+TOKEN_COLUMNS = {"completion_ids": np.dtype(np.int32), "behavior_logprobs": np.dtype(np.float32),
                   "versions": np.dtype(np.int32)}  # fmt: skip
-PER_SAMPLE = tuple(name for name in Samples.model_fields if name not in _TOKEN_COLUMNS and name != "lengths")  # lists
+PER_SAMPLE = tuple(name for name in Samples.model_fields if name not in TOKEN_COLUMNS and name != "lengths")  # lists
 _TIMINGS = tuple(Timings.model_fields)
 assert set(_TIMINGS) < set(PER_SAMPLE), "a sample's timings are columns of their own"
-assert {*_TOKEN_COLUMNS, *PER_SAMPLE} - set(_TIMINGS) == Sample.model_fields.keys() - {"index", "timings"}
+assert {*TOKEN_COLUMNS, *PER_SAMPLE} - set(_TIMINGS) == Sample.model_fields.keys() - {"index", "timings"}
 
 
 def _gather(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:

@@ -137,6 +137,12 @@ def test_encode_refuses_arrays_of_another_dtype():
         encode(s)
     s.reward_details = {"a": np.float64(0.5), "n": np.int64(3)}  # numpy scalars: their Python values
     assert decode(encode(s), Sample).reward_details == {"a": 0.5, "n": 3}
+    s.timings = None  # a nested record replaced by something else
+    with pytest.raises(RecordEncodeError, match="expected a record"):
+        encode(s)
+    g.prompt_ids = [1, 2, 3]
+    with pytest.raises(RecordEncodeError, match="not an array"):
+        encode(g)
 
 
 def test_decode_refuses_an_expected_type_that_is_not_a_record():
