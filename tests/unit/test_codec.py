@@ -145,6 +145,21 @@ def test_encode_refuses_arrays_of_another_dtype():
         encode(g)
 
 
+def test_fast_path_mirrors_follow_the_models_constraints():
+    """The msgspec mirrors are built from the models' constraints; one with no msgspec spelling
+    stops the import instead of being dropped (the fast path would then accept more)."""
+    from typing import Annotated
+
+    import msgspec
+    from pydantic import Field
+
+    assert codec._msgspec_type(Annotated[str, Field(min_length=2, max_length=9)]) == Annotated[
+        str, msgspec.Meta(min_length=2, max_length=9)]  # fmt: skip
+    assert codec._msgspec_type(list[Annotated[int, Field(ge=0)]]) == list[Annotated[int, msgspec.Meta(ge=0)]]
+    with pytest.raises(TypeError, match="no msgspec spelling"):
+        codec._msgspec_type(Annotated[str, Field(pattern="^a")])
+
+
 def test_decode_refuses_an_expected_type_that_is_not_a_record():
     with pytest.raises(TypeError, match="Samples is not a buffer record type"):
         decode(encode(make_group()), Samples)
