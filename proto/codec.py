@@ -56,7 +56,8 @@ R = TypeVar("R", bound=Record)
 
 TYPE_NAMES: dict[type[Record], str] = {Group: "group", Sample: "sample", GroupJob: "job", WeightsInfo: "weights"}
 TYPES: dict[str, type[Record]] = {v: k for k, v in TYPE_NAMES.items()}
-TYPE_NAMES[SampleView] = "sample"  # a sample read out of a group is put on the wire as a sample
+# Records read out of a group's columns travel, and are expected, as the records they view.
+_BASE: dict[type[Record], type[Record]] = {SampleView: Sample, TimingsView: Timings}
 
 # Wire dtype of every array field, per record type.
 _TOKENS = {name: dtype.newbyteorder("<") for name, dtype in TOKEN_COLUMNS.items()}
@@ -119,14 +120,13 @@ def _scalar(value: Any) -> Any:
     raise TypeError(f"cannot put a {type(value).__name__} on the wire")
 
 
-_BASE: dict[type[Record], type[Record]] = {SampleView: Sample, TimingsView: Timings}
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_scalar)
 _UNTYPED = msgspec.msgpack.Decoder()
 
 
 def encode(record: Record) -> bytes:
     """Serialise a buffer record to msgpack bytes."""
-    name = TYPE_NAMES.get(type(record))
+    name = TYPE_NAMES.get(_BASE.get(type(record), type(record)))
     if name is None:
         raise RecordEncodeError(f"not a buffer record: {type(record).__name__}")
     try:

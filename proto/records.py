@@ -40,6 +40,10 @@ MAX_LOGPROB = 1e-3
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 
+def _oldest(versions: np.ndarray) -> int | None:
+    return int(_MIN(versions)) if len(versions) else None
+
+
 def check_token_arrays(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> int | None:
     """Content rules for token arrays (any length, possibly several samples concatenated).
     Returns the oldest version (None for no tokens), which the check computes anyway."""
@@ -52,7 +56,7 @@ def check_token_arrays(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarr
         raise ValueError(f"behavior_logprobs must be <= 0, found {float(logprobs.max())}")
     if len(ids) and int(_MIN(ids)) < 0:
         raise ValueError("negative token id")
-    oldest = int(_MIN(versions)) if len(versions) else None
+    oldest = _oldest(versions)
     if oldest is not None and oldest < 0:
         raise ValueError("negative policy version")
     return oldest
@@ -181,7 +185,7 @@ class Sample(Record):
 
     @property
     def min_version(self) -> int | None:
-        return int(self.versions.min()) if len(self.versions) else None
+        return _oldest(self.versions)
 
 
 class TimingsView(Timings):
@@ -308,7 +312,7 @@ class Samples(Record):
 
     @property
     def min_version(self) -> int | None:
-        return int(self.versions.min()) if len(self.versions) else None
+        return _oldest(self.versions)
 
 
 TOKEN_COLUMNS = {"completion_ids": np.dtype(np.int32), "behavior_logprobs": np.dtype(np.float32),
