@@ -7,8 +7,11 @@ Two arrangements, each for both paths:
 * processes: a producer process puts while a consumer process takes, as the rollout service
   and the trainer do; the time runs from a common start to the consumer's last ack.
 Each also reports the CPU spent per group by the clients and by redis-server (`INFO cpu`).
+One untimed round of every path comes first (redis-server and the allocators warm up: the
+first round ran 20-50% slower than the rest on these machines). A diagnostic row times the
+payload fetch alone: redis-py's MGET against the buffer's `PayloadReader`, same payloads.
 
-    .venv/bin/python benchmarks/buffer_throughput.py [--groups 400] [--repeats 3] [--mode both]
+    .venv/bin/python benchmarks/buffer_throughput.py [--groups 400] [--repeats 5] [--mode both]
         [--codec-removed]
 """
 
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from buffer import RedisServer, ReplayBuffer
 from buffer.alloc import tune_malloc
+from buffer.payloads import PayloadReader
 from proto import Group, RewardStatus, Sample, encode
 
 SAMPLES, TOKENS = 8, 2048
@@ -203,11 +207,29 @@ def codec_removed(groups: list[Group], payloads: list[bytes]):
     by_head = {bytes(p[:1024]): g for g, p in zip(groups, payloads)}
     real_encode, real_decode = replay.encode, replay.decode
     replay.encode = lambda record: by_group[id(record)]
-    replay.decode = lambda data, cls=None: by_head[bytes(data[:1024])] if cls is Group else real_decode(data, cls)
+    replay.decode = lambda data, cls=None, owned=False: by_head[bytes(data[:1024])] if cls is Group else real_decode(data, cls)
     try:
         yield
     finally:
         replay.encode, replay.decode = real_encode, real_decode
+
+
+def fetch_seconds(url: str, payloads: list[bytes], batch: int, repeats: int) -> dict[str, float]:
+    """Median seconds to fetch every payload, `batch` keys per MGET: redis-py against the reader."""
+    r, reader = redis.Redis.from_url(url), PayloadReader(url)
+    keys = [f"fetch:{{bench}}:{i}" for i in range(len(payloads))]
+    r.mset(dict(zip(keys, payloads)))
+    fetch = {"redis-py MGET": r.mget, "PayloadReader.mget": reader.mget}
+    times: dict[str, list[float]] = {name: [] for name in fetch}
+    for _ in range(repeats):
+        for name, mget in fetch.items():
+            t0 = time.perf_counter()
+            for i in range(0, len(keys), batch):
+                mget(keys[i : i + batch])
+            times[name].append(time.perf_counter() - t0)
+    r.delete(*keys)
+    r.close(), reader.close()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def timed(url: str, fn, *args) -> tuple[float, float, float]:
@@ -221,7 +243,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", type=int, default=400)
     ap.add_argument("--batch", type=int, default=16, help="groups per take / per raw pipeline")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mode", choices=("sequential", "processes", "both"), default="both")
     ap.add_argument("--codec-removed", action="store_true",
                     help="also run the sequential buffer path with encode/decode replaced by lookups (diagnostic)")
@@ -239,7 +261,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         server = RedisServer(d, appendonly=False).start()
         try:
-            for rep in range(args.repeats):  # interleaved, so drift hits both alike
+            for rep in range(-1, args.repeats):  # interleaved, so drift hits both alike; round -1 warms up
                 if args.mode in ("sequential", "both"):
                     runs.setdefault("raw", []).append(timed(server.url, run_raw, f"raw{rep}", payloads, args.batch))
                     runs.setdefault("buf", []).append(
@@ -253,6 +275,9 @@ def main() -> int:
                 if args.mode in ("processes", "both"):
                     runs.setdefault("praw", []).append(run_processes(server.url, f"praw{rep}", "raw", n, args.batch))
                     runs.setdefault("pbuf", []).append(run_processes(server.url, f"pbuf{rep}", "buf", n, args.batch))
+                if rep < 0:
+                    runs.clear()
+            fetch = fetch_seconds(server.url, payloads, args.batch, args.repeats)
         finally:
             server.stop()
     med = {k: tuple(statistics.median(r[i] for r in v) for i in range(3)) for k, v in runs.items()}
@@ -273,12 +298,16 @@ def main() -> int:
             wall, client, srv = med[key]
             print(f"| {arrangement} | {label} | {n / wall:,.0f} | {mb / wall:,.0f} | {client / n * 1e6:,.0f} | "
                   f"{srv / n * 1e6:,.0f} |")  # fmt: skip
+    for name, seconds in fetch.items():
+        print(f"| diagnostic | payload fetch alone, {name} | {n / seconds:,.0f} | {mb / seconds:,.0f} | | |")
     print()
     for key, raw, label in (("buf", "raw", "sequential, put_groups"), ("one", "raw", "sequential, put_group"),
                             ("nocodec", "raw", "sequential, put_groups, codec removed"),
                             ("pbuf", "praw", "processes, put_groups")):  # fmt: skip
         if key in med:
-            print(f"ratio buffer / raw ({label}): {med[raw][0] / med[key][0]:.2f} (target >= 0.80)")
+            rounds = " ".join(f"{r[0] / b[0]:.2f}" for r, b in zip(runs[raw], runs[key]))
+            print(f"ratio buffer / raw ({label}): {med[raw][0] / med[key][0]:.2f} (target >= 0.80); "
+                  f"round by round: {rounds}")  # fmt: skip
     return 0
 
 

@@ -22,6 +22,7 @@ import redis
 from buffer import lua
 from buffer import metrics as m
 from buffer.alloc import tune_malloc
+from buffer.payloads import PayloadReader
 from proto import Group, GroupJob, RecordDecodeError, WeightsInfo, decode, encode
 
 TRAINER_GROUP = "trainer"
@@ -99,6 +100,9 @@ class ReplayBuffer:
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
         self.r = client or redis.Redis.from_url(redis_url, socket_keepalive=True, health_check_interval=30)
+        # Group payloads come in through a reader that receives each one in place (payloads.py);
+        # with an injected client, or over TLS, through redis-py.
+        self._payloads = PayloadReader.for_url(redis_url) if client is None else None
         self._redelivery: deque[tuple[str, dict]] = deque()
         # Entries this instance holds (delivered, not yet acked/finished): recovery must not
         # hand them out again, or a trainer would train a group twice.
@@ -136,6 +140,8 @@ class ReplayBuffer:
 
     def close(self) -> None:
         self.r.close()
+        if self._payloads is not None:
+            self._payloads.close()
 
     # ------------------------------------------------------------------ run configuration
     def configure(self, batch_groups: int, max_staleness: int) -> None:
@@ -258,7 +264,7 @@ class ReplayBuffer:
                     out.staleness.append(staleness)
                     continue
                 reason = "withheld" if policy == "withhold" else "dropped"
-                self._finish([(group.group_id, eid)], reason, stale_payload=fields.get(b"data", b""))
+                self._finish([(group.group_id, eid)], reason, stale_payload=bytes(fields.get(b"data", b"")))
                 if policy == "withhold":
                     out.withheld.append(group)
                     m.WITHHELD.inc()
@@ -289,7 +295,8 @@ class ReplayBuffer:
         """Group entries carry the id; fetch each payload (entries with inline data keep it)."""
         missing = [f for _, f in entries if b"data" not in f and b"gid" in f]
         if missing:
-            values = self.r.mget([self.keys.payload(f[b"gid"].decode(errors="replace")) for f in missing])
+            keys = [self.keys.payload(f[b"gid"].decode(errors="replace")) for f in missing]
+            values = self._payloads.mget(keys) if self._payloads is not None else self.r.mget(keys)
             for fields, value in zip(missing, values):
                 if value is not None:
                     fields[b"data"] = value
@@ -300,9 +307,10 @@ class ReplayBuffer:
         try:
             if data is None:
                 raise RecordDecodeError("stream entry has no 'data' field and no payload key")
-            return decode(data, cls)
+            # a fetched payload (a bytearray) is this buffer's alone: read in place
+            return decode(data, cls, owned=isinstance(data, bytearray))
         except RecordDecodeError as exc:
-            self._dead_letter(stream, group_name, eid, exc.reason, data or b"", gid)
+            self._dead_letter(stream, group_name, eid, exc.reason, bytes(data or b""), gid)
             if out is not None:
                 out.dead_lettered += 1
             return None

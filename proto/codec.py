@@ -242,7 +242,7 @@ _LITTLE_ENDIAN = all(dtype == _NATIVE[dtype] for dtype in _TOKENS.values()) and 
 _SCORED = RewardStatus.scored
 
 
-def _fast_group(data: bytes) -> Group | None:
+def _fast_group(data: bytes | memoryview) -> Group | None:
     """The group in `data` when it has exactly the shape `encode` writes and is valid; None
     means "not sure": the caller then decodes it the usual way (which also words the error).
     (Written for few interpreted steps: most run in C, over whole columns.)"""
@@ -285,15 +285,21 @@ def _short(exc: ValidationError) -> str:
 FAST_PATH = True  # tests turn it off to compare the two paths
 
 
-def decode(data: bytes, expected: type[R] | None = None) -> R:
-    """Parse bytes made by `encode`. Raises `RecordDecodeError` for anything else."""
+def decode(data: bytes | bytearray | memoryview, expected: type[R] | None = None, *, owned: bool = False) -> R:
+    """Parse bytes made by `encode`. Raises `RecordDecodeError` for anything else.
+
+    Records may view their payload, which must not change under them: a payload that is not
+    `bytes` is copied first, unless `owned` says the caller hands a `bytearray` over and
+    never touches it again (the buffer's payload fetches); it is then read in place."""
     expected = _BASE.get(expected, expected)  # type: ignore[arg-type]
     if expected is not None and expected not in TYPES.values():
         raise TypeError(f"{expected.__name__} is not a buffer record type: expected one of {list(TYPES)}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordDecodeError(f"expected bytes, got {type(data).__name__}")
-    if not isinstance(data, bytes):
-        data = bytes(data)  # records may view their payload: it must not change under them
+    if owned and isinstance(data, bytearray):
+        data = memoryview(data).toreadonly()  # arrays viewing it are read-only, like views of bytes
+    elif not isinstance(data, bytes):
+        data = bytes(data)
     if FAST_PATH and _LITTLE_ENDIAN and expected in (None, Group):
         group = _fast_group(data)
         if group is not None:
