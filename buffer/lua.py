@@ -94,7 +94,7 @@ local states, jobs_of = sliced('HMGET', KEYS[1], gids), sliced('HMGET', KEYS[5],
 local changed, entries, payloads, moved, left, jobs, done = 0, {}, {}, {}, {}, {}, {}
 for i = 1, n do
   local gid, eid, state = gids[i], ARGV[3 + 2 * i], states[i]
-  if eid == '' then eid = state end
+  if eid == '' and not done[gid] then eid = state end  -- (a repeat in one call: handled once)
   if eid and eid ~= '' and string.find(eid, '^%d+%-%d+$') then entries[#entries + 1] = eid end
   if state and string.find(state, '^%d+%-%d+$') and not done[gid] then
     done[gid] = true

@@ -22,3 +22,7 @@ TAKE_SECONDS = Histogram(
 )
 PUT_BYTES = Counter("asyncrl_buffer_put_bytes_total", "Encoded bytes written to the groups stream")
 ADMISSION = Counter("asyncrl_buffer_admission_total", "try_admit outcomes", ["result"])
+PAYLOAD_FETCH_FALLBACKS = Counter(
+    "asyncrl_buffer_payload_fetch_fallbacks_total",
+    "Payload fetches the one-copy reader failed and redis-py's MGET retried",
+)

@@ -12,7 +12,8 @@ It speaks only what it needs of RESP2: `AUTH` and `SELECT` on connect, then `MGE
 other command of the buffer goes through redis-py. Plain TCP and unix sockets; for a TLS URL
 (`rediss://`) `for_url` returns None and the buffer uses redis-py's `MGET`. A failed fetch is
 retried once on a new connection (MGET only reads), then raised as redis-py's own error types
-so callers handle one set of exceptions.
+so callers handle one set of exceptions; the buffer then tries redis-py's `MGET` (with its
+retries) before it gives up.
 """
 
 from __future__ import annotations
@@ -66,11 +67,16 @@ class PayloadReader:
             except (redis.AuthenticationError, redis.ResponseError):
                 self.close()
                 raise  # Redis answered: asking again would get the same answer
-            except (OSError, redis.ConnectionError, redis.TimeoutError) as exc:
-                self.close()  # the stream is in an unknown state: never reuse it
+            except (OSError, ValueError, redis.ConnectionError, redis.TimeoutError) as exc:
+                self.close()  # ValueError: a header that is not a number, a broken stream
                 if attempt:
                     kind = redis.TimeoutError if isinstance(exc, (TimeoutError, redis.TimeoutError)) else redis.ConnectionError
                     raise kind(f"payload fetch failed: {exc}") from exc
+            except BaseException:
+                # (an interrupt mid-reply): the rest of the reply is still on the socket, and the
+                # next fetch would read it as its own
+                self.close()
+                raise
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -91,6 +97,7 @@ class PayloadReader:
         else:
             sock = socket.create_connection(self._address, timeout=self._connect_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # as the buffer's redis-py client
         sock.settimeout(self._timeout)
         self._sock = sock
         setup = []
@@ -103,7 +110,7 @@ class PayloadReader:
             for _ in setup:
                 line = self._line()
                 if line[:1] == b"-":
-                    raise redis.AuthenticationError(line[1:].decode(errors="replace"))
+                    raise _error(line)
                 if line != b"+OK":
                     raise redis.ConnectionError(f"unexpected reply {line[:80]!r} while connecting")
 
@@ -111,7 +118,7 @@ class PayloadReader:
     def _read_values(self, n: int) -> list[bytearray | None]:
         head = self._line()
         if head[:1] == b"-":
-            raise redis.ResponseError(head[1:].decode(errors="replace"))
+            raise _error(head)
         if head != b"*%d" % n:
             raise redis.ConnectionError(f"expected an array of {n}, got {head[:80]!r}")
         return [self._bulk() for _ in range(n)]
@@ -160,6 +167,17 @@ class PayloadReader:
         if not got:
             raise redis.ConnectionError("Redis closed the connection")
         self._end += got
+
+
+def _error(line: bytes) -> redis.RedisError:
+    """An error reply as the exception redis-py raises for it (LOADING is a ConnectionError:
+    the fetch is tried again)."""
+    message = line[1:].decode(errors="replace")
+    if message.startswith(("NOAUTH", "WRONGPASS", "NOPERM")) or "invalid password" in message:
+        return redis.AuthenticationError(message)
+    if message.startswith("LOADING"):
+        return redis.BusyLoadingError(message)
+    return redis.ResponseError(message)
 
 
 def _command(*args: bytes | str) -> bytes:

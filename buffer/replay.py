@@ -264,7 +264,7 @@ class ReplayBuffer:
                     out.staleness.append(staleness)
                     continue
                 reason = "withheld" if policy == "withhold" else "dropped"
-                self._finish([(group.group_id, eid)], reason, stale_payload=bytes(fields.get(b"data", b"")))
+                self._finish([(group.group_id, eid)], reason, stale_payload=memoryview(fields.get(b"data", b"")))
                 if policy == "withhold":
                     out.withheld.append(group)
                     m.WITHHELD.inc()
@@ -296,7 +296,11 @@ class ReplayBuffer:
         missing = [f for _, f in entries if b"data" not in f and b"gid" in f]
         if missing:
             keys = [self.keys.payload(f[b"gid"].decode(errors="replace")) for f in missing]
-            values = self._payloads.mget(keys) if self._payloads is not None else self.r.mget(keys)
+            try:
+                values = self._payloads.mget(keys) if self._payloads is not None else self.r.mget(keys)
+            except (redis.ConnectionError, redis.TimeoutError):
+                m.PAYLOAD_FETCH_FALLBACKS.inc()  # e.g. Redis restarting: redis-py's retries ride it out
+                values = self.r.mget(keys)
             for fields, value in zip(missing, values):
                 if value is not None:
                     fields[b"data"] = value

@@ -51,7 +51,7 @@ def test_auth_acl_user_and_database(tmp_path):
         assert PayloadReader(f"redis://trainer:pw-2@127.0.0.1:{server.port}/3").mget(["k"]) == [bytearray(b"db3")]
         with pytest.raises(redis.AuthenticationError):
             PayloadReader(f"redis://:wrong@127.0.0.1:{server.port}/0").mget(["k"])
-        with pytest.raises(redis.ResponseError, match="NOAUTH"):
+        with pytest.raises(redis.AuthenticationError, match="NOAUTH"):
             PayloadReader(f"redis://127.0.0.1:{server.port}/0").mget(["k"])
 
 
@@ -133,3 +133,37 @@ def test_decode_reads_an_owned_payload_in_place_and_copies_any_other():
     copied = decode(data, Group)  # a caller's bytearray may change later: it is copied
     assert not np.shares_memory(copied.samples.completion_ids, np.frombuffer(data, np.uint8))
     assert owned == copied == make_group(n=3, n_tokens=6)
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+def test_an_interrupted_fetch_never_leaves_a_reply_behind(redis_url, run_id, monkeypatch):
+    """Interrupted after sending (a signal, Ctrl-C), the reader must not read that reply as the
+    answer to its next request."""
+    r = redis.Redis.from_url(redis_url)
+    r.mset({f"{run_id}:a": b"AAA", f"{run_id}:b": b"BBB"})
+    reader = PayloadReader(redis_url)
+    real = reader._read_values
+    monkeypatch.setattr(reader, "_read_values", lambda n: (_ for _ in ()).throw(_Interrupt()))
+    with pytest.raises(_Interrupt):
+        reader.mget([f"{run_id}:a"])
+    monkeypatch.setattr(reader, "_read_values", real)
+    assert reader.mget([f"{run_id}:b"]) == [bytearray(b"BBB")]
+
+
+def test_the_buffer_falls_back_to_redis_py_when_the_reader_fails(redis_url, run_id, monkeypatch):
+    from buffer import metrics
+
+    buf = ReplayBuffer(redis_url, run=run_id, consumer="c")
+    buf.put_group(make_group("g1"))
+
+    def refuse(keys):
+        raise redis.ConnectionError("payload fetch failed: refused")
+
+    monkeypatch.setattr(buf._payloads, "mget", refuse)
+    before = metrics.PAYLOAD_FETCH_FALLBACKS._value.get()
+    assert [g.group_id for g in buf.take_groups(1, 0, block_ms=100).groups] == ["g1"]
+    assert metrics.PAYLOAD_FETCH_FALLBACKS._value.get() == before + 1
+    buf.close()
