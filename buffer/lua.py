@@ -11,11 +11,14 @@ The admission rule is AReaL's: a replica may start a group only while
 # Scripts that handle many groups per call make one command per kind of update, not one per
 # group: a `redis.call` costs ~3.5 µs here, which per group cost more than the rest of the put.
 # Lua's `unpack` is bounded by its C stack, so long lists go in slices (`sliced`).
+# `sliced(items, cmd, ...)` calls `cmd ... items[s..s+999]` for each slice and joins the replies.
 _SLICED = """
-local function sliced(cmd, key, items)
-  local out = {}
+local function sliced(items, cmd, ...)
+  local head, out = {cmd, ...}, {}
   for s = 1, #items, 1000 do
-    local part = redis.call(cmd, key, unpack(items, s, math.min(s + 999, #items)))
+    local args = {unpack(head)}
+    for j = s, math.min(s + 999, #items) do args[#args + 1] = items[j] end
+    local part = redis.call(unpack(args))
     if type(part) == 'table' then for j = 1, #part do out[#out + 1] = part[j] end end
   end
   return out
@@ -33,8 +36,8 @@ PUT_GROUPS = _SLICED + """
 local n = tonumber(ARGV[1])
 local gids = {}
 for i = 1, n do gids[i] = ARGV[3 * i - 1] end
-sliced('HDEL', KEYS[5], gids)
-local states = sliced('HMGET', KEYS[1], gids)
+sliced(gids, 'HDEL', KEYS[5])
+local states = sliced(gids, 'HMGET', KEYS[1])
 local out, seen, index, jobs, new = {}, {}, {}, {}, 0
 for i = 1, n do
   local gid = gids[i]
@@ -52,8 +55,8 @@ for i = 1, n do
   end
 end
 if new > 0 then
-  sliced('HSET', KEYS[1], index)
-  sliced('HSET', KEYS[6], jobs)
+  sliced(index, 'HSET', KEYS[1])
+  sliced(jobs, 'HSET', KEYS[6])
   redis.call('HINCRBY', KEYS[3], 'accepted', new)
   redis.call('HINCRBY', KEYS[4], 'put', new)
 end
@@ -90,7 +93,7 @@ FINISH = _SLICED + """
 local group, reason, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local gids = {}
 for i = 1, n do gids[i] = ARGV[2 + 2 * i] end
-local states, jobs_of = sliced('HMGET', KEYS[1], gids), sliced('HMGET', KEYS[5], gids)
+local states, jobs_of = sliced(gids, 'HMGET', KEYS[1]), sliced(gids, 'HMGET', KEYS[5])
 local changed, entries, payloads, moved, left, jobs, done = 0, {}, {}, {}, {}, {}, {}
 for i = 1, n do
   local gid, eid, state = gids[i], ARGV[3 + 2 * i], states[i]
@@ -106,16 +109,12 @@ for i = 1, n do
     changed = changed + 1
   end
 end
-for s = 1, #entries, 1000 do
-  local last = math.min(s + 999, #entries)
-  redis.call('XACK', KEYS[2], group, unpack(entries, s, last))
-  redis.call('XDEL', KEYS[2], unpack(entries, s, last))
-end
--- UNLINK frees the payloads off the main thread where Redis judges it worth it
-for s = 1, #payloads, 1000 do redis.call('UNLINK', unpack(payloads, s, math.min(s + 999, #payloads))) end
+sliced(entries, 'XACK', KEYS[2], group)
+sliced(entries, 'XDEL', KEYS[2])
+sliced(payloads, 'UNLINK')  -- frees the payloads off the main thread where Redis judges it worth it
 if changed > 0 then
-  sliced('HSET', KEYS[1], moved)
-  sliced('HDEL', KEYS[5], left)  -- the job of a group is needed only while it is in the buffer
+  sliced(moved, 'HSET', KEYS[1])
+  sliced(left, 'HDEL', KEYS[5])  -- the job of a group is needed only while it is in the buffer
   redis.call('HINCRBY', KEYS[4], reason, changed)
   if reason ~= 'acked' then redis.call('HINCRBY', KEYS[3], 'accepted', -changed) end
 end
