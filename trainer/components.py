@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from trainer.config import TrainerSettings
 from trainer.data import GroupSource
 from trainer.model import DTYPES, Dist, build_model, full_state_dict
 from trainer.step import StepConfig
+from trainer.tracking import Tracker, build_tracker
 from trainer.weights import BroadcastPublisher, DiskPublisher, cast_state
 
 log = logging.getLogger("asyncrl.trainer")
@@ -46,6 +48,8 @@ class Parts:
     health: tm.Health
     pad_id: int
     audit_path: Path | None
+    tracker: Tracker | None = None  # rank 0's W&B run when [trainer.wandb] is enabled
+    fetch_evaluations: Callable[[], list[dict]] | None = None  # evaluation summaries for the tracker
 
     def publish(self, version: int, rollback: bool = False) -> None:
         """Collective: gather the full weights, then rank 0 ships them and announces `version`."""
@@ -91,6 +95,7 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
     out = Path(cfg.output_dir)
     if d.is_main:
         out.mkdir(parents=True, exist_ok=True)
+    tracker = build_tracker(cfg, d.rank, d.world, d.backend)  # enabled without wandb: stop before the model loads
     model = build_model(cfg.model_path, d, random_init=cfg.random_init, seed=cfg.seed,
                         mixed_precision=cfg.mixed_precision)  # fmt: skip
     ref_model = None
@@ -127,4 +132,4 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
     pad_id = AutoConfig.from_pretrained(cfg.model_path).pad_token_id or 0
     return Parts(cfg, d, model, ref_model, optimizer, step_cfg, source,
                  Checkpointer(out / "checkpoints", d, cfg.keep_checkpoints), buf, disk, broadcast, health,
-                 int(pad_id), out / "trained.jsonl" if cfg.audit_log else None)  # fmt: skip
+                 int(pad_id), out / "trained.jsonl" if cfg.audit_log else None, tracker)  # fmt: skip

@@ -1,18 +1,40 @@
 """Trainer settings: the `[trainer]` table of a run's TOML, `ASYNCRL_TRAINER_…` env, CLI flags.
 
 The loss has its own table, `[trainer.loss]` (trainer/losses.py `LossConfig`); env
-`ASYNCRL_TRAINER_LOSS__KIND=gspo` sets one of its fields.
+`ASYNCRL_TRAINER_LOSS__KIND=gspo` sets one of its fields. Weights & Biases tracking likewise:
+`[trainer.wandb]` (`WandbSettings` below, used by trainer/tracking.py), env
+`ASYNCRL_TRAINER_WANDB__ENABLED=true`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
 from trainer.loss_config import LossConfig
+
+WandbTag = Annotated[str, StringConstraints(min_length=1, max_length=64)]  # W&B refuses longer tags
+
+
+class WandbSettings(BaseModel):
+    """Weights & Biases tracking of rank 0's step metrics, run config and evaluations (optional:
+    `pip install 'asyncrl[tracking]'`; wandb is imported only when enabled)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="log to W&B (needs the asyncrl[tracking] extra)")
+    project: str = Field("asyncrl", min_length=1, max_length=128, description="W&B project")
+    entity: str | None = Field(None, min_length=1, description="W&B entity (user or team; default: yours)")
+    name: str | None = Field(None, min_length=1, max_length=128, description="W&B run name (default: the run id)")
+    group: str | None = Field(None, min_length=1, max_length=128,
+                              description="W&B group (default: the run id: a restarted trainer's runs sit together)")
+    tags: list[WandbTag] = Field(default_factory=list, max_length=32, description="W&B run tags")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "offline", description="offline: write <dir>/wandb/offline-run-* for `wandb sync`, no network needed")
+    dir: str | None = Field(None, min_length=1, description="W&B writes under <dir>/wandb (default: output_dir)")
 
 
 class TrainerSettings(ServiceSettings):
@@ -84,6 +106,7 @@ class TrainerSettings(ServiceSettings):
     metrics_host: str = Field("127.0.0.1", description="address of the /metrics and /healthz server")
     metrics_port: int = Field(0, ge=0, le=65535, description="port of /metrics and /healthz (0: disabled)")
     log_level: str = Field("info", description="log level")
+    wandb: WandbSettings = Field(default_factory=WandbSettings, description="W&B tracking ([trainer.wandb])")
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSettings:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from services.common.logging import log_event
 from trainer import metrics as tm
@@ -55,6 +55,13 @@ def resume(p: Parts) -> int:
 
 
 def train(p: Parts) -> int:
+    """The steps, inside rank 0's W&B run when tracking is on: the run is finished however the
+    steps end (exit code 1 when an exception leaves them)."""
+    with p.tracker if p.tracker is not None else nullcontext():
+        return train_steps(p)
+
+
+def train_steps(p: Parts) -> int:
     cfg, d = p.cfg, p.d
     version, consumed = resume(p), []
     p.health.state, p.health.version = "training", version
@@ -113,7 +120,8 @@ def checkpoint_and_ack(p: Parts, version: int, consumed: list[str]) -> None:
 
 
 def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_s: float) -> None:
-    """Rank 0: step metrics to Prometheus and one log line."""
+    """Rank 0: step metrics to Prometheus, one log line and, when tracking is on, W&B (with the
+    evaluations finished since the last step)."""
     if not p.d.is_main:
         return
     busy = max(step_s - phases.get("wait", 0.0), 1e-9)
@@ -133,8 +141,10 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
         tm.STALENESS.observe(s)
     for n in rows.lengths:
         tm.RESPONSE_LENGTH.observe(n)
-    tm.TRUNCATION.set(rows.truncated / max(len(rows.rows), 1))
-    tm.ZERO_SPREAD.set(sum(zero_spread_groups(taken.groups)) + len(taken.discarded))
+    truncation = rows.truncated / max(len(rows.rows), 1)
+    zero_spread = sum(zero_spread_groups(taken.groups)) + len(taken.discarded)
+    tm.TRUNCATION.set(truncation)
+    tm.ZERO_SPREAD.set(zero_spread)
     withheld_rewards = [r for g in taken.withheld for r in g.rewards if r is not None]
     all_rewards = rows.rewards + withheld_rewards
     reward_mean = sum(all_rewards) / len(all_rewards) if all_rewards else 0.0
@@ -148,3 +158,15 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
     log_event(log, "step", version=version, groups=len(taken.groups), tokens=int(stats["tokens"]),
               step_s=round(step_s, 4), **{k: round(v, 6) for k, v in gauges.items()},
               **{f"{k}_s": round(v, 4) for k, v in phases.items()})  # fmt: skip
+    if p.tracker is not None:
+        p.tracker.log_step(version, {
+            **{f"train/{k}": v for k, v in gauges.items()},
+            "perf/tokens": stats["tokens"], "perf/tokens_per_second": stats["tokens"] / busy, "perf/step_seconds": step_s,
+            **{f"perf/{k}_seconds": v for k, v in phases.items()},
+            "data/staleness_mean": sum(taken.staleness) / max(len(taken.staleness), 1),
+            "data/staleness_max": max(taken.staleness, default=0),
+            "data/response_length_mean": sum(rows.lengths) / max(len(rows.lengths), 1),
+            "data/truncation_rate": truncation, "data/zero_spread_groups": zero_spread,
+            "data/groups_trained": len(taken.groups), "data/groups_dropped": len(taken.dropped)})  # fmt: skip
+        if p.fetch_evaluations is not None:
+            p.tracker.log_evaluations(p.fetch_evaluations)
