@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
@@ -30,11 +32,18 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
 class DemoSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    task: Literal["reverse", "math"] = Field("reverse", description="what to train on (services/tasks.py)")
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=2)
-    letters: str = Field("abcdefghij", min_length=2)
-    prompt_len: int = Field(3, ge=1, le=32)
-    target_reward: float = Field(0.9, gt=0, le=1)
+    letters: str = Field("abcdefghij", min_length=2, description="reverse: the alphabet")
+    prompt_len: int = Field(3, ge=1, le=32, description="reverse: letters per prompt (= answer tokens)")
+    max_new_tokens: int = Field(256, ge=1, description="math: answer budget (EOS-terminated)")
+    temperature: float = Field(1.0, gt=0, description="math: sampling temperature of training rollouts")
+    word_fraction: float = Field(0.4, ge=0, le=1, description="math: share of word problems")
+    eval_size: int = Field(200, ge=0, description="math: held-out problems (0: no evaluation)")
+    eval_seed: int = Field(1234, description="math: seed of the held-out set (fixed across runs)")
+    eval_every: int = Field(10, ge=1, description="math: evaluate at version 0 and every this many versions")
+    target_reward: float | None = Field(None, gt=0, le=1, description="stop when the windowed reward reaches it (none: run to the time limit)")
     target_window: int = Field(5, ge=1)
     time_limit_s: float = Field(300, gt=0)
     seed: int = 0
@@ -117,14 +126,30 @@ class History:
 
 
 def make_prompts(n: int, cfg: DemoSection, rng: random.Random) -> list[dict]:
-    """`<bos>` + letters + `>`, each with its target: the letters reversed. (The tiny tokenizer,
-    like Qwen2's, adds no BOS itself; a fixed first token gives the model a place to anchor
-    its attention, and without it the recipe learns far more slowly.)"""
-    prompts = []
-    for _ in range(n):
-        word = "".join(rng.choice(cfg.letters) for _ in range(cfg.prompt_len))
-        prompts.append({"text": f"<bos>{word}>", "reward_spec": {"verifier": "reverse", "target": word[::-1]}})
-    return prompts
+    """`n` training prompts of the demo's task (services/tasks.py)."""
+    from services.tasks import reverse_prompts
+
+    if cfg.task == "math":
+        return math_task(cfg).train_prompts(n, rng)
+    return reverse_prompts(n, cfg.letters, cfg.prompt_len, rng)
+
+
+def math_task(cfg: DemoSection):
+    from services.tasks import MathTask
+
+    return MathTask(eval_seed=cfg.eval_seed, eval_size=cfg.eval_size, word_fraction=cfg.word_fraction)
+
+
+def sampling_params(cfg: DemoSection) -> dict:
+    if cfg.task == "math":
+        # EOS-terminated answers (the engine stops at any of the model's end-of-turn ids); the
+        # reward reads the text without special tokens.
+        return {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens}
+    # Fixed-length answers: every completion has exactly prompt_len tokens, so stopping
+    # early is never an option the policy can collapse into (DESIGN.md §10). Special
+    # tokens stay in the text, so a sampled <eos> costs its position instead of vanishing
+    # and sliding the later characters into place: the reward is exact per token.
+    return {"temperature": 1.0, "max_new_tokens": cfg.prompt_len, "ignore_eos": True, "skip_special_tokens": False}
 
 
 PROMPTS_PER_JOB = 20_000  # well under the rollout service's per-job cap
@@ -139,12 +164,7 @@ def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Rando
         body = {
             "prompts": make_prompts(min(PROMPTS_PER_JOB, n_prompts - start), cfg, rng),
             "group_size": cfg.group_size,
-            # Fixed-length answers: every completion has exactly prompt_len tokens, so stopping
-            # early is never an option the policy can collapse into (DESIGN.md §10). Special
-            # tokens stay in the text, so a sampled <eos> costs its position instead of vanishing
-            # and sliding the later characters into place: the reward is exact per token.
-            "sampling_params": {"temperature": 1.0, "max_new_tokens": cfg.prompt_len, "ignore_eos": True,
-                                "skip_special_tokens": False},
+            "sampling_params": sampling_params(cfg),
             "idempotency_key": f"demo-{cfg.seed}-{k}",
         }
         resp = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=120)
@@ -252,7 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_staleness is not None:
         trainer_cfg["max_staleness"] = args.max_staleness
     raw["model"]["seed"] = demo.seed
-    raw["model"]["path"] = str(run_dir / "base")
+    if raw["model"].get("build_tiny"):
+        raw["model"]["path"] = str(run_dir / "base")  # built fresh for this run
+    elif not (Path(raw["model"]["path"]) / "config.json").is_file():
+        print(f"asyncrl demo: no model at {raw['model']['path']} (for SmolLM2: `make model-smollm2`)",
+              file=sys.stderr)
+        return 2
     raw["run"].update(id=run_dir.name, dir=str(run_dir))
     config_path = run_dir / "config.toml"
     config_path.write_text(_to_toml(raw))
@@ -289,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                 progress.write(json.dumps(row) + "\n")
                 progress.flush()
                 windowed = history.windowed_reward(demo.target_window)
-                if reached_at is None and windowed is not None and windowed >= demo.target_reward:
+                if (reached_at is None and windowed is not None and demo.target_reward is not None
+                        and windowed >= demo.target_reward):
                     reached_at = row["t"]
                 line = _progress_line(row, windowed, demo)
                 if tty:
@@ -316,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if elapsed > demo.time_limit_s:
                 print(f"\ntime limit {demo.time_limit_s:.0f} s reached")
-                code = 1
+                code = 1 if demo.target_reward is not None else 0
                 break
             if trainer is not None and not trainer.alive:
                 code = 1
@@ -349,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot(history, run_dir / "demo.png", demo.target_reward, eta)
         print(summary_table(summary))
-        if reached_at is None and code == 0:
+        if reached_at is None and code == 0 and demo.target_reward is not None:
             code = 1
     return code
 
@@ -360,7 +386,7 @@ def _progress_line(row: dict, windowed: float | None, demo: DemoSection) -> str:
     stale = f"{row['staleness']:.2f}" if row["staleness"] is not None else "-"
     tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
     ent = f"{row['entropy']:.2f}" if row["entropy"] is not None else "-"
-    done = min(int(20 * (windowed or 0) / demo.target_reward), 20)
+    done = min(int(20 * (windowed or 0) / (demo.target_reward or 1.0)), 20)
     return (f"[{'#' * done}{'.' * (20 - done)}] {row['t']:6.1f}s  step {row['version']:4d}  reward {reward} "
             f"(avg{demo.target_window} {avg})  staleness {stale}  entropy {ent}  tok/s {tps}")  # fmt: skip
 
