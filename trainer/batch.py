@@ -114,6 +114,7 @@ class Batch:
     behavior_logprobs: torch.Tensor  # [N, T] float
     advantages: torch.Tensor  # [N, T] float
     real_rows: int  # rows that are samples (not rank padding)
+    first_logit: int = 0  # earliest position whose logits any row needs (positions before it are prompt)
 
     def to(self, device: torch.device) -> Batch:
         return Batch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
@@ -144,7 +145,8 @@ def collate(rows: list[Row | None], pad_id: int) -> Batch:
             mask[i, :c] = 1.0
             adv[i, :c] = row.advantage
     real = sum(r is not None for r in rows)
-    return Batch(input_ids, attention, logit_pos, targets, mask, behavior, adv, real)
+    first = min((p - 1 for p, c in lengths if c > 0), default=0)
+    return Batch(input_ids, attention, logit_pos, targets, mask, behavior, adv, real, first)
 
 
 def micro_batches(rows: list[Row], rank: int, world: int, minibatches: int, micro_batch_size: int, pad_id: int,
@@ -166,9 +168,13 @@ def token_logprobs(
     """log π(target_t) [N, T] at the sampling temperature (fp32), and the entropy [N, T] if asked.
 
     Only the completion positions' logits are normalised, so memory is N·T·V, not N·L·V."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    # Only positions from the earliest completion logit on go through the LM head: with a 49k
+    # vocabulary the head and its softmax are a large share of the step, and prompts are long.
+    keep = batch.input_ids.shape[1] - batch.first_logit
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
     vocab = logits.shape[-1]
-    sel = logits.gather(1, batch.logit_pos.unsqueeze(-1).expand(-1, -1, vocab)).float() / temperature
+    pos = batch.logit_pos - (batch.input_ids.shape[1] - logits.shape[1])  # a model that ignores it keeps all
+    sel = logits.gather(1, pos.clamp(min=0).unsqueeze(-1).expand(-1, -1, vocab)).float() / temperature
     logp = torch.log_softmax(sel, dim=-1)
     lp = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
