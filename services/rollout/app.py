@@ -1,4 +1,4 @@
-"""FastAPI app of the rollout service: `/v1/rollouts`, `/healthz`, `/metrics`.
+"""FastAPI app of the rollout service: `/v1/rollouts`, `/v1/evaluations`, `/healthz`, `/metrics`.
 
 Body errors answer 400 (malformed JSON) or 422 (wrong types, out-of-range values) with a
 one-line `message` naming the fields, plus FastAPI's `detail` list; every refusal is counted
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from services.common.auth import install_auth
 from services.common.metrics import router as metrics_router
 from services.rollout import metrics as m
-from services.rollout.routes import health, rollouts
+from services.rollout.routes import evaluations, health, rollouts
 from services.rollout.service import RolloutService
 
 
@@ -35,6 +35,7 @@ def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI
     app.include_router(metrics_router)
     app.include_router(health.router)
     app.include_router(rollouts.router)
+    app.include_router(evaluations.router)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:

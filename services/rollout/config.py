@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
@@ -101,6 +102,60 @@ class RolloutSettings(ServiceSettings):
         5.0, gt=0, description="fallback poll of the latest weights (pub/sub may drop)"
     )
 
+    eval_file: str | None = Field(
+        None,
+        description="JSONL of held-out prompts (RolloutPrompt shape, each with a reward_spec) "
+        "evaluated automatically; unset: no automatic evaluations",
+    )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="evaluate eval_file at every version divisible by this (version 0 included); 0: off",
+    )
+    eval_name: str = Field(
+        "heldout", min_length=1, max_length=64, description="name of the automatic evaluations"
+    )
+    eval_max_new_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="max_new_tokens of evaluations that set none (default: default_max_new_tokens)",
+    )
+    eval_sampling_params: dict[str, Any] | None = Field(
+        None,
+        description="SGLang sampling params of automatic evaluations, JSON (default: greedy, "
+        "temperature 0, eval_max_new_tokens)",
+    )
+    eval_concurrency: int = Field(
+        1, ge=1, le=64, description="queued evaluations this replica runs at once (each pins one engine)"
+    )
+
+    @field_validator("eval_sampling_params", mode="before")
+    @classmethod
+    def _sampling_params(cls, value: Any) -> Any:
+        from proto.sglang import SamplingParams  # here, not at the top: `--help` stays fast
+
+        value = json.loads(value) if isinstance(value, str) else value
+        if value is not None:
+            try:
+                params = SamplingParams.model_validate(value)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                raise ValueError(f"not SGLang sampling params: {where}: {first['msg']}") from None
+            if params.n != 1:
+                raise ValueError("n must be 1: an evaluation takes one completion per prompt")
+        return value
+
+    @field_validator("eval_name")
+    @classmethod
+    def _eval_name(cls, value: str) -> str:
+        from proto.evals import EVAL_NAME_PATTERN
+
+        if not re.fullmatch(EVAL_NAME_PATTERN, value):
+            raise ValueError(f"must match {EVAL_NAME_PATTERN} (it is a Prometheus label value)")
+        return value
+
     @field_validator("engine_urls", "engine_admin_urls", mode="before")
     @classmethod
     def _normalise_urls(cls, value: Any) -> str:
@@ -114,6 +169,12 @@ class RolloutSettings(ServiceSettings):
             raise ValueError("default_max_new_tokens exceeds max_new_tokens_cap")
         if self.heartbeat_s * 3 > self.recover_idle_s:
             raise ValueError("heartbeat_s must be at most recover_idle_s / 3, or live jobs get stolen")
+        if (self.eval_file is None) != (self.eval_every == 0):
+            raise ValueError("automatic evaluations need both eval_file and eval_every > 0")
+        if (self.eval_max_new_tokens or 0) > self.max_new_tokens_cap:
+            raise ValueError("eval_max_new_tokens exceeds max_new_tokens_cap")
+        if (self.eval_sampling_params or {}).get("max_new_tokens", 0) > self.max_new_tokens_cap:
+            raise ValueError("eval_sampling_params.max_new_tokens exceeds max_new_tokens_cap")
         return self
 
     @property

@@ -316,11 +316,13 @@ class EngineClient:
 
     # --- weight updates (admin engines) -----------------------------------------------------
 
-    async def update_all_from_disk(self, path: str, version: int) -> list[str]:
-        """Load `path` as `version` on every admin engine at once, aborting their in-flight
-        requests (which come back with their partial tokens). Returns the errors (empty on
-        success). The caller holds back new `/generate` calls until this returns."""
-        results = await asyncio.gather(*(self._update_one(e, path, version) for e in self.admins))
+    async def update_all_from_disk(self, path: str, version: int, only: list[int] | None = None) -> list[str]:
+        """Load `path` as `version` on every admin engine (or the admin indices in `only`) at
+        once, aborting their in-flight requests (which come back with their partial tokens).
+        Returns the errors (empty on success). The caller holds back new `/generate` calls
+        until this returns."""
+        admins = self.admins if only is None else [self.admins[i] for i in only]
+        results = await asyncio.gather(*(self._update_one(e, path, version) for e in admins))
         return [r for r in results if r]
 
     async def _update_one(self, e: Engine, path: str, version: int) -> str | None:
@@ -368,8 +370,9 @@ class EngineClient:
             log_event(log, "engine did not continue after a weight update", logging.WARNING, engine=e.url,
                       status=resp.status_code if resp is not None else None, message=message)  # fmt: skip
 
-    async def weight_versions(self) -> list[str | None]:
-        """`weight_version` of each admin engine (None where it cannot be read)."""
+    async def weight_versions(self, only: list[int] | None = None) -> list[str | None]:
+        """`weight_version` of each admin engine, or of the admin indices in `only` (None where
+        it cannot be read)."""
 
         async def one(e: Engine) -> str | None:
             try:
@@ -378,7 +381,8 @@ class EngineClient:
             except (httpx.HTTPError, ValueError):
                 return None
 
-        return list(await asyncio.gather(*(one(e) for e in self.admins)))
+        admins = self.admins if only is None else [self.admins[i] for i in only]
+        return list(await asyncio.gather(*(one(e) for e in admins)))
 
 
 _BATCH = TypeAdapter(list[GenerateResponse])

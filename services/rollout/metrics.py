@@ -2,6 +2,8 @@
 
 `asyncrl_rollout_` prefix, base units, `_total` counters; labels are bounded (results,
 reasons, statuses, the engine's index in the configured list — never ids or URLs).
+Evaluations use the `asyncrl_eval_` prefix; their gauges are labelled by evaluation name and
+version, and only the newest `EVAL_SERIES_KEPT` (name, version) series are kept.
 """
 
 from __future__ import annotations
@@ -92,4 +94,33 @@ WEIGHT_UPDATE_SECONDS = Histogram(
 )
 POLICY_VERSION = Gauge(
     "asyncrl_rollout_engine_weight_version", "Weight version the engines were last updated to"
+)
+
+EVAL_SERIES_KEPT = 256  # (name, version) series of the eval gauges; older ones are removed
+EVAL_ACCURACY = Gauge(
+    "asyncrl_eval_accuracy", "Fraction of items scored with reward >= 1 (unscored items are wrong)",
+    ["name", "version"],
+)
+EVAL_MEAN_REWARD = Gauge("asyncrl_eval_mean_reward", "Mean reward of the scored items", ["name", "version"])
+EVAL_MEAN_LENGTH = Gauge(
+    "asyncrl_eval_mean_length", "Mean completion length in tokens of all items", ["name", "version"]
+)
+EVALS_SUBMITTED = Counter("asyncrl_eval_submitted_total", "Evaluations created", ["source"])
+EVALS_FINISHED = Counter(
+    "asyncrl_eval_evaluations_total",
+    "Evaluations this replica ran to an end: done, failed, or lost (its lease went to another replica)",
+    ["result"],
+)
+EVAL_ITEMS = Counter("asyncrl_eval_items_total", "Evaluated items by reward status", ["status"])
+EVAL_REDIS_ERRORS = Counter(
+    "asyncrl_eval_redis_errors_total", "Evaluation queue or store calls that failed (retried, or left to the lease)"
+)
+EVALS_RUNNING = Gauge("asyncrl_eval_running", "Evaluations this replica is running")
+EVAL_SECONDS = Histogram(
+    "asyncrl_eval_seconds", "Claim to stored result of one evaluation",
+    buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+)
+AUTO_EVALS = Counter(
+    "asyncrl_eval_auto_total", "Automatic evaluations due at a version: created, exists (another "
+    "replica's), error (not created)", ["result"],
 )

@@ -1,5 +1,5 @@
 """The rollout service object: settings, tokenizer, buffer handles, clients and the background
-scheduler and weight follower, started and stopped with the app."""
+scheduler, weight follower and evaluation runner, started and stopped with the app."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import asyncio
 import logging
 import os
 
-from buffer import ReplayBuffer
+from buffer import EvalStore, ReplayBuffer
 from services.common.logging import log_event
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_client import EngineClient
-from services.rollout.intake import Intake, resolve_context_length
+from services.rollout.evaluations import Evaluator, build_task, load_eval_file, sampling_params
+from services.rollout.intake import BadRequest, Intake, resolve_context_length
 from services.rollout.reward_client import RewardClient
 from services.rollout.scheduler import Scheduler
 from services.rollout.weights import WeightSync
@@ -33,6 +34,8 @@ class RolloutService:
         # The routes' buffer handle: they call only stateless methods (enqueue, job info,
         # cancel), which are safe from the thread pool; the scheduler has its own handle.
         self.api_buf = ReplayBuffer(redis_url, run=settings.run, consumer=f"rollout-{settings.replica}-api")
+        self.evals = EvalStore(redis_url, run=settings.run)  # thread-safe: routes and the evaluator share it
+        self.auto_eval = self._auto_eval_task()
         self._tasks: list[asyncio.Task] = []
         # An embedded Redis this process started (`asyncrl rollout` without redis_url): stopped
         # with the app, because uvicorn re-raises SIGTERM after its shutdown and no `finally`
@@ -40,6 +43,17 @@ class RolloutService:
         self.owned_redis = None
         self.engines: EngineClient | None = None
         self.rewards: RewardClient | None = None
+
+    def _auto_eval_task(self):
+        """The tokenized `eval_file` (checked now, so a bad file stops the service at start)."""
+        s = self.settings
+        if s.eval_file is None:
+            return None
+        try:
+            return build_task(self.intake, load_eval_file(s.eval_file), None,
+                              sampling_params(s, s.eval_sampling_params), s.eval_name)  # fmt: skip
+        except BadRequest as exc:
+            raise ValueError(f"eval_file {s.eval_file}: {exc}") from None
 
     def _headers(self) -> dict[str, str] | None:
         token = os.environ.get("ASYNCRL_API_TOKEN")
@@ -70,7 +84,13 @@ class RolloutService:
             return
         consumer = f"rollout-{s.replica}"
         weights = WeightSync(
-            ReplayBuffer(self.redis_url, run=s.run, consumer=consumer), self.engines, poll_s=s.weights_poll_s
+            ReplayBuffer(self.redis_url, run=s.run, consumer=consumer),
+            self.engines,
+            poll_s=s.weights_poll_s,
+            initial_version=s.initial_weight_version,
+        )
+        evaluator = Evaluator(
+            s, self.evals, self.engines, self.rewards, weights, self.tokenizer, self.auto_eval
         )
         scheduler = Scheduler(
             s,
@@ -84,6 +104,7 @@ class RolloutService:
         self._tasks = [
             asyncio.create_task(_logged(weights.run(), "weights"), name="weights"),
             asyncio.create_task(_logged(scheduler.run(), "scheduler"), name="scheduler"),
+            asyncio.create_task(_logged(evaluator.run(), "evaluations"), name="evaluations"),
         ]
         log_event(
             log,
@@ -104,6 +125,7 @@ class RolloutService:
             if client is not None:
                 await client.aclose()
         self.api_buf.close()
+        self.evals.close()
         if self.owned_redis is not None:
             self.owned_redis.stop()
 

@@ -1,5 +1,5 @@
 """Weight updates (DESIGN.md §5): follow the run's `weights` channel and move the engines to
-each new policy version.
+each new policy version; hold back the engines an evaluation has pinned.
 
 * `disk` events: this service drives the engines with one `/update_weights_from_disk` each
   (`weight_version` = the policy version, `abort_all_requests`, `flush_cache`): in-flight
@@ -15,6 +15,20 @@ each new policy version.
 
 Versions only move forward; a missed pub/sub message is caught up by polling the latest
 weights every `poll_s`, and at start the engines are brought to the latest disk weights.
+
+Pins (evaluations, `services/rollout/evaluations.py`): `pin()` chooses an engine and, under the
+same lock every update holds, counts a pin on the admin engines that serve it (the admin with
+the same URL; every admin when generation goes through a router). An update skips pinned
+engines (`deferred`, counted as `asyncrl_rollout_weight_updates_total{result="deferred"}`);
+their training requests keep generating at the old version and their tokens say so. When the
+last pin on an engine is released it is moved to the newest weights. Because the pin is taken
+under the lock, no update can be half-way through a pinned engine, and none starts on it until
+`unpin`. Limits: pins are this replica's; another rollout replica driving the same engines'
+updates, or a `distributed` update (the trainer's broadcast), does not see them. Evaluations
+check every item's version for that reason.
+
+`listeners` are called under the lock with each version first moved to (including the one the
+engines serve at start), so a listener can pin an engine at exactly that version.
 """
 
 from __future__ import annotations
@@ -22,86 +36,227 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from buffer import ReplayBuffer
 from proto import WeightsInfo
 from services.common.logging import log_event
 from services.rollout import metrics as m
-from services.rollout.engine_client import EngineClient
+from services.rollout.engine_client import Engine, EngineClient
 
 log = logging.getLogger(__name__)
 
 SUBSCRIPTION_WAIT_S = 1.0  # one blocking pub/sub read; bounds how long shutdown waits
+PIN_RETRY_S = 0.1  # wait between pin attempts while no engine can be pinned (no I/O: cheap)
+
+
+def policy_version(weight_version: str | None, initial: int) -> int:
+    """An engine's `weight_version` as a policy version (SGLang starts at "default")."""
+    if weight_version is not None and weight_version.isdigit():
+        return int(weight_version)
+    return initial
+
+
+class VersionNotServed(Exception):
+    """No engine serves the version an evaluation must run at."""
+
+
+@dataclass(eq=False)
+class Pin:
+    engine: Engine  # the generation endpoint the evaluation sends to
+    admins: tuple[int, ...]  # admin engines whose updates wait for `unpin`
+    version: int | None  # what they serve as far as this replica knows (None: unknown or mixed)
 
 
 class WeightSync:
-    def __init__(self, buf: ReplayBuffer, engines: EngineClient, *, poll_s: float):
+    def __init__(self, buf: ReplayBuffer, engines: EngineClient, *, poll_s: float, initial_version: int = 0):
         self.buf = buf  # this component's own instance: used from one worker thread at a time
         self.engines = engines
         self.poll_s = poll_s
+        self.initial_version = initial_version
         self.version = -1  # last version the engines were moved to (-1: not known yet)
+        self.latest: WeightsInfo | None = None  # the disk weights of `version`
+        self.method: str | None = None  # of the last weights applied: disk | distributed
+        self.served: dict[int, int] = {}  # admin index -> version it serves, as far as we know
+        self.deferred: set[int] = set()  # admins left behind `version` by a pin
+        self.pins: dict[int, int] = {}  # admin index -> pins held
+        self.listeners: list[Callable[[int], Awaitable[None]]] = []
         self.ready = asyncio.Event()
         self.ready.set()
         self._lock = asyncio.Lock()
+        self._announced = -1
+        self._refreshes: set[asyncio.Task] = set()
+        self._stopped = False
 
     async def run(self) -> None:
         """Forever: catch up with the latest weights, then apply each announced version."""
-        await self._catch_up(initial=True)
-        sub = await asyncio.to_thread(self.buf.subscribe_weights)
-        next_poll = time.monotonic() + self.poll_s
         try:
-            while True:
-                info = await asyncio.to_thread(sub.get, SUBSCRIPTION_WAIT_S)
-                if info is not None:
-                    await self.apply(info)
-                if time.monotonic() >= next_poll:
-                    await self._catch_up()
-                    next_poll = time.monotonic() + self.poll_s
+            await self._catch_up(initial=True)
+            sub = await asyncio.to_thread(self.buf.subscribe_weights)
+            next_poll = time.monotonic() + self.poll_s
+            try:
+                while True:
+                    info = await asyncio.to_thread(sub.get, SUBSCRIPTION_WAIT_S)
+                    if info is not None:
+                        await self.apply(info)
+                    if time.monotonic() >= next_poll:
+                        await self._catch_up()
+                        next_poll = time.monotonic() + self.poll_s
+            finally:
+                await asyncio.to_thread(sub.close)
         finally:
-            await asyncio.to_thread(sub.close)
+            self._stopped = True  # pins released from now on (shutdown) move nothing
+            for task in self._refreshes:
+                task.cancel()
 
     async def _catch_up(self, initial: bool = False) -> None:
         latest = await asyncio.to_thread(self.buf.latest_weights)
-        if latest is None or latest.version <= self.version:
+        if (initial or (latest is None and self._announced < 0)) and await self._adopt_served(latest):
             return
-        if initial and latest.method == "disk":
-            current = await self.engines.weight_versions()
-            if current and all(v == str(latest.version) for v in current):
-                self.version = latest.version  # the engines already serve it (e.g. a rollout restart)
+        if latest is not None and latest.version > self.version:
+            await self.apply(latest)
+        elif self.deferred:
+            await self.refresh()  # a deferred update whose first attempt failed
+
+    async def _adopt_served(self, latest: WeightsInfo | None) -> bool:
+        """Read the versions the engines serve. True when there is nothing to apply: they serve
+        `latest` already (e.g. a rollout restart), or nothing was published yet (the version
+        they start with is announced once every engine that answers agrees on it)."""
+        current = await self.engines.weight_versions()
+        self.served = {i: policy_version(v, self.initial_version) for i, v in enumerate(current) if v}
+        versions = set(self.served.values())
+        if latest is None:
+            start = versions.pop() if len(versions) == 1 else None
+        elif latest.method == "disk" and current and all(v == str(latest.version) for v in current):
+            start = latest.version
+        else:
+            return False
+        async with self._lock:
+            if latest is not None:
+                self.version, self.latest, self.method = latest.version, latest, latest.method
                 m.POLICY_VERSION.set(latest.version)
-                return
-        await self.apply(latest)
+            if start is not None:
+                await self._announce(start)
+        return True
 
     async def apply(self, info: WeightsInfo) -> bool:
         async with self._lock:
             if info.version <= self.version:
                 return True
             if info.method == "distributed":
-                self.version = info.version
+                self.version, self.method = info.version, info.method
+                self.served = dict.fromkeys(range(len(self.engines.admins)), info.version)
                 m.POLICY_VERSION.set(info.version)
                 m.WEIGHT_UPDATES.labels("distributed", "observed").inc()
+                await self._announce(info.version)
                 return True
-            t0 = time.perf_counter()
-            self.ready.clear()
-            try:
-                errors = await self.engines.update_all_from_disk(info.path or "", info.version)
-            finally:
-                self.ready.set()
-            m.WEIGHT_UPDATE_SECONDS.observe(time.perf_counter() - t0)
-            if errors:
-                # The engines that failed keep serving (and reporting) their old version, so
-                # token versions stay truthful; the next event or poll tries again.
-                m.WEIGHT_UPDATES.labels("disk", "error").inc()
-                log_event(log, "weight update failed", logging.ERROR, version=info.version, errors=errors)
+            targets = [i for i in range(len(self.engines.admins)) if not self.pins.get(i)]
+            if not await self._move(info, targets):
                 return False
-            self.version = info.version
-            m.POLICY_VERSION.set(info.version)
-            m.WEIGHT_UPDATES.labels("disk", "ok").inc()
-            log_event(
-                log,
-                "engines updated",
-                version=info.version,
-                path=info.path,
-                seconds=round(time.perf_counter() - t0, 3),
-            )
+            self.version, self.latest, self.method = info.version, info, info.method
+            held = [i for i in range(len(self.engines.admins)) if self.pins.get(i)]
+            if held:
+                self.deferred.update(held)
+                m.WEIGHT_UPDATES.labels("disk", "deferred").inc(len(held))
+                log_event(log, "weight update deferred by an evaluation", version=info.version,
+                          engines=[self.engines.admins[i].url for i in held])  # fmt: skip
+            if targets:
+                await self._announce(info.version)
             return True
+
+    async def refresh(self) -> None:
+        """Move the deferred engines no pin holds any more to the newest weights."""
+        async with self._lock:
+            due = sorted(i for i in self.deferred if not self.pins.get(i))
+            if due and self.latest is not None and await self._move(self.latest, due):
+                await self._announce(self.latest.version)
+
+    async def _move(self, info: WeightsInfo, targets: list[int]) -> bool:
+        """Update the admin engines `targets` (the lock is held); False if any failed."""
+        if not targets:
+            return True
+        t0 = time.perf_counter()
+        self.ready.clear()
+        try:
+            errors = await self.engines.update_all_from_disk(info.path or "", info.version, only=targets)
+        finally:
+            self.ready.set()
+        m.WEIGHT_UPDATE_SECONDS.observe(time.perf_counter() - t0)
+        if errors:
+            # The engines that failed keep serving (and reporting) their old version, so
+            # token versions stay truthful; the next event or poll tries again.
+            m.WEIGHT_UPDATES.labels("disk", "error").inc()
+            log_event(log, "weight update failed", logging.ERROR, version=info.version, errors=errors)
+            return False
+        for i in targets:
+            self.served[i] = info.version
+            self.deferred.discard(i)
+        m.POLICY_VERSION.set(info.version)
+        m.WEIGHT_UPDATES.labels("disk", "ok").inc()
+        log_event(log, "engines updated", version=info.version, path=info.path,
+                  engines=len(targets), seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        return True
+
+    async def _announce(self, version: int) -> None:
+        if version <= self._announced:
+            return
+        self._announced = version
+        for listener in self.listeners:
+            await listener(version)
+
+    # --- pins (evaluations) -------------------------------------------------------------------
+
+    async def pin(self, version: int | None = None) -> Pin:
+        """Hold the weights of one engine: the least loaded healthy one serving the newest
+        version this replica knows, or exactly `version` (raises `VersionNotServed` when no
+        engine does). Waits while no suitable engine is healthy, and (without `version`) while
+        the only ones left are about to be moved after an earlier pin: back-to-back evaluations
+        do not keep an engine on old weights."""
+        while True:
+            async with self._lock:
+                pin = self.pin_locked(version)
+            if pin is not None:
+                return pin
+            await asyncio.sleep(PIN_RETRY_S)
+
+    def pin_locked(self, version: int | None = None) -> Pin | None:
+        """`pin` for a caller that holds the lock (a listener); None when `pin` must wait."""
+        assert self._lock.locked(), "a pin is taken under the weight-update lock"
+        candidates = []
+        for e in self.engines.engines:
+            admins = self._admins_of(e)
+            served = {self.served.get(i) for i in admins}
+            candidates.append((e, admins, served.pop() if len(served) == 1 else None))
+        if version is not None:
+            candidates = [c for c in candidates if c[2] == version]
+            if not candidates:
+                raise VersionNotServed(f"no engine serves version {version} any more (engines at "
+                                       f"{sorted(set(self.served.values()))})")  # fmt: skip
+        elif self._refreshes:  # an engine a pin held back is about to move: wait for it
+            candidates = [c for c in candidates if not self.deferred.intersection(c[1])]
+        candidates = [c for c in candidates if c[0].healthy]
+        newest = max((c[2] for c in candidates if c[2] is not None), default=None)
+        candidates = [c for c in candidates if c[2] == newest] or candidates
+        if not candidates:
+            return None
+        engine, admins, served_version = min(candidates, key=lambda c: c[0].in_flight)
+        for i in admins:
+            self.pins[i] = self.pins.get(i, 0) + 1
+        return Pin(engine, admins, served_version)
+
+    def unpin(self, pin: Pin) -> None:
+        """Release a pin; engines it held back are moved to the newest weights (in the background)."""
+        for i in pin.admins:
+            self.pins[i] -= 1
+            if not self.pins[i]:
+                del self.pins[i]
+        if not self._stopped and any(i in self.deferred and i not in self.pins for i in pin.admins):
+            task = asyncio.ensure_future(self.refresh())
+            self._refreshes.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._refreshes.discard)
+
+    def _admins_of(self, engine: Engine) -> tuple[int, ...]:
+        """The admin engines behind a generation URL: the one with its URL, else (a router) all."""
+        same = tuple(a.index for a in self.engines.admins if a.url == engine.url)
+        return same or tuple(range(len(self.engines.admins)))

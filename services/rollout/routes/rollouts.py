@@ -4,33 +4,23 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 
-from proto.rollout import ErrorBody, RolloutAccepted, RolloutProgress, RolloutRequest
+from proto.rollout import RolloutAccepted, RolloutProgress, RolloutRequest
 from services.rollout import metrics as m
 from services.rollout.deps import ServiceDep
 from services.rollout.intake import BadRequest, body_hash, job_id_for
 from services.rollout.reward_client import VerifiersUnavailable
+from services.rollout.routes.errors import ERRORS
+from services.rollout.routes.errors import refuse as _refuse
 from services.rollout.service import RolloutService
 
 router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
 
-ERRORS = {
-    400: {"model": ErrorBody},
-    404: {"model": ErrorBody},
-    409: {"model": ErrorBody},
-    422: {"model": ErrorBody},
-    503: {"model": ErrorBody},
-}
 TRAINER_FIELDS = ("acked", "dropped", "withheld", "zero_spread")
 MAX_ERRORS_SHOWN = 10
 PHASES = ("generating", "scoring", "buffered", "failed", "cancelled")
-
-
-def _refuse(status: int, message: str, reason: str) -> HTTPException:
-    m.REQUESTS_REJECTED.labels(reason).inc()
-    return HTTPException(status_code=status, detail=message)
 
 
 @router.post("", status_code=202, response_model=RolloutAccepted, responses=ERRORS)
