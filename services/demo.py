@@ -21,10 +21,9 @@ import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 from typing import Literal
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
@@ -40,9 +39,12 @@ class DemoSection(BaseModel):
     max_new_tokens: int = Field(256, ge=1, description="math: answer budget (EOS-terminated)")
     temperature: float = Field(1.0, gt=0, description="math: sampling temperature of training rollouts")
     word_fraction: float = Field(0.4, ge=0, le=1, description="math: share of word problems")
+    level: Literal["easy", "hard"] = Field("easy", description="math: difficulty (services/tasks.py LEVELS)")
     eval_size: int = Field(200, ge=0, description="math: held-out problems (0: no evaluation)")
     eval_seed: int = Field(1234, description="math: seed of the held-out set (fixed across runs)")
     eval_every: int = Field(10, ge=1, description="math: evaluate at version 0 and every this many versions")
+    final_eval: bool = Field(True, description="math: evaluate the last served version before stopping")
+    final_eval_timeout_s: float = Field(900, gt=0, description="math: how long to wait for the final evaluation")
     target_reward: float | None = Field(None, gt=0, le=1, description="stop when the windowed reward reaches it (none: run to the time limit)")
     target_window: int = Field(5, ge=1)
     time_limit_s: float = Field(300, gt=0)
@@ -125,6 +127,63 @@ class History:
         return sum(recent) / len(recent) if len(recent) == window else None
 
 
+@dataclass
+class Evals:
+    """Finished held-out evaluations, one row per version, read from the rollout service's
+    `GET /v1/evaluations` (the rollout service runs them: at version 0 and every `eval_every`)."""
+
+    url: str
+    name: str
+    t0_wall: float
+    rows: dict[int, dict] = field(default_factory=dict)
+    _next_poll: float = 0.0
+
+    def poll(self, every_s: float = 5.0) -> list[dict]:
+        """New finished evaluations since the last poll (at most one poll per `every_s`)."""
+        if time.monotonic() < self._next_poll:
+            return []
+        self._next_poll = time.monotonic() + every_s
+        try:
+            resp = httpx.get(f"{self.url}/v1/evaluations", params={"name": self.name}, timeout=5.0)
+            resp.raise_for_status()
+        except httpx.HTTPError:
+            return []
+        new = []
+        for e in resp.json()["evaluations"]:
+            if e["state"] != "done" or e["version"] in self.rows:
+                continue
+            row = {"version": e["version"], "t": round(e["finished_at"] - self.t0_wall, 3), "accuracy": e["accuracy"],
+                   "mean_reward": e["mean_reward"], "mean_length": e["mean_length"], "prompts": e["prompts"],
+                   "eval_id": e["eval_id"], "eval_s": round(e["finished_at"] - e["started_at"], 1)}  # fmt: skip
+            self.rows[e["version"]] = row
+            new.append(row)
+        return new
+
+    def sorted(self) -> list[dict]:
+        return [self.rows[v] for v in sorted(self.rows)]
+
+    def run_final(self, timeout_s: float) -> dict | None:
+        """Evaluate the version the engines serve now and wait for it (the run's last point)."""
+        try:
+            resp = httpx.post(f"{self.url}/v1/evaluations", json=self.final_body, timeout=60.0)
+            resp.raise_for_status()
+            eval_id = resp.json()["eval_id"]
+        except httpx.HTTPError as exc:
+            print(f"final evaluation not submitted: {exc}")
+            return None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(2.0)
+            self._next_poll = 0.0
+            for row in self.poll():
+                if row["eval_id"] == eval_id:
+                    return row
+        print(f"final evaluation {eval_id} did not finish within {timeout_s:.0f} s")
+        return None
+
+    final_body: dict = field(default_factory=dict)
+
+
 def make_prompts(n: int, cfg: DemoSection, rng: random.Random) -> list[dict]:
     """`n` training prompts of the demo's task (services/tasks.py)."""
     from services.tasks import reverse_prompts
@@ -137,7 +196,7 @@ def make_prompts(n: int, cfg: DemoSection, rng: random.Random) -> list[dict]:
 def math_task(cfg: DemoSection):
     from services.tasks import MathTask
 
-    return MathTask(eval_seed=cfg.eval_seed, eval_size=cfg.eval_size, word_fraction=cfg.word_fraction)
+    return MathTask(eval_seed=cfg.eval_seed, eval_size=cfg.eval_size, word_fraction=cfg.word_fraction, level=cfg.level)
 
 
 def sampling_params(cfg: DemoSection) -> dict:
@@ -152,6 +211,7 @@ def sampling_params(cfg: DemoSection) -> dict:
     return {"temperature": 1.0, "max_new_tokens": cfg.prompt_len, "ignore_eos": True, "skip_special_tokens": False}
 
 
+EVAL_NAME = "heldout"
 PROMPTS_PER_JOB = 20_000  # well under the rollout service's per-job cap
 TOPUP_STEPS = 250  # the demo submits prompts for this many steps at a time (twice over)
 
@@ -200,34 +260,82 @@ def utilisation(launcher, wall_s: float) -> dict[str, float | None]:
     }  # fmt: skip
 
 
-def plot(history: History, out: Path, target: float, eta: int) -> None:
+def plot(history: History, out: Path, target: float | None, eta: int, evals: list[dict] | None = None) -> None:
+    """Reward and staleness against wall time; with evaluations, a second panel of training reward
+    and held-out accuracy against the policy version, and the accuracy on the first panel too."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in history.rows if r["reward"] is not None]
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    ax.plot([r["t"] for r in rows], [r["reward"] for r in rows], color="tab:blue", label="mean reward")
-    ax.axhline(target, color="tab:blue", linestyle=":", linewidth=1, label=f"target {target}")
+    if evals:
+        fig, (ax, axv) = plt.subplots(1, 2, figsize=(13, 4.5), dpi=110)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    window = 10  # per-step figures jump around; a rolling mean shows the level
+
+    def smooth(values: list[float]) -> list[float]:
+        return [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))]
+
+    ax.plot([r["t"] for r in rows], [r["reward"] for r in rows], color="tab:blue", alpha=0.35 if evals else 1.0,
+            label="mean training reward")  # fmt: skip
+    if evals:
+        ax.plot([r["t"] for r in rows], smooth([r["reward"] for r in rows]), color="tab:blue",
+                label=f"training reward (last {window} steps)")  # fmt: skip
+        ax.plot([e["t"] for e in evals], [e["accuracy"] for e in evals], "o-", color="tab:green",
+                label="held-out greedy accuracy")  # fmt: skip
+    if target is not None:
+        ax.axhline(target, color="tab:blue", linestyle=":", linewidth=1, label=f"target {target}")
     ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("mean reward", color="tab:blue")
+    ax.set_ylabel("reward / accuracy" if evals else "mean reward", color="tab:blue")
     ax.set_ylim(0, 1.02)
     ax2 = ax.twinx()
     st = [r for r in rows if r["staleness"] is not None]
-    window = 10  # per-poll staleness jumps between 0 and η; a rolling mean shows the level
-    smooth = [sum(r["staleness"] for r in st[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(st))]
-    ax2.plot([r["t"] for r in st], smooth, color="tab:orange", alpha=0.9, label=f"mean staleness (last {window} steps)")
+    ax2.plot([r["t"] for r in st], smooth([r["staleness"] for r in st]), color="tab:orange", alpha=0.9,
+             label=f"mean staleness (last {window} steps)")  # fmt: skip
     ax2.axhline(eta, color="tab:orange", linestyle=":", linewidth=1, label=f"η = {eta}")
     ax2.set_ylabel("staleness (versions)", color="tab:orange")
     ax2.set_ylim(0, max(eta + 0.5, 1))
     lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     labels = ax.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
-    ax.legend(lines, labels, loc="lower right")
-    ax.set_title("asyncrl CPU demo: reverse, async GRPO")
+    ax.legend(lines, labels, loc="lower right" if not evals else "upper left", fontsize=8)
+    if evals:
+        ax.set_title("against wall time")
+        axv.plot([r["version"] for r in rows], smooth([r["reward"] for r in rows]), color="tab:blue",
+                 label=f"training reward (last {window} steps)")  # fmt: skip
+        axv.plot([e["version"] for e in evals], [e["accuracy"] for e in evals], "o-", color="tab:green",
+                 label="held-out greedy accuracy")  # fmt: skip
+        axv.set_xlabel("policy version (optimizer steps)")
+        axv.set_ylim(0, 1.02)
+        axv.set_title("against version")
+        axv.legend(loc="upper left", fontsize=8)
+        fig.suptitle("asyncrl CPU demo: async GRPO on a pretrained model")
+    else:
+        ax.set_title("asyncrl CPU demo: reverse, async GRPO")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
+
+
+def eval_summary(rows: list[dict]) -> dict:
+    """The held-out accuracy curve's key figures: at version 0 (the base model), the last, the best."""
+    if not rows:
+        return {"evals": []}
+    base = next((r for r in rows if r["version"] == 0), None)
+    last, best = rows[-1], max(rows, key=lambda r: r["accuracy"])
+    out = {"evals": rows, "eval_base_accuracy": base["accuracy"] if base else None,
+           "eval_last_accuracy": last["accuracy"], "eval_last_version": last["version"],
+           "eval_best_accuracy": best["accuracy"], "eval_best_version": best["version"]}  # fmt: skip
+    if base:
+        out["eval_gain_last"] = round(last["accuracy"] - base["accuracy"], 4)
+        out["eval_gain_best"] = round(best["accuracy"] - base["accuracy"], 4)
+    return out
+
+
+def _eval_line(s: dict) -> str:
+    base = "-" if s["eval_base_accuracy"] is None else f"{s['eval_base_accuracy']:.3f}"
+    return f"{base} / {s['eval_last_accuracy']:.3f} (v{s['eval_last_version']})"
 
 
 def summary_table(s: dict) -> str:
@@ -239,6 +347,7 @@ def summary_table(s: dict) -> str:
         ("mean / max staleness", f"{s['mean_staleness']:.2f} / {s['max_staleness']} (η = {s['eta']})"),
         ("groups not trained (stale etc.)", int(s["dropped"])),
         ("trainer tokens/s (last)", f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "-"),
+        *([("held-out accuracy: base / last", _eval_line(s))] if s.get("evals") else []),
         ("plot", s["plot"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -279,6 +388,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     raw["run"].update(id=run_dir.name, dir=str(run_dir))
+    heldout: list[dict] = []
+    if demo.task == "math" and demo.eval_size:
+        heldout = math_task(demo).heldout_prompts()
+        (run_dir / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in heldout))
+        rollout_cfg = raw.setdefault("rollout", {})
+        rollout_cfg.update(eval_file=str(run_dir / "heldout.jsonl"), eval_every=demo.eval_every,
+                           eval_name=EVAL_NAME, eval_max_new_tokens=demo.max_new_tokens)  # fmt: skip
     config_path = run_dir / "config.toml"
     config_path.write_text(_to_toml(raw))
     eta = int(trainer_cfg.get("max_staleness", 1))
@@ -288,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     topups = ThreadPoolExecutor(1, thread_name_prefix="demo-submit")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C
     history, progress = History(), (run_dir / "progress.jsonl").open("w")
+    evals: Evals | None = None
     tty = sys.stdout.isatty()
     t0 = time.monotonic()
     reached_at: float | None = None
@@ -305,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"submitted {len(jobs)} job(s), {chunk} prompts x {demo.group_size} samples, more as training "
               "advances; training (Ctrl-C stops)")  # fmt: skip
         t0 = time.monotonic()
+        if heldout:
+            evals = Evals(rollout_url, EVAL_NAME, time.time(), final_body={
+                "name": EVAL_NAME, "prompts": heldout, "idempotency_key": f"{run_dir.name}-final",
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": demo.max_new_tokens}})  # fmt: skip
         trainer = launcher.find("trainer")
         last_print = 0.0
         while True:
@@ -323,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
                 elif row["t"] - last_print >= 5:
                     print(line, flush=True)
                     last_print = row["t"]
+            for e in evals.poll() if evals else []:
+                progress.write(json.dumps({"eval": e}) + "\n")
+                progress.flush()
+                print(("\n" if tty else "") + f"eval v{e['version']}: accuracy {e['accuracy']:.3f} on {e['prompts']} "
+                      f"held-out problems, mean length {e['mean_length']:.0f} tokens ({e['eval_s']:.0f} s)", flush=True)
             if topup is not None and topup.done():
                 try:
                     jobs += topup.result()
@@ -365,6 +491,14 @@ def main(argv: list[str] | None = None) -> int:
         if tty:
             print()
         usage = utilisation(launcher, time.monotonic() - t0) if launcher.procs else {}
+        if evals is not None and code in (0, 1) and launcher.procs and demo.final_eval:
+            last = history.rows[-1]["version"] if history.rows else 0
+            if not evals.rows or max(evals.rows) < last:
+                print("final evaluation of the served version (training goes on meanwhile) ...", flush=True)
+                final = evals.run_final(demo.final_eval_timeout_s)
+                if final:
+                    progress.write(json.dumps({"eval": final}) + "\n")
+                    print(f"eval v{final['version']}: accuracy {final['accuracy']:.3f}")
         print("stopping services ...", flush=True)
         topups.shutdown(wait=False, cancel_futures=True)
         launcher.stop()
@@ -372,8 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     if history.rows:
         summary = {**_summary(history, demo, eta, reached_at, run_dir), **usage,
                    "samples_per_step": demo.prompts_per_step * demo.group_size}  # fmt: skip
+        if evals is not None:
+            summary.update(eval_summary(evals.sorted()))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot(history, run_dir / "demo.png", demo.target_reward, eta)
+        plot(history, run_dir / "demo.png", demo.target_reward, eta, evals.sorted() if evals else [])
         print(summary_table(summary))
         if reached_at is None and code == 0 and demo.target_reward is not None:
             code = 1

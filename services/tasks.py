@@ -1,8 +1,9 @@
 """Prompt sets generated on the fly (nothing is downloaded): what `asyncrl demo` trains on.
 
 * `reverse`: the tiny model's task, `<bos>abc>` → `cba` (the `reverse` verifier).
-* `math`: arithmetic for a small chat model: two- and three-number sums, differences and
-  products, and one-sentence word problems, asked as chat `messages` with a system prompt
+* `math`: arithmetic for a small chat model: sums, differences and products (`easy`: one
+  operation on numbers up to 30; `hard`: two-digit operands and three-number expressions), and
+  one-sentence word problems, asked as chat `messages` with a system prompt
   that asks for the final answer in `\\boxed{}`, scored by the `math` verifier (math-verify).
 
 The held-out set of a math task is a pure function of its seed and size, and training prompts
@@ -51,15 +52,47 @@ def _word(rng: random.Random) -> tuple[str, int]:
         return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
     if kind == "both":
         a, b, c = rng.randint(5, 40), rng.randint(2, 20), rng.randint(1, 9)
-        return (f"{name} has {a} {item}, buys {b} more and then loses {c}. How many {item} does {name} "
-                "have?", a + b - c)  # fmt: skip
+        question = f"{name} has {a} {item}, buys {b} more and then loses {c}. How many {item} does {name} have?"
+        return question, a + b - c
     a, b = rng.randint(2, 9), rng.randint(2, 12)
     return f"{name} has {a} bags with {b} {item} in each bag. How many {item} are there in total?", a * b
 
 
-def math_problem(rng: random.Random, word_fraction: float = 0.4) -> tuple[str, int]:
+def _arith_easy(rng: random.Random) -> tuple[str, int]:
+    kind = rng.choice(("add", "sub", "mul"))
+    if kind == "add":
+        a, b = rng.randint(2, 30), rng.randint(2, 30)
+        return f"What is {a} + {b}?", a + b
+    if kind == "sub":
+        a, b = sorted((rng.randint(2, 30), rng.randint(2, 30)), reverse=True)
+        return f"What is {a} - {b}?", a - b
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    return f"What is {a} * {b}?", a * b
+
+
+def _word_easy(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.choice(("more", "give", "each"))
+    if kind == "more":
+        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        return f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b
+    if kind == "give":
+        a = rng.randint(5, 20)
+        b = rng.randint(1, a - 1)
+        return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
+    a, b = rng.randint(2, 6), rng.randint(2, 6)
+    return f"{name} has {a} bags with {b} {item} in each bag. How many {item} are there in total?", a * b
+
+
+# easy: numbers up to 30, one operation (SmolLM2-135M greedy: ~29% correct, 24% sampled at T=0.7);
+# hard: two-digit operands and three-number expressions (~9-17% greedy).
+LEVELS = {"easy": (_arith_easy, _word_easy), "hard": (_arith, _word)}
+
+
+def math_problem(rng: random.Random, word_fraction: float = 0.4, level: str = "easy") -> tuple[str, int]:
     """One problem and its integer answer."""
-    return _word(rng) if rng.random() < word_fraction else _arith(rng)
+    arith, word = LEVELS[level]
+    return word(rng) if rng.random() < word_fraction else arith(rng)
 
 
 def math_prompt(question: str, answer: int, prompt_id: str | None = None) -> dict:
@@ -78,6 +111,7 @@ class MathTask:
     eval_seed: int = 1234
     eval_size: int = 200
     word_fraction: float = 0.4
+    level: str = "easy"
     _heldout: list[tuple[str, int]] = field(default_factory=list, init=False, repr=False)
 
     def heldout(self) -> list[tuple[str, int]]:
@@ -85,7 +119,7 @@ class MathTask:
         if not self._heldout:
             rng, seen = random.Random(self.eval_seed), set()
             while len(self._heldout) < self.eval_size:
-                q, a = math_problem(rng, self.word_fraction)
+                q, a = math_problem(rng, self.word_fraction, self.level)
                 if q not in seen:
                     seen.add(q)
                     self._heldout.append((q, a))
@@ -99,7 +133,7 @@ class MathTask:
         held = {q for q, _ in self.heldout()}
         out = []
         while len(out) < n:
-            q, a = math_problem(rng, self.word_fraction)
+            q, a = math_problem(rng, self.word_fraction, self.level)
             if q not in held:
                 out.append(math_prompt(q, a))
         return out

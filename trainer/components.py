@@ -130,6 +130,12 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
     source = GroupSource(d, buf, cfg.batch_groups, cfg.max_staleness, cfg.staleness_policy, cfg.block_ms,
                          cfg.dynamic_sampling, shaping if cfg.overlong_max_len else None, cfg.heartbeat_s)  # fmt: skip
     pad_id = AutoConfig.from_pretrained(cfg.model_path).pad_token_id or 0
+    fetch = None
+    if tracker is not None and buf is not None:
+        from buffer import EvalStore
+
+        evals = EvalStore(cfg.redis_url, run=cfg.run)  # the rollout service's evaluations of this run
+        fetch = lambda: [e.model_dump() for e in evals.list()]
     return Parts(cfg, d, model, ref_model, optimizer, step_cfg, source,
                  Checkpointer(out / "checkpoints", d, cfg.keep_checkpoints), buf, disk, broadcast, health,
-                 int(pad_id), out / "trained.jsonl" if cfg.audit_log else None, tracker)  # fmt: skip
+                 int(pad_id), out / "trained.jsonl" if cfg.audit_log else None, tracker, fetch)  # fmt: skip

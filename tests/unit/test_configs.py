@@ -33,6 +33,12 @@ def test_run_config_validates_for_every_service(path):
     assert trainer.batch_groups >= 1 and trainer.max_staleness >= 0
     if path.name == "demo.toml":
         assert up.launch.engine_kind == "reference" and up.model.build_tiny and not reward.code_enabled
+    elif path.name == "smollm2-math.toml":  # the pretrained model on the CPU, through `asyncrl demo`
+        from services.demo import DemoSection
+
+        demo = DemoSection.model_validate(tomllib.loads(path.read_text())["demo"])
+        assert up.launch.engine_kind == "reference" and not up.model.build_tiny and demo.task == "math"
+        assert trainer.device != "cuda" and trainer.max_staleness >= 1 and demo.eval_size >= 200
     else:  # the GPU configs: SGLang engines, a dataset, a real model path
         assert up.launch.engine_kind == "sglang" and up.submit is not None and not up.model.build_tiny
         assert trainer.device == "cuda" and trainer.mixed_precision == "bfloat16"
