@@ -42,7 +42,8 @@ class DemoSection(BaseModel):
     level: Literal["easy", "hard"] = Field("easy", description="math: difficulty (services/tasks.py LEVELS)")
     eval_size: int = Field(200, ge=0, description="math: held-out problems (0: no evaluation)")
     eval_seed: int = Field(1234, description="math: seed of the held-out set (fixed across runs)")
-    eval_every: int = Field(10, ge=1, description="math: evaluate at version 0 and every this many versions")
+    eval_every: int = Field(10, ge=0, description="math: evaluate at version 0 and every this many versions "
+                            "(0: no evaluations; the held-out problems are still never trained on)")
     final_eval: bool = Field(True, description="math: evaluate the last served version before stopping")
     final_eval_timeout_s: float = Field(900, gt=0, description="math: how long to wait for the final evaluation")
     target_reward: float | None = Field(None, gt=0, le=1, description="stop when the windowed reward reaches it (none: run to the time limit)")
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     raw["run"].update(id=run_dir.name, dir=str(run_dir))
     heldout: list[dict] = []
-    if demo.task == "math" and demo.eval_size:
+    if demo.task == "math" and demo.eval_size and demo.eval_every:
         heldout = math_task(demo).heldout_prompts()
         (run_dir / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in heldout))
         rollout_cfg = raw.setdefault("rollout", {})
