@@ -109,6 +109,7 @@ def load_bench(args: argparse.Namespace):
 
     from services.demo import DemoSection
     from trainer.config import TrainerSettings
+    from trainer.model import resolve_mixed_precision
 
     raw = tomllib.loads(args.config.read_text())
     demo = DemoSection.model_validate(raw.get("demo", {}))
@@ -132,7 +133,7 @@ def load_bench(args: argparse.Namespace):
         clip_high=tr.loss.clip_high, advantage=tr.advantage, loss_agg=tr.loss.agg, kl_coef=tr.kl_coef,
         entropy_coef=tr.entropy_coef, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1,
         adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
-        bf16=tr.mixed_precision == "bfloat16" and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        bf16=resolve_mixed_precision(tr.mixed_precision, torch.device("cpu")) == "bfloat16",
         seed=demo.seed if args.seed is None else args.seed, minutes=args.minutes, eval_size=eval_size,
         math_max_chars=int(raw.get("reward", {}).get("math_max_chars", 8192)),
         threads=args.threads or len(os.sched_getaffinity(0)),

@@ -24,7 +24,7 @@ from trainer.batch import Shaping
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainerSettings
 from trainer.data import GroupSource
-from trainer.model import DTYPES, Dist, build_model, full_state_dict
+from trainer.model import DTYPES, Dist, build_model, full_state_dict, resolve_mixed_precision
 from trainer.step import StepConfig
 from trainer.tracking import Tracker, build_tracker
 from trainer.weights import BroadcastPublisher, DiskPublisher, cast_state
@@ -96,12 +96,15 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
     if d.is_main:
         out.mkdir(parents=True, exist_ok=True)
     tracker = build_tracker(cfg, d.rank, d.world, d.backend)  # enabled without wandb: stop before the model loads
+    compute_dtype = resolve_mixed_precision(cfg.mixed_precision, d.device)
+    if d.is_main:
+        log_event(log, "compute dtype", setting=cfg.mixed_precision, dtype=compute_dtype, device=d.device.type)
     model = build_model(cfg.model_path, d, random_init=cfg.random_init, seed=cfg.seed,
-                        mixed_precision=cfg.mixed_precision)  # fmt: skip
+                        mixed_precision=compute_dtype)  # fmt: skip
     ref_model = None
     if cfg.kl_coef > 0:
         ref_model = build_model(cfg.model_path, d, random_init=cfg.random_init, seed=cfg.seed,
-                                mixed_precision=cfg.mixed_precision, trainable=False)  # fmt: skip
+                                mixed_precision=compute_dtype, trainable=False)  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)  # fmt: skip
     step_cfg = StepConfig(loss=cfg.loss, temperature=cfg.temperature, grad_clip=cfg.grad_clip,

@@ -20,6 +20,24 @@ import torch.distributed as dist
 from torch import nn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with native bf16 matmul
+
+
+def resolve_mixed_precision(setting: str, device: torch.device, cpu_flags: set[str] | None = None) -> str:
+    """The FSDP2 compute dtype for `mixed_precision = "auto"`: bfloat16 on CUDA and on a CPU with
+    native bf16 matmul (AMX or AVX512-BF16 among `cpu_flags`, default /proc/cpuinfo's), float32
+    elsewhere. Without them oneDNN emulates bf16: a 2048x576x1536 matmul ran at 1.3 GFLOP/s in bf16
+    against 76 in fp32 on an AVX2-only EPYC core, so bf16 there makes every step ~60x slower."""
+    if setting != "auto":
+        return setting
+    if device.type == "cuda":
+        return "bfloat16"
+    if cpu_flags is None:
+        try:
+            cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
+        except OSError:  # not Linux: trust oneDNN's own check
+            return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    return "bfloat16" if cpu_flags.intersection(CPU_BF16_FLAGS) else "float32"
 
 
 @dataclass

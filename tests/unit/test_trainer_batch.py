@@ -76,3 +76,55 @@ def test_shards_and_padded_tensors(group):
     assert b.behavior_logprobs.tolist() == [[-0.5, -0.5, 0.0], [-0.5, -0.5, -0.5], [0.0, 0.0, 0.0]]
     assert b.advantages[0, :2].tolist() == pytest.approx([0.7071058] * 2, abs=1e-6)
     assert b.real_rows == 2
+
+
+def _rows_of_lengths(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(len(lengths) // 4):
+        prompt = np.array([1, *rng.integers(3, 40, 2 + g)], np.int32)
+        samples = [sample(i, rng.integers(3, 40, n).tolist(), float(i % 2)) for i, n in enumerate(lengths[4 * g : 4 * g + 4])]
+        groups.append(Group.build(group_id=f"g{g}", job_id="j", prompt_ids=prompt, reward_spec={"verifier": "reverse"},
+                                  samples=samples, submit_version=0))  # fmt: skip
+    return build_rows(groups, "grpo").rows
+
+
+def test_micro_batches_group_rows_of_similar_length_within_each_minibatch():
+    from trainer.batch import micro_batches
+
+    lengths = [3, 40, 5, 38, 4, 36, 6, 30, 2, 41, 7, 33, 3, 29, 5, 35]
+    rows = _rows_of_lengths(lengths)
+    micro = micro_batches(rows, 0, 1, 2, 2, 0, torch.device("cpu"))
+    assert len(micro) == 8  # 2 minibatches x 4 micro-batches of 2 rows
+    for m, half in enumerate((rows[:8], rows[8:])):
+        got = [tuple(t[: int(n)].tolist()) for b in micro[4 * m : 4 * m + 4]
+               for t, n in zip(b.targets, (b.targets != 0).sum(-1))]  # fmt: skip
+        want = sorted((tuple(r.completion_ids.tolist()) for r in half), key=len, reverse=True)
+        assert got == want  # every row of minibatch m once, in m's micro-batches, longest first
+    padded = sum(b.input_ids.numel() for b in micro)
+    naive = sum(collate(rows[i : i + 2], 0).input_ids.numel() for i in range(0, 16, 2))
+    assert padded < 0.7 * naive, (padded, naive)
+
+
+def test_sorted_micro_batches_give_the_unsorted_update(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from services.common.tinymodel import build_tiny_model
+    from trainer.batch import micro_batches
+    from trainer.losses import LossConfig
+    from trainer.step import StepConfig, policy_step
+
+    build_tiny_model(tmp_path, seed=3)
+    rows = _rows_of_lengths([2, 9, 3, 8, 1, 7, 4, 6], seed=1)
+    cfg = StepConfig(loss=LossConfig(), grad_clip=1e9)
+    after = []
+    for micro in (micro_batches(rows, 0, 1, 1, 3, 0, torch.device("cpu")),
+                  [collate(rows[i : i + 3], 0) for i in range(0, 8, 3)]):  # fmt: skip
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        policy_step(model, opt, micro, [None] * len(micro), [None] * len(micro), cfg, torch.device("cpu"))
+        after.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    base = torch.cat([p.detach().flatten() for p in AutoModelForCausalLM.from_pretrained(tmp_path).parameters()])
+    assert (after[0] - base).abs().max() > 1e-4  # the step moved the weights
+    torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-6)

@@ -44,3 +44,22 @@ def test_cli_rejects_bad_config_before_starting_torchrun(tmp_path):
                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert res.returncode != 0
     assert "max_staleness" in res.stderr and "torch.distributed.run" not in res.stderr
+
+
+def test_auto_mixed_precision_picks_bf16_only_where_it_is_native():
+    import torch
+
+    from trainer.model import resolve_mixed_precision
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_mixed_precision("auto", cuda) == "bfloat16"
+    assert resolve_mixed_precision("auto", cpu, {"avx2", "fma", "amx_bf16", "amx_tile"}) == "bfloat16"
+    assert resolve_mixed_precision("auto", cpu, {"avx2", "avx512f", "avx512_bf16"}) == "bfloat16"
+    # AVX512 without bf16 instructions, and AVX2 only: oneDNN would emulate bf16, so fp32
+    assert resolve_mixed_precision("auto", cpu, {"avx2", "avx512f", "avx512bw"}) == "float32"
+    assert resolve_mixed_precision("auto", cpu, {"avx2", "fma"}) == "float32"
+    for explicit in ("float32", "bfloat16", "float16"):  # an explicit choice is never second-guessed
+        assert resolve_mixed_precision(explicit, cpu, {"avx2"}) == explicit
+    assert TrainerSettings(model_path="/m", mixed_precision="auto").mixed_precision == "auto"
+    with pytest.raises(ValidationError, match="mixed_precision"):
+        TrainerSettings(model_path="/m", mixed_precision="bf16")
