@@ -149,6 +149,9 @@ class GenerateReqInput(BaseModel):
             if not batch or len(params) != n:
                 raise ValueError("`sampling_params` as a list needs a batch of the same length")
             params = params[i]
+        logprob_start_len = int(pick(self.logprob_start_len, -1))
+        if logprob_start_len < -1:  # -1 is SGLang's default (no prompt logprobs); below it means nothing
+            raise ValueError(f"logprob_start_len must be -1 or a prompt position, got {logprob_start_len}")
         return GenerateItem(
             text=(self.text[i] if batch else self.text) if self.text is not None else None,  # type: ignore[index]
             input_ids=(self.input_ids[i] if batch else self.input_ids)
@@ -157,7 +160,7 @@ class GenerateReqInput(BaseModel):
             sampling_params=params or SamplingParams(),
             rid=rid,
             return_logprob=bool(pick(self.return_logprob, False)),
-            logprob_start_len=int(pick(self.logprob_start_len, -1)),
+            logprob_start_len=logprob_start_len,
             top_logprobs_num=int(pick(self.top_logprobs_num, 0)),
         )
 

@@ -3,17 +3,18 @@ plus an OpenAI-compatible, non-streaming `/v1/chat/completions`.
 
 Status codes follow SGLang's http_server: 200 on success; 400 with `{"error": {"message"}}`
 for a refused request or a failed control operation (`success: false` bodies for the weight
-endpoints); 422 for a body that does not match the schema; 503 when the queue is full.
+endpoints); 413 for a body over `max_body_bytes`; 422 for a body that does not match the
+schema (bounded, `services/common/limits.py`); 503 when the queue is full.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from proto.sglang import (
@@ -30,6 +31,7 @@ from proto.sglang import (
     WeightUpdateOutput,
 )
 from services.common.auth import install_auth
+from services.common.limits import BodyLimit, install_validation_handler
 from services.common.metrics import router as metrics_router
 from services.engine import metrics
 from services.engine.engine import Engine, InvalidRequest
@@ -53,6 +55,11 @@ def build_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="asyncrl reference engine (SGLang native API)", lifespan=lifespan)
     app.state.engine = engine
     install_auth(app)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=engine.settings.max_body_bytes,
+        on_refused=metrics.REQUESTS_REJECTED.labels(reason="body_too_large").inc,
+    )
     app.include_router(metrics_router)
 
     @app.exception_handler(InvalidRequest)
@@ -60,13 +67,10 @@ def build_app(engine: Engine) -> FastAPI:
         metrics.REQUESTS_REJECTED.labels(reason=exc.reason).inc()
         return JSONResponse({"error": {"message": str(exc), "code": exc.status}}, status_code=exc.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
+    def count_malformed(request: Request, malformed_json: bool) -> None:
         metrics.REQUESTS_REJECTED.labels(reason="malformed").inc()
-        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
-        return JSONResponse(
-            {"detail": errors, "error": {"message": _summary(errors), "code": 422}}, status_code=422
-        )
+
+    install_validation_handler(app, count_malformed, sglang_error=True)
 
     # --- generation -----------------------------------------------------------------------
 
@@ -181,8 +185,13 @@ async def _chat(engine: Engine, body: ChatCompletionRequest) -> ChatCompletionRe
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("the model's tokenizer has no chat template")
     messages = [m.model_dump() for m in body.messages]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    engine.check_text_length(sum(len(m.content) for m in body.messages))
+
+    def render() -> list[int]:  # in a thread, like /generate's tokenization: /health stays fast
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    ids = await asyncio.to_thread(render)
     room = engine.runner.context_length - len(ids)
     max_tokens = (
         body.max_completion_tokens or body.max_tokens or min(room, engine.settings.max_new_tokens_cap)
@@ -222,8 +231,3 @@ async def _chat(engine: Engine, body: ChatCompletionRequest) -> ChatCompletionRe
             "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"],
         },
     )
-
-
-def _summary(errors: list[dict]) -> str:
-    parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:5]]
-    return "; ".join(parts) or "invalid request body"

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
@@ -34,6 +34,12 @@ class EngineSettings(ServiceSettings):
         description="prompt + completion limit (default: the model's max_position_embeddings)",
     )
     max_queued_requests: int = Field(default=4096, gt=0, description="waiting requests beyond this get 503")
+    max_batch_size: int = Field(
+        default=4096, gt=0, description="prompts in one /generate body at most (400 above)"
+    )
+    max_body_bytes: int = Field(
+        default=64 << 20, ge=1024, description="largest accepted request body (413 above)"
+    )
     seed: int = Field(default=0, ge=0, description="seeds requests that bring no sampling_seed")
     device: str = Field(default="auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
     dtype: str = Field(default="auto", description="'float32', 'bfloat16', 'float16' or 'auto' (fp32 on CPU)")
@@ -41,3 +47,9 @@ class EngineSettings(ServiceSettings):
     served_model_name: str | None = Field(default=None, description="model name reported to OpenAI clients")
     weight_version: str = Field(default="0", description="initial weight_version reported in meta_info")
     log_level: str = Field(default="info", description="debug, info, warning, error")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineSettings:
+        if self.max_batch_size > self.max_queued_requests:
+            raise ValueError("max_batch_size exceeds max_queued_requests: such a batch could never be queued")
+        return self

@@ -31,6 +31,10 @@ from services.engine.scheduler import Request, Scheduler
 log = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+# Texts over context_length × this are refused before tokenizing (a 10 MB text held a CPU for
+# seconds): BPE tokens average ~4 characters of real text and only runs of whitespace or
+# punctuation reach dozens, so such a text cannot fit. A prompt made only of such runs could.
+MAX_CHARS_PER_TOKEN = 64
 
 
 class InvalidRequest(Exception):
@@ -83,13 +87,22 @@ class Engine:
     async def generate(self, body: GenerateReqInput) -> dict | list[dict]:
         if body.stream:
             raise InvalidRequest("stream=true is not supported by the reference engine; use stream=false")
+        if body.batch_size > self.settings.max_batch_size:
+            raise InvalidRequest(
+                f"batch of {body.batch_size} prompts exceeds max_batch_size {self.settings.max_batch_size}; "
+                "split it",
+                reason="batch_too_large",
+            )
         try:
             items = [body.item(i) for i in range(body.batch_size)]
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         if body.is_batch and not items:
             raise InvalidRequest("empty batch")
-        requests = [self._build(item) for item in items]  # validate all before running any
+        for item in items:
+            self._refuse_unsupported(item)
+        prompts = await self._prompt_ids(items)
+        requests = [self._build(item, ids) for item, ids in zip(items, prompts)]  # all valid before any runs
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids) or self._in_flight.intersection(rids):
             raise InvalidRequest("duplicate rid: a request with this rid is already in flight")
@@ -130,20 +143,36 @@ class Engine:
         finally:
             self._in_flight.difference_update(r.rid for r in requests)
 
-    def _build(self, item: GenerateItem) -> Request:
+    async def _prompt_ids(self, items: list[GenerateItem]) -> list[list[int]]:
+        """Each item's prompt ids. Texts are length-checked first, then tokenized in a thread:
+        the event loop keeps answering /health while a long text is tokenized."""
+        texts = [item.text or "" for item in items if item.input_ids is None]
+        for text in texts:
+            if not text:
+                raise InvalidRequest("empty prompt")
+            self.check_text_length(len(text))
+        encoded = iter(())
+        if texts:
+            encoded = iter(await asyncio.to_thread(lambda: self.tokenizer(texts)["input_ids"]))
+        return [list(item.input_ids) if item.input_ids is not None else next(encoded) for item in items]
+
+    def check_text_length(self, chars: int) -> None:
+        """Refuse a text that could not fit the context even at MAX_CHARS_PER_TOKEN per token."""
+        context = self.runner.context_length
+        if chars > context * MAX_CHARS_PER_TOKEN:
+            raise InvalidRequest(
+                f"text of {chars} characters cannot fit the context length {context} "
+                f"(at most {MAX_CHARS_PER_TOKEN} characters per token)"
+            )
+
+    def _build(self, item: GenerateItem, ids: list[int]) -> Request:
         sp = item.sampling_params
-        self._refuse_unsupported(item)
         if item.input_ids is not None:
-            ids = list(item.input_ids)
             bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
             if bad:
                 raise InvalidRequest(
                     f"input_ids out of the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}"
                 )
-        else:
-            if not item.text:
-                raise InvalidRequest("empty prompt")
-            ids = self.tokenizer(item.text)["input_ids"]
         if not ids:
             raise InvalidRequest("empty prompt")
         context = self.runner.context_length

@@ -10,12 +10,10 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.exception_handlers import request_validation_exception_handler
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
 
 from services.common.auth import install_auth
+from services.common.limits import BodyLimit, install_validation_handler
 from services.common.logging import log_event
 from services.common.metrics import router as metrics_router
 from services.reward.config import RewardSettings
@@ -109,44 +107,17 @@ def build_app(settings: RewardSettings, verifiers: dict[str, Verifier] | None = 
     app.state.scorer = scorer
     app.state.settings = settings
     install_auth(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_body_bytes, on_refused=REQUESTS.labels("rejected").inc
+    )
 
-    @app.exception_handler(RequestValidationError)
-    async def _rejected(request: Request, exc: RequestValidationError):
+    def count_invalid(request: Request, malformed_json: bool) -> None:
         if request.url.path == "/v1/rewards":
             REQUESTS.labels("rejected").inc()
-        return await request_validation_exception_handler(request, exc)
+
+    install_validation_handler(app, count_invalid)
 
     app.include_router(health.router)
     app.include_router(rewards.router)
     app.include_router(metrics_router)
     return app
-
-
-class BodyLimit:
-    """ASGI middleware: 413 for bodies over `max_bytes`, declared (Content-Length) or streamed."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_large = f"request body larger than {self.max_bytes} bytes"
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            REQUESTS.labels("rejected").inc()
-            return await JSONResponse({"detail": too_large}, status_code=413)(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                REQUESTS.labels("rejected").inc()
-                raise HTTPException(status_code=413, detail=too_large)  # FastAPI re-raises it as is
-            return message
-
-        await self.app(scope, limited, send)

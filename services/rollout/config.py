@@ -39,6 +39,7 @@ class RolloutSettings(ServiceSettings):
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8001, ge=1, le=65535, description="port to bind")
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="log level")
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest accepted request body (413 above)")
     redis_url: str | None = Field(None, description="Redis URL; unset starts an embedded Redis in run_dir")
     run_dir: str = Field("runs/default", description="where an embedded Redis keeps its files")
     run: str = Field("default", min_length=1, max_length=64, description="run id (buffer key namespace)")
