@@ -1,0 +1,82 @@
+"""The figures of `asyncrl demo` runs on a real model, from their run directories: the held-out
+accuracy curve against wall time and version, the gain over the base model, when the gain first
+reached `--gain` points, and where a step's time went (from the trainer's per-step log lines).
+
+    .venv/bin/python benchmarks/real_run_report.py runs/real-s0 runs/real-s1 [--gain 0.10]
+
+Prints markdown: one summary row per run, then each run's evaluations and step-time breakdown.
+Reads `summary.json`, `progress.jsonl` and `logs/trainer.log`; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+PHASES = ("wait_s", "recompute_s", "forward_backward_s", "optimizer_s", "publish_s")
+
+
+def evals(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines() if line.strip()]
+    out = {e["eval"]["version"]: e["eval"] for e in rows if "eval" in e}
+    return [out[v] for v in sorted(out)]
+
+
+def steps(run: Path) -> list[dict]:
+    lines = (run / "logs" / "trainer.log").read_text().splitlines()
+    out = []
+    for line in lines:
+        if '"msg": "step"' in line:
+            out.append(json.loads(line))
+    return out
+
+
+def _acc(e: dict | None) -> str:
+    return f"{e['accuracy']:.3f} (v{e['version']})" if e else "-"
+
+
+def report(run: Path, gain: float) -> tuple[str, list[str]]:
+    summary = json.loads((run / "summary.json").read_text())
+    ev, st = evals(run), steps(run)
+    base = next((e["accuracy"] for e in ev if e["version"] == 0), None)
+    reached = next((e for e in ev if base is not None and e["version"] > 0 and e["accuracy"] - base >= gain - 1e-9), None)
+    best = max(ev, key=lambda e: e["accuracy"]) if ev else None
+    train = [s for s in st if s["version"] > 1]  # the first step waits for the first rollouts
+    med = {k: statistics.median(s[k] for s in train) for k in (*PHASES, "step_s", "tokens")} if train else {}
+    best_gain = f"+{best['accuracy'] - base:.3f}" if best and base is not None else "-"
+    when = f"{reached['t']:.0f} s (v{reached['version']})" if reached else "not reached"
+    step_s = f"{med['step_s']:.0f} s" if med else "-"
+    row = (f"| {run.name} | {summary.get('seed')} | {summary['steps']} | {summary['wall_s']:.0f} s | "
+           f"{'-' if base is None else f'{base:.3f}'} | {_acc(best)} | {_acc(ev[-1] if ev else None)} | "
+           f"{best_gain} | {when} | {step_s} |")  # fmt: skip
+    detail = [f"\n{run.name}: evaluations (greedy, {ev[0]['prompts'] if ev else 0} held-out problems)\n",
+              "| version | wall time | accuracy | mean length | eval s |", "|---|---|---|---|---|"]  # fmt: skip
+    detail += [f"| {e['version']} | {e['t']:.0f} s | {e['accuracy']:.3f} | {e['mean_length']:.0f} | {e['eval_s']:.0f} |" for e in ev]
+    if med:
+        detail += [f"\n{run.name}: median step (versions 2..{st[-1]['version']}, {len(train)} steps): "
+                   f"{med['step_s']:.1f} s for {med['tokens']:.0f} completion tokens; "
+                   + ", ".join(f"{k[:-2]} {med[k]:.2f} s" for k in PHASES)]  # fmt: skip
+    return row, detail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--gain", type=float, default=0.10, help="absolute accuracy gain to time (0.10 = 10 points)")
+    args = parser.parse_args(argv)
+    print("| run | seed | steps | wall | base acc | best acc | last acc | best gain | "
+          f"+{args.gain * 100:.0f} pts reached at | median step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    details = []
+    for run in args.runs:
+        row, detail = report(run, args.gain)
+        print(row)
+        details += detail
+    print("\n".join(details))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
