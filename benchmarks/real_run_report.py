@@ -15,6 +15,8 @@ import json
 import statistics
 from pathlib import Path
 
+from real_vs_trl import trainer_steps  # this script's folder is on sys.path
+
 PHASES = ("wait_s", "recompute_s", "forward_backward_s", "optimizer_s", "publish_s")
 
 
@@ -24,22 +26,13 @@ def evals(run: Path) -> list[dict]:
     return [out[v] for v in sorted(out)]
 
 
-def steps(run: Path) -> list[dict]:
-    lines = (run / "logs" / "trainer.log").read_text().splitlines()
-    out = []
-    for line in lines:
-        if '"msg": "step"' in line:
-            out.append(json.loads(line))
-    return out
-
-
 def _acc(e: dict | None) -> str:
     return f"{e['accuracy']:.3f} (v{e['version']})" if e else "-"
 
 
 def report(run: Path, gain: float) -> tuple[str, list[str]]:
     summary = json.loads((run / "summary.json").read_text())
-    ev, st = evals(run), steps(run)
+    ev, st = evals(run), trainer_steps((run / "logs" / "trainer.log").read_text().splitlines())
     base = next((e["accuracy"] for e in ev if e["version"] == 0), None)
     reached = next((e for e in ev if base is not None and e["version"] > 0 and e["accuracy"] - base >= gain - 1e-9), None)
     best = max(ev, key=lambda e: e["accuracy"]) if ev else None

@@ -172,18 +172,24 @@ def trl_args(b: Bench, output_dir: str) -> dict:
     }  # fmt: skip
 
 
-def trainer_window(lines: Iterable[str], t_end: float) -> dict:
-    """Our trainer's JSON "step" log lines (logs/trainer.log) that finished by `t_end` (epoch s):
-    steps, groups, tokens, the finish times, rewards and the summed phase seconds (`wait`,
-    `forward_backward`, ...; `step` is the whole step)."""
+def trainer_steps(lines: Iterable[str]) -> list[dict]:
+    """The trainer's JSON "step" log records (logs/trainer.log), in order."""
     steps = []
     for line in lines:
         try:
             rec = json.loads(line)
         except ValueError:  # torchrun's own lines are not JSON
             continue
-        if isinstance(rec, dict) and rec.get("msg") == "step" and rec["ts"] <= t_end:
+        if isinstance(rec, dict) and rec.get("msg") == "step":
             steps.append(rec)
+    return steps
+
+
+def trainer_window(lines: Iterable[str], t_end: float) -> dict:
+    """Our trainer's JSON "step" log lines (logs/trainer.log) that finished by `t_end` (epoch s):
+    steps, groups, tokens, the finish times, rewards and the summed phase seconds (`wait`,
+    `forward_backward`, ...; `step` is the whole step)."""
+    steps = [rec for rec in trainer_steps(lines) if rec["ts"] <= t_end]
     phases: dict[str, float] = defaultdict(float)
     for s in steps:
         for k, v in s.items():
