@@ -1,8 +1,10 @@
 """Sandboxed executions/s per core (bubblewrap + rlimits, the code verifier's path) vs a bare
-`python3 -I -B -c` subprocess (same interpreter, same flags) in the same run, and math
-verifications/s through the worker pool.
+`python3 -I -B -c` subprocess (same interpreter, same flags) in the same run; `assert_code`
+items/s through the code verifier with split asserts (calls in the sandbox, comparisons in the
+service) vs the same asserts run in the sandbox as written; and math verifications/s through
+the worker pool.
 
-    .venv/bin/python benchmarks/sandbox_throughput.py [--runs 100] [--math 200]
+    .venv/bin/python benchmarks/sandbox_throughput.py [--runs 100] [--asserts 100] [--math 200]
 
 Runs are sequential (one at a time: per core) and interleaved, one bare run then one sandboxed
 run, so that load from other work on the box hits both alike; rates are 1 / median time per
@@ -20,11 +22,15 @@ import subprocess
 import time
 
 from services.reward.sandbox import Limits, Sandbox
+from services.reward.verifiers.code import CodeVerifier
 from services.reward.verifiers.math import MathVerifier
 
 PROGRAM = "print(sum(range(10)))"
 PYTHON = "/usr/bin/python3"
 WARMUP_RUNS = 5  # page cache, first-use costs
+SOLUTION = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+ASSERTS = "\n".join(f"assert fib({n}) == {a}" for n, a in enumerate([0, 1, 1, 2, 3, 5, 8, 13, 21, 34]))
+UNSPLITTABLE = "import sys  # an unsupported statement: the same asserts, run in the sandbox\n"
 
 
 def children_cpu_s() -> float:
@@ -68,6 +74,30 @@ async def sandbox_vs_bare(runs: int) -> dict[str, list[float]]:
     return times
 
 
+async def asserts_split_vs_in_sandbox(runs: int) -> dict[str, list[float]]:
+    """Per-item seconds of `CodeVerifier.verify` on a 10-assert item, split and in sandbox,
+    interleaved (parsing, the sandbox run, reading and judging the results included)."""
+    sandbox = Sandbox(python=PYTHON, slots=1, uid_base=2_200_000)
+    verifier = CodeVerifier(
+        sandbox, concurrency=1, item_timeout_s=30, max_test_timeout_s=10, max_memory_mb=512, max_tests=16,
+        output_bytes=1 << 16, tmpfs_mb=16, max_procs=32, max_files=64,
+    )  # fmt: skip
+    specs = {
+        "split": verifier.parse_spec({"assert_code": ASSERTS}),
+        "in_sandbox": verifier.parse_spec({"assert_code": UNSPLITTABLE + ASSERTS}),
+    }
+    times: dict[str, list[float]] = {mode: [] for mode in specs}
+    for i in range(runs + WARMUP_RUNS):
+        for mode, spec in specs.items():
+            started = time.perf_counter()
+            verdict = await verifier.verify(spec, "", SOLUTION)
+            elapsed = time.perf_counter() - started
+            assert (verdict.reward, verdict.details["asserts"]) == (1.0, mode), verdict
+            if i >= WARMUP_RUNS:
+                times[mode].append(elapsed)
+    return times
+
+
 async def math_rate(n: int) -> float:
     verifier = MathVerifier(workers=1, timeout_s=10, max_chars=8192, memory_mb=2048)
     await verifier.start()
@@ -85,15 +115,18 @@ async def math_rate(n: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--asserts", type=int, default=100, help="assert_code items per mode")
     parser.add_argument("--math", type=int, default=200)
     args = parser.parse_args()
     times = asyncio.run(sandbox_vs_bare(args.runs))
+    asserts = asyncio.run(asserts_split_vs_in_sandbox(args.asserts))
     bare_s, boxed_s = times["bare"], times["boxed"]
     bare, boxed = 1 / statistics.median(bare_s), 1 / statistics.median(boxed_s)
     bare_cpu, boxed_cpu = statistics.median(times["bare_cpu"]), statistics.median(times["boxed_cpu"])
     pairs = sorted(b / s for b, s in zip(bare_s, boxed_s))
     maths = asyncio.run(math_rate(args.math))
-    print(f"cpus={os.cpu_count()} runs={args.runs} interleaved (one at a time: executions/s per core)\n")
+    sizes = f"runs={args.runs} asserts={args.asserts}"
+    print(f"cpus={os.cpu_count()} {sizes} interleaved (one at a time: executions/s per core)\n")
     print("| measure | value |\n|---|---|")
     print(f"| bare `python3 -I -B -c` subprocess, exec/s per core (median) | {bare:.1f} |")
     print(f"| bubblewrap sandbox (rlimits, uid drop, tmpfs), exec/s per core (median) | {boxed:.1f} |")
@@ -104,6 +137,10 @@ def main() -> None:
     cpu_ms = f"{bare_cpu * 1e3:.1f} / {boxed_cpu * 1e3:.1f}"
     print(f"| CPU per run, bare / sandbox (median ms, child processes) | {cpu_ms} |")
     print(f"| CPU-bound ratio (bare CPU / sandbox CPU) | {bare_cpu / boxed_cpu:.2f} |")
+    split, in_sandbox = (1 / statistics.median(asserts[mode]) for mode in ("split", "in_sandbox"))
+    print(f"| code verifier, 10 asserts split (compared in the service), items/s (median) | {split:.1f} |")
+    print(f"| code verifier, same 10 asserts run in the sandbox, items/s (median) | {in_sandbox:.1f} |")
+    print(f"| ratio split / in sandbox | {split / in_sandbox:.2f} |")
     print(f"| math-verify checks/s (1 worker process) | {maths:.1f} |")
 
 

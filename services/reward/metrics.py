@@ -32,6 +32,12 @@ SANDBOX_FAILURES = Counter(
     ["reason"],
 )
 CODE_TESTS = Counter("asyncrl_reward_code_tests_total", "Code test executions by per-test status", ["status"])
+CODE_ASSERT_ITEMS = Counter(
+    "asyncrl_reward_code_assert_items_total",
+    "assert_code items by how their asserts ran: split (calls in the sandbox, comparisons in the "
+    "service: hack-resistant) or in_sandbox (unsplittable, run as written next to the program)",
+    ["mode"],
+)
 MATH_WORKER_RESTARTS = Counter(
     "asyncrl_reward_math_worker_restarts_total", "math-verify workers killed and replaced", ["reason"]
 )

@@ -264,16 +264,18 @@ def test_service_environment_secrets_are_not_visible(client):
 
 
 def test_early_exit_cannot_fake_assert_code(client):
-    for exit_call in ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit(0)"]:
-        spec = {"verifier": "code", "assert_code": "assert add(2, 2) == 5", "timeout_s": 2}
-        body = {
-            "items": [
-                {"id": "x", "completion": f"def add(a, b):\n    return a + b\n{exit_call}", "spec": spec}
-            ]
-        }
-        result = client.post("/v1/rewards", json=body).json()["results"][0]
-        assert_attack_failed(result, "failed")
-        assert "sentinel missing" in result["details"]["tests"][0]["error"]
+    # Split asserts (the calls run in the sandbox) and asserts run as written (a setup line).
+    for assert_code, error in [
+        ("assert add(2, 2) == 5", "no result line"),
+        ("four = add(2, 2)\nassert four == 5", "sentinel missing"),
+    ]:
+        for exit_call in ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit(0)"]:
+            spec = {"verifier": "code", "assert_code": assert_code, "timeout_s": 2}
+            completion = f"def add(a, b):\n    return a + b\n{exit_call}"
+            body = {"items": [{"id": "x", "completion": completion, "spec": spec}]}
+            result = client.post("/v1/rewards", json=body).json()["results"][0]
+            assert_attack_failed(result, "failed")
+            assert error in result["details"]["tests"][0]["error"]
     honest = {"verifier": "code", "assert_code": "assert add(2, 2) == 4", "timeout_s": 2}
     body = {"items": [{"id": "y", "completion": "def add(a, b):\n    return a + b", "spec": honest}]}
     assert client.post("/v1/rewards", json=body).json()["results"][0]["reward"] == 1.0

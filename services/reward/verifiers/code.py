@@ -4,30 +4,54 @@ The program is the last fenced code block of the completion (else the whole comp
 * stdin/stdout tests: each test runs the program on its stdin; stdout is compared outside the
   sandbox after whitespace normalisation (trailing spaces per line and surrounding blank lines
   ignored). Expected outputs never enter the sandbox.
-* `assert_code`: solution and asserts run in one process; the run passes only if a random
-  sentinel, handed to the harness on stdin and printed after the last assert, ends stdout.
-  `sys.exit(0)` / `os._exit(0)` before the asserts therefore fail. The sentinel lives in the
-  same process as the solution, so this defeats early exits, not code that introspects the
-  harness's frames.
+* `assert_code`, split (details `asserts: "split"`): when every statement is one of the forms
+  `asserts.py` lists (`assert f(1, 2) == 3`, `abs(f(x) - y) < eps`, `math.isclose(...)`,
+  HumanEval's `def check(candidate)` + `check(f)` or the spec's `entry_point`, ...), only the
+  calls enter the sandbox (`call_harness.py`); their results come back as plain data and are
+  compared here. The expected values never enter the sandbox, so nothing the program does in
+  its own process (an always-true `__eq__`, a patched `math.isclose`, `sys.settrace`, a forged
+  result line, an early exit) can turn a wrong answer into a pass.
+* `assert_code`, in sandbox (details `asserts: "in_sandbox"` and `unsplittable`: the first
+  line that prevents the split): any other form (setup statements, loops, helper calls...) runs
+  as written, solution then asserts in one process; the run passes only if a random sentinel,
+  handed to the harness on stdin and printed after the last assert, ends stdout. `sys.exit(0)`
+  / `os._exit(0)` before the asserts therefore fail, but the program shares the asserts'
+  process and can game them as above: these tests are not hack-resistant.
+`asyncrl_reward_code_assert_items_total{mode="split"|"in_sandbox"}` counts assert_code items
+by the way they ran.
 
 Per-test statuses: passed, failed, timeout, memory, runtime_error, output_limit, sandbox_error,
 and skipped (not run: a non-partial item stops at its first failure, whose reward is 0
-anyway). A program that loops or runs out of memory is a wrong answer (`scored`, reward 0);
-only a sandbox that failed to run the program makes the item `error`.
+anyway). An `assert_code` item is one test: all its asserts in one run, passed if all pass.
+A program that loops or runs out of memory is a wrong answer (`scored`, reward 0); only a
+sandbox that failed to run the program makes the item `error`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import keyword
 import math
 import re
 import secrets
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from proto.records import RewardStatus
-from services.reward.metrics import CODE_TESTS, SANDBOX_FAILURES
+from services.reward.metrics import CODE_ASSERT_ITEMS, CODE_TESTS, SANDBOX_FAILURES
 from services.reward.sandbox import Limits, RunResult, Sandbox
+from services.reward.verifiers import call_harness
+from services.reward.verifiers.asserts import (
+    BadResults,
+    Check,
+    Unsplittable,
+    calls_line,
+    first_failure,
+    read_results,
+    split_asserts,
+)
 from services.reward.verifiers.base import SpecError, Verdict, Verifier
 
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -36,6 +60,8 @@ STDERR_TAIL_CHARS = 400
 SPAWN_OVERHEAD_S = 1.0  # per test, on top of its timeout, in the item budget
 MEMORY_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc")
 SIGXCPU_EXIT, SIGKILL_EXIT = 128 + 24, 128 + 9  # bwrap reports a signalled child as 128 + signal
+PARSE_IN_THREAD_CHARS = 64 * 1024  # longer assert_code is parsed off the event loop
+CALL_HARNESS = Path(call_harness.__file__).read_text()
 
 ASSERT_HARNESS = """\
 import sys
@@ -83,6 +109,9 @@ class CodeSpec(BaseModel):
     assert_code: str | None = Field(
         None, min_length=1, max_length=1_000_000, description="asserts run after the solution"
     )
+    entry_point: str | None = Field(
+        None, max_length=200, description="with assert_code: run `check(<entry_point>)` after it (HumanEval)"
+    )
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per test (CPU limit: ceil of it)")
     memory_mb: int = Field(512, ge=64, description="address-space limit per test")
     partial: bool = Field(False, description="reward = passed fraction instead of all-or-nothing")
@@ -91,14 +120,24 @@ class CodeSpec(BaseModel):
     def _one_mode(self) -> CodeSpec:
         if (self.tests is None) == (self.assert_code is None):
             raise ValueError("give exactly one of `tests` or `assert_code`")
+        if self.entry_point is not None and self.assert_code is None:
+            raise ValueError("entry_point needs assert_code")
         return self
+
+    @field_validator("entry_point")
+    @classmethod
+    def _identifier(cls, name: str | None) -> str | None:
+        if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
+            raise ValueError("entry_point must be a Python identifier")
+        return name
 
 
 class CodeVerifier(Verifier):
     name = "code"
     description = (
         "Runs the last fenced code block in a bubblewrap sandbox against stdin/stdout `tests` or "
-        "`assert_code`; reward 1 if all pass (passed fraction when `partial`)."
+        "`assert_code` (simple asserts are judged outside the sandbox, `details.asserts` says so); "
+        "reward 1 if all pass (passed fraction when `partial`)."
     )
     Spec = CodeSpec
 
@@ -159,8 +198,10 @@ class CodeVerifier(Verifier):
         if len(program) > MAX_SOURCE_CHARS:
             return Verdict.scored(0.0, tests=[], error=f"program longer than {MAX_SOURCE_CHARS} chars")
         limits = self._limits(spec)
+        mode = {}
         if spec.assert_code is not None:
-            results = [await self._run_asserts(program, spec.assert_code, limits)]
+            result, mode = await self._assert_item(program, spec, limits)
+            results = [result]
         else:
             results = []
             for test in spec.tests:
@@ -173,11 +214,11 @@ class CodeVerifier(Verifier):
         broken = [r for r in results if r["status"] == "sandbox_error"]
         if broken:
             return Verdict.failed(
-                RewardStatus.error, "sandbox_error", tests=results, error=broken[0].get("error")
+                RewardStatus.error, "sandbox_error", tests=results, error=broken[0].get("error"), **mode
             )
         passed = sum(r["status"] == "passed" for r in results)
         reward = passed / len(results) if spec.partial else float(passed == len(results))
-        return Verdict.scored(reward, passed=passed, total=len(results), tests=results)
+        return Verdict.scored(reward, passed=passed, total=len(results), tests=results, **mode)
 
     async def _run_test(self, program: str, test: CodeTest, limits: Limits) -> dict:
         run = await self.sandbox.run({"main.py": program}, ["main.py"], test.stdin, limits)
@@ -186,6 +227,38 @@ class CodeVerifier(Verifier):
             got = run.stdout.decode(errors="replace")
             status = "passed" if normalise_output(got) == normalise_output(test.stdout) else "failed"
         return _report(status, run)
+
+    async def _assert_item(self, program: str, spec: CodeSpec, limits: Limits) -> tuple[dict, dict]:
+        """The item's one test result, and its details on how the asserts ran."""
+        source, entry_point = spec.assert_code, spec.entry_point
+        try:
+            if len(source) > PARSE_IN_THREAD_CHARS:
+                checks = await asyncio.to_thread(split_asserts, source, entry_point)
+            else:
+                checks = split_asserts(source, entry_point)
+        except Unsplittable as exc:
+            CODE_ASSERT_ITEMS.labels("in_sandbox").inc()
+            if entry_point is not None:
+                source += f"\n\ncheck({entry_point})\n"
+            result = await self._run_asserts(program, source, limits)
+            return result, {"asserts": "in_sandbox", "unsplittable": str(exc)}
+        CODE_ASSERT_ITEMS.labels("split").inc()
+        return await self._run_split(program, checks, limits), {"asserts": "split"}
+
+    async def _run_split(self, program: str, checks: list[Check], limits: Limits) -> dict:
+        nonce = secrets.token_hex(16)
+        files = {"main.py": CALL_HARNESS, "solution.py": program}
+        run = await self.sandbox.run(files, ["main.py"], f"{nonce}\n{calls_line(checks)}\n", limits)
+        status = _classify(run)
+        if status != "exited_ok":
+            return _report(status, run)
+        try:
+            failure = first_failure(checks, read_results(run.stdout, nonce, len(checks)))
+        except BadResults as exc:
+            failure = str(exc)
+        if failure is not None:
+            return {**_report("failed", run), "error": failure}
+        return {**_report("passed", run), "checked": len(checks)}
 
     async def _run_asserts(self, program: str, assert_code: str, limits: Limits) -> dict:
         token = secrets.token_hex(16)
