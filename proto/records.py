@@ -357,6 +357,11 @@ class Group(Record):
     samples: Samples
     submit_version: int = Field(ge=0, description="trainer version when generation was admitted")
     min_version: int = Field(ge=0, description="oldest token version in the group")
+    lineage: dict[int, int] = Field(
+        default_factory=dict,
+        description="epoch -> newest version that sampled a token under it (proto/lineage.py); "
+        "empty: every token is from epoch 0",
+    )
 
     @field_validator("samples", mode="before")
     @classmethod
@@ -426,6 +431,7 @@ class WeightsInfo(Record):
     """Where the weights of policy version `version` can be loaded from."""
 
     version: int = Field(ge=0)
+    epoch: int = Field(0, ge=0, description="the trainer history it belongs to (proto/lineage.py)")
     method: str = Field(pattern="^(disk|distributed)$")
     path: str | None = None
     published_at: float = 0.0

@@ -5,7 +5,9 @@ A job is a list of prompts; each prompt becomes one group of `group_size` comple
 prompt is exactly one of `text` (tokenized by the service), `messages` (rendered with the
 model's chat template) or `input_ids`. Sampling parameters are SGLang's own
 (`proto.sglang.SamplingParams`), passed through to the engine; `n` must stay 1 because the
-group size is the rollout service's business.
+group size is the rollout service's business. The service refuses at submission what its
+engines would refuse (the reference engine's unsupported params) and reward-spec arguments
+the verifier's own spec model refuses (`services/rollout/intake.py`).
 """
 
 from __future__ import annotations
@@ -101,10 +103,15 @@ class RolloutProgress(BaseModel):
 
     `queued + generating + scoring + buffered + failed + cancelled == groups`; `trained`,
     `dropped`, `withheld` and `zero_spread` count what the trainer did with buffered groups.
+    `unscored` counts the buffered groups in which no sample was scored (every reward came back
+    `timeout`, `error` or `invalid_input`): they are in the buffer, and the trainer may ack
+    them (`trained`), but they carry no reward. A finished job reads `failed` when no group
+    produced a scored sample (all `failed` or `unscored`), `done` otherwise; `failed`,
+    `unscored`, `unscored_samples` and `errors` say how much of a `done` job went wrong.
     """
 
     job_id: str
-    state: str = Field(description="queued | running | done | cancelling | cancelled")
+    state: str = Field(description="queued | running | done | failed | cancelling | cancelled")
     groups: int
     queued: int
     generating: int
@@ -119,9 +126,14 @@ class RolloutProgress(BaseModel):
     in_buffer: int = Field(description="buffered groups the trainer has not consumed yet")
     created_at: float
     cancel_requested: bool = False
+    unscored: int = Field(0, description="buffered groups with no scored sample")
+    unscored_samples: dict[str, int] = Field(
+        default_factory=dict,
+        description="samples of buffered groups that were not scored, by reward status",
+    )
     other: dict[str, Any] = Field(default_factory=dict, description="other trainer exit reasons, by name")
     errors: dict[str, str] = Field(
-        default_factory=dict, description="why groups failed, by group id (first 10)"
+        default_factory=dict, description="why groups failed or went unscored, by group id (first 10)"
     )
 
 

@@ -131,9 +131,9 @@ class GenerateReqInput(BaseModel):
         def pick(value: Any, default: Any) -> Any:
             if value is None:
                 return default
-            if isinstance(value, list) and batch:
-                if len(value) != n:
-                    raise ValueError(f"a per-item list has {len(value)} entries for a batch of {n}")
+            if isinstance(value, list):
+                if not batch or len(value) != n:
+                    raise ValueError(f"a per-item list has {len(value)} entries for a batch of {n if batch else 'one'}")
                 return value[i]
             return value
 

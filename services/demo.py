@@ -427,7 +427,6 @@ def main(argv: list[str] | None = None) -> int:
             evals = Evals(rollout_url, EVAL_NAME, time.time(), final_body={
                 "name": EVAL_NAME, "prompts": heldout, "idempotency_key": f"{run_dir.name}-final",
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": demo.max_new_tokens}})  # fmt: skip
-        trainer = launcher.find("trainer")
         last_print = 0.0
         while True:
             s = scrape_trainer(launcher.trainer_url, t0)
@@ -471,13 +470,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\ntime limit {demo.time_limit_s:.0f} s reached")
                 code = 1 if demo.target_reward is not None else 0
                 break
-            if trainer is not None and not trainer.alive:
-                code = 1
-                print(f"\ntrainer exited with {trainer.popen.returncode} (see {run_dir / 'logs' / 'trainer.log'})")
-                break
-            if dead := [p.name for p in launcher.procs if not p.alive]:
-                code = 1
-                print(f"\n{', '.join(dead)} exited (see {run_dir / 'logs'})")
+            # a crashed service is restarted (`asyncrl up`'s policy, logs/launcher.log); the demo
+            # ends here when the trainer exits, or a service crashed more often than allowed
+            if (outcome := launcher.supervise()) is not None:
+                code = outcome
+                print(f"\n{launcher.stop_reason} (see {run_dir / 'logs'})")
                 break
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -5,7 +5,22 @@ Reads `[run]`, `[model]` and `[launch]` from the TOML file; every service also g
 Starts, in order: Redis (embedded when no URL is given), reward replicas, engines (unless
 external `engine_urls` are given), rollout replicas, the trainer (torchrun); health-checks each
 before the next; streams every log line with a `[name]` prefix (and into `run_dir/logs/`);
-stops in the reverse order on Ctrl-C, on SIGTERM, or when the trainer exits.
+stops in the reverse order on Ctrl-C, on SIGTERM, or when the trainer exits with 0 (it
+reached `max_steps`, or was told to stop).
+
+Supervision (`Launcher.supervise`): a service that exits, or stops answering its health check
+for `liveness_failures` probes in a row, is restarted with the same command after an
+exponential backoff (`restart_backoff_s`, doubling per restart of that service, at most
+`restart_backoff_max_s`); the embedded Redis is restarted in place from its AOF (same port,
+same directory). Each service may be restarted `max_restarts` times; one more crash stops the
+run with a message naming the service. Trainer workers are restarted by torchrun itself
+(`trainer_max_restarts`, each restart resuming from the last checkpoint); the launcher
+restarts torchrun when it exits non-zero. The clients ride out a Redis restart
+(buffer/connection.py, `redis_reconnect_s`). Restarts are logged (`[launcher]` lines, also in
+`run_dir/logs/launcher.log`) and exported on `http://127.0.0.1:<metrics_port>/metrics`:
+`asyncrl_launcher_restarts_total{service}`, `asyncrl_launcher_service_up{service}`,
+`asyncrl_launcher_health_check_failures_total{service}` and `asyncrl_launcher_max_restarts`. torchrun's own worker restarts show on the trainer's /metrics
+as `asyncrl_trainer_worker_restarts`.
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -29,7 +45,11 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common import auth
+
 STOP_GRACE_S = 15.0
+PROBE_TIMEOUT_S = 2.0  # one liveness probe; a service too busy to answer this fast is failing one
+STARTING_PROBE_TIMEOUT_S = 0.5  # health polls of a restarted service, once per supervision round
 
 
 class RunSection(BaseModel):
@@ -65,6 +85,24 @@ class LaunchSection(BaseModel):
     trainer_nproc_per_node: int = Field(1, ge=1, le=64)
     trainer_metrics_port: int = Field(8003, gt=0, lt=65536)
     health_timeout_s: float = Field(180.0, gt=0)
+    # supervision (see the module docstring)
+    max_restarts: int = Field(5, ge=0, le=10_000, description="restarts of each service (and of the embedded "
+                              "Redis) before one more crash stops the run; 0: the first crash stops it")
+    restart_backoff_s: float = Field(1.0, gt=0, le=600, description="delay before a service's first restart; "
+                                     "doubles with each restart of that service")
+    restart_backoff_max_s: float = Field(30.0, gt=0, le=3600, description="longest delay before a restart")
+    trainer_max_restarts: int = Field(3, ge=0, le=1000, description="torchrun --max-restarts: worker restarts "
+                                      "within one trainer launch (each resumes from the last checkpoint)")
+    liveness_interval_s: float = Field(10.0, ge=0, description="probe running services' health this often; "
+                                       "0: only an exit counts as a crash (the trainer is left to torchrun)")
+    liveness_failures: int = Field(6, ge=1, le=10_000, description="failed probes in a row that count as a crash")
+    redis_appendfsync: Literal["always", "everysec"] = Field("always", description="embedded Redis AOF fsync: "
+                                                             "`always` keeps every acknowledged write across a Redis "
+                                                             "crash (exactly-once); `everysec` may lose the last ~1 s")
+    redis_reconnect_s: float = Field(120.0, gt=0, description="how long every client retries a lost Redis "
+                                     "before it gives up (ASYNCRL_REDIS_RECONNECT_S)")
+    metrics_port: int = Field(8004, ge=0, lt=65536, description="the launcher's /metrics on 127.0.0.1 "
+                              "(restarts per service, up); 0: not served")
 
 
 class SubmitSection(BaseModel):
@@ -97,6 +135,14 @@ class Proc:
     health_url: str | None
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen | None = None
+    # supervision state
+    restarts: int = 0
+    restart_at: float | None = None  # monotonic time a scheduled restart is due
+    started_at: float = 0.0
+    healthy: bool = False
+    failed_probes: int = 0
+    next_probe: float = 0.0
+    killed_because: str | None = None  # the launcher killed it (liveness); said when it is restarted
 
     @property
     def alive(self) -> bool:
@@ -110,7 +156,26 @@ class Launcher:
         self.procs: list[Proc] = []
         self.redis = None
         self.redis_url = cfg.run.redis_url
+        self.redis_proc: Proc | None = None  # the embedded Redis, supervised like a service
+        self.stop_reason: str | None = None
+        self._env: dict[str, str] = {}
         self._lock = threading.Lock()
+        # Engines always require a token (services/common/auth.py): the operator's, else a random
+        # one made for this run; every process started gets it as ASYNCRL_ENGINE_API_TOKEN.
+        self.engine_token = auth.engine_token() or auth.generate_token()
+        self._metrics_server: ThreadingHTTPServer | None = None
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()  # the launcher's own: not mixed with a library's
+        self.m_restarts = Counter("asyncrl_launcher_restarts_total", "restarts of a crashed service",
+                                  ["service"], registry=self.registry)  # fmt: skip
+        self.m_failed_probes = Counter("asyncrl_launcher_health_check_failures_total",
+                                       "liveness probes a running service did not answer with 200",
+                                       ["service"], registry=self.registry)  # fmt: skip
+        self.m_up = Gauge("asyncrl_launcher_service_up", "1 while the service runs and answers its health check",
+                          ["service"], registry=self.registry)  # fmt: skip
+        Gauge("asyncrl_launcher_max_restarts", "restarts allowed per service ([launch] max_restarts)",
+              registry=self.registry).set(cfg.launch.max_restarts)  # fmt: skip
 
     # ------------------------------------------------------------------ topology
     @property
@@ -155,6 +220,7 @@ class Launcher:
         if ln.trainer:
             trainer = Proc("trainer", [
                 sys.executable, "-m", "services.cli", "train", "--nproc-per-node", str(ln.trainer_nproc_per_node),
+                "--max-restarts", str(ln.trainer_max_restarts),
                 "--config", str(self.config_path), "--redis-url", self.redis_url, "--run", run.id,
                 "--model-path", model, "--output-dir", str(self.run_dir / "trainer"),
                 "--metrics-port", str(ln.trainer_metrics_port)], f"{self.trainer_url}/healthz")  # fmt: skip
@@ -164,9 +230,15 @@ class Launcher:
     def _engine_cmd(self, model: str, port: int) -> list[str]:
         ln = self.cfg.launch
         if ln.engine_kind == "sglang":  # a real SGLang server (GPU); the rollout speaks its native API
+            # SGLang takes its token on the command line only (visible to local users in `ps`,
+            # who can reach its loopback port anyway); it leaves /health and /metrics open too.
             return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
-                    "--port", str(port), "--enable-metrics", *ln.engine_args]  # fmt: skip
-        return [*self._cli("engine", "--model", model, "--port", str(port)), *ln.engine_args]
+                    "--port", str(port), "--enable-metrics", "--api-key", self.engine_token,
+                    *ln.engine_args]  # fmt: skip
+        # The token goes by env (not argv); disk updates are confined to the trainer's weights.
+        weights = str(self.run_dir / "trainer" / "weights")
+        return [*self._cli("engine", "--model", model, "--port", str(port), "--weights-root", weights),
+                *ln.engine_args]  # fmt: skip
 
     def submit_dataset(self) -> None:
         sub = self.cfg.submit
@@ -199,24 +271,45 @@ class Launcher:
         if not self.redis_url:
             from buffer.server import ensure_redis
 
-            self.redis_url, self.redis = ensure_redis(self.run_dir)
+            self.redis_url, self.redis = ensure_redis(self.run_dir, fsync=self.cfg.launch.redis_appendfsync)
             self._say("launcher", f"embedded Redis at {self.redis_url}")
+            if self.redis is not None:  # (not another process's server for this run dir)
+                self.redis_proc = Proc("redis", [], None, popen=self.redis.proc, healthy=True)
 
     def start(self) -> None:
+        ln = self.cfg.launch
         for proc in (p for stage in self.plan() for p in stage):
             _check_port_free(proc)
+        if ln.metrics_port:
+            _check_port_free(Proc("launcher metrics", [], f"http://127.0.0.1:{ln.metrics_port}/metrics"))
+        try:
+            auth.check_token(self.engine_token, f"the engine token ({auth.ENGINE_TOKEN_ENV})")
+        except auth.WeakToken as exc:
+            raise RuntimeError(str(exc)) from None
         self.prepare()
-        env = {**os.environ, "REDIS_URL": self.redis_url, "ASYNCRL_RUN": self.cfg.run.id,
-               "ASYNCRL_RUN_DIR": str(self.run_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        self._env = {**os.environ, auth.ENGINE_TOKEN_ENV: self.engine_token,
+                     "REDIS_URL": self.redis_url, "ASYNCRL_RUN": self.cfg.run.id,
+                     "ASYNCRL_RUN_DIR": str(self.run_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                     "ASYNCRL_REDIS_RECONNECT_S": str(ln.redis_reconnect_s)}  # fmt: skip
+        if ln.metrics_port:
+            self._metrics_server = _serve_metrics(self.registry, ln.metrics_port)
+        if self.redis_proc is not None:
+            self.m_up.labels("redis").set(1)
         for stage in self.plan():
             for proc in stage:
-                log = open(self.run_dir / "logs" / f"{proc.name}.log", "ab")  # noqa: SIM115 — _pump closes it
-                proc.popen = subprocess.Popen(proc.cmd, env={**env, **proc.env}, stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-                threading.Thread(target=self._pump, args=(proc, log), daemon=True).start()
+                self._spawn(proc)
                 self.procs.append(proc)
             for proc in stage:
                 self._wait_healthy(proc)
+                proc.healthy = True
+                self.m_up.labels(proc.name).set(1)
+
+    def _spawn(self, proc: Proc) -> None:
+        log = open(self.run_dir / "logs" / f"{proc.name}.log", "ab")  # noqa: SIM115 — _pump closes it
+        proc.popen = subprocess.Popen(proc.cmd, env={**self._env, **proc.env}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc.started_at, proc.healthy, proc.failed_probes = time.monotonic(), False, 0
+        threading.Thread(target=self._pump, args=(proc, log), daemon=True).start()
 
     def _pump(self, proc: Proc, log) -> None:
         for line in iter(proc.popen.stdout.readline, b""):
@@ -226,9 +319,12 @@ class Launcher:
         log.close()
 
     def _say(self, name: str, line: str) -> None:
-        if self.echo:
-            with self._lock:
+        with self._lock:
+            if self.echo:
                 print(f"[{name}] {line}", flush=True)
+            if name == "launcher" and (self.run_dir / "logs").is_dir():  # the run's own record of restarts
+                with open(self.run_dir / "logs" / "launcher.log", "a") as f:
+                    f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
     def _wait_healthy(self, proc: Proc) -> None:
         deadline = time.monotonic() + self.cfg.launch.health_timeout_s
@@ -246,8 +342,102 @@ class Launcher:
     def find(self, name: str) -> Proc | None:
         return next((p for p in self.procs if p.name == name), None)
 
+    # ------------------------------------------------------------------ supervision
+    def supervise(self) -> int | None:
+        """One round: restart what crashed once its backoff is over, follow restarted services
+        until they answer again, probe the others. None while the run goes on; else its exit
+        code, with `stop_reason` saying why: the trainer's 0 when it finished, 1 when a
+        service crashed once more than `max_restarts` allows."""
+        now = time.monotonic()
+        for p in [self.redis_proc, *self.procs] if self.redis_proc is not None else self.procs:
+            if p.restart_at is not None:
+                if now >= p.restart_at:
+                    self._restart(p)
+                continue
+            if p.alive:
+                self._watch(p, now)
+                continue
+            code = p.popen.returncode
+            if p.name == "trainer" and code == 0:
+                self.stop_reason = "trainer finished (exit 0)"
+                return 0
+            why = p.killed_because or f"exited with {code}"
+            p.killed_because = None
+            if not self._schedule_restart(p, why):
+                return 1
+        return None
+
+    def _schedule_restart(self, p: Proc, why: str) -> bool:
+        ln = self.cfg.launch
+        self.m_up.labels(p.name).set(0)
+        log = self.run_dir / (Path("redis") / "redis.log" if p is self.redis_proc else Path("logs") / f"{p.name}.log")
+        if p.restarts >= ln.max_restarts:
+            self.stop_reason = (f"{p.name} {why} after {p.restarts} restart(s), the most [launch] max_restarts = "
+                                f"{ln.max_restarts} allows: stopping the run (see {log})")  # fmt: skip
+            self._say("launcher", self.stop_reason)
+            return False
+        delay = min(ln.restart_backoff_s * 2**p.restarts, ln.restart_backoff_max_s)
+        p.restart_at = time.monotonic() + delay
+        self._say("launcher", f"{p.name} {why}; restart {p.restarts + 1}/{ln.max_restarts} in {delay:.1f} s (see {log})")
+        return True
+
+    def _restart(self, p: Proc) -> None:
+        p.restart_at = None
+        p.restarts += 1
+        self.m_restarts.labels(p.name).inc()
+        if p is self.redis_proc:
+            try:  # blocks this round: every service waits for Redis anyway
+                self.redis.start(timeout=self.cfg.launch.health_timeout_s)
+                self._say("launcher", f"redis restarted from its AOF at {self.redis_url}")
+                self.m_up.labels("redis").set(1)
+            except RuntimeError as exc:
+                self._say("launcher", f"redis restart failed: {exc}")
+            p.popen = self.redis.proc  # dead if the restart failed: the next round counts another crash
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # what the dead process left in its group
+            os.killpg(p.popen.pid, signal.SIGKILL)
+        self._spawn(p)
+        self._say("launcher", f"{p.name} restarted (restart {p.restarts})")
+
+    def _watch(self, p: Proc, now: float) -> None:
+        """A running service: until it answers after a restart, poll it (it has health_timeout_s);
+        then probe it every liveness_interval_s and kill it after liveness_failures misses in a row
+        (the next round restarts it). The trainer is torchrun's to watch: its /healthz is down
+        while torchrun restarts a worker, which may take as long as loading the model."""
+        ln = self.cfg.launch
+        if p.health_url is None:
+            return
+        if not p.healthy:
+            if _answers(p.health_url, STARTING_PROBE_TIMEOUT_S):
+                p.healthy, p.next_probe = True, now + ln.liveness_interval_s
+                self.m_up.labels(p.name).set(1)
+                self._say("launcher", f"{p.name} healthy again ({p.health_url})")
+            elif now - p.started_at > ln.health_timeout_s:
+                self._kill(p, f"was not healthy {ln.health_timeout_s:.0f} s after its restart")
+            return
+        if not ln.liveness_interval_s or p.name == "trainer" or now < p.next_probe:
+            return
+        p.next_probe = now + ln.liveness_interval_s
+        if _answers(p.health_url, PROBE_TIMEOUT_S):
+            p.failed_probes = 0
+            return
+        p.failed_probes += 1
+        self.m_failed_probes.labels(p.name).inc()
+        self.m_up.labels(p.name).set(0)
+        if p.failed_probes >= ln.liveness_failures:
+            self._kill(p, f"failed {p.failed_probes} health checks in a row ({p.health_url})")
+
+    def _kill(self, p: Proc, why: str) -> None:
+        self._say("launcher", f"{p.name} {why}; killing it")
+        p.killed_because = why
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.popen.pid, signal.SIGKILL)
+        p.popen.wait()
+
     def stop(self) -> None:
         """Reverse order of start: rollout first (no new work), trainer, engines, rewards, Redis."""
+        for p in self.procs:
+            p.restart_at = None  # a restart that was due will not happen
         order = ["rollout", "trainer", "engine", "reward"]
         for prefix in order:
             group = [p for p in self.procs if p.name.startswith(prefix) and p.alive]
@@ -267,6 +457,38 @@ class Launcher:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+
+
+def _answers(url: str, timeout: float) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url, timeout=timeout).status_code == 200
+    return False
+
+
+def _serve_metrics(registry, port: int) -> ThreadingHTTPServer:
+    """The launcher's /metrics on 127.0.0.1:port (a stdlib server in a daemon thread, like the trainer's)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ok = self.path == "/metrics"
+            body = generate_latest(registry) if ok else b'{"detail":"not found"}'
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST if ok else "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # scrapes are not events worth a log line
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, name="launcher-metrics", daemon=True).start()
+    return server
 
 
 def _check_port_free(proc: Proc) -> None:
@@ -298,18 +520,10 @@ def main(argv: list[str] | None = None) -> int:
         launcher.start()
         launcher._say("launcher", "all services healthy; Ctrl-C stops everything")
         launcher.submit_dataset()
-        trainer = launcher.find("trainer")
-        while True:
-            if trainer is not None and not trainer.alive:
-                code = trainer.popen.returncode
-                launcher._say("launcher", f"trainer exited with {code}; shutting down")
-                break
-            dead = [p.name for p in launcher.procs if not p.alive]
-            if dead:
-                launcher._say("launcher", f"{', '.join(dead)} exited; shutting down")
-                code = 1
-                break
+        while (outcome := launcher.supervise()) is None:
             time.sleep(0.5)
+        code = outcome
+        launcher._say("launcher", f"{launcher.stop_reason}; shutting down")
     except KeyboardInterrupt:
         launcher._say("launcher", "interrupted; shutting down")
     except RuntimeError as exc:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from proto import WeightsInfo
+from services.common.auth import engine_token
 from services.common.logging import log_event
 from trainer import metrics as tm
 from trainer.batch import Shaping
@@ -50,6 +51,7 @@ class Parts:
     audit_path: Path | None
     tracker: Tracker | None = None  # rank 0's W&B run when [trainer.wandb] is enabled
     fetch_evaluations: Callable[[], list[dict]] | None = None  # evaluation summaries for the tracker
+    epoch: int = 0  # the run's history this trainer writes (proto/lineage.py); set by `resume`
 
     def publish(self, version: int, rollback: bool = False) -> None:
         """Collective: gather the full weights, then rank 0 ships them and announces `version`."""
@@ -63,18 +65,19 @@ class Parts:
             return
         state = cast_state(state, DTYPES[self.cfg.publish_dtype])
         if self.disk is not None:
-            out = self.disk.write(version, state)
-            info = WeightsInfo(version=version, method="disk", path=out.path, published_at=time.time())
+            out = self.disk.write(version, state, self.epoch)
+            info = WeightsInfo(version=version, epoch=self.epoch, method="disk", path=out.path,
+                               published_at=time.time())  # fmt: skip
         else:
-            out = self.broadcast.publish(version, state)
-            info = WeightsInfo(version=version, method="distributed", published_at=time.time(),
+            out = self.broadcast.publish(version, state, self.epoch)
+            info = WeightsInfo(version=version, epoch=self.epoch, method="distributed", published_at=time.time(),
                                extra={"group_name": self.broadcast.group_name})  # fmt: skip
         self.buf.publish_weights(info, rollback=rollback)
         self.buf.set_version(version)
         seconds = time.perf_counter() - t0
         tm.PUBLISH_SECONDS.labels(info.method).observe(seconds)
         tm.PUBLISH_BYTES.labels(info.method).inc(out.nbytes)
-        log_event(log, "weights published", version=version, method=info.method, bytes=out.nbytes,
+        log_event(log, "weights published", version=version, epoch=self.epoch, method=info.method, bytes=out.nbytes,
                   seconds=round(seconds, 4), path=info.path)  # fmt: skip
 
     def audit(self, event: str, version: int, **fields) -> None:
@@ -126,7 +129,7 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
             backend = cfg.broadcast_backend if cfg.broadcast_backend != "auto" else d.backend
             broadcast = BroadcastPublisher(cfg.engine_urls, cfg.broadcast_master_addr, cfg.broadcast_port or free_port(),
                                            backend, cfg.bucket_mb << 20, group_name=f"asyncrl-{cfg.run}-{time.time_ns()}",
-                                           api_token=os.environ.get("ASYNCRL_API_TOKEN"))  # fmt: skip
+                                           api_token=engine_token())  # fmt: skip
             # a fresh group name per trainer start: engines still hold the dead group of a crashed one
         if cfg.metrics_port:
             tm.serve(cfg.metrics_host, cfg.metrics_port, health)

@@ -1,7 +1,8 @@
 """Where a step's groups come from: rank 0 reads the buffer, every rank receives the same list.
 
 Rank 0 takes groups until it has `B` trainable ones: too-stale groups are dropped or withheld
-by the buffer (counted there and here), undecodable ones are dead-lettered, and with dynamic
+by the buffer (counted there and here), as are groups sampled by the weights of a lost history
+(proto/lineage.py), undecodable ones are dead-lettered, and with dynamic
 sampling groups without reward spread are discarded (`zero_spread`, counted). The groups are
 sent to the other ranks as msgpack-framed records (proto codec bytes in a uint8 tensor; no
 pickle on the wire). A stop request (SIGTERM/SIGINT on rank 0) is sent the same way, so all
@@ -33,6 +34,7 @@ class Taken:
     staleness: list[int] = field(default_factory=list)
     withheld: list[Group] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)  # sampled by weights of a lost history
     discarded: list[str] = field(default_factory=list)
     dead_lettered: int = 0
     stop: bool = False
@@ -59,6 +61,8 @@ class GroupSource:
                                        self.block_ms, self.policy)  # fmt: skip
             taken.withheld += res.withheld
             taken.dropped += res.dropped
+            taken.lost += res.lost
+            tm.GROUPS.labels("lost_history").inc(len(res.lost))
             taken.dead_lettered += res.dead_lettered
             tm.GROUPS.labels("stale_dropped").inc(len(res.dropped))
             tm.GROUPS.labels("stale_withheld").inc(len(res.withheld))

@@ -17,10 +17,14 @@ import logging
 import time
 from contextlib import contextmanager, nullcontext
 
+import torch
+
+from buffer.replay import sampled_lineage
 from services.common.logging import log_event
 from trainer import metrics as tm
 from trainer.batch import build_rows, micro_batches, zero_spread_groups
 from trainer.components import Parts
+from trainer.model import broadcast_from_main
 from trainer.step import policy_step, recompute_logprobs
 
 log = logging.getLogger("asyncrl.trainer")
@@ -38,18 +42,27 @@ class PhaseTimer:
 
 
 def resume(p: Parts) -> int:
-    """Restore the last durable checkpoint, settle the buffer, return the version."""
+    """Restore the last durable checkpoint, settle the buffer, return the version.
+
+    Resuming a run opens a new epoch forked at the checkpoint's version (proto/lineage.py):
+    what was published above it came from steps this start will redo differently, and the
+    buffer drops every group sampled by those lost weights."""
     meta = p.ckpt.load(p.model, p.optimizer)
     version = meta.version if meta else 0
     if p.d.is_main:
+        if meta is not None or p.buf.latest_weights() is not None or p.buf.get_version() > 0:
+            p.epoch = p.buf.begin_epoch(version)
         if meta:
             p.buf.ack(meta.consumed_ids)  # a crash between checkpoint and ack: finish the ack
         reclaimed = p.buf.recover_pending(0)  # consumed after the checkpoint: train them again
         accepted = p.buf.rebuild_admission(version)
-        log_event(log, "trainer resumed", version=version, checkpoint=str(meta.path) if meta else None,
-                  reclaimed=reclaimed, accepted=accepted)  # fmt: skip
-        p.audit("resume", version, reclaimed=reclaimed)
-    if meta and version > 0:
+        log_event(log, "trainer resumed", version=version, epoch=p.epoch, reclaimed=reclaimed, accepted=accepted,
+                  checkpoint=str(meta.path) if meta else None)  # fmt: skip
+        p.audit("resume", version, epoch=p.epoch, reclaimed=reclaimed)
+    epoch = torch.tensor([p.epoch], dtype=torch.long)
+    broadcast_from_main(p.d, epoch)  # rank 0 alone reads the buffer; publishing is collective
+    p.epoch = int(epoch)
+    if p.epoch > 0:
         p.publish(version, rollback=True)  # engines may hold weights of a lost, uncheckpointed step
     return version
 
@@ -86,7 +99,8 @@ def train_steps(p: Parts) -> int:
             p.publish(version)
         ids = [g.group_id for g in taken.groups]
         consumed += ids
-        p.audit("step", version, groups=ids, dropped=taken.dropped, discarded=taken.discarded,
+        p.audit("step", version, groups=ids, sampled=[sampled_lineage(g) for g in taken.groups], dropped=taken.dropped,
+                lost=taken.lost, discarded=taken.discarded,
                 withheld=[g.group_id for g in taken.withheld], dead_lettered=taken.dead_lettered)  # fmt: skip
         if version % cfg.checkpoint_every == 0 or version == cfg.max_steps:
             with timer("checkpoint"):

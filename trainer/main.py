@@ -76,10 +76,16 @@ def worker(argv: list[str]) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from trainer import metrics as tm
     from trainer.components import build
     from trainer.loop import train
     from trainer.model import init_distributed
 
+    # torchrun (`--max-restarts`) restarts every worker after one fails; each restart resumes
+    # from the last durable checkpoint (trainer/loop.py) and rides out a Redis restart on the way
+    # (buffer/connection.py): a dead worker or a restarted Redis costs the steps since that
+    # checkpoint, never a group trained twice.
+    tm.WORKER_RESTARTS.set(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     d = init_distributed(cfg.device, cfg.dist_timeout_s)
     torch.manual_seed(cfg.seed + d.rank)
     parts = build(cfg, d)

@@ -40,6 +40,8 @@ PUBLISH_SECONDS = Histogram("asyncrl_trainer_weight_publish_seconds", "end of op
 PUBLISH_BYTES = Counter("asyncrl_trainer_weight_publish_bytes_total", "weight bytes published", ["method"])
 HEARTBEATS = Counter("asyncrl_trainer_wait_heartbeats_total", "heartbeats exchanged by the ranks while waiting for data")
 CHECKPOINTS = Counter("asyncrl_trainer_checkpoints_total", "durable checkpoints written")
+WORKER_RESTARTS = Gauge("asyncrl_trainer_worker_restarts",
+                        "times torchrun restarted the workers of this trainer launch (--max-restarts)")
 TRACKING_ERRORS = Counter("asyncrl_trainer_tracking_errors_total", "W&B calls that failed (training went on)", ["op"])
 STEP_GAUGES = {
     name: Gauge(f"asyncrl_trainer_{name}", help_)

@@ -1,10 +1,12 @@
 """Publishing a new policy version to the engines: to disk, or broadcast over torch.distributed.
 
-Disk: rank 0 writes `<root>/v<version:08d>/` holding `model.safetensors` (tied weights once,
+Disk: rank 0 writes `<root>/v<version:08d>/` (`…-e<epoch>` after a resume: a version of
+another history is never overwritten, proto/lineage.py) holding `model.safetensors` (tied weights once,
 as HF writes them) plus the source directory's config and tokenizer files (hard links where
 the filesystem allows, so the 3.5 MB tokenizer.json is not copied every version: the source
 directory must not be rewritten in place while the run publishes), in a temp directory that
-is fsynced and renamed into place, keeps the newest `keep` versions, and
+is fsynced and renamed into place, keeps the newest `keep` versions, deletes those of a lost
+history, and
 announces `WeightsInfo(method="disk", path=…)` through the buffer. Engines load it with
 `/update_weights_from_disk` (SGLang) or `AutoModelForCausalLM.from_pretrained`.
 
@@ -20,6 +22,7 @@ a broken group (restart the trainer).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,10 +32,12 @@ from pathlib import Path
 import httpx
 import torch
 
+from proto.lineage import weight_version_name
 from trainer.checkpoint import atomic_publish_dir
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 WEIGHT_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+VERSION_DIR = re.compile(r"v(\d+)(?:-e(\d+))?")
 
 
 @dataclass
@@ -58,35 +63,46 @@ class DiskPublisher:
         self._closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-prune")
         self._closing: Future | None = None
 
-    def path_of(self, version: int) -> Path:
-        return self.root / f"v{version:08d}"
+    def path_of(self, version: int, epoch: int = 0) -> Path:
+        return self.root / (f"v{version:08d}" if epoch == 0 else f"v{version:08d}-e{epoch}")
 
-    def write(self, version: int, state: dict[str, torch.Tensor]) -> Published:
-        """Rank 0: write version `version` durably; returns where and how many bytes."""
+    def _published(self) -> list[tuple[tuple[int, int], Path]]:
+        """((epoch, version), directory) of every published version, in publication order."""
+        found = []
+        for p in self.root.glob("v*"):
+            named = VERSION_DIR.fullmatch(p.name)
+            if named:
+                found.append(((int(named[2] or 0), int(named[1])), p))
+        return sorted(found)
+
+    def write(self, version: int, state: dict[str, torch.Tensor], epoch: int = 0) -> Published:
+        """Rank 0: write version `version` of `epoch` durably; returns where and how many bytes."""
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
         if self._closing is not None:  # at most one prune's files held open at a time
             self._closing.result()
-        self._drop_newer(version)
-        final = self.path_of(version)
+        self._drop_lost(version, epoch)
+        final = self.path_of(version, epoch)
         tmp = self.root / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for f in self.source_dir.iterdir():
             if f.is_file() and not f.name.endswith(WEIGHT_FILES) and f.name not in WEIGHT_INDEX:
                 _link_or_copy(f, tmp / f.name)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "asyncrl_version": str(version)})
+        save_file(state, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", "asyncrl_version": str(version), "asyncrl_epoch": str(epoch)})  # fmt: skip
         atomic_publish_dir(tmp, final)
         self._prune()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         return Published(version, nbytes, time.perf_counter() - t0, str(final))
 
-    def _drop_newer(self, version: int) -> None:
-        """Versions above `version` come from steps lost in a crash (the trainer resumed from an
-        older checkpoint): they must never be served again, and must not crowd out `version`."""
-        for p in self.root.glob("v*"):
-            if p.name[1:].isdigit() and int(p.name[1:]) > version:
+    def _drop_lost(self, version: int, epoch: int) -> None:
+        """Versions above `version` of this or an older epoch come from steps lost in a crash
+        (the trainer resumed from an older checkpoint): they must never be served again, and
+        must not crowd out `version`."""
+        for (e, v), p in self._published():
+            if e <= epoch and v > version:
                 shutil.rmtree(p, ignore_errors=True)
 
     def _prune(self) -> None:
@@ -94,7 +110,7 @@ class DiskPublisher:
         file costs ~0.1 s per 540 MB on ext4, paid when its last reference goes (the kernel
         frees its blocks and cached pages then): an fd held across the unlink lets a
         background thread pay it, so the trainer does not wait for the filesystem."""
-        versions = sorted(self.root.glob("v*"), key=lambda p: p.name)
+        versions = [p for _, p in self._published()]
         held: list[int] = []
         for old in versions[: -self.keep]:
             for f in old.glob("*.safetensors"):
@@ -175,15 +191,15 @@ class BroadcastPublisher:
                                                   self.backend, self.timeout_s)  # fmt: skip
             joining.result()
 
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> Published:
+    def publish(self, version: int, state: dict[str, torch.Tensor], epoch: int = 0) -> Published:
         from services.engine.weight_sync import broadcast_weights, http_announcer
 
         if self.group is None:
             self.connect()
         t0 = time.perf_counter()
         device = torch.device("cpu") if self.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        announce = http_announcer(self.engine_urls, weight_version=str(version), group_name=self.group_name,
-                                  timeout_s=self.timeout_s, headers=self.headers)  # fmt: skip
+        announce = http_announcer(self.engine_urls, weight_version=weight_version_name(version, epoch),
+                                  group_name=self.group_name, timeout_s=self.timeout_s, headers=self.headers)  # fmt: skip
         self._post_all("/pause_generation", [{}] * len(self.engine_urls))
         try:
             broadcast_weights(((n, t.to(device)) for n, t in state.items()), self.group, self.bucket_bytes,

@@ -5,7 +5,8 @@ The validation answer is `{"message": "<one line>", "detail": [{"loc", "msg", "t
 at most `MAX_ERRORS` errors, every string cut to `MAX_TEXT_CHARS`, never pydantic's `input`
 or `ctx` (they echo the request back: 41 MB out for 41 MB in). Strings are made encodable
 first (a JSON `"\\ud800"` escape is a lone surrogate, which UTF-8 cannot encode), so rendering
-the answer cannot fail. Not a defence against slow or many clients: that belongs in front.
+the answer cannot fail. `InflightLimit` sheds load (503 at once) past a number of requests in
+progress. Not a defence against slow clients: that belongs in front.
 """
 
 from __future__ import annotations
@@ -90,3 +91,33 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
+
+
+class InflightLimit:
+    """ASGI middleware: at most `max_inflight` guarded requests (`methods` on paths under
+    `prefixes`) in progress; one more answers 503 with `Retry-After` before its body is read,
+    and `on_refused()` counts it. Load shedding: past what the service can parse and enqueue,
+    a queue of waiting requests would make every answer (and the health probe, on the same
+    event loop) as slow as the whole backlog."""
+
+    def __init__(self, app, max_inflight: int, on_refused: Callable[[], None],
+                 prefixes: tuple[str, ...] = ("/",), methods: frozenset[str] = frozenset({"POST"})):  # fmt: skip
+        self.app = app
+        self.max_inflight = max_inflight
+        self.on_refused = on_refused
+        self.prefixes, self.methods = prefixes, methods
+        self.inflight = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in self.methods or not scope["path"].startswith(self.prefixes):
+            return await self.app(scope, receive, send)
+        if self.inflight >= self.max_inflight:
+            self.on_refused()
+            busy = JSONResponse({"detail": f"overloaded: {self.inflight} requests in progress, retry shortly"},
+                                status_code=503, headers={"Retry-After": "1"})  # fmt: skip
+            return await busy(scope, receive, send)
+        self.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.inflight -= 1

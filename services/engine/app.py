@@ -4,12 +4,23 @@ plus an OpenAI-compatible, non-streaming `/v1/chat/completions`.
 Status codes follow SGLang's http_server: 200 on success; 400 with `{"error": {"message"}}`
 for a refused request or a failed control operation (`success: false` bodies for the weight
 endpoints); 413 for a body over `max_body_bytes`; 422 for a body that does not match the
-schema (bounded, `services/common/limits.py`); 503 when the queue is full.
+schema (bounded, `services/common/limits.py`); 503 when the queue is full or a weight update
+found no turn in time; 409 for a second `/init_weights_update_group` while one is joining.
+
+Auth (`services/common/auth.py`), `Authorization: Bearer <token>`, 401 when wrong or missing:
+every endpoint outside DATA_PATHS and the probes, i.e. every control endpoint (weight
+updates, update groups, pause/continue, abort, flush) and any added later, needs the engine
+token, and answers 403 on an engine started without one (loopback only, see config.py). The
+DATA_PATHS take the engine token or `ASYNCRL_API_TOKEN`, and are open when that is unset and
+the engine listens on loopback. `/health` and `/metrics` are open; `/health` is 200, or 503
+with `{"status": "degraded", "reason", "message"}` while weight sync is failing (the rule:
+`services/engine/updates.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -30,12 +41,25 @@ from proto.sglang import (
     UpdateWeightsFromDistributedReqInput,
     WeightUpdateOutput,
 )
-from services.common.auth import install_auth
+from services.common.auth import API_TOKEN_ENV, install_engine_auth
 from services.common.limits import BodyLimit, install_validation_handler
 from services.common.metrics import router as metrics_router
 from services.engine import metrics
+from services.engine.config import is_loopback
 from services.engine.engine import Engine, InvalidRequest
 
+# The data plane: generation and read-only info (everything else is control).
+DATA_PATHS = frozenset(
+    {
+        "/generate",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/get_model_info",
+        "/get_server_info",
+        "/get_weight_version",
+        "/health_generate",
+    }
+)
 FINISH_TO_OPENAI = {"stop": "stop", "length": "length", "abort": "abort"}
 # OpenAI request fields that do not change what is generated.
 HARMLESS_CHAT_FIELDS = frozenset(
@@ -43,7 +67,11 @@ HARMLESS_CHAT_FIELDS = frozenset(
 )
 
 
-def build_app(engine: Engine) -> FastAPI:
+def build_app(engine: Engine, *, tokenless_control: bool = False) -> FastAPI:
+    """`tokenless_control`: without a token, leave the control endpoints open too. Only for
+    in-process test engines on loopback (`services/engine/testing.py`); `asyncrl engine` never
+    sets it."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
@@ -54,7 +82,15 @@ def build_app(engine: Engine) -> FastAPI:
 
     app = FastAPI(title="asyncrl reference engine (SGLang native API)", lifespan=lifespan)
     app.state.engine = engine
-    install_auth(app)
+    token, api_token = engine.settings.token, os.environ.get(API_TOKEN_ENV) or None
+    guard_data = api_token is not None or not is_loopback(engine.settings.host)
+    install_engine_auth(
+        app,
+        control_token=token,
+        data_tokens=[t for t in {api_token, token} if t] if guard_data else [],
+        data_paths=DATA_PATHS,
+        control_open=tokenless_control,
+    )
     app.add_middleware(
         BodyLimit,
         max_bytes=engine.settings.max_body_bytes,
@@ -97,19 +133,21 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.post("/update_weights_from_disk", response_model=UpdateWeightFromDiskReqOutput)
     async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput) -> JSONResponse:
-        ok, message, paused = await engine.update_weights_from_disk(body)
-        out = UpdateWeightFromDiskReqOutput(success=ok, message=message, num_paused_requests=paused)
-        return JSONResponse(out.model_dump(), status_code=200 if ok else 400)
+        r = await engine.update_weights_from_disk(body)
+        out = UpdateWeightFromDiskReqOutput(
+            success=r.ok, message=r.message, num_paused_requests=r.num_paused_requests
+        )
+        return JSONResponse(out.model_dump(), status_code=r.status)
 
     @app.post("/init_weights_update_group", response_model=WeightUpdateOutput)
     async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput) -> JSONResponse:
-        ok, message = await engine.init_weights_update_group(body)
-        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+        r = await engine.init_weights_update_group(body)
+        return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
 
     @app.post("/update_weights_from_distributed", response_model=WeightUpdateOutput)
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput) -> JSONResponse:
-        ok, message = await engine.update_weights_from_distributed(body)
-        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+        r = await engine.update_weights_from_distributed(body)
+        return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict:
@@ -148,7 +186,10 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        degraded = engine.updates.degraded()
+        if degraded is None:
+            return Response(status_code=200)
+        return JSONResponse({"status": "degraded", **degraded}, status_code=503)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
@@ -193,6 +234,9 @@ async def _chat(engine: Engine, body: ChatCompletionRequest) -> ChatCompletionRe
 
     ids = await asyncio.to_thread(render)
     room = engine.runner.context_length - len(ids)
+    if room <= 0:
+        raise InvalidRequest(f"the rendered prompt has {len(ids)} tokens: no room left in the context length "
+                             f"{engine.runner.context_length}")  # fmt: skip
     max_tokens = (
         body.max_completion_tokens or body.max_tokens or min(room, engine.settings.max_new_tokens_cap)
     )

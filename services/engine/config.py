@@ -1,11 +1,16 @@
 """Settings of the reference engine (`asyncrl engine`): defaults → TOML `[engine]` → env
-`ASYNCRL_ENGINE_…` → CLI flags."""
+`ASYNCRL_ENGINE_…` → CLI flags. Refused at start: a weak API token, and a non-loopback host
+without one (anyone reaching it could load weights or stall generation)."""
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+import ipaddress
+import os
+
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.auth import API_TOKEN_ENV, ENGINE_TOKEN_ENV, TOKEN_HINT, check_token
 from services.common.config import ServiceSettings
 
 
@@ -47,9 +52,59 @@ class EngineSettings(ServiceSettings):
     served_model_name: str | None = Field(default=None, description="model name reported to OpenAI clients")
     weight_version: str = Field(default="0", description="initial weight_version reported in meta_info")
     log_level: str = Field(default="info", description="debug, info, warning, error")
+    api_token: SecretStr | None = Field(
+        default=None,
+        description=f"bearer token of the control endpoints, and of generation beyond loopback (env "
+        f"{ENGINE_TOKEN_ENV}, else {API_TOKEN_ENV}); unset: control endpoints refused, loopback only",
+    )
+    weights_root: str | None = Field(
+        default=None,
+        description="update_weights_from_disk loads only directories inside this one (absolute "
+        "model_path, symlinks and '..' resolved); unset: disk updates refused",
+    )
+    weight_update_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86400,
+        description="bound on one update_weights_from_disk / _from_distributed call, its wait for "
+        "its turn included (updates run one at a time)",
+    )
+    weight_group_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="bound on init_weights_update_group (its turn + the rendezvous) and on each "
+        "broadcast of the group",
+    )
+    shutdown_timeout_s: float = Field(
+        default=5.0, ge=0, le=600, description="on SIGTERM, how long requests in flight may still finish"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineSettings:
         if self.max_batch_size > self.max_queued_requests:
             raise ValueError("max_batch_size exceeds max_queued_requests: such a batch could never be queued")
+        if self.api_token is None and os.environ.get(API_TOKEN_ENV):
+            self.api_token = SecretStr(os.environ[API_TOKEN_ENV])
+        if self.api_token is not None:
+            check_token(self.api_token.get_secret_value(), f"the engine's API token ({ENGINE_TOKEN_ENV})")
+        elif not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to listen on {self.host} without an API token: anyone reaching it could "
+                f"load weights or stall generation. Set {ENGINE_TOKEN_ENV} (or {API_TOKEN_ENV}) to a "
+                f"random token ({TOKEN_HINT}), or listen on 127.0.0.1"
+            )
         return self
+
+    @property
+    def token(self) -> str | None:
+        return self.api_token.get_secret_value() if self.api_token is not None else None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: may resolve to anything
+        return False

@@ -1,14 +1,19 @@
 """The engine behind the HTTP routes: request validation, submission to the scheduler, SGLang
 response shapes, and weight updates. Runs on the asyncio loop; the model lives on the
-scheduler thread (`services/engine/scheduler.py`)."""
+scheduler thread (`services/engine/scheduler.py`). Weight updates run one at a time, each
+within a deadline, their blocking parts on threads of their own (`services/engine/updates.py`);
+disk updates load only directories inside `weights_root`."""
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
+import os
 import random
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,6 +32,7 @@ from services.engine.config import EngineSettings
 from services.engine.model_runner import ModelRunner, read_checkpoint
 from services.engine.sampling import RowSampling, draw_uniforms
 from services.engine.scheduler import Request, Scheduler
+from services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +41,13 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 # seconds): BPE tokens average ~4 characters of real text and only runs of whitespace or
 # punctuation reach dozens, so such a text cannot fit. A prompt made only of such runs could.
 MAX_CHARS_PER_TOKEN = 64
+# One answer for every model_path refused (relative, outside weights_root once symlinks and '..'
+# are resolved, missing, not a directory, no *.safetensors): the answer must not tell a caller
+# what exists on the engine's file system.
+REFUSED_PATH = "model_path refused: not a directory of *.safetensors files inside the engine's weights_root"
+# The rendezvous gets the time left of its turn; the caller waits this much longer, so that the
+# library's own timeout (a clean error) normally comes first and ours is the backstop.
+JOIN_GRACE_S = 2.0
 
 
 class InvalidRequest(Exception):
@@ -44,6 +57,30 @@ class InvalidRequest(Exception):
         super().__init__(message)
         self.status = status
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    ok: bool
+    message: str
+    status: int  # HTTP status: 200, 400 (refused or failed), 409 (a join under way), 503 (busy)
+    num_paused_requests: int = 0
+
+
+def resolve_weights_dir(root: str, path: str) -> str | None:
+    """The real path of checkpoint directory `path` when it lies inside `root` (both resolved:
+    symlinks, '..') and holds *.safetensors files that resolve inside `root` too; else None."""
+    if not os.path.isabs(path):
+        return None
+    try:
+        real_root, real = os.path.realpath(root), os.path.realpath(path)
+        if os.path.commonpath([real_root, real]) != real_root or not os.path.isdir(real):
+            return None
+        files = glob.glob(os.path.join(glob.escape(real), "*.safetensors"))
+        inside = [os.path.commonpath([real_root, os.path.realpath(f)]) == real_root for f in files]
+    except (OSError, ValueError):  # a NUL byte in the path, an unreadable directory
+        return None
+    return real if files and all(inside) else None
 
 
 class Engine:
@@ -64,6 +101,7 @@ class Engine:
             continuous_decode_steps=settings.num_continuous_decode_steps,
         )
         self.groups: dict[str, object] = {}  # group_name → process group
+        self.updates = WeightUpdates()
         self._rng = random.Random(settings.seed)  # seeds requests that bring no sampling_seed
         self._in_flight: set[str] = set()
         metrics.set_weight_version(settings.weight_version)
@@ -272,44 +310,95 @@ class Engine:
     async def on_scheduler(self, fn, *, drain: bool = False):
         return await asyncio.wrap_future(self.scheduler.call(fn, drain=drain))
 
-    async def update_weights_from_disk(self, req: UpdateWeightFromDiskReqInput) -> tuple[bool, str, int]:
-        try:
-            named = await asyncio.to_thread(read_checkpoint, req.model_path)
-        except (OSError, ValueError) as exc:
-            metrics.WEIGHT_UPDATES.labels(source="disk", result="error").inc()
-            return False, f"cannot read {req.model_path}: {exc}", 0
-        error = self.runner.check_weights(named, full=True)
-        if error:
-            metrics.WEIGHT_UPDATES.labels(source="disk", result="error").inc()
-            return False, f"{req.model_path}: {error}", 0
-        if req.abort_all_requests:
-            self.scheduler.abort(abort_all=True, message="aborted for a weight update")
-        retracted = await self.on_scheduler(
-            lambda: self.scheduler.set_weights(lambda: self.runner.apply_weights(named), req.weight_version),
-            drain=True,
-        )
-        metrics.WEIGHT_UPDATES.labels(source="disk", result="ok").inc()
-        log_event(log, "weights updated from disk", path=req.model_path, version=self.weight_version)
-        return True, f"Succeeded to update model weights from {req.model_path}.", retracted
-
-    async def init_weights_update_group(self, req: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
-        if req.group_name in self.groups:
-            return False, f"group {req.group_name!r} already exists"
-        if req.backend == "nccl" and self.runner.device.type != "cuda":
-            return False, "backend nccl needs a CUDA device; this engine runs on CPU (use gloo)"
-        try:
-            group = await asyncio.to_thread(
-                weight_sync.init_weight_update_group,
-                req.master_address,
-                req.master_port,
-                req.rank_offset,
-                req.world_size,
-                req.group_name,
-                req.backend,
+    async def update_weights_from_disk(self, req: UpdateWeightFromDiskReqInput) -> UpdateResult:
+        root = self.settings.weights_root
+        if root is None:
+            self.updates.record("disk", "refused")
+            return UpdateResult(
+                False, "update_weights_from_disk is disabled: the engine has no weights_root", 400
             )
-        except (RuntimeError, ValueError) as exc:  # rendezvous timeout, refused connection, bad backend
-            return False, f"failed to join {req.group_name!r}: {exc}"
-        self.groups[req.group_name] = group
+
+        def read() -> dict[str, torch.Tensor] | None:
+            real = resolve_weights_dir(root, req.model_path)
+            return None if real is None else read_checkpoint(real)
+
+        try:
+            async with self.updates.turn("disk", self.settings.weight_update_timeout_s) as deadline:
+                try:
+                    named = await in_thread(read, deadline, "weights-read")
+                except UpdateTimeout:
+                    return self._failed("disk", "timeout", "reading the checkpoint timed out")
+                except (OSError, ValueError) as exc:  # a corrupt or unreadable file inside the root
+                    return self._failed("disk", "error", f"cannot read the checkpoint: {exc}")
+                if named is None:
+                    self.updates.record("disk", "refused")
+                    return UpdateResult(False, REFUSED_PATH, 400)
+                error = self.runner.check_weights(named, full=True)
+                if error:
+                    return self._failed("disk", "error", error)
+                if req.abort_all_requests:
+                    self.scheduler.abort(abort_all=True, message="aborted for a weight update")
+                retracted = await self._apply(
+                    lambda: self.scheduler.set_weights(
+                        lambda: self.runner.apply_weights(named), req.weight_version
+                    ),
+                    deadline,
+                )
+        except UpdateBusy as exc:
+            return UpdateResult(False, str(exc), 503)
+        except UpdateTimeout:
+            return self._failed(
+                "disk", "timeout", "the engine did not reach a point to apply the weights in time"
+            )
+        self.updates.record("disk", "ok")
+        log_event(log, "weights updated from disk", path=req.model_path, version=self.weight_version)
+        return UpdateResult(True, f"Succeeded to update model weights from {req.model_path}.", 200, retracted)
+
+    async def init_weights_update_group(self, req: InitWeightsUpdateGroupReqInput) -> UpdateResult:
+        if req.group_name in self.groups:
+            self.updates.record("group", "refused")
+            return UpdateResult(False, f"group {req.group_name!r} already exists", 400)
+        if req.backend == "nccl" and self.runner.device.type != "cuda":
+            self.updates.record("group", "refused")
+            return UpdateResult(
+                False, "backend nccl needs a CUDA device; this engine runs on CPU (use gloo)", 400
+            )
+        if self.updates.joining:
+            self.updates.record("group", "busy")
+            return UpdateResult(False, "another init_weights_update_group is under way; retry after it", 409)
+        self.updates.joining = True
+        try:
+            async with self.updates.turn("group", self.settings.weight_group_timeout_s) as deadline:
+
+                def join():
+                    return weight_sync.init_weight_update_group(
+                        req.master_address,
+                        req.master_port,
+                        req.rank_offset,
+                        req.world_size,
+                        req.group_name,
+                        req.backend,
+                        timeout_s=max(deadline - time.monotonic(), 0.1),
+                    )
+
+                try:
+                    group = await in_thread(join, deadline + JOIN_GRACE_S, "weights-join")
+                except UpdateTimeout:
+                    return self._failed(
+                        "group",
+                        "timeout",
+                        f"joining {req.group_name!r} timed out "
+                        f"after {self.settings.weight_group_timeout_s:g} s",
+                    )
+                # a rendezvous timeout, a refused connection, a bad backend
+                except (RuntimeError, ValueError) as exc:
+                    return self._failed("group", "error", f"failed to join {req.group_name!r}: {exc}")
+                self.groups[req.group_name] = group
+        except UpdateBusy as exc:
+            return UpdateResult(False, str(exc), 503)
+        finally:
+            self.updates.joining = False
+        self.updates.record("group", "ok")
         log_event(
             log,
             "joined weight update group",
@@ -317,42 +406,92 @@ class Engine:
             rank=req.rank_offset,
             world=req.world_size,
         )
-        return True, f"Joined weight update group {req.group_name!r} as rank {req.rank_offset}."
+        return UpdateResult(
+            True, f"Joined weight update group {req.group_name!r} as rank {req.rank_offset}.", 200
+        )
 
     async def update_weights_from_distributed(
         self, req: UpdateWeightsFromDistributedReqInput
-    ) -> tuple[bool, str]:
-        group = self.groups.get(req.group_name)
-        if group is None:
-            return False, f"no weight update group {req.group_name!r}; call /init_weights_update_group first"
+    ) -> UpdateResult:
         try:
             dtypes = [weight_sync.parse_dtype(d) for d in req.dtypes]
         except ValueError as exc:
-            return False, str(exc)
-        if req.abort_all_requests:
-            self.scheduler.abort(abort_all=True, message="aborted for a weight update")
+            self.updates.record("distributed", "refused")
+            return UpdateResult(False, str(exc), 400)
+        try:
+            async with self.updates.turn("distributed", self.settings.weight_update_timeout_s) as deadline:
+                group = self.groups.get(req.group_name)
+                if group is None:
+                    self.updates.record("distributed", "refused")
+                    return UpdateResult(
+                        False,
+                        f"no weight update group {req.group_name!r}; call /init_weights_update_group first",
+                        400,
+                    )
+                if req.abort_all_requests:
+                    self.scheduler.abort(abort_all=True, message="aborted for a weight update")
+                device = "cpu" if isinstance(group, dist.ProcessGroupGloo) else self.runner.device
 
-        device = "cpu" if isinstance(group, dist.ProcessGroupGloo) else self.runner.device
+                def receive() -> dict[str, torch.Tensor]:
+                    received = {}
+                    for name, dtype, shape in zip(req.names, dtypes, req.shapes):
+                        tensor = torch.empty(shape, dtype=dtype, device=device)
+                        weight_sync.broadcast(group, tensor)
+                        received[name] = tensor
+                    if device != "cpu":  # the copies on the scheduler thread read these
+                        torch.cuda.current_stream(device).synchronize()
+                    return received
 
-        def receive_and_apply() -> tuple[bool, str]:
-            received = {}
-            for name, dtype, shape in zip(req.names, dtypes, req.shapes):
-                tensor = torch.empty(shape, dtype=dtype, device=device)
-                weight_sync.broadcast(group, tensor)
-                received[name] = tensor
-            error = self.runner.check_weights(received, full=False)
-            if error:  # every tensor was received anyway, so the sender is never left blocked
-                return False, error
-            self.scheduler.set_weights(lambda: self.runner.apply_weights(received), req.weight_version)
-            return True, f"Succeeded to update {len(received)} parameters."
-
-        ok, message = await self.on_scheduler(receive_and_apply, drain=True)
-        metrics.WEIGHT_UPDATES.labels(source="distributed", result="ok" if ok else "error").inc()
-        if ok:
-            log_event(
-                log, "weights updated from broadcast", count=len(req.names), version=self.weight_version
+                try:
+                    received = await in_thread(receive, deadline, "weights-receive")
+                except (UpdateTimeout, RuntimeError) as exc:
+                    # The sender and this engine no longer agree on where the stream is: the group
+                    # is dropped, and the trainer joins a new one (a fresh name per start).
+                    self.groups.pop(req.group_name, None)
+                    result = "timeout" if isinstance(exc, UpdateTimeout) else "error"
+                    return self._failed(
+                        "distributed",
+                        result,
+                        f"receiving from {req.group_name!r} failed ({exc}); group dropped",
+                    )
+                # Every tensor was received before this check, so the sender is never left blocked.
+                error = self.runner.check_weights(received, full=False)
+                if error:
+                    return self._failed("distributed", "error", error)
+                await self._apply(
+                    lambda: self.scheduler.set_weights(
+                        lambda: self.runner.apply_weights(received), req.weight_version
+                    ),
+                    deadline,
+                )
+        except UpdateBusy as exc:
+            return UpdateResult(False, str(exc), 503)
+        except UpdateTimeout:
+            return self._failed(
+                "distributed", "timeout", "the engine did not reach a point to apply the weights in time"
             )
-        return ok, message
+        self.updates.record("distributed", "ok")
+        log_event(log, "weights updated from broadcast", count=len(req.names), version=self.weight_version)
+        return UpdateResult(True, f"Succeeded to update {len(received)} parameters.", 200)
+
+    async def _apply(self, fn, deadline: float):
+        """`fn()` on the scheduler thread once running requests are drained (unless paused), by
+        `deadline`. Past it, a call not yet started is withdrawn (`UpdateTimeout`); one already
+        started (a weight copy) is awaited: withdrawing it would leave half-copied weights."""
+        call = self.scheduler.call(fn, drain=True)
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(call)), max(deadline - time.monotonic(), 0.0)
+            )
+        except TimeoutError:
+            if call.cancel():
+                raise UpdateTimeout("the scheduler did not take the update in time") from None
+            return await asyncio.wrap_future(call)
+
+    def _failed(self, source: str, result: str, message: str) -> UpdateResult:
+        self.updates.record(source, result, message)
+        log_event(log, "weight update failed", logging.WARNING, source=source, result=result, message=message)
+        return UpdateResult(False, message, 400)
 
     def server_info(self) -> dict:
         return {
@@ -367,5 +506,6 @@ class Engine:
                     "paused": self.scheduler.paused,
                 }
             ],
+            "weight_updates": self.updates.state(),
             "sglang_api_commit": SGLANG_COMMIT,
         }

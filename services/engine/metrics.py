@@ -1,7 +1,7 @@
 """Prometheus metrics of the reference engine (process-wide, default registry, `/metrics`).
 
 Names follow DESIGN.md §9: `asyncrl_engine_` prefix, base units, `_total` counters, bounded
-labels (finish reasons, rejection reasons, weight sources: never request ids).
+labels (finish reasons, rejection reasons, weight sources and results: never request ids).
 """
 
 from __future__ import annotations
@@ -49,7 +49,22 @@ STEP_FAILURES = Counter(
     "asyncrl_engine_step_failures_total", "Scheduler steps that raised (requests aborted)"
 )
 WEIGHT_UPDATES = Counter(
-    "asyncrl_engine_weight_updates_total", "Weight update attempts", ["source", "result"]
+    "asyncrl_engine_weight_updates_total",
+    "Weight update attempts by source (disk, distributed, group = init_weights_update_group) and "
+    "result (ok, error, timeout, refused = before any work, busy = no turn within the deadline)",
+    ["source", "result"],
+)
+WEIGHT_UPDATES_PENDING = Gauge(
+    "asyncrl_engine_weight_updates_pending", "Weight updates running or waiting for their turn"
+)
+WEIGHT_UPDATE_LAST_SUCCESS = Gauge(
+    "asyncrl_engine_weight_update_last_success_timestamp_seconds",
+    "Unix time of the last successful weight update (0: none since start); "
+    "time() minus this is the age of the weights served",
+)
+WEIGHT_SYNC_DEGRADED = Gauge(
+    "asyncrl_engine_weight_sync_degraded",
+    "1 while the last weight update failed and none has succeeded since (/health answers 503)",
 )
 WEIGHT_VERSION = Gauge("asyncrl_engine_weight_version", "Current weight_version when it is an integer")
 

@@ -21,14 +21,21 @@ class RunningEngine:
         self.http.stop()
 
 
-def serve_in_thread(model: str, **overrides) -> RunningEngine:
+def serve_in_thread(model: str, *, tokenless_control: bool = True, **overrides) -> RunningEngine:
+    """An engine on a free loopback port. Differs from `asyncrl engine` in two defaults, for
+    tests that drive control endpoints directly: without an `api_token` (override or env) its
+    control endpoints stay open (`tokenless_control`; pass False for the production behaviour),
+    and `weights_root` is "/" (any absolute path, symlinks resolved) unless overridden."""
     from services.engine.app import build_app
     from services.engine.config import EngineSettings
     from services.engine.engine import Engine
 
+    overrides.setdefault("weights_root", "/")
     settings = EngineSettings(
         model=model, host="127.0.0.1", port=overrides.pop("port", None) or free_port(), **overrides
     )
     engine = Engine(settings)
-    http = serve_app_in_thread(build_app(engine), settings.port, "engine", settings.host)
+    http = serve_app_in_thread(
+        build_app(engine, tokenless_control=tokenless_control), settings.port, "engine", settings.host
+    )
     return RunningEngine(http.url, engine, http)

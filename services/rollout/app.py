@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 
 from services.common.auth import install_auth
-from services.common.limits import BodyLimit, install_validation_handler
+from services.common.limits import BodyLimit, InflightLimit, install_validation_handler
 from services.common.metrics import router as metrics_router
 from services.rollout import metrics as m
 from services.rollout.routes import evaluations, health, rollouts
@@ -36,6 +36,12 @@ def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI
         BodyLimit,
         max_bytes=service.settings.max_body_bytes,
         on_refused=m.REQUESTS_REJECTED.labels("body_too_large").inc,
+    )
+    app.add_middleware(
+        InflightLimit,
+        max_inflight=service.settings.max_inflight_submissions,
+        on_refused=m.REQUESTS_REJECTED.labels("overloaded").inc,
+        prefixes=("/v1/",),
     )
     app.include_router(metrics_router)
     app.include_router(health.router)

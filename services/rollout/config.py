@@ -40,6 +40,9 @@ class RolloutSettings(ServiceSettings):
     port: int = Field(8001, ge=1, le=65535, description="port to bind")
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="log level")
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest accepted request body (413 above)")
+    max_inflight_submissions: int = Field(
+        32, ge=1, description="POSTs in progress at once; one more answers 503 + Retry-After (load shedding)"
+    )
     redis_url: str | None = Field(None, description="Redis URL; unset starts an embedded Redis in run_dir")
     run_dir: str = Field("runs/default", description="where an embedded Redis keeps its files")
     run: str = Field("default", min_length=1, max_length=64, description="run id (buffer key namespace)")

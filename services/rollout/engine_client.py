@@ -29,6 +29,7 @@ import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from proto.sglang import GenerateResponse, UpdateWeightFromDiskReqOutput
+from services.common.auth import engine_auth_headers
 from services.common.logging import log_event
 from services.rollout import metrics as m
 from services.rollout.batching import chunk_by_size
@@ -115,6 +116,9 @@ class EngineClient:
         # they get a pool sized for them, and control calls (pause, update, flush, continue,
         # abort, probes) get their own, so an update is never queued behind the requests it
         # is about to release.
+        # Engines take the engine token (ASYNCRL_ENGINE_API_TOKEN, else ASYNCRL_API_TOKEN): it
+        # replaces any Authorization header the caller passed (services/common/auth.py).
+        headers = {**(headers or {}), **engine_auth_headers()}
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=GENERATE_KEEPALIVE),
@@ -316,8 +320,9 @@ class EngineClient:
 
     # --- weight updates (admin engines) -----------------------------------------------------
 
-    async def update_all_from_disk(self, path: str, version: int, only: list[int] | None = None) -> list[str]:
-        """Load `path` as `version` on every admin engine (or the admin indices in `only`) at
+    async def update_all_from_disk(self, path: str, version: int | str, only: list[int] | None = None) -> list[str]:
+        """Load `path` as `version` (a policy version, or its `weight_version` name with its
+        epoch, proto/lineage.py) on every admin engine (or the admin indices in `only`) at
         once, aborting their in-flight requests (which come back with their partial tokens).
         Returns the errors (empty on success). The caller holds back new `/generate` calls
         until this returns."""
@@ -325,7 +330,7 @@ class EngineClient:
         results = await asyncio.gather(*(self._update_one(e, path, version) for e in admins))
         return [r for r in results if r]
 
-    async def _update_one(self, e: Engine, path: str, version: int) -> str | None:
+    async def _update_one(self, e: Engine, path: str, version: int | str) -> str | None:
         """SGLang's `/update_weights_from_disk` with `abort_all_requests` aborts what is in
         flight, loads the weights under `weight_version` and, with `flush_cache`, drops every
         prefix computed under the old ones. Then `/continue_generation` goes out in the

@@ -1,25 +1,62 @@
 """From a `RolloutRequest` to the `GroupJob`s of the jobs stream: tokenization, chat templates,
-limits, reward specs, deterministic ids.
+limits, reward specs, sampling params the engine would refuse, deterministic ids.
 
 Everything a client can get wrong is refused here with a `BadRequest` (→ 4xx) naming the
 prompt and the limit, before anything is queued. Ids are deterministic for an idempotency
 key, so a replayed request enqueues the same group ids (a no-op in the buffer).
+
+Reward specs: the verifier must be one the reward service lists (`GET /v1/verifiers`), and
+its arguments are validated with the verifier's own spec model
+(`services.reward.verifiers.spec_model`, the model the reward service parses them with) when
+this build defines that verifier and the reward service publishes the same JSON schema for
+it. A verifier this build does not define (a custom one), or one whose published schema
+differs (another version), is checked by name only: the reward service judges its arguments
+when it scores, and a job whose every group comes back unscored reads `failed`. Limits that
+are the reward server's own settings (e.g. the code verifier's `max_tests`) are checked there.
+
+Sampling params: the reference engine (`services/engine`) refuses some of SGLang's
+(`REFERENCE_ENGINE_REFUSES`); when the rollout's engines are reference engines (see
+`RolloutService.engine_kind`), those are refused here, at the door, instead of failing every
+group at the engine. A real SGLang gets them as sent.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 import uuid
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from proto import GroupJob
+from proto.rewards import RewardSpec
 from proto.rollout import RolloutPrompt, RolloutRequest
 from proto.sglang import SamplingParams
+from services.common.logging import log_event
 from services.rollout.config import RolloutSettings
 
+log = logging.getLogger(__name__)
+
 MAX_REPORTED = 5  # offending prompt indices named in one error message
+REFERENCE_ENGINE = "reference"
+SGLANG_ENGINE = "sglang"
+
+# Sampling params the reference engine answers 400 for (`Engine._refuse_unsupported` in
+# services/engine/engine.py; tests/unit/test_rollout_units.py checks the two lists agree).
+# `n > 1` is refused for every engine by `RolloutRequest` itself: the group size is ours.
+REFERENCE_ENGINE_REFUSES: dict[str, Callable[[SamplingParams], bool]] = {
+    "stop": lambda p: bool(p.stop),  # stop strings; stop_token_ids are supported
+    "min_new_tokens": lambda p: p.min_new_tokens != 0,
+    "frequency_penalty": lambda p: p.frequency_penalty != 0.0,
+    "presence_penalty": lambda p: p.presence_penalty != 0.0,
+    "repetition_penalty": lambda p: p.repetition_penalty != 1.0,
+    "regex": lambda p: bool(p.regex),
+    "json_schema": lambda p: bool(p.json_schema),
+    "ebnf": lambda p: bool(p.ebnf),
+    "logit_bias": lambda p: bool(p.logit_bias),
+}
 UNBOUNDED_TOKENIZER_LENGTH = (
     10**7
 )  # HF's "no limit" sentinel is ~1e30; anything above this is not a real limit
@@ -63,8 +100,9 @@ class Intake:
         self.context_length = context_length
         self.vocab_size = len(tokenizer)
 
-    def sampling_params(self, request: RolloutRequest) -> dict:
+    def sampling_params(self, request: RolloutRequest, engine_kind: str | None = None) -> dict:
         params = request.sampling_params or SamplingParams()
+        check_engine_support(params, engine_kind)
         out = params.model_dump(exclude_unset=True, exclude_none=True, by_alias=False)
         out["max_new_tokens"] = (
             params.max_new_tokens if "max_new_tokens" in out else self.settings.default_max_new_tokens
@@ -97,11 +135,21 @@ class Intake:
         assert prompt.text is not None
         return list(tok(prompt.text)["input_ids"]), prompt.text
 
-    def build(self, request: RolloutRequest, job_id: str, verifiers: frozenset[str]) -> list[GroupJob]:
-        params = self.sampling_params(request)
+    def build(
+        self,
+        request: RolloutRequest,
+        job_id: str,
+        verifiers: Mapping[str, dict | None] | Collection[str],
+        engine_kind: str | None = None,
+    ) -> list[GroupJob]:
+        """The job's group jobs. `verifiers`: what the reward service serves, name → JSON schema
+        of its spec arguments (a bare collection of names: names are checked, not arguments);
+        `engine_kind`: `reference`, `sglang` or None (unknown: nothing refused for the engine)."""
+        params = self.sampling_params(request, engine_kind)
+        check_reward_specs(request.prompts, request.reward_spec, verifiers)
         group_size = request.group_size or self.settings.default_group_size
         now = time.time()
-        jobs, too_long, unknown = [], [], set()
+        jobs, too_long = [], []
         for i, prompt in enumerate(request.prompts):
             ids, text = self.tokenize(prompt)
             if not ids:
@@ -110,8 +158,6 @@ class Intake:
                 too_long.append(f"prompt {i} has {len(ids)} tokens")
                 continue
             spec = (prompt.reward_spec or request.reward_spec).model_dump()  # type: ignore[union-attr]
-            if spec["verifier"] not in verifiers:
-                unknown.add(spec["verifier"])
             jobs.append(
                 GroupJob(
                     job_id=job_id,
@@ -130,9 +176,83 @@ class Intake:
                 f"{len(too_long)} prompts do not fit the context length {self.context_length} "
                 f"(a prompt needs at least one token of room): {'; '.join(too_long[:MAX_REPORTED])}"
             )
-        if unknown:
-            raise BadRequest(
-                f"unknown verifier(s) {sorted(unknown)}; the reward service serves {sorted(verifiers)}",
-                reason="unknown_verifier",
-            )
         return jobs
+
+
+def check_engine_support(params: SamplingParams, engine_kind: str | None) -> None:
+    """`BadRequest` (400, `unsupported_sampling_params`) naming each set param the engine refuses."""
+    if engine_kind != REFERENCE_ENGINE:
+        return
+    refused = [name for name, used in REFERENCE_ENGINE_REFUSES.items() if used(params)]
+    if refused:
+        raise BadRequest(
+            f"sampling_params {', '.join(refused)}: not supported by the reference engine serving this "
+            "rollout service (stop strings: use stop_token_ids; a real SGLang engine accepts them)",
+            reason="unsupported_sampling_params",
+        )
+
+
+def check_reward_specs(
+    prompts: list[RolloutPrompt],
+    default: RewardSpec | None,
+    verifiers: Mapping[str, dict | None] | Collection[str],
+) -> None:
+    """`BadRequest` for a verifier the reward service does not serve (400, `unknown_verifier`) or
+    arguments its spec model refuses (422, `invalid_reward_spec`, naming prompt and field)."""
+    served: Mapping[str, dict | None] = (
+        verifiers if isinstance(verifiers, Mapping) else dict.fromkeys(verifiers)
+    )
+    # A prompt's own spec replaces the job's whole: the job's is checked only if a prompt uses it.
+    uses_default = default is not None and any(p.reward_spec is None for p in prompts)
+    named = ([("reward_spec", default)] if uses_default else []) + [
+        (f"prompts.{i}.reward_spec", p.reward_spec)
+        for i, p in enumerate(prompts)
+        if p.reward_spec is not None
+    ]
+    unknown = sorted({spec.verifier for _, spec in named} - set(served))
+    if unknown:
+        raise BadRequest(
+            f"unknown verifier(s) {unknown[:MAX_REPORTED]}; the reward service serves {sorted(served)}",
+            reason="unknown_verifier",
+        )
+    from services.reward.verifiers import SpecError, validate_spec
+
+    models = {name: _spec_model(name, served[name]) for name in {spec.verifier for _, spec in named}}
+    problems: list[str] = []
+    bad = 0
+    for where, spec in named:
+        model = models[spec.verifier]
+        if model is None:
+            continue
+        try:
+            validate_spec(model, spec.args())
+        except SpecError as exc:
+            bad += 1
+            if len(problems) < MAX_REPORTED:
+                problems += [f"{where}.{field}: {msg} ({spec.verifier})" for field, msg in exc.problems]
+    if bad:
+        more = f" ({bad} invalid specs in all)" if bad > 1 else ""
+        raise BadRequest(
+            f"invalid reward_spec: {'; '.join(problems[:MAX_REPORTED])}{more}",
+            status=422,
+            reason="invalid_reward_spec",
+        )
+
+
+_skewed: set[str] = set()  # verifiers whose published schema differs from ours, logged once each
+
+
+def _spec_model(name: str, published: dict | None):
+    """The spec model to check `name`'s arguments with here, or None (checked by name only)."""
+    from services.reward.verifiers import spec_model
+
+    model = spec_model(name)
+    if model is None or published is None:
+        return None
+    if model.model_json_schema() != published:
+        if name not in _skewed:
+            _skewed.add(name)
+            log_event(log, "reward service publishes another spec schema; its arguments are checked "
+                      "when scored", logging.WARNING, verifier=name)  # fmt: skip
+        return None
+    return model

@@ -28,6 +28,10 @@ GROUPS_FINISHED = Counter(
     "Groups leaving the rollout service (buffered, duplicate, failed, cancelled)",
     ["result"],
 )
+GROUPS_UNSCORED = Counter(
+    "asyncrl_rollout_groups_unscored_total",
+    "Groups written with no scored sample (every reward timeout, error or invalid_input)",
+)
 GROUPS_REQUEUED = Counter(
     "asyncrl_rollout_groups_requeued_total",
     "Groups restarted after an engine failure or an internal error",

@@ -59,7 +59,7 @@ class RewardClient:
         self.verifiers_ttl_s = verifiers_ttl_s
         self._sem = asyncio.Semaphore(concurrency)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
-        self._verifiers: tuple[float, frozenset[str]] | None = None
+        self._verifiers: tuple[float, dict[str, dict]] | None = None
         self._waiting: list[tuple[list[RewardItem], asyncio.Future]] = []
         self._flushes: set[asyncio.Task] = set()
 
@@ -145,21 +145,23 @@ class RewardClient:
         log_event(log, "reward batch failed", logging.WARNING, items=len(items), problem=problem)
         raise _BatchFailed(RewardStatus.error, problem)
 
-    async def verifiers(self) -> frozenset[str]:
-        """Names served by the reward service, cached for `verifiers_ttl_s`."""
+    async def verifiers(self) -> dict[str, dict]:
+        """Verifiers served by the reward service, name → JSON schema of its spec arguments
+        (`GET /v1/verifiers`), cached for `verifiers_ttl_s`."""
         now = time.monotonic()
         if self._verifiers and now - self._verifiers[0] < self.verifiers_ttl_s:
             return self._verifiers[1]
         try:
             resp = await self._http.get(f"{self.url}/v1/verifiers", timeout=10.0)
             resp.raise_for_status()
-            names = frozenset(v.name for v in VerifierList.model_validate_json(resp.content).verifiers)
+            listed = VerifierList.model_validate_json(resp.content).verifiers
         except (httpx.HTTPError, ValidationError) as exc:
             raise VerifiersUnavailable(
                 f"cannot list the reward service's verifiers at {self.url}: {exc}"
             ) from exc
-        self._verifiers = (now, names)
-        return names
+        served = {v.name: v.spec_schema for v in listed}
+        self._verifiers = (now, served)
+        return served
 
 
 def _all(items: list[RewardItem], status: RewardStatus, reason: str) -> list[RewardResult]:

@@ -23,6 +23,7 @@ restart (`resume_own_jobs`) or another replica: nothing is acked that was not fi
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,8 @@ import redis
 from pydantic import ValidationError
 
 from buffer import Admission, ClaimedJob, ReplayBuffer
-from proto import Group, GroupJob, Sample, Timings
+from proto import Group, GroupJob, RewardStatus, Sample, Timings
+from proto.lineage import parse_weight_version
 from proto.rewards import RewardItem, RewardSpec
 from services.common.logging import log_event
 from services.rollout import metrics as m
@@ -48,6 +50,7 @@ SEED_STRIDE = 1_000_003  # spreads a job's sampling_seed over samples and segmen
 SEED_MOD = 2**63
 INTERNAL_RETRY_S = 5.0  # pause before a group that hit an internal error starts again
 PHASE_FLUSH_S = 0.05  # phase records are written in one pipeline per this interval
+UNSCORED_DETAIL_CHARS = 300  # of the reward error quoted in an unscored group's job record
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    lineage: dict[int, int] = field(default_factory=dict)  # epoch -> newest version (proto/lineage.py)
     finish_reason: str = "length"
     text: str = ""
     submitted: float = 0.0
@@ -176,6 +180,10 @@ class Scheduler:
             self._phase(job, "scoring")
             samples = await self._score(job, drafts)
             a.stage = "writing"
+            lineage: dict[int, int] = {}
+            for d in drafts:
+                for epoch, version in d.lineage.items():
+                    lineage[epoch] = max(version, lineage.get(epoch, version))
             group = Group.build(
                 group_id=job.group_id,
                 job_id=job.job_id,
@@ -183,8 +191,9 @@ class Scheduler:
                 reward_spec=job.reward_spec,
                 samples=samples,
                 submit_version=submit_version,
+                lineage=lineage,
             )
-            new, version = await self._db(self._put, job, group, self._final_phase(job, "buffered"))
+            new, version = await self._db(self._put, job, group, self._buffered_phase(job, samples))
             m.STALENESS_AT_WRITE.observe(max(version - group.min_version, 0))
             await self._close(a, "buffered" if new else "duplicate", settled=True)
         except (EngineRejected, ValidationError) as exc:
@@ -274,6 +283,26 @@ class Scheduler:
         if not pending:
             self._phases.pop(job.job_id, None)
         return {f"phase:{job.group_id}": phase, **({f"error:{job.group_id}": error[:500]} if error else {})}
+
+    def _buffered_phase(self, job: GroupJob, samples: list[Sample]) -> dict[str, str]:
+        """`_final_phase` of a scored group, plus what its rewards say: `unscored:<gid>` counts
+        its samples by reward status when any was not `scored`, and a group with no scored
+        sample at all (it teaches the trainer nothing) gets an `error:<gid>` and is counted;
+        `GET /v1/rollouts/{id}` reads a job whose every group is such as `failed`."""
+        counts: dict[str, int] = {}
+        for sample in samples:
+            status = sample.reward_status.value if sample.reward_status is not None else "none"
+            counts[status] = counts.get(status, 0) + 1
+        if set(counts) <= {RewardStatus.scored.value}:
+            return self._final_phase(job, "buffered")
+        error = ""
+        if RewardStatus.scored.value not in counts:
+            m.GROUPS_UNSCORED.inc()
+            first = samples[0].reward_details if samples else {}
+            why = str(first.get("error") or first.get("reason") or "")[:UNSCORED_DETAIL_CHARS]
+            error = f"no sample scored ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))})"
+            error += f": {why}" if why else ""
+        return {**self._final_phase(job, "buffered", error), f"unscored:{job.group_id}": json.dumps(counts)}
 
     async def _write_phases(self) -> None:
         while True:
@@ -381,10 +410,12 @@ class Scheduler:
     def _extend(self, d: Draft, gen, budget: int, prompt_len: int) -> bool:
         """Append one segment's tokens (each with the version that sampled it); True when the
         sample was aborted with budget left and must be resubmitted."""
-        version = self._version(gen.weight_version)
+        version, epoch = self._version(gen.weight_version)
         d.tokens += gen.output_ids
         d.logprobs += gen.logprobs
         d.versions += [version] * len(gen.output_ids)
+        if gen.output_ids:
+            d.lineage[epoch] = max(version, d.lineage.get(epoch, version))
         if gen.output_ids and d.first_token is None:
             d.first_token = time.time()
         if gen.finish_reason != "abort":
@@ -396,11 +427,9 @@ class Scheduler:
             return False
         return True
 
-    def _version(self, weight_version: str | None) -> int:
-        """The engine's `weight_version` as a policy version (SGLang starts at "default")."""
-        if weight_version is not None and weight_version.isdigit():
-            return int(weight_version)
-        return self.s.initial_weight_version
+    def _version(self, weight_version: str | None) -> tuple[int, int]:
+        """The engine's `weight_version` as (policy version, epoch) (SGLang starts at "default")."""
+        return parse_weight_version(weight_version) or (self.s.initial_weight_version, 0)
 
     # --- scoring --------------------------------------------------------------------------
 

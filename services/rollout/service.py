@@ -6,18 +6,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+
+import httpx
 
 from buffer import EvalStore, ReplayBuffer
 from services.common.logging import log_event
+from services.rollout import metrics as m
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_client import EngineClient
 from services.rollout.evaluations import Evaluator, build_task, load_eval_file, sampling_params
-from services.rollout.intake import BadRequest, Intake, resolve_context_length
+from services.rollout.intake import (
+    REFERENCE_ENGINE,
+    SGLANG_ENGINE,
+    BadRequest,
+    Intake,
+    resolve_context_length,
+)
 from services.rollout.reward_client import RewardClient
 from services.rollout.scheduler import Scheduler
 from services.rollout.weights import WeightSync
 
 log = logging.getLogger(__name__)
+
+ENGINE_KIND_TTL_S = 300.0  # engines behind a URL rarely change kind; a restart re-probes sooner
+ENGINE_KIND_RETRY_S = 5.0  # unknown kind (engines unreachable): probe again at most this often
+ENGINE_PROBE_TIMEOUT_S = 2.0  # a submission waits at most this long on a probe
 
 
 class RolloutService:
@@ -43,6 +57,8 @@ class RolloutService:
         self.owned_redis = None
         self.engines: EngineClient | None = None
         self.rewards: RewardClient | None = None
+        self._engine_kind: tuple[float, str | None] = (float("-inf"), None)  # (probed at, kind)
+        self._engine_probe = asyncio.Lock()
 
     def _auto_eval_task(self):
         """The tokenized `eval_file` (checked now, so a bad file stops the service at start)."""
@@ -114,6 +130,31 @@ class RolloutService:
             context_length=self.context_length,
         )
 
+    async def engine_kind(self) -> str | None:
+        """`reference` when any generation URL is the reference engine (`services/engine`: its
+        `GET /get_server_info` names the `sglang_api_commit` it follows), `sglang` when every one
+        that answers is something else (a real SGLang, or a router in front of SGLang), None when
+        none answers (then nothing is refused for the engine's sake: it judges the request).
+        Cached ENGINE_KIND_TTL_S; an unknown kind is probed again after ENGINE_KIND_RETRY_S."""
+        async with self._engine_probe:
+            probed_at, kind = self._engine_kind
+            ttl = ENGINE_KIND_TTL_S if kind is not None else ENGINE_KIND_RETRY_S
+            if time.monotonic() - probed_at < ttl:
+                return kind
+            async with httpx.AsyncClient(timeout=ENGINE_PROBE_TIMEOUT_S, headers=self._headers()) as http:
+                infos = await asyncio.gather(
+                    *(_server_info(http, i, url) for i, url in enumerate(self.settings.engine_url_list))
+                )
+            answered = [info for info in infos if info is not None]
+            if any("sglang_api_commit" in info for info in answered):
+                kind = REFERENCE_ENGINE
+            else:
+                kind = SGLANG_ENGINE if answered else None
+            if kind != self._engine_kind[1]:
+                log_event(log, "engine kind", kind=kind, engines=len(infos), answered=len(answered))
+            self._engine_kind = (time.monotonic(), kind)
+            return kind
+
     def dead_loops(self) -> list[str]:
         return [t.get_name() for t in self._tasks if t.done()]
 
@@ -128,6 +169,19 @@ class RolloutService:
         self.evals.close()
         if self.owned_redis is not None:
             self.owned_redis.stop()
+
+
+async def _server_info(http: httpx.AsyncClient, index: int, url: str) -> dict | None:
+    """`GET /get_server_info` of the engine at `url` (its `index` in engine_urls), None if it
+    does not answer with a JSON object (counted)."""
+    try:
+        resp = await http.get(f"{url}/get_server_info")
+        info = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        info = None
+    ok = isinstance(info, dict)
+    m.ENGINE_REQUESTS.labels(str(index), "server_info", "ok" if ok else "error").inc()
+    return info if ok else None
 
 
 async def _logged(coro, name: str) -> None:

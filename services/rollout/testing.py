@@ -90,7 +90,7 @@ def start_reward_service(port: int | None = None, *, log_path=None) -> RunningPr
     return start_process(cmd, f"http://127.0.0.1:{port}", "/v1/verifiers", log_path=log_path)
 
 
-def wait_job(client, job_id: str, *, timeout_s: float = 60.0, until=("done", "cancelled")) -> dict:
+def wait_job(client, job_id: str, *, timeout_s: float = 60.0, until=("done", "failed", "cancelled")) -> dict:
     """Poll `GET /v1/rollouts/{id}` until its state is one of `until`; returns the progress."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -13,8 +13,11 @@ each new policy version; hold back the engines an evaluation has pinned.
   records the version. Any request the trainer's update aborts comes back with
   `finish_reason: abort` and is resubmitted like any other.
 
-Versions only move forward; a missed pub/sub message is caught up by polling the latest
-weights every `poll_s`, and at start the engines are brought to the latest disk weights.
+Versions only move forward in publication order, `(epoch, version)` (proto/lineage.py): a
+trainer resumed from a checkpoint announces its version in a new epoch, and the engines are
+moved back to it at once (in-flight requests aborted; the buffer drops what the lost weights
+sampled). A missed pub/sub message is caught up by polling the latest weights every
+`poll_s`, and at start the engines are brought to the latest disk weights.
 
 Pins (evaluations, `services/rollout/evaluations.py`): `pin()` chooses an engine and, under the
 same lock every update holds, counts a pin on the admin engines that serve it (the admin with
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 
 from buffer import ReplayBuffer
 from proto import WeightsInfo
+from proto.lineage import parse_weight_version, weight_version_name
 from services.common.logging import log_event
 from services.rollout import metrics as m
 from services.rollout.engine_client import Engine, EngineClient
@@ -53,9 +57,8 @@ PIN_RETRY_S = 0.1  # wait between pin attempts while no engine can be pinned (no
 
 def policy_version(weight_version: str | None, initial: int) -> int:
     """An engine's `weight_version` as a policy version (SGLang starts at "default")."""
-    if weight_version is not None and weight_version.isdigit():
-        return int(weight_version)
-    return initial
+    parsed = parse_weight_version(weight_version)
+    return parsed[0] if parsed else initial
 
 
 class VersionNotServed(Exception):
@@ -76,6 +79,7 @@ class WeightSync:
         self.poll_s = poll_s
         self.initial_version = initial_version
         self.version = -1  # last version the engines were moved to (-1: not known yet)
+        self.epoch = 0  # ... and its epoch
         self.latest: WeightsInfo | None = None  # the disk weights of `version`
         self.method: str | None = None  # of the last weights applied: disk | distributed
         self.served: dict[int, int] = {}  # admin index -> version it serves, as far as we know
@@ -85,7 +89,7 @@ class WeightSync:
         self.ready = asyncio.Event()
         self.ready.set()
         self._lock = asyncio.Lock()
-        self._announced = -1
+        self._announced: tuple[int, int] = (-1, -1)  # (epoch, version) last told to listeners
         self._refreshes: set[asyncio.Task] = set()
         self._stopped = False
 
@@ -112,12 +116,33 @@ class WeightSync:
 
     async def _catch_up(self, initial: bool = False) -> None:
         latest = await asyncio.to_thread(self.buf.latest_weights)
-        if (initial or (latest is None and self._announced < 0)) and await self._adopt_served(latest):
+        if (initial or (latest is None and self._announced[1] < 0)) and await self._adopt_served(latest):
             return
-        if latest is not None and latest.version > self.version:
+        if latest is not None and self._newer(latest):
             await self.apply(latest)
         elif self.deferred:
             await self.refresh()  # a deferred update whose first attempt failed
+        elif self.method == "disk" and self.latest is not None:
+            await self._reload_restarted()
+
+    async def _reload_restarted(self) -> None:
+        """An engine that restarted (`asyncrl up` restarts a crashed one) serves the weights it
+        starts with, and no update may come to move it (a trainer waiting for fresh groups
+        publishes nothing): move each unpinned engine that reports other weights than the newest
+        back to them. One `get_model_info` per engine per poll."""
+        at = (self.epoch, self.version)
+        current = await self.engines.weight_versions()
+        async with self._lock:
+            if (self.epoch, self.version) != at or self.latest is None:
+                return  # an update ran meanwhile: what was read may be out of date
+            name = weight_version_name(self.latest.version, self.latest.epoch)
+            behind = [i for i, v in enumerate(current)
+                      if v is not None and v != name and not self.pins.get(i) and i not in self.deferred]  # fmt: skip
+            if behind:
+                log_event(log, "engines serve other weights than the newest (restarted?): reloading", logging.WARNING,
+                          version=self.latest.version, engines=[self.engines.admins[i].url for i in behind],
+                          served=[current[i] for i in behind])  # fmt: skip
+                await self._move(self.latest, behind)
 
     async def _adopt_served(self, latest: WeightsInfo | None) -> bool:
         """Read the versions the engines serve. True when there is nothing to apply: they serve
@@ -128,33 +153,42 @@ class WeightSync:
         versions = set(self.served.values())
         if latest is None:
             start = versions.pop() if len(versions) == 1 else None
-        elif latest.method == "disk" and current and all(v == str(latest.version) for v in current):
+        elif latest.method == "disk" and current and all(
+            v == weight_version_name(latest.version, latest.epoch) for v in current
+        ):
             start = latest.version
         else:
             return False
         async with self._lock:
             if latest is not None:
-                self.version, self.latest, self.method = latest.version, latest, latest.method
+                self.version, self.epoch, self.latest, self.method = latest.version, latest.epoch, latest, latest.method
                 m.POLICY_VERSION.set(latest.version)
             if start is not None:
                 await self._announce(start)
         return True
 
+    def _newer(self, info: WeightsInfo) -> bool:
+        return (info.epoch, info.version) > (self.epoch, self.version)
+
     async def apply(self, info: WeightsInfo) -> bool:
         async with self._lock:
-            if info.version <= self.version:
+            if not self._newer(info):
                 return True
+            if info.epoch > self.epoch:
+                m.WEIGHT_UPDATES.labels(info.method, "rollback").inc()
+                log_event(log, "rollback to a resumed trainer's weights", version=info.version, epoch=info.epoch,
+                          lost_from=self.version)  # fmt: skip
             if info.method == "distributed":
-                self.version, self.method = info.version, info.method
+                self.version, self.epoch, self.method = info.version, info.epoch, info.method
                 self.served = dict.fromkeys(range(len(self.engines.admins)), info.version)
                 m.POLICY_VERSION.set(info.version)
                 m.WEIGHT_UPDATES.labels("distributed", "observed").inc()
-                await self._announce(info.version)
+                await self._announce(info.version, info.epoch)
                 return True
             targets = [i for i in range(len(self.engines.admins)) if not self.pins.get(i)]
             if not await self._move(info, targets):
                 return False
-            self.version, self.latest, self.method = info.version, info, info.method
+            self.version, self.epoch, self.latest, self.method = info.version, info.epoch, info, info.method
             held = [i for i in range(len(self.engines.admins)) if self.pins.get(i)]
             if held:
                 self.deferred.update(held)
@@ -162,7 +196,7 @@ class WeightSync:
                 log_event(log, "weight update deferred by an evaluation", version=info.version,
                           engines=[self.engines.admins[i].url for i in held])  # fmt: skip
             if targets:
-                await self._announce(info.version)
+                await self._announce(info.version, info.epoch)
             return True
 
     async def refresh(self) -> None:
@@ -170,7 +204,7 @@ class WeightSync:
         async with self._lock:
             due = sorted(i for i in self.deferred if not self.pins.get(i))
             if due and self.latest is not None and await self._move(self.latest, due):
-                await self._announce(self.latest.version)
+                await self._announce(self.latest.version, self.latest.epoch)
 
     async def _move(self, info: WeightsInfo, targets: list[int]) -> bool:
         """Update the admin engines `targets` (the lock is held); False if any failed."""
@@ -179,7 +213,8 @@ class WeightSync:
         t0 = time.perf_counter()
         self.ready.clear()
         try:
-            errors = await self.engines.update_all_from_disk(info.path or "", info.version, only=targets)
+            name = weight_version_name(info.version, info.epoch)
+            errors = await self.engines.update_all_from_disk(info.path or "", name, only=targets)
         finally:
             self.ready.set()
         m.WEIGHT_UPDATE_SECONDS.observe(time.perf_counter() - t0)
@@ -198,10 +233,11 @@ class WeightSync:
                   engines=len(targets), seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
         return True
 
-    async def _announce(self, version: int) -> None:
-        if version <= self._announced:
+    async def _announce(self, version: int, epoch: int | None = None) -> None:
+        at = (self.epoch if epoch is None else epoch, version)
+        if at <= self._announced:
             return
-        self._announced = version
+        self._announced = at
         for listener in self.listeners:
             await listener(version)
 

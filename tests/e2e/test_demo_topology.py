@@ -2,13 +2,15 @@
 trainer as separate processes on loopback (`asyncrl up`'s launcher), the reverse task.
 
 Asserts that reward rose, versions advanced (and reached the engine), staleness never
-exceeded η, every service's /metrics answered, and shutdown left no process behind.
+exceeded η, every service's /metrics answered, every HTTP example of the README ran as written
+against it, and shutdown left no process behind.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -19,6 +21,8 @@ import pytest
 from buffer.server import free_port
 from services.demo import DemoSection, History, _to_toml, scrape_trainer, submit
 from services.launcher import Launcher, UpConfig
+from tests.e2e import readme_commands
+from tests.e2e.readme_commands import sample_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 40  # enough for the rise to clear the early noise (the first steps are ~0.05-0.1)
@@ -30,11 +34,12 @@ def _config(tmp_path: Path) -> tuple[dict, Path]:
     raw["run"].update(id="e2e", dir=str(tmp_path / "run"))
     raw["model"]["path"] = str(tmp_path / "run" / "base")
     raw["launch"].update(engine_port=free_port(), reward_port=free_port(), rollout_port=free_port(),
-                         trainer_metrics_port=free_port(), health_timeout_s=120)  # fmt: skip
+                         trainer_metrics_port=free_port(), metrics_port=free_port(), health_timeout_s=120)  # fmt: skip
     # Short and steep: a higher learning rate makes the rise visible within STEPS versions.
     # max_steps leaves headroom: the test stops the trainer, which must still be up when polled.
     raw["trainer"].update(max_steps=STEPS + 1000, max_staleness=ETA, batch_groups=16, lr=1e-3, checkpoint_every=8)
     raw["demo"].update(prompts_per_step=16)
+    raw["reward"]["code_enabled"] = True  # the README's `code` example (CI has bubblewrap)
     path = tmp_path / "config.toml"
     path.write_text(_to_toml(raw))
     return raw, path
@@ -79,11 +84,17 @@ def test_demo_topology_learns_and_shuts_down_cleanly(tmp_path):
             time.sleep(0.3)
         engine_version = httpx.get(f"{launcher.engine_urls[0]}/get_weight_version", timeout=5).json()
         final = scrape_trainer(launcher.trainer_url, t0)
+        # The README's HTTP examples, as written, against this topology (tests/e2e/readme_commands.py)
+        sample_dataset(tmp_path / "data.jsonl")
+        ran = readme_commands.run_all(services, tmp_path, {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     finally:
         pgids = [p.popen.pid for p in launcher.procs if p.popen is not None]
         launcher.stop()
 
     assert final is not None and final.version >= STEPS, f"only reached version {final and final.version}"
+    assert len(ran) >= 10 and readme_commands.failures(ran) == []
+    statuses = [r.status for r in ran if r.status is not None]
+    assert statuses.count(202) >= 2 and not any(s >= 400 for s in statuses), statuses
     assert metrics_answered == {"trainer": True, "rollout": True, "reward": True, "engine": True}
     rewards = [r["reward"] for r in history.rows if r["reward"] is not None]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3

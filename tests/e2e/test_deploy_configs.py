@@ -57,14 +57,18 @@ GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 MATCHERS = re.compile(r"\{([^}]*)\}")
 MATCHER_LABEL = re.compile(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)")
 LEGEND_LABEL = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+# compose refuses to interpolate without ASYNCRL_API_TOKEN; the checks run with this one
+COMPOSE_TOKEN = "compose-check-token-Zq81xW"
 
 
-def run_tool(*argv: str) -> subprocess.CompletedProcess:
+def run_tool(*argv: str, token: str | None = COMPOSE_TOKEN) -> subprocess.CompletedProcess:
     exe = shutil.which(argv[0])
     if exe is None:
         pytest.fail(f"`{argv[0]}` is not installed; CI installs it with: {APT_LINE}")
     # A clean environment: no ASYNCRL_*/COMPOSE_* variable of this machine leaks into interpolation.
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
+    if token is not None:
+        env["ASYNCRL_API_TOKEN"] = token
     return subprocess.run(
         [exe, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
     )
@@ -141,6 +145,16 @@ def test_compose_file_passes_docker_compose_config(tmp_path):
     broken.write_text(COMPOSE.read_text().replace("service_healthy", "service_healty", 1))
     proc = run_tool("docker-compose", "-f", str(broken), "config", "-q")
     assert proc.returncode != 0 and "service_healty" in proc.stderr
+
+
+def test_compose_requires_the_api_token(compose):
+    """No stack without a token: every service, the engines included, requires it."""
+    proc = run_tool("docker-compose", "-f", str(COMPOSE), "config", "-q", token=None)
+    assert proc.returncode != 0 and "set ASYNCRL_API_TOKEN" in proc.stderr, proc.stderr
+    for name, svc in compose["services"].items():
+        if svc.get("image", "").startswith("asyncrl:"):
+            assert svc["environment"]["ASYNCRL_API_TOKEN"] == COMPOSE_TOKEN, name
+    assert flag(compose["services"]["engine"]["command"], "--api-key") == COMPOSE_TOKEN  # SGLang's own flag
 
 
 def test_profiles_select_the_demo_and_gpu_topologies(compose):
@@ -222,8 +236,12 @@ def test_compose_commands_parse_with_the_services_settings(compose, compose_sett
     assert flag(sglang, "--port") == "30000" and flag(sglang, "--host") == "0.0.0.0"
     assert compose_settings["engine-cpu"][0].model == rollout.tokenizer == trainer.model_path == model
     assert flag(sglang, "--model-path") == model
-    # Published versions land on the volume every engine mounts at the same path.
+    # Published versions land on the volume every engine mounts at the same path, and are the
+    # only directories the reference engine loads (its weights_root); it requires the token.
     assert PurePosixPath(trainer.output_dir).is_relative_to("/weights")
+    engine = compose_settings["engine-cpu"][0]
+    assert PurePosixPath(engine.weights_root) == PurePosixPath(trainer.output_dir) / "weights"
+    assert engine.token == COMPOSE_TOKEN
 
 
 def test_demo_submission_is_a_valid_rollout_job(compose, tmp_path):

@@ -192,3 +192,57 @@ def test_health_answers_while_a_long_text_is_handled(engine, chars, needle):
     worker.join()
     assert result["resp"].status_code == 400 and needle in result["resp"].text, result["resp"].text
     assert max(latencies) < HEALTH_BUDGET_S, latencies
+
+
+def test_schema_fuzz_findings_are_4xx(engine, model_dir):
+    """Two 500s schemathesis found (tests/integration/test_api_fuzz.py): a per-item list on a
+    single prompt, and a chat prompt that leaves no room in the context."""
+    resp = engine.post("/generate", json={"input_ids": [1, 2, 3], "logprob_start_len": [4],
+                                          "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+    assert resp.status_code == 400 and "per-item list" in resp.json()["error"]["message"], resp.text
+    small = serve_engine(model_dir, context_length=16)
+    try:
+        resp = httpx.post(f"{small.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "abc" * 20}]},
+                          timeout=30)  # fmt: skip
+    finally:
+        small.stop()
+    assert resp.status_code == 400 and "no room left in the context length 16" in resp.json()["error"]["message"]
+
+
+def test_the_rollout_sheds_load_past_its_inflight_limit():
+    """`InflightLimit`: with one guarded request in progress, the next answers 503 + Retry-After
+    at once (and is counted); unguarded paths and later requests go through."""
+    from fastapi import FastAPI
+
+    from services.common.limits import InflightLimit
+
+    release, entered, refused = threading.Event(), threading.Event(), []
+    app = FastAPI()
+    app.add_middleware(InflightLimit, max_inflight=1, on_refused=lambda: refused.append(1), prefixes=("/v1/",))
+
+    @app.post("/v1/slow")
+    def slow() -> dict:
+        entered.set()
+        release.wait(10)
+        return {"ok": True}
+
+    @app.get("/v1/fast")
+    def fast() -> dict:
+        return {"ok": True}
+
+    http = serve_app_in_thread(app, free_port(), "shed")
+    try:
+        first: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: first.append(httpx.post(f"{http.url}/v1/slow", timeout=30)))
+        t.start()
+        assert entered.wait(10)
+        busy = httpx.post(f"{http.url}/v1/slow", timeout=5)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1" and "overloaded" in busy.text
+        assert httpx.get(f"{http.url}/v1/fast", timeout=5).status_code == 200  # GET: not guarded
+        release.set()
+        t.join(10)
+        assert first[0].status_code == 200 and refused == [1]
+        assert httpx.post(f"{http.url}/v1/slow", timeout=5).status_code == 200
+    finally:
+        release.set()
+        http.stop()

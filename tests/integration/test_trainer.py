@@ -8,8 +8,11 @@ Plan (B = 2 groups/step, η = 3, checkpoint every 2 steps, max_steps 10):
   phase 1 puts g00, Z (zero spread), g01..g06 → steps 1-3 run, checkpoint at v=2, g04-g06
            consumed after it; the test SIGKILLs torchrun and both workers at once while the
            trainer waits for g07.
-  phase 2 puts g07..g19 with S10, S15 (min_version 0: stale once v ≥ 4) among them and restarts.
-Trainable group k carries min_version k // 2, the version it is trained at (staleness 0).
+  phase 2 puts g07..g19 with S10, S15 (min_version 0: stale once v ≥ 4) among them, and L3,
+           sampled by the killed run's v=3 (a history the resumed run abandons), and restarts.
+Trainable group k carries min_version k // 2, the version it is trained at (staleness 0), except
+g06 (v=2: phase 1 is the killed run, which published up to v=3, and what its v=3 sampled is a lost
+history); phase 2's groups above v=2 were sampled by the resumed run, epoch 1.
 """
 
 from __future__ import annotations
@@ -126,12 +129,14 @@ is_correction = "tis"
     buf = ReplayBuffer(redis_url, run=run_id, consumer="test-producer")
     trainable = [f"g{k:02d}" for k in range(20)]
     phase1 = [make_group("g00", 0, rng), make_group("Z", 0, rng, rewards=[1.0, 1.0, 1.0, 1.0])]
-    phase1 += [make_group(f"g{k:02d}", k // B, rng, timeout_sample=(k == 3)) for k in range(1, 7)]
+    phase1 += [make_group(f"g{k:02d}", min(k // B, 2), rng, timeout_sample=(k == 3)) for k in range(1, 7)]
     phase2 = []
     for k in range(7, 20):
-        phase2.append(make_group(f"g{k:02d}", k // B, rng))
+        phase2.append(make_group(f"g{k:02d}", k // B, rng).model_copy(update={"lineage": {1: k // B}}))
         if k in (10, 15):
             phase2.append(make_group(f"S{k}", 0, rng))
+        if k == 8:  # tokens of epoch 0's v=3: the resumed trainer (epoch 1) forks at v=2
+            phase2.append(make_group("L3", 3, rng).model_copy(update={"lineage": {0: 3}}))
     for g in phase1:
         assert buf.put_group(g)
     audit = out / "trained.jsonl"
@@ -173,7 +178,7 @@ is_correction = "tis"
 
     events = read_audit(audit)
     resumes = [e for e in events if e["event"] == "resume"]
-    assert [(e["version"], e["reclaimed"]) for e in resumes] == [(0, 0), (2, 3)]
+    assert [(e["version"], e["epoch"], e["reclaimed"]) for e in resumes] == [(0, 0, 0), (2, 1, 3)]
     # the surviving lineage: a version's last entry wins (the resumed run redoes v=3)
     lineage: dict[int, dict] = {}
     for e in events:
@@ -184,20 +189,25 @@ is_correction = "tis"
     assert len(trained) == len(set(trained)) == 20, trained
     assert set(trained) == set(trainable)
     dropped = {gid for e in events if e["event"] == "step" for gid in e["dropped"]}
+    lost = {gid for e in events if e["event"] == "step" for gid in e["lost"]}
     discarded = {gid for e in events if e["event"] == "step" for gid in e["discarded"]}
-    assert dropped == {"S10", "S15"} and discarded == {"Z"}
+    assert dropped == {"S10", "S15"} and discarded == {"Z"} and lost == {"L3"}
     all_put = {g.group_id for g in phase1 + phase2}
-    assert set(trained) | dropped | discarded == all_put and len(trained) + len(dropped) + len(discarded) == len(all_put)
+    exits = set(trained) | dropped | discarded | lost
+    assert exits == all_put and len(trained) + len(dropped) + len(discarded) + len(lost) == len(all_put)
     stale_ids = {f[b"gid"].decode() for _, f in buf.r.xrange(buf.keys.stale)}
-    assert stale_ids == dropped
+    assert stale_ids == dropped | lost
     stats = buf.stats()
     assert stats["pending"]["groups"] == 0 and stats["depth"]["groups"] == 0
-    assert stats["counters"].get("zero_spread") == 1
+    assert stats["counters"].get("zero_spread") == 1 and stats["counters"].get("lost") == 1
     assert buf.get_version() == STEPS
+    # the resumed run's weights live beside, never over, the killed run's
+    assert buf.lineage().forks == {1: 2}
+    assert sorted(p.name for p in (out / "weights").iterdir()) == [f"v{STEPS - 1:08d}-e1", f"v{STEPS:08d}-e1"]
 
     # ---- published weights reload bit-identically in a fresh process
     info = buf.latest_weights()
-    assert info.version == STEPS and info.method == "disk"
+    assert (info.version, info.epoch, info.method) == (STEPS, 1, "disk")
     ckpt = out / "checkpoints" / f"step_{STEPS:08d}" / "state.pt"
     import torch
 

@@ -142,3 +142,140 @@ def test_chunk_by_size_keeps_order_and_the_limit():
     # sizes 3,3,2 | 5 | 9 (alone: larger than the limit) | 1 ; limit 8
     assert chunk_by_size([3, 3, 2, 5, 9, 1], lambda n: n, 8) == [[3, 3, 2], [5], [9], [1]]
     assert chunk_by_size([], lambda n: n, 8) == []
+
+
+# --------------------------------------------------------------------------------- submission checks
+
+
+def reverse_schema() -> dict:
+    from services.reward.verifiers.toy import ReverseSpec
+
+    return ReverseSpec.model_json_schema()
+
+
+def test_reward_spec_arguments_are_checked_with_the_verifiers_own_model(intake):
+    from services.reward.verifiers.toy import ArithSpec
+
+    served = {"reverse": reverse_schema(), "arith": ArithSpec.model_json_schema()}
+    bad = request(
+        prompts=[
+            {"text": "ab"},
+            {"text": "ab", "reward_spec": {"verifier": "reverse", "target": 5, "colour": "red"}},
+        ]
+    )
+    with pytest.raises(BadRequest) as caught:
+        intake.build(bad, "j", served)
+    assert (caught.value.status, caught.value.reason) == (422, "invalid_reward_spec")
+    assert str(caught.value) == (
+        "invalid reward_spec: prompts.1.reward_spec.target: Input should be a valid string (reverse); "
+        "prompts.1.reward_spec.colour: Extra inputs are not permitted (reverse)"
+    )
+    # the job-level spec is named as such; an arith answer that is no integer fails its own validator
+    with pytest.raises(
+        BadRequest, match=r"^invalid reward_spec: reward_spec\.answer: Value error, answer must be"
+    ):
+        intake.build(
+            request(prompts=[{"text": "ab"}], reward_spec={"verifier": "arith", "answer": "x"}), "j", served
+        )
+    ok = request(prompts=[{"text": "ab", "reward_spec": {"verifier": "arith", "answer": 12}}, {"text": "ba"}])
+    assert [j.reward_spec for j in intake.build(ok, "j", served)] == [
+        {"verifier": "arith", "answer": 12},  # sent as given; the reward service parses it again
+        {"verifier": "reverse"},
+    ]
+
+
+def test_reward_spec_refusals_are_bounded_and_never_echo_the_input(intake):
+    served = {"reverse": reverse_schema()}
+    huge_key, huge_value = "k" * 100_000, "v" * 100_000
+    prompts = [
+        {"text": "ab", "reward_spec": {"verifier": "reverse", huge_key: 1, "target": [huge_value]}}
+    ] * 50
+    with pytest.raises(BadRequest) as caught:
+        intake.build(request(prompts=prompts), "j", served)
+    message = str(caught.value)
+    assert len(message) < 2_000 and huge_value[:300] not in message
+    assert message.startswith(
+        "invalid reward_spec: prompts.0.reward_spec.target: Input should be a valid string"
+    )
+    assert message.endswith("(50 invalid specs in all)")
+
+
+def test_verifiers_unknown_here_or_of_another_version_are_checked_by_name_only(intake):
+    spec = {"verifier": "reverse", "target": 5}
+    other_version = {**reverse_schema(), "title": "ReverseSpecV2"}
+    for served in ({"reverse": other_version}, frozenset({"reverse"})):
+        assert len(intake.build(request(prompts=[{"text": "ab", "reward_spec": spec}]), "j", served)) == 1
+    custom = request(prompts=[{"text": "ab", "reward_spec": {"verifier": "custom", "anything": [1]}}])
+    assert len(intake.build(custom, "j", {"custom": {"type": "object"}, "reverse": reverse_schema()})) == 1
+    with pytest.raises(BadRequest, match=r"unknown verifier\(s\) \['custom'\]") as caught:
+        intake.build(custom, "j", {"reverse": reverse_schema()})
+    assert (caught.value.status, caught.value.reason) == (400, "unknown_verifier")
+
+
+def test_builtin_verifier_registry_names_every_verifier_and_its_spec_model():
+    import importlib
+
+    from services.reward.verifiers import BUILTIN, Verifier, spec_model, verifier_class
+
+    for name in BUILTIN:
+        assert verifier_class(name).name == name and spec_model(name) is verifier_class(name).Spec
+    for module in ("toy", "math", "code", "judge"):
+        importlib.import_module(f"services.reward.verifiers.{module}")
+    assert {cls.name for cls in Verifier.__subclasses__()} <= set(BUILTIN)
+    assert spec_model("custom") is None
+
+
+def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(intake):
+    from proto.sglang import GenerateItem, SamplingParams
+    from services.engine.engine import Engine, InvalidRequest
+    from services.rollout.intake import REFERENCE_ENGINE_REFUSES, check_engine_support
+
+    refused = {
+        "stop": ["\n"], "min_new_tokens": 2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
+        "repetition_penalty": 1.1, "regex": "a+", "json_schema": "{}", "ebnf": "root ::= 'a'",
+        "logit_bias": {"5": 1.0},
+    }  # fmt: skip
+    allowed = {
+        "stop_token_ids": [5], "ignore_eos": True, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+        "sampling_seed": 3, "skip_special_tokens": False, "no_stop_trim": True, "max_new_tokens": 4,
+    }  # fmt: skip
+    assert set(refused) == set(REFERENCE_ENGINE_REFUSES)
+
+    def engine_refuses(params: SamplingParams) -> bool:
+        item = GenerateItem(text="ab", input_ids=None, sampling_params=params, rid=None, return_logprob=True,
+                            logprob_start_len=-1, top_logprobs_num=0)  # fmt: skip
+        try:
+            Engine._refuse_unsupported(None, item)  # the engine's own list, not a copy of it
+        except InvalidRequest:
+            return True
+        return False
+
+    for name, value in {**refused, **allowed}.items():
+        params = SamplingParams.model_validate({name: value})
+        assert engine_refuses(params) == (name in refused), name
+        if name in refused:
+            with pytest.raises(BadRequest, match=rf"^sampling_params {name}: not supported") as caught:
+                check_engine_support(params, "reference")
+            assert (caught.value.status, caught.value.reason) == (400, "unsupported_sampling_params")
+        else:
+            check_engine_support(params, "reference")
+        check_engine_support(params, "sglang")  # a real SGLang takes them all
+        check_engine_support(params, None)  # unknown engine: it judges
+    req = request(prompts=[{"text": "ab"}], sampling_params={"stop": ["x"], "logit_bias": {"1": 2.0}})
+    with pytest.raises(BadRequest, match="^sampling_params stop, logit_bias: not supported"):
+        intake.build(req, "j", frozenset({"reverse"}), "reference")
+
+
+def test_a_job_level_reward_spec_is_checked_only_when_a_prompt_uses_it():
+    from services.reward.verifiers import spec_model
+    from services.rollout.intake import check_reward_specs
+
+    served = {name: spec_model(name).model_json_schema() for name in ("math", "reverse")}  # as published
+    bad_default = {"verifier": "math"}  # math needs an `answer`
+    own = [{"text": "2+3?", "reward_spec": {"verifier": "math", "answer": "5"}}]
+    req = RolloutRequest.model_validate({"prompts": own, "reward_spec": bad_default})
+    check_reward_specs(req.prompts, req.reward_spec, served)  # every prompt brings its own: fine
+    req = RolloutRequest.model_validate({"prompts": [*own, {"text": "1+1?"}], "reward_spec": bad_default})
+    with pytest.raises(BadRequest) as err:
+        check_reward_specs(req.prompts, req.reward_spec, served)
+    assert err.value.status == 422 and str(err.value).startswith("invalid reward_spec: reward_spec.answer:")

@@ -12,10 +12,11 @@ from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
 
 from proto.evals import EVAL_NAME_PATTERN, EvalAccepted, EvalList, EvalRequest, EvalResult, EvalSummary
+from proto.sglang import SamplingParams
 from services.rollout import metrics as m
 from services.rollout.deps import ServiceDep
 from services.rollout.evaluations import body_hash, build_task, eval_id_for, new_summary, sampling_params
-from services.rollout.intake import BadRequest
+from services.rollout.intake import BadRequest, check_engine_support, check_reward_specs
 from services.rollout.reward_client import VerifiersUnavailable
 from services.rollout.routes.errors import ERRORS, refuse
 
@@ -33,7 +34,10 @@ async def submit(body: EvalRequest, service: ServiceDep) -> EvalAccepted:
         verifiers = await service.rewards.verifiers()
     except VerifiersUnavailable as exc:
         raise refuse(503, str(exc), "reward_unavailable") from exc
+    engine_kind = await service.engine_kind()
     try:
+        check_engine_support(body.sampling_params or SamplingParams(), engine_kind)
+        await run_in_threadpool(check_reward_specs, body.prompts, body.reward_spec, verifiers)
         params = sampling_params(settings, body.sampling_params)
         task = await run_in_threadpool(build_task, service.intake, body.prompts, body.reward_spec, params,
                                        body.name, verifiers)  # fmt: skip

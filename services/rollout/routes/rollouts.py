@@ -1,7 +1,20 @@
-"""`/v1/rollouts`: submit a job (202), read its progress, cancel it."""
+"""`/v1/rollouts`: submit a job (202), read its progress, cancel it.
+
+A submission is refused before anything is queued or generated (each refusal counted in
+`asyncrl_rollout_requests_rejected_total{reason}`): a body that does not validate (422
+`invalid_body`), a verifier the reward service does not serve (400 `unknown_verifier`), spec
+arguments the verifier's own model refuses (422 `invalid_reward_spec`, naming the prompt and
+the field), sampling params the engine refuses (400 `unsupported_sampling_params`, for the
+reference engine), limits (400: context length, max_new_tokens cap, vocabulary), a reused
+idempotency key (409 `conflict`), an unreachable reward service (503). See `intake.py`.
+
+A job's state: `queued` → `running` → `done` | `failed` (no group gave a scored sample: all
+refused by the engine, or all unscored) | `cancelling` → `cancelled`.
+"""
 
 from __future__ import annotations
 
+import json
 import time
 
 from fastapi import APIRouter
@@ -38,8 +51,9 @@ async def submit(body: RolloutRequest, service: ServiceDep) -> RolloutAccepted:
         verifiers = await service.rewards.verifiers()
     except VerifiersUnavailable as exc:
         raise _refuse(503, str(exc), "reward_unavailable") from exc
+    engine_kind = await service.engine_kind()
     try:
-        jobs = await run_in_threadpool(service.intake.build, body, job_id, verifiers)
+        jobs = await run_in_threadpool(service.intake.build, body, job_id, verifiers, engine_kind)
     except BadRequest as exc:
         raise _refuse(exc.status, str(exc), exc.reason) from exc
 
@@ -81,11 +95,18 @@ def _progress(service: RolloutService, job_id: str) -> RolloutProgress:
     counts = dict.fromkeys(PHASES, 0)
     trainer: dict[str, int] = {}
     errors: dict[str, str] = {}
+    unscored, unscored_samples = 0, {}
     for key, value in raw.items():
         if key.startswith("info:phase:"):
             counts[value] = counts.get(value, 0) + 1
         elif key.startswith("info:error:") and len(errors) < MAX_ERRORS_SHOWN:
             errors[key.removeprefix("info:error:")] = value
+        elif key.startswith("info:unscored:"):
+            statuses = _statuses(value)
+            unscored += bool(statuses) and statuses.get("scored", 0) == 0
+            for status, n in statuses.items():
+                if status != "scored":
+                    unscored_samples[status] = unscored_samples.get(status, 0) + n
         elif not key.startswith("info:") and value.lstrip("-").isdigit():
             trainer[key] = int(value)
     groups = int(raw["info:groups"])
@@ -93,7 +114,10 @@ def _progress(service: RolloutService, job_id: str) -> RolloutProgress:
     cancel_requested = buf.job_cancelled(job_id)
     finished = counts["buffered"] + counts["failed"] + counts["cancelled"]
     if finished == groups:
-        state = "cancelled" if cancel_requested and counts["cancelled"] else "done"
+        if cancel_requested and counts["cancelled"]:
+            state = "cancelled"
+        else:  # `failed` when not one group gave the trainer a reward to learn from
+            state = "done" if counts["buffered"] - unscored > 0 else "failed"
     elif cancel_requested:
         state = "cancelling"
     else:
@@ -114,6 +138,19 @@ def _progress(service: RolloutService, job_id: str) -> RolloutProgress:
         in_buffer=max(counts["buffered"] - consumed, 0),
         created_at=float(raw.get("info:created_at", 0.0)),
         cancel_requested=cancel_requested,
+        unscored=unscored,
+        unscored_samples=unscored_samples,
         other={k: v for k, v in trainer.items() if k not in TRAINER_FIELDS},
         errors=errors,
     )
+
+
+def _statuses(value: str) -> dict[str, int]:
+    """An `unscored:<gid>` record (samples by reward status, JSON); {} if unreadable."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return {}
+    if not isinstance(parsed, dict):
+        return {}
+    return {str(k): v for k, v in parsed.items() if isinstance(v, int) and not isinstance(v, bool)}

@@ -1,0 +1,293 @@
+"""Self-healing pieces on their own, with a real Redis and real processes (no model):
+
+* buffer clients ride out a SIGKILLed Redis restarted in place from its AOF (`appendfsync
+  always`: what a client saw acknowledged is still there), counted in the outage metrics;
+* a retried `XREADGROUP` whose first reply was lost does not strand the delivered groups, and
+  a re-sent dead-letter script does not dead-letter twice;
+* the launcher's policy: a crashed service (and the embedded Redis) is restarted after an
+  exponential backoff, counted on its /metrics; one crash over `max_restarts` stops the run
+  with a message naming the service; the trainer's exit 0 ends the run.
+
+The whole topology under kills is tests/e2e/test_supervised_topology.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from factories import make_group
+
+from buffer import ReplayBuffer
+from buffer.connection import OUTAGES, ReconnectRetry
+from buffer.replay import TRAINER_GROUP
+from buffer.server import RedisServer, embedded_binary, free_port
+from services.launcher import Launcher, Proc, UpConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _outages(outcome: str) -> float:
+    return OUTAGES.labels(outcome)._value.get()
+
+
+def test_buffer_rides_out_a_redis_crash_and_keeps_what_was_acknowledged(tmp_path):
+    server = RedisServer(tmp_path / "redis", binary=embedded_binary(), fsync="always").start()
+    try:
+        buf = ReplayBuffer(server.url, run="heal", consumer="trainer-0")
+        producer = ReplayBuffer(server.url, run="heal", consumer="rollout-0")
+        sub = producer.subscribe_weights()
+        assert producer.put_groups([make_group(f"g{i}") for i in range(3)]) == [True] * 3
+        assert [g.group_id for g in buf.take_groups(2, 0, block_ms=100).groups] == ["g0", "g1"]
+        assert buf.ack(["g0"]) == 1
+        recovered = _outages("recovered")
+
+        server.kill()  # SIGKILL: no AOF flush beyond what `always` already wrote
+        restart = threading.Timer(1.5, server.start)
+        restart.start()
+        t0 = time.monotonic()
+        # every call below starts while Redis is down and waits for it
+        assert producer.put_group(make_group("g3"))
+        assert time.monotonic() - t0 > 1.0
+        restart.join()
+        assert buf.ack(["g1"]) == 1
+        taken = buf.take_groups(5, 0, block_ms=200).groups
+        assert [g.group_id for g in taken] == ["g2", "g3"]  # nothing lost, nothing twice
+        assert buf.ack(["g2", "g3"]) == 2
+        stats = buf.stats()
+        assert stats["counters"]["put"] == 4 and stats["counters"]["acked"] == 4
+        assert stats["pending"]["groups"] == 0 and stats["depth"]["groups"] == 0
+        assert _outages("recovered") >= recovered + 1
+        sub.get(0.2)  # the subscription reconnects (and re-subscribes) too
+        producer.publish_weights(make_weights(1))
+        assert _next_weights(sub).version == 1
+        sub.close()
+        buf.close()
+        producer.close()
+    finally:
+        server.stop()
+
+
+def make_weights(version: int):
+    from proto import WeightsInfo
+
+    return WeightsInfo(version=version, method="disk", path=f"/w/{version}", published_at=time.time())
+
+
+def _next_weights(sub, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = sub.get(0.5)
+        if info is not None:
+            return info
+    raise AssertionError("no weights event after the restart")
+
+
+def test_client_gives_up_after_its_budget():
+    port = free_port()  # nothing listens there
+    gave_up = _outages("gave_up")
+    client = redis.Redis(port=port, retry=ReconnectRetry("test", budget_s=0.6))
+    t0 = time.monotonic()
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
+    assert 0.5 < time.monotonic() - t0 < 5
+    assert _outages("gave_up") == gave_up + 1
+
+
+def test_a_lost_read_reply_is_handed_out_after_the_outage(redis_url, run_id):
+    """XREADGROUP ran, its reply never arrived (Redis died while sending it): the entries are in
+    this consumer's pending list, unseen. After the outage the buffer hands them out, once."""
+    buf = ReplayBuffer(redis_url, run=run_id, consumer="trainer-0")
+    buf.put_groups([make_group("a"), make_group("b"), make_group("c")])
+    assert [g.group_id for g in buf.take_groups(1, 0, block_ms=50).groups] == ["a"]  # held, not yet acked
+    buf.r.xreadgroup(TRAINER_GROUP, "trainer-0", {buf.keys.groups: ">"}, count=1)  # "b": the lost reply
+    buf._retry.outages += 1  # what ReconnectRetry records when the connection broke
+    taken = [g.group_id for g in buf.take_groups(5, 0, block_ms=50).groups]
+    assert taken == ["b", "c"]  # "a" is held already: not handed out twice
+    assert buf.ack(["a", "b", "c"]) == 3
+    assert buf.stats()["pending"]["groups"] == 0
+    buf.close()
+
+
+def test_a_resent_dead_letter_script_does_not_count_twice(redis_url, run_id):
+    buf = ReplayBuffer(redis_url, run=run_id, consumer="trainer-0")
+    k = buf.keys
+    eid = buf.r.xadd(k.groups, {"gid": "bad", "data": b"not msgpack"}).decode()
+    buf.r.hset(k.index, "bad", eid)
+    buf.r.xreadgroup(TRAINER_GROUP, "trainer-0", {k.groups: ">"}, count=1)
+    for _ in range(2):  # the second run is the re-send after a lost reply
+        buf._dead_letter(k.groups, TRAINER_GROUP, eid, "bad record", b"not msgpack", "bad")
+    assert buf.r.xlen(k.deadletter) == 1 and buf.stats()["counters"]["deadletter"] == 1
+    buf.close()
+
+
+class _Engines:
+    """The part of EngineClient that WeightSync's restart check uses; `served` is what each
+    engine reports as its weight_version."""
+
+    def __init__(self, served: list[str]):
+        from services.rollout.engine_client import Engine
+
+        self.served, self.updates = served, []
+        self.admins = [Engine(i, f"http://engine-{i}") for i in range(len(served))]
+
+    async def weight_versions(self, only=None) -> list[str]:
+        return list(self.served)
+
+    async def update_all_from_disk(self, path: str, version: str, only: list[int]) -> list[str]:
+        self.updates.append((path, version, tuple(only)))
+        for i in only:
+            self.served[i] = version
+        return []
+
+
+def test_a_restarted_engine_is_moved_back_to_the_newest_weights():
+    """A restarted engine serves its start weights, and a trainer that waits for fresh groups
+    publishes nothing that would move it: the rollout's poll notices and reloads it."""
+    import asyncio
+
+    from services.rollout.weights import WeightSync
+
+    engines = _Engines(["5", "5", "5"])
+    sync = WeightSync(None, engines, poll_s=1.0)
+    sync.version, sync.method, sync.latest = 5, "disk", make_weights(5)
+    asyncio.run(sync._reload_restarted())
+    assert engines.updates == []  # all at the newest: nothing to do
+    engines.served[1] = engines.served[2] = "0"  # engines 1 and 2 restarted; 2 is pinned by an evaluation
+    sync.pins[2] = 1
+    asyncio.run(sync._reload_restarted())
+    assert engines.updates == [("/w/5", "5", (1,))] and sync.served[1] == 5
+    assert engines.served == ["5", "5", "0"]
+
+
+# --------------------------------------------------------------------------- the launcher's policy
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+def _launcher(tmp_path: Path, **launch) -> Launcher:
+    raw = tomllib.loads((REPO / "configs" / "demo.toml").read_text())
+    raw["run"].update(id="sup", dir=str(tmp_path / "run"))
+    raw["model"]["path"] = str(tmp_path / "base")
+    raw["launch"].update(metrics_port=free_port(), restart_backoff_s=0.2, restart_backoff_max_s=0.4,
+                         max_restarts=2, **launch)  # fmt: skip
+    return Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
+
+
+def _supervise_until(launcher: Launcher, predicate, timeout: float = 20.0) -> int | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        outcome = launcher.supervise()
+        if outcome is not None or predicate():
+            return outcome
+        time.sleep(0.05)
+    raise AssertionError("supervision did not get there in time")
+
+
+def _start_fake(launcher: Launcher, *names: str) -> None:
+    """Embedded Redis and metrics as `start` does them, with sleepers for services."""
+    from services.launcher import _serve_metrics
+
+    launcher.cfg.model.build_tiny = False
+    launcher.prepare()
+    launcher._env = dict(os.environ)
+    launcher._metrics_server = _serve_metrics(launcher.registry, launcher.cfg.launch.metrics_port)
+    for name in names:
+        proc = Proc(name, list(SLEEPER), None)
+        launcher._spawn(proc)
+        proc.healthy = True
+        launcher.procs.append(proc)
+
+
+def _metric(launcher: Launcher, line_start: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{launcher.cfg.launch.metrics_port}/metrics", timeout=5).text
+    values = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(line_start)]
+    return values[0] if values else 0.0
+
+
+def test_launcher_restarts_with_backoff_then_stops_over_budget(tmp_path):
+    launcher = _launcher(tmp_path)
+    try:
+        _start_fake(launcher, "reward-0", "engine-0")
+        reward = launcher.find("reward-0")
+        delays = []
+        for n in (1, 2):
+            old = reward.popen.pid
+            os.kill(old, signal.SIGKILL)
+            t0 = time.monotonic()
+            assert _supervise_until(launcher, lambda old=old: reward.alive and reward.popen.pid != old) is None
+            delays.append(time.monotonic() - t0)
+            assert reward.restarts == n
+        assert 0.15 < delays[0] < delays[1]  # 0.2 s, then 0.4 s
+        assert _metric(launcher, 'asyncrl_launcher_restarts_total{service="reward-0"}') == 2
+        assert launcher.find("engine-0").restarts == 0
+        # Redis: killed, restarted in place (same port), its data kept
+        client = redis.Redis.from_url(launcher.redis_url, retry=ReconnectRetry("test"))
+        client.set("kept", "1")
+        os.kill(launcher.redis.proc.pid, signal.SIGKILL)
+        launcher.redis.proc.wait()
+        assert _supervise_until(launcher, lambda: launcher.redis_proc.restarts == 1 and launcher.redis.alive) is None
+        assert client.get("kept") == b"1"
+        assert _metric(launcher, 'asyncrl_launcher_restarts_total{service="redis"}') == 1
+        # a third crash of reward-0 is one more than max_restarts = 2
+        os.kill(reward.popen.pid, signal.SIGKILL)
+        reward.popen.wait()
+        assert _supervise_until(launcher, lambda: False) == 1
+        assert "reward-0 exited with -9 after 2 restart(s)" in launcher.stop_reason
+        assert "max_restarts = 2" in (tmp_path / "run" / "logs" / "launcher.log").read_text()
+    finally:
+        launcher.stop()
+    assert launcher.redis is None
+
+
+def test_trainer_exit_0_ends_the_run_and_a_crash_does_not(tmp_path):
+    launcher = _launcher(tmp_path)
+    try:
+        _start_fake(launcher)
+        trainer = Proc("trainer", [sys.executable, "-c", "import sys; sys.exit(3)"], None)
+        launcher._spawn(trainer)
+        launcher.procs.append(trainer)
+        trainer.popen.wait()
+        assert launcher.supervise() is None and trainer.restart_at is not None  # exit 3: a crash
+        trainer.cmd = [sys.executable, "-c", "pass"]
+        assert _supervise_until(launcher, lambda: False) == 0
+        assert launcher.stop_reason == "trainer finished (exit 0)" and trainer.restarts == 1
+    finally:
+        launcher.stop()
+
+
+def test_a_service_that_stops_answering_is_restarted(tmp_path):
+    """Alive but failing its health check (e.g. a rollout whose scheduler loop died: 503):
+    after `liveness_failures` probes in a row it is killed and restarted like a crash."""
+    launcher = _launcher(tmp_path, liveness_interval_s=0.1, liveness_failures=3)
+    port = free_port()
+    sick = (
+        "import http.server as h\n"
+        "class H(h.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(503); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        f"h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
+    )
+    try:
+        _start_fake(launcher)
+        rollout = Proc("rollout-0", [sys.executable, "-c", sick], f"http://127.0.0.1:{port}/healthz")
+        launcher._spawn(rollout)
+        rollout.healthy = True  # it was, at start
+        launcher.procs.append(rollout)
+        first = rollout.popen.pid
+        assert _supervise_until(launcher, lambda: rollout.restarts == 1 and rollout.popen.pid != first) is None
+        assert _metric(launcher, 'asyncrl_launcher_health_check_failures_total{service="rollout-0"}') == 3
+        assert _metric(launcher, 'asyncrl_launcher_service_up{service="rollout-0"}') == 0
+        log = (tmp_path / "run" / "logs" / "launcher.log").read_text()
+        assert "rollout-0 failed 3 health checks in a row" in log and "restart 1/2" in log
+    finally:
+        launcher.stop()
