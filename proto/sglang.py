@@ -32,6 +32,18 @@ MAX_TEMPERATURE = 100.0
 MAX_TOKEN_ID = 2**31 - 1
 
 
+def _valid_unicode(value: Any) -> Any:
+    """Refuse a lone UTF-16 surrogate (a JSON "\\ud800" escape): it is not text, the tokenizer
+    cannot take it and UTF-8 cannot encode it back into an answer."""
+    for text in value if isinstance(value, list) else [value]:
+        if isinstance(text, str) and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("contains a lone UTF-16 surrogate, which is not valid Unicode") from None
+    return value
+
+
 class SamplingParams(BaseModel):
     """SGLang `SamplingParams` (same names and defaults). `temperature = 0` is greedy."""
 
@@ -100,6 +112,8 @@ class GenerateReqInput(BaseModel):
     return_bytes: bool = False
     background: bool = False
     no_logs: bool = False
+
+    _unicode = field_validator("text", "rid")(_valid_unicode)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:
@@ -318,6 +332,8 @@ class ChatMessage(BaseModel):
     role: str = Field(min_length=1)
     content: str
 
+    _unicode = field_validator("role", "content")(_valid_unicode)
+
 
 class ChatCompletionRequest(BaseModel):
     """OpenAI chat request. Unknown fields are kept (`model_extra`) so a server can refuse the
@@ -334,6 +350,8 @@ class ChatCompletionRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     seed: int | None = Field(default=None, ge=0)
+
+    _unicode = field_validator("model")(_valid_unicode)
     logprobs: bool = False
 
 

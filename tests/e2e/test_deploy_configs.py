@@ -185,7 +185,7 @@ def test_compose_health_restart_volumes_and_privileges(compose):
 
     redis = services["redis"]
     cmd = redis["command"]
-    assert flag(cmd, "--appendonly") == "yes" and flag(cmd, "--appendfsync") == "everysec"
+    assert flag(cmd, "--appendonly") == "yes" and flag(cmd, "--appendfsync") == "always"
     assert mounts(redis)["/data"] in compose["volumes"]
 
     weights = mounts(services["trainer"])["/weights"]

@@ -215,7 +215,7 @@ def test_k8s_router_redis_and_reward_sandbox(k8s):
     redis = k8s[("StatefulSet", "redis")]
     (container,) = pod_spec(redis)["containers"]
     args = container["args"]
-    assert flag(args, "--appendonly") == "yes" and flag(args, "--appendfsync") == "everysec"
+    assert flag(args, "--appendonly") == "yes" and flag(args, "--appendfsync") == "always"
     (claim,) = redis["spec"]["volumeClaimTemplates"]
     mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     assert mounted[flag(args, "--dir")] == claim["metadata"]["name"]

@@ -156,6 +156,21 @@ def test_lone_surrogates_and_nuls_get_a_4xx_not_a_500(request, name):
     assert "\\ud800" not in resp.text and "k\x00" in resp.json()["message"]  # no input, the key quoted
 
 
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/generate", b'{"text": "a\\ud800b"}', "text"),
+    ("/generate", b'{"text": "hi", "rid": "\\udfff", "sampling_params": {"max_new_tokens": 1}}', "rid"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', "content"),
+    ("/v1/chat/completions", b'{"model": "\\ud800", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}',
+     "model"),
+])  # fmt: skip
+def test_a_lone_surrogate_alone_is_a_422_not_a_500(engine, path, body, field):
+    """Found by benchmarks/bad_inputs.py: with no other error in the body, a lone surrogate
+    reached the tokenizer (TypeError) or the answer's encoder (UnicodeEncodeError)."""
+    resp = engine.post(path, content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 422, resp.text
+    assert field in resp.json()["message"] and "lone UTF-16 surrogate" in resp.json()["message"]
+
+
 def test_logprob_start_len_below_minus_one_is_400(engine):
     resp = engine.post(
         "/generate", json={"input_ids": [1, 5, 6], "return_logprob": True, "logprob_start_len": -5}

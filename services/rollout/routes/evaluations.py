@@ -70,7 +70,7 @@ async def get(eval_id: str, service: ServiceDep) -> EvalResult:
     def read() -> EvalResult:
         found = service.evals.get(eval_id)
         if found is None:
-            raise refuse(404, f"no evaluation {eval_id!r}", "unknown_eval")
+            raise refuse(404, f"no evaluation {eval_id[:80]!r}", "unknown_eval")
         return EvalResult(**found[0].model_dump(), items=found[1])
 
     return await run_in_threadpool(read)

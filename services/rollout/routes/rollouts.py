@@ -91,7 +91,7 @@ def _progress(service: RolloutService, job_id: str) -> RolloutProgress:
     buf = service.api_buf
     raw = buf.job_progress(job_id)
     if "info:groups" not in raw:
-        raise _refuse(404, f"no rollout job {job_id!r}", "unknown_job")
+        raise _refuse(404, f"no rollout job {job_id[:80]!r}", "unknown_job")
     counts = dict.fromkeys(PHASES, 0)
     trainer: dict[str, int] = {}
     errors: dict[str, str] = {}
