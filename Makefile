@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint bench clean model-smollm2 demo-real
+.PHONY: install demo test test-unit lint bench clean model-smollm2 demo-real compose-ci
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,11 +36,17 @@ demo-real: $(SMOLLM2)/model.safetensors
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra tests
 
+# `docker compose --profile cpu up` for real on a CI machine (root, no registry, no dockerd
+# running): its own dockerd, base images from Debian packages, the stack up, trained, killed
+# and restarted, torn down; the machine is left as found. See deploy/ci/compose-up.sh.
+compose-ci:
+	deploy/ci/compose-up.sh
+
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 lint: $(STAMP)
-	$(BIN)/ruff check proto buffer trainer services tests benchmarks
+	$(BIN)/ruff check proto buffer trainer services tests benchmarks deploy
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/buffer_throughput.py

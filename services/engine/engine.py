@@ -48,6 +48,7 @@ REFUSED_PATH = "model_path refused: not a directory of *.safetensors files insid
 # The rendezvous gets the time left of its turn; the caller waits this much longer, so that the
 # library's own timeout (a clean error) normally comes first and ours is the backstop.
 JOIN_GRACE_S = 2.0
+NOT_APPLIED_IN_TIME = "the engine did not reach a point to apply the weights in time"
 
 
 class InvalidRequest(Exception):
@@ -338,18 +339,11 @@ class Engine:
                     return self._failed("disk", "error", error)
                 if req.abort_all_requests:
                     self.scheduler.abort(abort_all=True, message="aborted for a weight update")
-                retracted = await self._apply(
-                    lambda: self.scheduler.set_weights(
-                        lambda: self.runner.apply_weights(named), req.weight_version
-                    ),
-                    deadline,
-                )
+                retracted = await self._set_weights(named, req.weight_version, deadline)
         except UpdateBusy as exc:
             return UpdateResult(False, str(exc), 503)
         except UpdateTimeout:
-            return self._failed(
-                "disk", "timeout", "the engine did not reach a point to apply the weights in time"
-            )
+            return self._failed("disk", "timeout", NOT_APPLIED_IN_TIME)
         self.updates.record("disk", "ok")
         log_event(log, "weights updated from disk", path=req.model_path, version=self.weight_version)
         return UpdateResult(True, f"Succeeded to update model weights from {req.model_path}.", 200, retracted)
@@ -458,21 +452,20 @@ class Engine:
                 error = self.runner.check_weights(received, full=False)
                 if error:
                     return self._failed("distributed", "error", error)
-                await self._apply(
-                    lambda: self.scheduler.set_weights(
-                        lambda: self.runner.apply_weights(received), req.weight_version
-                    ),
-                    deadline,
-                )
+                await self._set_weights(received, req.weight_version, deadline)
         except UpdateBusy as exc:
             return UpdateResult(False, str(exc), 503)
         except UpdateTimeout:
-            return self._failed(
-                "distributed", "timeout", "the engine did not reach a point to apply the weights in time"
-            )
+            return self._failed("distributed", "timeout", NOT_APPLIED_IN_TIME)
         self.updates.record("distributed", "ok")
         log_event(log, "weights updated from broadcast", count=len(req.names), version=self.weight_version)
         return UpdateResult(True, f"Succeeded to update {len(received)} parameters.", 200)
+
+    async def _set_weights(self, named: dict[str, torch.Tensor], weight_version: str | None, deadline: float):
+        """Install `named` as `weight_version` (`_apply`: between scheduler steps, by `deadline`)."""
+        return await self._apply(
+            lambda: self.scheduler.set_weights(lambda: self.runner.apply_weights(named), weight_version), deadline
+        )
 
     async def _apply(self, fn, deadline: float):
         """`fn()` on the scheduler thread once running requests are drained (unless paused), by

@@ -152,7 +152,7 @@ def test_compose_requires_the_api_token(compose):
     proc = run_tool("docker-compose", "-f", str(COMPOSE), "config", "-q", token=None)
     assert proc.returncode != 0 and "set ASYNCRL_API_TOKEN" in proc.stderr, proc.stderr
     for name, svc in compose["services"].items():
-        if svc.get("image", "").startswith("asyncrl:"):
+        if svc.get("image", "").startswith(("asyncrl:", "asyncrl-reward:")):
             assert svc["environment"]["ASYNCRL_API_TOKEN"] == COMPOSE_TOKEN, name
     assert flag(compose["services"]["engine"]["command"], "--api-key") == COMPOSE_TOKEN  # SGLang's own flag
 
@@ -193,9 +193,14 @@ def test_compose_health_restart_volumes_and_privileges(compose):
     for name in ("trainer-gpu", "engine", "engine-cpu", "init"):
         assert mounts(services[name])["/weights"] == weights, f"{name} must share the weights volume"
 
+    gpus = {}
     for name in ("engine", "trainer-gpu"):
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], name
+        assert "count" not in device, f"{name}: explicit device_ids, not a count"
+        gpus[name] = set(device["device_ids"])
+    assert gpus["engine"] and gpus["trainer-gpu"] and not gpus["engine"] & gpus["trainer-gpu"], gpus
+    assert not services["engine"]["image"].endswith(":latest"), "pin the SGLang image"
 
     # Only the reward service gets what bubblewrap needs; nothing is privileged.
     reward = services["reward"]

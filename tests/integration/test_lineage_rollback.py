@@ -44,6 +44,10 @@ def start_trainer(config: Path, log: Path) -> subprocess.Popen:
     )  # fmt: skip
 
 
+def step_logged(audit: Path, version: int) -> bool:
+    return audit.exists() and f'"event": "step", "version": {version},' in audit.read_text()
+
+
 def buffered_lineages(buf: ReplayBuffer) -> dict[str, dict[int, int]]:
     """group id -> lineage of every group waiting in the buffer (read without consuming)."""
     out = {}
@@ -67,7 +71,7 @@ run = "{run_id}"
 model_path = "{model_dir}"
 output_dir = "{out}"
 batch_groups = {B}
-max_staleness = 1
+max_staleness = 0
 max_steps = {STEPS}
 checkpoint_every = {FORK}
 micro_batch_size = 4
@@ -118,10 +122,12 @@ device = "cpu"
             assert resp.status_code == 202, resp.text
 
             # ---- the first trainer: steps 1-3, checkpoint at 2, SIGKILL after 3
+            # η = 0: step 4 needs groups sampled wholly by v3, so it cannot follow step 3 before
+            # the engine has moved and generated again (~1 s): the kill lands in between.
             proc = start_trainer(config, log)
-            wait_for(lambda: audit.exists() and any(e["event"] == "step" and e["version"] == 3 for e in read_audit(audit)),
-                     120, "step 3", proc)  # fmt: skip
+            wait_for(lambda: step_logged(audit, 3), 120, "step 3", proc, poll_s=0.01)
             kill_tree(process_tree(proc.pid))
+            assert not step_logged(audit, 4), "the trainer ran past step 3 before the kill"
             proc.wait(30)
             wait_for(lambda: engine_version() == "3", 30, "the engine to serve v3")
             wait_for(lambda: any(lin.get(0, -1) == 3 for lin in buffered_lineages(buf).values()), 60,

@@ -58,14 +58,14 @@ def read_audit(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def wait_for(predicate, timeout: float, what: str, proc=None):
+def wait_for(predicate, timeout: float, what: str, proc=None, poll_s: float = 0.1):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"trainer exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.1)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}")
 
 
