@@ -13,7 +13,7 @@ per thread (unreachable, reachable again or given up) and counted in
 
 Re-sending is safe only for commands that may run twice: a command can have run on the server
 before the connection broke (the reply lost). What the buffer sends, and why a second run
-changes nothing (DESIGN.md §4, exactly-once):
+changes nothing (docs/architecture.md §4, exactly-once):
 
 * Lua scripts (buffer/lua.py) are idempotent by construction: every transition is keyed on
   the group's (or job's) state in the `index` / `jobindex` hash and is taken once. PUT_GROUPS

@@ -1,4 +1,4 @@
-"""Lua scripts: every multi-key update of the buffer is one atomic script (DESIGN.md §4).
+"""Lua scripts: every multi-key update of the buffer is one atomic script (docs/architecture.md §4).
 
 Per-group state lives in the `index` hash: group_id → stream entry id while the group is
 in the buffer, then `acked`, `dropped`, `withheld`, `zero_spread`, … once it has left it.

@@ -1,4 +1,4 @@
-"""The Redis replay buffer (DESIGN.md §4–5): a handful of typed methods over streams and Lua.
+"""The Redis replay buffer (docs/architecture.md §4–5): a handful of typed methods over streams and Lua.
 
 Delivery is at-least-once with idempotent ids. A group leaves the buffer exactly once, by
 `ack` (trained; called when the checkpoint covering it is durable), by staleness (`drop` or
@@ -471,13 +471,6 @@ class ReplayBuffer:
         k = self.keys
         self._held_jobs.pop(group_id, None)
         return bool(self._scripts["ACK_JOB"](keys=[k.job_index, k.jobs, k.stats], args=[ROLLOUT_GROUP, group_id, state]))
-
-    def update_job(self, job_id: str, **counts: int) -> None:
-        """Add to a job's progress counters (e.g. generating=1, buffered=1, failed=1)."""
-        pipe = self.r.pipeline(transaction=False)
-        for name, n in counts.items():
-            pipe.hincrby(self.keys.job_prefix + job_id, name, n)
-        pipe.execute()
 
     def set_job_info(self, job_id: str, **fields: str | float) -> None:
         self.set_jobs_info({job_id: fields})

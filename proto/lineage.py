@@ -1,4 +1,4 @@
-"""Weight-version lineage: which trainer history a policy version belongs to (DESIGN.md §5).
+"""Weight-version lineage: which trainer history a policy version belongs to (docs/architecture.md §5).
 
 A version number alone cannot tell two histories apart. A trainer killed at v466 after its
 checkpoint at v460 resumes at v460 and publishes its own v461…v466: the engines, the weight

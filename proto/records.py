@@ -1,4 +1,4 @@
-"""Buffer records (DESIGN.md §3): samples, groups, rollout jobs and weight locations.
+"""Buffer records (docs/architecture.md §3): samples, groups, rollout jobs and weight locations.
 
 A group holds its samples column-wise (`Samples`): the trainer and the codec work on whole
 columns, and a `Sample` is built only when one is read.

@@ -1,4 +1,4 @@
-"""HTTP bodies of SGLang's native API, the subset asyncrl speaks (DESIGN.md §7).
+"""HTTP bodies of SGLang's native API, the subset asyncrl speaks (docs/architecture.md §7).
 
 Both sides import these: the reference engine (`services/engine`) validates requests with
 them, and the rollout service's engine client builds requests and parses responses with them,

@@ -206,7 +206,7 @@ def sampling_params(cfg: DemoSection) -> dict:
         # reward reads the text without special tokens.
         return {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens}
     # Fixed-length answers: every completion has exactly prompt_len tokens, so stopping
-    # early is never an option the policy can collapse into (DESIGN.md §10). Special
+    # early is never an option the policy can collapse into (docs/architecture.md §10). Special
     # tokens stay in the text, so a sampled <eos> costs its position instead of vanishing
     # and sliding the later characters into place: the reward is exact per token.
     return {"temperature": 1.0, "max_new_tokens": cfg.prompt_len, "ignore_eos": True, "skip_special_tokens": False}

@@ -1,4 +1,4 @@
-"""Group-relative advantages (DESIGN.md §6) and DAPO reward shaping: pure tensor functions.
+"""Group-relative advantages (docs/architecture.md §6) and DAPO reward shaping: pure tensor functions.
 
 `rewards` is [G, n]: G groups of n samples of the same prompt. A sample whose reward is
 missing (its verifier timed out or failed) is passed as NaN together with `valid`=False; it

@@ -5,7 +5,7 @@ state dicts with `torch.save` (tensors and plain containers only: `torch.load(we
 reads them back) into `<root>/.tmp-…`, fsyncs every file and the directory, then renames it
 into place and fsyncs `<root>`: a checkpoint directory that exists is complete. `meta.json`
 lists the ids of the groups trained since the previous checkpoint; the caller acks them in the
-buffer only after `save` returns (exactly-once, DESIGN.md §4).
+buffer only after `save` returns (exactly-once, docs/architecture.md §4).
 
 Limits: full state dicts pass through rank 0's CPU memory (fine to a few billion parameters;
 use DCP sharded checkpoints beyond). Only rank 0 touches `<root>`: loading reads there and

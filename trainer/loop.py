@@ -1,4 +1,4 @@
-"""The trainer loop (DESIGN.md §6), read top to bottom as the algorithm:
+"""The trainer loop (docs/architecture.md §6), read top to bottom as the algorithm:
 
     resume from the last durable checkpoint (ack what it covers, reclaim what it does not)
     repeat:  take B groups (staleness rule) → log π_old (μ if bypass; the update's own

@@ -1,4 +1,4 @@
-"""Off-policy policy-gradient losses (DESIGN.md §6): pure functions of tensors.
+"""Off-policy policy-gradient losses (docs/architecture.md §6): pure functions of tensors.
 
 Shapes: B rows (one per sample), T completion positions (right-padded). `mask` is 1 where a
 token counts. Padded positions may hold any finite or non-finite value: they are replaced

@@ -1,9 +1,9 @@
-"""Trainer metrics (DESIGN.md §6) and rank 0's `/metrics` + `/healthz` server.
+"""Trainer metrics (docs/architecture.md §6) and rank 0's `/metrics` + `/healthz` server.
 
 The trainer is not a FastAPI service: it serves two read-only routes from a stdlib
 ThreadingHTTPServer in a daemon thread, so a slow scrape never touches the training loop.
 Gauges hold the last step's value; counters and histograms accumulate. Names follow
-DESIGN.md §9 (`asyncrl_` prefix, base units, `_total` counters, bounded labels).
+docs/architecture.md §9 (`asyncrl_` prefix, base units, `_total` counters, bounded labels).
 """
 
 from __future__ import annotations

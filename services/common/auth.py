@@ -1,4 +1,4 @@
-"""Bearer-token auth (DESIGN.md §9).
+"""Bearer-token auth (docs/architecture.md §9).
 
 Two tokens, one scheme (`Authorization: Bearer <token>`):
 

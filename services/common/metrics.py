@@ -1,6 +1,6 @@
 """Prometheus exposition shared by the services: a `/metrics` route on the default registry.
 
-Naming (DESIGN.md §9): `asyncrl_` prefix, base units (seconds, bytes), `_total` counters,
+Naming (docs/architecture.md §9): `asyncrl_` prefix, base units (seconds, bytes), `_total` counters,
 bounded label values only (verifier names, stream names, reasons; never ids).
 """
 

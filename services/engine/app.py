@@ -1,4 +1,4 @@
-"""FastAPI app of the reference engine: SGLang's native HTTP API (the subset of DESIGN.md §7)
+"""FastAPI app of the reference engine: SGLang's native HTTP API (the subset of docs/architecture.md §7)
 plus an OpenAI-compatible, non-streaming `/v1/chat/completions`.
 
 Status codes follow SGLang's http_server: 200 on success; 400 with `{"error": {"message"}}`

@@ -1,6 +1,6 @@
 """Prometheus metrics of the reference engine (process-wide, default registry, `/metrics`).
 
-Names follow DESIGN.md §9: `asyncrl_engine_` prefix, base units, `_total` counters, bounded
+Names follow docs/architecture.md §9: `asyncrl_engine_` prefix, base units, `_total` counters, bounded
 labels (finish reasons, rejection reasons, weight sources and results: never request ids).
 """
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the reward service (DESIGN.md §9: `asyncrl_` prefix, base units,
+"""Prometheus metrics of the reward service (docs/architecture.md §9: `asyncrl_` prefix, base units,
 `_total` counters, bounded labels: verifier names, statuses and reasons, never item ids)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weight updates (DESIGN.md §5): follow the run's `weights` channel and move the engines to
+"""Weight updates (docs/architecture.md §5): follow the run's `weights` channel and move the engines to
 each new policy version; hold back the engines an evaluation has pinned.
 
 * `disk` events: this service drives the engines with one `/update_weights_from_disk` each

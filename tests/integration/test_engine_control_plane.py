@@ -179,7 +179,7 @@ API = "Shared-api-token-for-tests-2Lp8"
 
 
 def test_with_asyncrl_api_token_the_data_plane_needs_a_token_too(tree, monkeypatch):
-    """ASYNCRL_API_TOKEN guards every service's data plane (DESIGN.md §9); the engine token,
+    """ASYNCRL_API_TOKEN guards every service's data plane (docs/architecture.md §9); the engine token,
     when it differs, still alone opens the control plane and is accepted on the data plane."""
     monkeypatch.setenv("ASYNCRL_API_TOKEN", API)
     assert _tiers(tree, api_token=TOKEN) == {
