@@ -21,6 +21,7 @@ them; the models below still carry the fields so a client can send them to SGLan
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -87,6 +88,27 @@ class SamplingParams(BaseModel):
         if value is not None and any(not 0 <= t <= MAX_TOKEN_ID for t in value):
             raise ValueError("token ids must be non-negative 32-bit integers")
         return value
+
+
+# What the reference engine cannot do, per sampling field: (how its refusal names it, whether
+# `params` asks for it). One list for the engine, which refuses these, and the rollout service,
+# which refuses them at its door when its engines are reference engines.
+REFERENCE_ENGINE_REFUSES: dict[str, tuple[str, Callable[[SamplingParams], bool]]] = {
+    "stop": ("stop strings (use stop_token_ids)", lambda p: bool(p.stop)),
+    "min_new_tokens": ("min_new_tokens", lambda p: p.min_new_tokens != 0),
+    "frequency_penalty": ("frequency_penalty", lambda p: p.frequency_penalty != 0.0),
+    "presence_penalty": ("presence_penalty", lambda p: p.presence_penalty != 0.0),
+    "repetition_penalty": ("repetition_penalty", lambda p: p.repetition_penalty != 1.0),
+    "regex": ("constrained decoding (regex)", lambda p: bool(p.regex)),
+    "json_schema": ("constrained decoding (json_schema)", lambda p: bool(p.json_schema)),
+    "ebnf": ("constrained decoding (ebnf)", lambda p: bool(p.ebnf)),
+    "logit_bias": ("logit_bias", lambda p: bool(p.logit_bias)),
+}
+
+
+def refused_by_reference_engine(params: SamplingParams) -> dict[str, str]:
+    """Field name -> label of each sampling feature in `params` the reference engine refuses."""
+    return {name: label for name, (label, asks) in REFERENCE_ENGINE_REFUSES.items() if asks(params)}
 
 
 class GenerateReqInput(BaseModel):

@@ -25,6 +25,7 @@ from proto.sglang import (
     InitWeightsUpdateGroupReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
+    refused_by_reference_engine,
 )
 from services.common.logging import log_event
 from services.engine import metrics, weight_sync
@@ -244,22 +245,8 @@ class Engine:
         )
 
     def _refuse_unsupported(self, item: GenerateItem) -> None:
-        sp = item.sampling_params
-        unsupported = {
-            "n > 1": sp.n != 1,
-            "stop strings (use stop_token_ids)": bool(sp.stop),
-            "min_new_tokens": sp.min_new_tokens != 0,
-            "frequency/presence/repetition penalties": (
-                sp.frequency_penalty,
-                sp.presence_penalty,
-                sp.repetition_penalty,
-            )
-            != (0.0, 0.0, 1.0),
-            "constrained decoding (regex, json_schema, ebnf)": bool(sp.regex or sp.json_schema or sp.ebnf),
-            "logit_bias": bool(sp.logit_bias),
-            "top_logprobs_num > 0": item.top_logprobs_num > 0,
-        }
-        refused = [name for name, used in unsupported.items() if used]
+        refused = list(refused_by_reference_engine(item.sampling_params).values())
+        refused += ["n > 1"] * (item.sampling_params.n != 1) + ["top_logprobs_num > 0"] * (item.top_logprobs_num > 0)
         if refused:
             raise InvalidRequest(f"not supported by the reference engine: {', '.join(refused)}")
 

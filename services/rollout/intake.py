@@ -15,7 +15,7 @@ when it scores, and a job whose every group comes back unscored reads `failed`. 
 are the reward server's own settings (e.g. the code verifier's `max_tests`) are checked there.
 
 Sampling params: the reference engine (`services/engine`) refuses some of SGLang's
-(`REFERENCE_ENGINE_REFUSES`); when the rollout's engines are reference engines (see
+(`proto.sglang.REFERENCE_ENGINE_REFUSES`); when the rollout's engines are reference engines (see
 `RolloutService.engine_kind`), those are refused here, at the door, instead of failing every
 group at the engine. A real SGLang gets them as sent.
 """
@@ -27,13 +27,13 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from proto import GroupJob
 from proto.rewards import RewardSpec
 from proto.rollout import RolloutPrompt, RolloutRequest
-from proto.sglang import SamplingParams
+from proto.sglang import SamplingParams, refused_by_reference_engine
 from services.common.logging import log_event
 from services.rollout.config import RolloutSettings
 
@@ -43,20 +43,9 @@ MAX_REPORTED = 5  # offending prompt indices named in one error message
 REFERENCE_ENGINE = "reference"
 SGLANG_ENGINE = "sglang"
 
-# Sampling params the reference engine answers 400 for (`Engine._refuse_unsupported` in
-# services/engine/engine.py; tests/unit/test_rollout_units.py checks the two lists agree).
-# `n > 1` is refused for every engine by `RolloutRequest` itself: the group size is ours.
-REFERENCE_ENGINE_REFUSES: dict[str, Callable[[SamplingParams], bool]] = {
-    "stop": lambda p: bool(p.stop),  # stop strings; stop_token_ids are supported
-    "min_new_tokens": lambda p: p.min_new_tokens != 0,
-    "frequency_penalty": lambda p: p.frequency_penalty != 0.0,
-    "presence_penalty": lambda p: p.presence_penalty != 0.0,
-    "repetition_penalty": lambda p: p.repetition_penalty != 1.0,
-    "regex": lambda p: bool(p.regex),
-    "json_schema": lambda p: bool(p.json_schema),
-    "ebnf": lambda p: bool(p.ebnf),
-    "logit_bias": lambda p: bool(p.logit_bias),
-}
+# Sampling params the reference engine answers 400 for: `proto.sglang.REFERENCE_ENGINE_REFUSES`,
+# the list the engine itself refuses by. `n > 1` is refused for every engine by `RolloutRequest`
+# itself: the group size is ours.
 UNBOUNDED_TOKENIZER_LENGTH = (
     10**7
 )  # HF's "no limit" sentinel is ~1e30; anything above this is not a real limit
@@ -183,7 +172,7 @@ def check_engine_support(params: SamplingParams, engine_kind: str | None) -> Non
     """`BadRequest` (400, `unsupported_sampling_params`) naming each set param the engine refuses."""
     if engine_kind != REFERENCE_ENGINE:
         return
-    refused = [name for name, used in REFERENCE_ENGINE_REFUSES.items() if used(params)]
+    refused = list(refused_by_reference_engine(params))
     if refused:
         raise BadRequest(
             f"sampling_params {', '.join(refused)}: not supported by the reference engine serving this "

@@ -228,7 +228,8 @@ def test_builtin_verifier_registry_names_every_verifier_and_its_spec_model():
 def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(intake):
     from proto.sglang import GenerateItem, SamplingParams
     from services.engine.engine import Engine, InvalidRequest
-    from services.rollout.intake import REFERENCE_ENGINE_REFUSES, check_engine_support
+    from proto.sglang import REFERENCE_ENGINE_REFUSES
+    from services.rollout.intake import check_engine_support
 
     refused = {
         "stop": ["\n"], "min_new_tokens": 2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
