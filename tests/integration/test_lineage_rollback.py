@@ -11,9 +11,6 @@ trained, and the weight directories of the two histories never overwrite each ot
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -28,20 +25,11 @@ from proto.lineage import Lineage, parse_weight_version
 from services.common.tinymodel import build_tiny_model
 from services.engine.testing import serve_in_thread as serve_engine
 from services.rollout.testing import free_port, serve_in_thread, start_reward_service
-from tests.integration.test_trainer import kill_tree, process_tree, read_audit, wait_for
+from tests.integration.test_trainer import kill_tree, process_tree, read_audit, start_trainer, wait_for
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[2]
 CONTEXT, B, FORK, STEPS = 96, 2, 2, 6
-
-
-def start_trainer(config: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "train", "--config", str(config), "--nproc-per-node", "1"],
-        cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
 
 
 def step_logged(audit: Path, version: int) -> bool:
@@ -124,7 +112,7 @@ device = "cpu"
             # ---- the first trainer: steps 1-3, checkpoint at 2, SIGKILL after 3
             # η = 0: step 4 needs groups sampled wholly by v3, so it cannot follow step 3 before
             # the engine has moved and generated again (~1 s): the kill lands in between.
-            proc = start_trainer(config, log)
+            proc = start_trainer(config, log, nproc=1)
             wait_for(lambda: step_logged(audit, 3), 120, "step 3", proc, poll_s=0.01)
             kill_tree(process_tree(proc.pid))
             assert not step_logged(audit, 4), "the trainer ran past step 3 before the kill"
@@ -135,7 +123,7 @@ device = "cpu"
             doomed = {gid for gid, lin in buffered_lineages(buf).items() if lin.get(0, -1) > FORK}
 
             # ---- the restarted trainer: resumes at v2 in epoch 1 and trains to the end
-            proc = start_trainer(config, log)
+            proc = start_trainer(config, log, nproc=1)
             assert proc.wait(180) == 0, log.read_text()[-4000:]
             wait_for(lambda: parse_weight_version(engine_version()) == (STEPS, 1), 30, "the engine at the last version")
             final = engine_version()

@@ -83,10 +83,10 @@ def kill_tree(pids: list[int]) -> None:
             pass
 
 
-def start_trainer(config: Path, log: Path) -> subprocess.Popen:
+def start_trainer(config: Path, log: Path, nproc: int = 2) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "train", "--config", str(config), "--nproc-per-node", "2"],
+        [sys.executable, "-m", "services.cli", "train", "--config", str(config), "--nproc-per-node", str(nproc)],
         cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
     )
 

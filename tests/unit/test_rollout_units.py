@@ -226,9 +226,8 @@ def test_builtin_verifier_registry_names_every_verifier_and_its_spec_model():
 
 
 def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(intake):
-    from proto.sglang import GenerateItem, SamplingParams
+    from proto.sglang import REFERENCE_ENGINE_REFUSES, GenerateItem, SamplingParams
     from services.engine.engine import Engine, InvalidRequest
-    from proto.sglang import REFERENCE_ENGINE_REFUSES
     from services.rollout.intake import check_engine_support
 
     refused = {
