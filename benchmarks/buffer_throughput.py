@@ -1,6 +1,6 @@
-"""Buffer throughput: groups of 8 samples × 2,048 completion tokens through `put_group` /
-`take_groups` / `ack`, next to raw pipelined XADD / XREADGROUP / XACK of the same bytes, in
-the same run against the same private redis-server. Reports groups/s, MB/s and the ratio.
+"""Buffer throughput: groups of 8 samples × 2,048 completion tokens through `Groups.put` /
+`take` / `ack`, next to raw pipelined XADD / XREADGROUP / XACK of the same bytes, in the same
+run against the same private redis-server. Reports groups/s, MB/s and the ratio.
 
 Two arrangements, each for both paths:
 * sequential: one process puts every group, then takes them all (one client does both sides);
@@ -9,7 +9,7 @@ Two arrangements, each for both paths:
 Each also reports the CPU spent per group by the clients and by redis-server (`INFO cpu`).
 One untimed round of every path comes first (redis-server and the allocators warm up: the
 first round ran 20-50% slower than the rest on these machines). A diagnostic row times the
-payload fetch alone: redis-py's MGET against the buffer's `PayloadReader`, same payloads.
+payload fetch alone: redis-py's MGET (with hiredis's parser when it is installed).
 
     .venv/bin/python benchmarks/buffer_throughput.py [--groups 400] [--repeats 5] [--mode both]
         [--codec-removed]
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import numpy as np
 import redis
+import redis.utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from buffer import RedisServer, ReplayBuffer
+from buffer import Buffer, Groups, RedisServer
 from buffer.alloc import tune_malloc
-from buffer.payloads import PayloadReader
 from proto import Group, RewardStatus, Sample, encode
 
 SAMPLES, TOKENS = 8, 2048
@@ -53,7 +53,7 @@ def make_groups(n: int) -> list[Group]:
             )
             for i in range(SAMPLES)
         ]
-        groups.append(Group.build(group_id=f"g{g}", job_id="bench", prompt_ids=rng.integers(0, 150_000, 256, dtype=np.int32),
+        groups.append(Group.build(group_id=f"g{g}", job_id="bench", prompt_tokens=rng.integers(0, 150_000, 256, dtype=np.int32),
                                   reward_spec={"verifier": "math", "answer": "42"}, samples=samples, submit_version=3))  # fmt: skip
     return groups
 
@@ -64,22 +64,22 @@ def gather_seconds(groups: list[Group]) -> float:
     rows = [list(g.samples) for g in groups]
     t0 = time.perf_counter()
     for g, samples in zip(groups, rows):
-        Group.build(group_id=g.group_id, job_id=g.job_id, prompt_ids=g.prompt_ids, reward_spec=g.reward_spec,
+        Group.build(group_id=g.group_id, job_id=g.job_id, prompt_tokens=g.prompt_tokens, reward_spec=g.reward_spec,
                     samples=samples, submit_version=g.submit_version)  # fmt: skip
     return time.perf_counter() - t0
 
 
-def buffer_put(buf: ReplayBuffer, groups: list[Group], batch: int) -> None:
-    """put_groups: one round trip per `batch` groups, like the raw pipeline."""
+def buffer_put(buf: Groups, groups: list[Group], batch: int) -> None:
+    """One round trip per `batch` groups, like the raw pipeline."""
     for i in range(0, len(groups), batch):
-        buf.put_groups(groups[i : i + batch])
+        buf.put(groups[i : i + batch])
 
 
-def buffer_take(buf: ReplayBuffer, n: int, batch: int) -> None:
+def buffer_take(buf: Groups, n: int, batch: int) -> None:
     taken = 0
     while taken < n:
-        # take_groups waits up to block_ms to fill n; ask only for what is left, like the raw loop.
-        res = buf.take_groups(min(batch, n - taken), current_version=3, max_staleness=0, block_ms=1000)
+        # `take` waits up to block_ms to fill n; ask only for what is left, like the raw loop.
+        res = buf.take(min(batch, n - taken), current_version=3, max_staleness=0, block_ms=1000)
         buf.ack([g.group_id for g in res.groups])
         taken += len(res.groups)
 
@@ -104,16 +104,16 @@ def raw_take(r, stream: str, n: int, batch: int) -> None:
 
 
 def run_buffer(url: str, run: str, groups: list[Group], batch: int, pipelined: bool) -> float:
-    buf = ReplayBuffer(url, run=run, consumer="bench")
+    buf = Groups(Buffer(url, run), "bench")
     t0 = time.perf_counter()
     if pipelined:
         buffer_put(buf, groups, batch)
     else:
         for g in groups:
-            buf.put_group(g)
+            buf.put([g])
     buffer_take(buf, len(groups), batch)
     elapsed = time.perf_counter() - t0
-    buf.close()
+    buf.buf.close()
     return elapsed
 
 
@@ -152,7 +152,7 @@ def producer(url: str, run: str, kind: str, n: int, batch: int, start, out) -> N
         c0 = time.process_time()
         raw_put(r, stream, payloads, batch)
     else:
-        buf = ReplayBuffer(url, run=run, consumer="producer")
+        buf = Groups(Buffer(url, run), "producer")
         start.wait()
         c0 = time.process_time()
         buffer_put(buf, groups, batch)
@@ -168,7 +168,7 @@ def consumer(url: str, run: str, kind: str, n: int, batch: int, start, out) -> N
         t0, c0 = time.perf_counter(), time.process_time()
         raw_take(r, stream, n, batch)
     else:
-        buf = ReplayBuffer(url, run=run, consumer="consumer")
+        buf = Groups(Buffer(url, run), "consumer")
         start.wait()
         t0, c0 = time.perf_counter(), time.process_time()
         buffer_take(buf, n, batch)
@@ -181,7 +181,7 @@ def run_processes(url: str, run: str, kind: str, n: int, batch: int) -> tuple[fl
     if kind == "raw":
         raw_stream(url, run, create=True)[0].close()
     else:
-        ReplayBuffer(url, run=run, consumer="setup").close()  # creates the streams and groups
+        Buffer(url, run).close()  # creates the streams and groups
     start, out = ctx.Barrier(3), ctx.Queue()
     procs = [ctx.Process(target=f, args=(url, run, kind, n, batch, start, out)) for f in (producer, consumer)]
     for p in procs:
@@ -201,35 +201,33 @@ def codec_removed(groups: list[Group], payloads: list[bytes]):
     """Diagnostic: the buffer's own protocol cost. Inside, the buffer's `encode` hands back the
     precomputed payload and its `decode` the prebuilt group (found by the payload's first KB,
     which holds random completion tokens), so what is left is Lua, round trips and bookkeeping."""
-    from buffer import replay
+    from buffer import groups as part
 
     by_group = {id(g): p for g, p in zip(groups, payloads)}
     by_head = {bytes(p[:1024]): g for g, p in zip(groups, payloads)}
-    real_encode, real_decode = replay.encode, replay.decode
-    replay.encode = lambda record: by_group[id(record)]
-    replay.decode = lambda data, cls=None, owned=False: by_head[bytes(data[:1024])] if cls is Group else real_decode(data, cls)
+    real_encode, real_decode = part.encode, part.decode
+    part.encode = lambda record: by_group[id(record)]
+    part.decode = lambda data, cls=None: by_head[bytes(data[:1024])] if cls is Group else real_decode(data, cls)
     try:
         yield
     finally:
-        replay.encode, replay.decode = real_encode, real_decode
+        part.encode, part.decode = real_encode, real_decode
 
 
-def fetch_seconds(url: str, payloads: list[bytes], batch: int, repeats: int) -> dict[str, float]:
-    """Median seconds to fetch every payload, `batch` keys per MGET: redis-py against the reader."""
-    r, reader = redis.Redis.from_url(url), PayloadReader(url)
+def fetch_seconds(url: str, payloads: list[bytes], batch: int, repeats: int) -> float:
+    """Median seconds to fetch every payload, `batch` keys per MGET, as `Groups.take` does."""
+    r = redis.Redis.from_url(url)
     keys = [f"fetch:{{bench}}:{i}" for i in range(len(payloads))]
     r.mset(dict(zip(keys, payloads)))
-    fetch = {"redis-py MGET": r.mget, "PayloadReader.mget": reader.mget}
-    times: dict[str, list[float]] = {name: [] for name in fetch}
+    times = []
     for _ in range(repeats):
-        for name, mget in fetch.items():
-            t0 = time.perf_counter()
-            for i in range(0, len(keys), batch):
-                mget(keys[i : i + batch])
-            times[name].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            r.mget(keys[i : i + batch])
+        times.append(time.perf_counter() - t0)
     r.delete(*keys)
-    r.close(), reader.close()
-    return {name: statistics.median(t) for name, t in times.items()}
+    r.close()
+    return statistics.median(times)
 
 
 def timed(url: str, fn, *args) -> tuple[float, float, float]:
@@ -287,23 +285,23 @@ def main() -> int:
           f"{gather / n * 1e6:,.0f} µs/group")  # fmt: skip
     print("| arrangement | path | groups/s | MB/s | client CPU µs/group | redis-server CPU µs/group |")
     print("|---|---|---|---|---|---|")
-    names = {"buf": ("sequential", "buffer put_groups + take_groups + ack"),
-             "nocodec": ("sequential", "buffer put_groups + take_groups + ack, codec removed (diagnostic)"),
-             "one": ("sequential", "buffer put_group one by one + take_groups + ack"),
+    names = {"buf": ("sequential", "buffer put (batches) + take + ack"),
+             "nocodec": ("sequential", "buffer put (batches) + take + ack, codec removed (diagnostic)"),
+             "one": ("sequential", "buffer put one by one + take + ack"),
              "raw": ("sequential", "raw pipelined XADD + XREADGROUP + XACK (same bytes)"),
-             "pbuf": ("processes", "buffer put_groups, in parallel take_groups + ack"),
+             "pbuf": ("processes", "buffer put (batches), in parallel take + ack"),
              "praw": ("processes", "raw pipelined XADD, in parallel XREADGROUP + XACK (same bytes)")}  # fmt: skip
     for key, (arrangement, label) in names.items():
         if key in med:
             wall, client, srv = med[key]
             print(f"| {arrangement} | {label} | {n / wall:,.0f} | {mb / wall:,.0f} | {client / n * 1e6:,.0f} | "
                   f"{srv / n * 1e6:,.0f} |")  # fmt: skip
-    for name, seconds in fetch.items():
-        print(f"| diagnostic | payload fetch alone, {name} | {n / seconds:,.0f} | {mb / seconds:,.0f} | | |")
+    parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "pure Python"
+    print(f"| diagnostic | payload fetch alone, redis-py MGET ({parser} parser) | {n / fetch:,.0f} | {mb / fetch:,.0f} | | |")
     print()
-    for key, raw, label in (("buf", "raw", "sequential, put_groups"), ("one", "raw", "sequential, put_group"),
-                            ("nocodec", "raw", "sequential, put_groups, codec removed"),
-                            ("pbuf", "praw", "processes, put_groups")):  # fmt: skip
+    for key, raw, label in (("buf", "raw", "sequential, put in batches"), ("one", "raw", "sequential, put one by one"),
+                            ("nocodec", "raw", "sequential, put in batches, codec removed"),
+                            ("pbuf", "praw", "processes, put in batches")):  # fmt: skip
         if key in med:
             rounds = " ".join(f"{r[0] / b[0]:.2f}" for r, b in zip(runs[raw], runs[key]))
             print(f"ratio buffer / raw ({label}): {med[raw][0] / med[key][0]:.2f} (target >= 0.80); "

@@ -36,7 +36,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from buffer import ReplayBuffer
+from buffer import AdmissionControl, Buffer, Jobs
 from buffer.server import RedisServer, free_port
 from services.common.tinymodel import build_tiny_model
 from services.rollout.testing import start_process, start_reward_service
@@ -134,16 +134,12 @@ async def run_rate(url: str, rate: float, seconds: float, prompts: int, tag: str
 
 def account(redis_url: str, run: str, results: list[RateResult]) -> dict:
     """Every accepted job's groups in the job stream exactly once, and its progress says so."""
-    buf = ReplayBuffer(redis_url, run=run, consumer="load-check")
+    buf = Buffer(redis_url, run)
     expected = sum(g for r in results for g in r.accepted.values())
     in_stream = buf.r.xlen(buf.keys.jobs)
-    indexed = buf.r.hlen(buf.keys.job_index)
-    recorded = 0
-    pipe = buf.r.pipeline(transaction=False)
+    indexed = buf.r.hlen(buf.keys.job_state)
     jobs = [j for r in results for j in r.accepted]
-    for j in jobs:
-        pipe.hget(buf.keys.job_prefix + j, "info:groups")
-    recorded = sum(int(v or 0) for v in pipe.execute())
+    recorded = sum(p.groups for j in jobs if (p := Jobs(buf).progress(j)) is not None)
     return {"groups_accepted": expected, "groups_in_job_stream": in_stream, "groups_indexed": indexed,
             "groups_recorded_in_jobs": recorded, "jobs_accepted": len(jobs),
             "exact": expected == in_stream == indexed == recorded}  # fmt: skip
@@ -157,7 +153,7 @@ def topology(tmp: Path):
     build_tiny_model(model, seed=0, max_position_embeddings=64)
     reward = start_reward_service(log_path=tmp / "reward.log")
     port, run = free_port(), "load"
-    ReplayBuffer(redis.url, run=run).configure(batch_groups=64, max_staleness=0)
+    AdmissionControl(Buffer(redis.url, run)).configure(batch_groups=64, max_staleness=0)
     try:
         rollout = start_process(
             [sys.executable, "-m", "services.cli", "rollout", "--port", str(port), "--redis-url", redis.url,

@@ -47,7 +47,7 @@ def make_groups(n_groups: int, group_size: int, prompt_len: int, completion_len:
                           behavior_logprobs=np.full(completion_len, -3.0, np.float32),
                           versions=np.zeros(completion_len, np.int32), finish_reason="length",
                           reward=float(rng.integers(0, 2)), reward_status="scored") for i in range(group_size)]  # fmt: skip
-        groups.append(Group.build(group_id=f"g{g}", job_id="bench", prompt_ids=rng.integers(3, 40, prompt_len).astype(np.int32),
+        groups.append(Group.build(group_id=f"g{g}", job_id="bench", prompt_tokens=rng.integers(3, 40, prompt_len).astype(np.int32),
                                   reward_spec={"verifier": "reverse"}, samples=samples, submit_version=0))  # fmt: skip
     return groups
 

@@ -1,7 +1,14 @@
-"""Redis replay buffer: streams for jobs and groups, staleness control, admission, weights."""
+"""Redis replay buffer (docs/architecture.md §4–5): one connection (`Buffer`) shared by its parts:
+groups (put, take, ack), jobs (rollout work and its record), admission, weights."""
 
+from buffer.admission import AdmissionControl
+from buffer.cli import stats
+from buffer.connection import Buffer
 from buffer.evals import ClaimedEval, EvalStore
-from buffer.replay import Admission, ClaimedJob, ReplayBuffer, TakeResult, WeightsSubscription
+from buffer.groups import Groups, TakeResult
+from buffer.jobs import ClaimedJob, GroupReport, JobProgress, Jobs
 from buffer.server import RedisServer, ensure_redis
+from buffer.weights import Weights, WeightsSubscription
 
-__all__ = ["Admission", "ClaimedEval", "ClaimedJob", "EvalStore", "RedisServer", "ReplayBuffer", "TakeResult", "WeightsSubscription", "ensure_redis"]
+__all__ = ["AdmissionControl", "Buffer", "ClaimedEval", "ClaimedJob", "EvalStore", "GroupReport", "Groups", "JobProgress",
+           "Jobs", "RedisServer", "TakeResult", "Weights", "WeightsSubscription", "ensure_redis", "stats"]  # fmt: skip

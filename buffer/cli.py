@@ -8,6 +8,34 @@ import os
 import sys
 from pathlib import Path
 
+from buffer import metrics as m
+from buffer.admission import AdmissionControl
+from buffer.connection import ROLLOUT_GROUP, TRAINER_GROUP, Buffer
+
+
+def stats(buf: Buffer) -> dict:
+    """The run-wide numbers the scripts keep in Redis."""
+    k = buf.keys
+    pipe = buf.r.pipeline(transaction=False)
+    for stream in (k.jobs, k.groups, k.deadletter, k.stale):
+        pipe.xlen(stream)
+    pipe.hgetall(k.stats).hgetall(k.staleness).xpending(k.groups, TRAINER_GROUP).xpending(k.jobs, ROLLOUT_GROUP)
+    jobs, groups, dead, stale, counters, hist, pending_groups, pending_jobs = pipe.execute()
+    for name, depth in (("jobs", jobs), ("groups", groups), ("deadletter", dead), ("stale", stale)):
+        m.DEPTH.labels(name).set(depth)
+    histogram = {int(s): int(c) for s, c in hist.items()}
+    total = sum(histogram.values())
+    return {
+        "run": buf.run,
+        "depth": {"jobs": jobs, "groups": groups, "deadletter": dead, "stale": stale},
+        "pending": {"groups": pending_groups["pending"], "jobs": pending_jobs["pending"]},
+        "counters": {key.decode(): int(v) for key, v in counters.items()},
+        "admission": AdmissionControl(buf).snapshot(),
+        "staleness": {"histogram": dict(sorted(histogram.items())), "count": total,
+                      "mean": sum(s * c for s, c in histogram.items()) / total if total else 0.0,
+                      "max": max(histogram) if histogram else None},  # fmt: skip
+    }
+
 
 def _format(stats: dict) -> str:
     a, s = stats["admission"], stats["staleness"]
@@ -26,14 +54,13 @@ def _format(stats: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncrl buffer", description="Inspect the replay buffer.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    stats = sub.add_parser("stats", help="print depths, version, pending, counters and staleness")
-    stats.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL or the run dir's embedded Redis")
-    stats.add_argument("--run", default=os.environ.get("ASYNCRL_RUN", "default"))
-    stats.add_argument("--run-dir", type=Path, default=Path(os.environ.get("ASYNCRL_RUN_DIR", "runs/default")))
-    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    cmd = sub.add_parser("stats", help="print depths, version, pending, counters and staleness")
+    cmd.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL or the run dir's embedded Redis")
+    cmd.add_argument("--run", default=os.environ.get("ASYNCRL_RUN", "default"))
+    cmd.add_argument("--run-dir", type=Path, default=Path(os.environ.get("ASYNCRL_RUN_DIR", "runs/default")))
+    cmd.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
 
-    from buffer.replay import ReplayBuffer
     from buffer.server import ensure_redis
 
     owned = None
@@ -41,9 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if not url:
         url, owned = ensure_redis(args.run_dir)
     try:
-        buf = ReplayBuffer(url, run=args.run, consumer="stats")
-        stats_ = buf.stats()
-        print(json.dumps(stats_, indent=2) if args.json else _format(stats_))
+        numbers = stats(Buffer(url, run=args.run))
+        print(json.dumps(numbers, indent=2) if args.json else _format(numbers))
     finally:
         if owned is not None:
             owned.stop()

@@ -1,4 +1,10 @@
-"""Riding out a Redis restart: the retry policy every buffer client uses.
+"""The buffer's connection: one redis-py client per process, the run's key names, the Lua
+scripts, and the retry policy that rides out a Redis restart.
+
+`Buffer` is what every part of the buffer (buffer/groups.py, jobs.py, admission.py,
+weights.py) is built on; a process opens one and shares it between its parts and threads
+(redis-py's pool is thread-safe). `Script` gives a Lua script's KEYS and ARGV names: the body
+reads them as locals, a call passes them by keyword.
 
 `ReconnectRetry` is a redis-py `Retry` (passed as `retry=` to `redis.Redis.from_url`, so every
 command, pipeline and pub/sub read of the client uses it) with a time budget instead of a
@@ -15,33 +21,34 @@ Re-sending is safe only for commands that may run twice: a command can have run 
 before the connection broke (the reply lost). What the buffer sends, and why a second run
 changes nothing (docs/architecture.md §4, exactly-once):
 
-* Lua scripts (buffer/lua.py) are idempotent by construction: every transition is keyed on
-  the group's (or job's) state in the `index` / `jobindex` hash and is taken once. PUT_GROUPS
-  answers "seen before" the second time (the caller counts a duplicate; `put` stays exact);
-  TRY_ADMIT answers "resumed" (the slot is the group's, keyed by id); FINISH, ACK_JOB,
-  ENQUEUE_JOB, REBUILD_ADMISSION and PUBLISH_WEIGHTS find their work done (a second PUBLISH
-  announces a version subscribers already have: they ignore it); DEAD_LETTER is guarded by its
-  own `XACK` (an entry already acked is not dead-lettered again). BEGIN_EPOCH run twice opens
-  one more epoch with the same fork point, which no weights ever carry: no cutoff changes.
+* Lua scripts are idempotent by construction: every transition is keyed on the group's (or
+  job's) state in `groups:state` / `jobs:state` and is taken once. PUT_GROUPS answers "seen
+  before" the second time (the caller counts a duplicate; `put` stays exact); TRY_ADMIT answers
+  "resumed" (the slot is the group's, keyed by id); EXIT, ENQUEUE, END_JOB, REBUILD and PUBLISH
+  find their work done (a second PUBLISH announces a version subscribers already have: they
+  ignore it); the DEAD_LETTER scripts are guarded by their own `XACK` (an entry already acked
+  is not dead-lettered again). BEGIN_EPOCH run twice opens one more epoch with the same fork
+  point, which no weights ever carry: no cutoff changes.
 * `SET NX`, `HSET`, `HDEL`, `SET`, `XCLAIM` and every read are idempotent.
 * `XREADGROUP … >` is not: entries delivered by a run whose reply was lost sit in this
-  consumer's pending list, unseen. The trainer's buffer re-reads its own pending entries after
-  every outage (`ReplayBuffer._next_entries`); the rollout's scheduler recovers idle jobs
-  (`recover_jobs`) anyway. Neither trains nor generates anything twice: an entry is handed out
-  only if this process does not already hold it.
+  consumer's pending list, unseen. The trainer's consumer re-reads its own pending entries
+  after every outage (`Groups.take`); the rollout's scheduler recovers idle jobs
+  (`Jobs.recover`) anyway. Neither trains nor generates anything twice: an entry is handed out
+  only if its consumer does not already hold it.
 * Counters that only inform (`HINCRBY` of the staleness histogram, of job progress, the
   `stale` inspection stream, the evaluation queue's `attempts`) may count one event twice
   after a lost reply. A lost evaluation claim waits out its lease and is claimed again.
 
 All of this also needs Redis to keep what it acknowledged across its own crash: the embedded
 Redis fsyncs before it answers (`appendfsync always`, buffer/server.py). With `everysec` a
-crash may lose the last second of acknowledged writes, and a group whose `acked` was lost
+crash may lose the last second of acknowledged writes, and a group whose `trained` was lost
 would come back and be trained twice: run an external Redis with `always` where exactly-once
 across Redis crashes matters.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -52,10 +59,13 @@ import redis
 from prometheus_client import Counter
 from redis.retry import Retry
 
+from buffer.alloc import tune_malloc
+
 BASE_S = 0.05  # first pause after a failure; doubles per failure
 CAP_S = 2.0  # longest pause between two attempts: a restarted Redis is noticed within this
 DEFAULT_BUDGET_S = 120.0  # a Redis restart from its AOF takes seconds; two minutes is a real outage
 ENV_BUDGET = "ASYNCRL_REDIS_RECONNECT_S"
+TRAINER_GROUP, ROLLOUT_GROUP = "trainer", "rollout"  # the consumer groups of `groups` and `jobs`
 RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError, socket.timeout)
 
 RETRIES = Counter("asyncrl_redis_retries_total", "Redis commands re-sent after a connection error or timeout")
@@ -145,3 +155,126 @@ class ReconnectRetry(Retry):
                 return result
         finally:
             self._local.depth = depth
+
+
+class Keys:
+    """The names of one run's keys, all `asyncrl:{run}:<name>` (docs/architecture.md §4): one
+    hash tag per run, so every script stays in one Redis Cluster slot."""
+
+    def __init__(self, run: str):
+        if not run or any(c in run for c in "{}: "):
+            raise ValueError(f"invalid run id {run!r}: no braces, colons or spaces")
+        p = self.prefix = f"asyncrl:{{{run}}}:"
+        self.groups, self.group_state, self.group_entry = p + "groups", p + "groups:state", p + "groups:entry"
+        self.group_job, self.payload_prefix, self.stale = p + "groups:job", p + "payload:", p + "stale"
+        self.jobs, self.job_state, self.job_entry = p + "jobs", p + "jobs:state", p + "jobs:entry"
+        self.job_prefix, self.cancelled = p + "job:", p + "cancelled"
+        self.admission, self.running, self.config, self.version = p + "admission", p + "running", p + "config", p + "version"
+        self.weights, self.latest_weights, self.weights_channel = p + "weights", p + "weights:latest", p + "weights"
+        self.epoch, self.forks = p + "epoch", p + "forks"
+        self.deadletter, self.stats, self.staleness = p + "deadletter", p + "stats", p + "staleness"
+
+
+class Script:
+    """A Lua script whose KEYS and ARGV have names. `keys` and `args` list them in order; a last
+    name `*rest` takes every further value (a Lua table; a list in Python). The body reads each
+    name as a local; `Buffer.call` takes them by keyword."""
+
+    def __init__(self, keys: str, args: str, body: str):
+        self.keys, self.args = keys.split(), args.split()
+        names = [n.lstrip("*") for n in self.keys + self.args]
+        if len(set(names)) != len(names) or any(n.startswith("*") for n in (self.keys[:-1] + self.args[:-1])):
+            raise ValueError(f"script names must be unique, a `*rest` only last: {names}")
+        self.names = set(names)
+        self.source = _locals("KEYS", self.keys) + _locals("ARGV", self.args) + body
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    def layout(self, values: dict) -> tuple[list, list]:
+        if values.keys() != self.names:
+            raise TypeError(f"script takes {sorted(self.names)}, got {sorted(values)}")
+        return _ordered(self.keys, values), _ordered(self.args, values)
+
+
+def _locals(table: str, names: list[str]) -> str:
+    fixed = [n for n in names if not n.startswith("*")]
+    lua = f"local {', '.join(fixed)} = {', '.join(f'{table}[{i}]' for i in range(1, len(fixed) + 1))}\n" if fixed else ""
+    if len(fixed) < len(names):  # (a loop, not `unpack`: Lua's stack would bound the length)
+        rest = names[-1][1:]
+        lua += f"local {rest} = {{}}\nfor i = {len(fixed) + 1}, #{table} do {rest}[#{rest} + 1] = {table}[i] end\n"
+    return lua
+
+
+def _ordered(names: list[str], values: dict) -> list:
+    out = []
+    for name in names:
+        out += values[name[1:]] if name.startswith("*") else [values[name]]
+    return out
+
+
+class Buffer:
+    """One run's connection to the buffer, shared by its parts and threads: the client (with
+    `ReconnectRetry`), the key names, and the scripts it has sent (loaded again if Redis lost
+    them, e.g. after a restart). Opening one creates the run's two streams and their consumer
+    groups: `groups` read by the trainer, `jobs` by the rollout replicas."""
+
+    def __init__(self, redis_url: str, run: str = "default"):
+        tune_malloc()  # large payloads: keep freed memory instead of faulting it in again (buffer/alloc.py)
+        self.run, self.keys = run, Keys(run)
+        self.retry = ReconnectRetry(f"buffer:{run}")  # its `outages` tell a consumer to look for lost reads
+        self.r = redis.Redis.from_url(redis_url, socket_keepalive=True, health_check_interval=30, retry=self.retry)
+        self._scripts: dict[str, Script] = {}
+        for stream, group in ((self.keys.groups, TRAINER_GROUP), (self.keys.jobs, ROLLOUT_GROUP)):
+            try:
+                self.r.xgroup_create(stream, group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def call(self, script: Script, pipe: redis.client.Pipeline | None = None, **values):
+        """Run `script` with its KEYS and ARGV by name, or queue it on `pipe` (by sha: see
+        `pipeline`)."""
+        keys, args = script.layout(values)
+        self._scripts[script.sha] = script
+        if pipe is not None:
+            return pipe.evalsha(script.sha, len(keys), *keys, *args)
+        try:
+            return self.r.evalsha(script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            self.r.script_load(script.source)
+            return self.r.evalsha(script.sha, len(keys), *keys, *args)
+
+    def pipeline(self, fill) -> list:
+        """The replies of the commands `fill(pipe)` queues, sent in one round trip. If Redis lost
+        its script cache, load the scripts and run the pipeline again: every write queued in
+        one is idempotent."""
+        for attempt in (0, 1):
+            pipe = self.r.pipeline(transaction=False)
+            fill(pipe)
+            try:
+                return pipe.execute()
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                for script in list(self._scripts.values()):
+                    self.r.script_load(script.source)
+        raise AssertionError("unreachable")
+
+    def read(self, stream: str, group: str, consumer: str, start: str = ">", count: int = 100_000,
+             block_ms: int = 0) -> list[tuple[str, dict]]:  # fmt: skip
+        """`consumer`'s entries of `stream`: new ones (`>`, waiting up to `block_ms`) or its own
+        pending ones (`0`); entries deleted since they were delivered are left out."""
+        resp = self.r.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms or None)
+        return [(eid.decode(), fields) for eid, fields in resp[0][1] if fields] if resp else []
+
+    def autoclaim(self, stream: str, group: str, consumer: str, idle_ms: int) -> list[tuple[str, dict]]:
+        """Every entry of `group` pending for ≥ idle_ms, now `consumer`'s (deleted ones left out)."""
+        out, start = [], "0-0"
+        while True:
+            start, entries, *_ = self.r.xautoclaim(stream, group, consumer, min_idle_time=idle_ms, start_id=start,
+                                                   count=100)  # fmt: skip
+            out += [(eid.decode(), fields) for eid, fields in entries if fields]
+            if start in (b"0-0", "0-0"):
+                return out
+
+    def close(self) -> None:
+        self.r.close()

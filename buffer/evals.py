@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import redis
 from pydantic import TypeAdapter, ValidationError
 
-from buffer.connection import ReconnectRetry
-from buffer.replay import Keys
+from buffer.connection import Keys, ReconnectRetry
 from proto.evals import EvalItem, EvalSummary, EvalTask
+from proto.states import JobState
 
 _NOW_MS = (
     "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
@@ -148,7 +148,7 @@ class EvalStore:
         try:
             summary = EvalSummary.model_validate_json(summary_json)
         except ValidationError as exc:
-            summary = EvalSummary(eval_id=eval_id, name="unknown", source="api", state="queued", prompts=0,
+            summary = EvalSummary(eval_id=eval_id, name="unknown", source="api", state=JobState.queued, prompts=0,
                                   created_at=0.0)  # fmt: skip
             return ClaimedEval(
                 summary, None, int(attempts), f"stored summary does not decode: {exc.errors()[:1]}"

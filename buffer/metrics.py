@@ -15,17 +15,13 @@ STALENESS = Histogram(
 DROPPED = Counter("asyncrl_buffer_dropped_total", "Groups taken out of training, by reason", ["reason"])
 WITHHELD = Counter("asyncrl_buffer_withheld_total", "Stale groups kept for group statistics only")
 DEAD_LETTERED = Counter("asyncrl_buffer_dead_lettered_total", "Undecodable records moved to the dead-letter stream", ["stream"])
-DUPLICATES = Counter("asyncrl_buffer_duplicate_puts_total", "put_group calls for a group_id already seen")
-PUT_SECONDS = Histogram("asyncrl_buffer_put_seconds", "Latency of put_group", buckets=LATENCY_BUCKETS)
+DUPLICATES = Counter("asyncrl_buffer_duplicate_puts_total", "Groups put with a group_id already seen")
+PUT_SECONDS = Histogram("asyncrl_buffer_put_seconds", "Latency of a put, per group", buckets=LATENCY_BUCKETS)
 TAKE_SECONDS = Histogram(
-    "asyncrl_buffer_take_seconds", "Latency of take_groups (including blocking)", buckets=LATENCY_BUCKETS
+    "asyncrl_buffer_take_seconds", "Latency of a take (including blocking)", buckets=LATENCY_BUCKETS
 )
 PUT_BYTES = Counter("asyncrl_buffer_put_bytes_total", "Encoded bytes written to the groups stream")
 ADMISSION = Counter("asyncrl_buffer_admission_total", "try_admit outcomes", ["result"])
-PAYLOAD_FETCH_FALLBACKS = Counter(
-    "asyncrl_buffer_payload_fetch_fallbacks_total",
-    "Payload fetches the one-copy reader failed and redis-py's MGET retried",
-)
 RECLAIMED_AFTER_OUTAGE = Counter(
     "asyncrl_buffer_reclaimed_after_outage_total",
     "Groups delivered to this consumer by a read whose reply a Redis outage lost, handed out again",

@@ -23,12 +23,14 @@ from proto.records import RewardStatus
 from proto.rewards import RewardSpec
 from proto.rollout import RolloutPrompt
 from proto.sglang import SamplingParams
+from proto.states import JobState
 
 CORRECT_REWARD = 1.0  # the toy and math verifiers give 1 for an exact answer; partial credit is not correct
 MAX_EVAL_PROMPTS = 10_000
 EVAL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # also a Prometheus label value
 
-EvalState = Literal["queued", "running", "done", "failed"]
+# An evaluation moves through a job's states (proto/states.py); it is never cancelled.
+EvalState = Literal[JobState.queued, JobState.running, JobState.done, JobState.failed]
 
 
 class EvalRequest(BaseModel):
@@ -67,9 +69,9 @@ class EvalPrompt(BaseModel):
     """One tokenized prompt of a stored evaluation."""
 
     prompt_id: str
-    prompt_ids: list[int]
+    prompt_tokens: list[int]
     prompt_text: str
-    reward_spec: dict[str, Any]
+    reward_spec: RewardSpec
 
 
 class EvalTask(BaseModel):

@@ -4,7 +4,7 @@ A version number alone cannot tell two histories apart. A trainer killed at v466
 checkpoint at v460 resumes at v460 and publishes its own v461…v466: the engines, the weight
 directories and the samples must never mix those with the lost ones. So every trainer start
 that resumes a run (a checkpoint exists, or something was published) opens a new **epoch**
-(`ReplayBuffer.begin_epoch`), which records its **fork point**: the version it resumed from.
+(`buffer.Weights.begin_epoch`), which records its **fork point**: the version it resumed from.
 The first start of a run is epoch 0.
 
 * A version is named `(version, epoch)`; publication order is the lexicographic order of

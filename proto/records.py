@@ -1,65 +1,48 @@
 """Buffer records (docs/architecture.md §3): samples, groups, rollout jobs and weight locations.
 
+Records are frozen `msgspec.Struct`s, checked once whichever way they are made. Read by
+`proto.codec.decode`, msgspec checks every field against its annotation (types, `Meta` bounds,
+enums, unknown keys) while it decodes; built in code, `__post_init__` has msgspec check the
+fields the same way. Either way the rules that span fields (`_check`) then run. A record never
+changes afterwards: to change one, build a new one (`msgspec.structs.replace` checks it too).
+
+Token ids, logprobs and versions are read-only 1-D numpy arrays (int32 / float32 / int32); built
+in code they may be given as lists or arrays of another numeric dtype whose values fit. Lengths
+must agree, logprobs must be finite and ≤ `MAX_LOGPROB`, ids and versions non-negative; a
+`scored` sample carries a finite reward and any other status none (`check_reward`).
+
 A group holds its samples column-wise (`Samples`): the trainer and the codec work on whole
 columns, and a `Sample` is built only when one is read.
-
-Token ids, logprobs and versions are 1-D numpy arrays (int32 / float32 / int32). In JSON they
-appear as plain lists; in Redis the codec stores them as little-endian bytes. Validation is
-strict: lengths must agree, logprobs must be finite and ≤ 0, a `scored` sample must carry a
-finite reward and any other status must carry none (a failed verifier is never a silent 0).
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 import operator
 import typing
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
 import numpy as np
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PlainSerializer,
-    PlainValidator,
-    WithJsonSchema,
-    field_validator,
-    model_validator,
-)
+from msgspec import Meta
+from msgspec.structs import force_setattr
 
-SCHEMA_VERSION = 3  # 2: a group's sample arrays travel as three columns; 3: all its sample fields do
-READABLE_SCHEMAS = (1, 2, 3)
+from proto.limits import MAX_GROUP_SIZE, MAX_LOGPROB
 
-# A sampled token's logprob is ≤ 0 in exact arithmetic; engines in bf16 can round a
-# near-certain token to a hair above 0, so allow that much and no more.
-MAX_LOGPROB = 1e-3
+SCHEMA_VERSION = 4  # 4: msgspec records, `prompt_tokens`; a payload is `[schema, record]`
 
+Id = Annotated[str, Meta(min_length=1, max_length=256)]
+Count = Annotated[int, Meta(ge=0)]
+# A token array's field. msgspec decodes the wire's little-endian `bin` as a memoryview of the
+# payload; `__post_init__` replaces it with a numpy array of this dtype reading it in place.
+Int32Array = Annotated[memoryview, np.dtype("<i4")]
+Float32Array = Annotated[memoryview, np.dtype("<f4")]
 
-_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
-
-
-def _oldest(versions: np.ndarray) -> int | None:
-    return int(_MIN(versions)) if len(versions) else None
-
-
-def check_token_arrays(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> int | None:
-    """Content rules for token arrays (any length, possibly several samples concatenated).
-    Returns the oldest version (None for no tokens), which the check computes anyway."""
-    # min and max are NaN if any value is, and every comparison with NaN is False: two passes
-    # decide the common case; the detailed checks run only to word the error.
-    # (The ufunc reductions themselves: `ndarray.min` adds a Python-level wrapper per call.)
-    if len(logprobs) and not (float(_MIN(logprobs)) > -math.inf and float(_MAX(logprobs)) <= MAX_LOGPROB):
-        if not np.all(np.isfinite(logprobs)):
-            raise ValueError("behavior_logprobs contain NaN or inf")
-        raise ValueError(f"behavior_logprobs must be <= 0, found {float(logprobs.max())}")
-    if len(ids) and int(_MIN(ids)) < 0:
-        raise ValueError("negative token id")
-    oldest = _oldest(versions)
-    if oldest is not None and oldest < 0:
-        raise ValueError("negative policy version")
-    return oldest
+# True while msgspec builds records from fields it has checked (decoding, or `_check_fields`):
+# they then only read their arrays and run `_check`.
+FIELDS_CHECKED = contextvars.ContextVar("fields_checked", default=False)
 
 
 class RewardStatus(str, Enum):
@@ -77,76 +60,128 @@ class FinishReason(str, Enum):
     abort = "abort"
 
 
-def _array_type(dtype: np.dtype, json_item: str) -> Any:
-    dtype = np.dtype(dtype)
-    integral = dtype.kind == "i"
-
-    def validate(value: Any) -> np.ndarray:
-        if isinstance(value, np.ndarray):
-            if value.ndim != 1:
-                raise ValueError(f"expected a 1-D array, got shape {value.shape}")
-            if value.dtype == dtype:
-                return value
-            if integral and value.dtype.kind not in "iu":
-                raise ValueError(f"expected integer array, got dtype {value.dtype}")
-            if not integral and value.dtype.kind not in "fiu":
-                raise ValueError(f"expected numeric array, got dtype {value.dtype}")
-            converted = value.astype(dtype)
-            if integral and not np.array_equal(converted, value):
-                raise ValueError(f"values do not fit in {dtype}")
-            return converted
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, bool) or not isinstance(item, (int, float)):
-                    # ValueError, not TypeError: pydantic turns only ValueError into a validation error
-                    raise ValueError(f"expected a list of numbers, found {type(item).__name__}")  # noqa: TRY004
-                if integral and not isinstance(item, int):
-                    raise ValueError("expected a list of integers, found a float")
-            try:
-                return np.asarray(value, dtype=dtype).reshape(-1)
-            except OverflowError as exc:
-                raise ValueError(f"values do not fit in {dtype}") from exc
-        raise ValueError(f"expected an array or a list, got {type(value).__name__}")
-
-    return Annotated[
-        np.ndarray,
-        PlainValidator(validate),
-        PlainSerializer(lambda a: a.tolist(), when_used="json"),
-        WithJsonSchema({"type": "array", "items": {"type": json_item}}),
-    ]
+_SCORED = RewardStatus.scored  # (an enum member read from its class costs a lookup per call)
 
 
-Int32Array = _array_type(np.int32, "integer")
-Float32Array = _array_type(np.float32, "number")
+def check_reward(reward: float | None, status: RewardStatus | None, sample: int | None = None) -> None:
+    """Only `scored` carries a reward, and a finite one: a failed verifier is never a silent 0."""
+    if status is _SCORED:
+        if reward is not None and math.isfinite(reward):
+            return
+        problem = "a scored sample needs a finite reward"
+    elif reward is None:
+        return
+    else:
+        problem = f"reward must be None when reward_status is {status and status.value}"
+    raise ValueError(problem if sample is None else f"sample {sample}: {problem}")
 
 
-class Record(BaseModel):
-    """Base of all buffer records: strict, no unknown fields, array-aware equality."""
+class _Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of records and their parts: frozen, strict, array-aware equality."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True, frozen=False)
+    _arrays: ClassVar[dict[str, np.dtype]] = {}  # token array fields and their wire dtypes
+
+    def __post_init__(self) -> None:
+        if not FIELDS_CHECKED.get():
+            self._check_fields()
+            return
+        for name, dtype in self._arrays.items():
+            force_setattr(self, name, _read_array(getattr(self, name), dtype, name))
+        self._check()
+
+    def _check_fields(self) -> None:
+        """Check a record built in code as `decode` would: msgspec converts its fields (arrays as
+        their wire bytes) into a twin, whose `_check` runs; the record takes the twin's values."""
+        values = {name: getattr(self, name) for name in self.__struct_fields__}
+        for name, dtype in self._arrays.items():
+            values[name] = _wire_array(values[name], dtype, name)
+        token = FIELDS_CHECKED.set(True)
+        try:
+            twin = msgspec.convert(values, type(self))
+        finally:
+            FIELDS_CHECKED.reset(token)
+        for name in self.__struct_fields__:
+            force_setattr(self, name, getattr(twin, name))
+
+    def _check(self) -> None:
+        """The rules that span fields."""
 
     def __eq__(self, other: object) -> bool:
-        if not (isinstance(other, type(self)) or isinstance(self, type(other))):
-            return NotImplemented  # (a `SampleView` equals the `Sample` it was built from)
-        return all(_field_equal(getattr(self, k), getattr(other, k)) for k in type(self).model_fields)
-
-    __hash__ = None  # mutable records are not hashable
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_equal(getattr(self, name), getattr(other, name)) for name in self.__struct_fields__)
 
 
-def _field_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return (
-            isinstance(a, np.ndarray)
-            and isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and np.array_equal(a, b)
-        )
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_field_equal(x, y) for x, y in zip(a, b))
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
     return a == b
 
 
-class Timings(Record):
+def _wire_array(value: Any, dtype: np.dtype, name: str) -> memoryview:
+    """A token array given in code (a 1-D array or a list of numbers) as its wire bytes."""
+    if not isinstance(value, (np.ndarray, list, tuple)):
+        raise TypeError(f"{name}: expected an array or a list, got {type(value).__name__}")
+    array = np.asarray(value)
+    if array.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D array, got shape {array.shape}")
+    if array.dtype != dtype:
+        integral = dtype.kind == "i"
+        if array.size and array.dtype.kind not in ("iu" if integral else "iuf"):  # (an empty list is float64)
+            raise TypeError(f"{name}: expected {'integers' if integral else 'numbers'}, got {array.dtype}")
+        converted = array.astype(dtype)
+        if integral and not np.array_equal(converted, array):
+            raise ValueError(f"{name}: values do not fit in {dtype}")
+        array = converted
+    return memoryview(np.ascontiguousarray(array)).cast("B")
+
+
+def _read_array(raw: memoryview | np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
+    """Wire bytes as a read-only native-order array viewing them (an array: already one)."""
+    if isinstance(raw, np.ndarray):  # a slice of a group's column, read as a `Sample`
+        return raw
+    if raw.nbytes % dtype.itemsize:
+        raise ValueError(f"{name}: {raw.nbytes} bytes is not a whole number of {dtype}")
+    array = np.frombuffer(raw, dtype)
+    if not dtype.isnative:  # (a big-endian host)
+        array = array.astype(dtype.newbyteorder("="))
+    if not raw.readonly:  # (bytes of an array given in code)
+        array.flags.writeable = False
+    return array
+
+
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # (`ndarray.min` adds a Python-level wrapper per call)
+
+
+def _oldest(versions: np.ndarray) -> int | None:
+    """The oldest of token versions (None for no tokens); a negative one is refused."""
+    oldest = int(_MIN(versions)) if len(versions) else None
+    if oldest is not None and oldest < 0:
+        raise ValueError("negative policy version")
+    return oldest
+
+
+def _check_tokens(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> None:
+    """Content rules for token arrays (one sample's, or a group's columns), but the versions'
+    sign: `_oldest` checks it where the oldest version is needed anyway."""
+    n = len(ids)
+    if len(logprobs) != n:
+        raise ValueError(f"{len(logprobs)} logprobs for {n} completion tokens")
+    if len(versions) != n:
+        raise ValueError(f"{len(versions)} versions for {n} completion tokens")
+    if not n:
+        return
+    # min and max are NaN if any value is, and every comparison with NaN is False: two passes
+    # decide the common case; the detailed check runs only to word the error.
+    if not (float(_MIN(logprobs)) > -math.inf and float(_MAX(logprobs)) <= MAX_LOGPROB):
+        if not np.all(np.isfinite(logprobs)):
+            raise ValueError("behavior_logprobs contain NaN or inf")
+        raise ValueError(f"behavior_logprobs must be <= 0, found {float(logprobs.max())}")
+    if int(_MIN(ids)) < 0:
+        raise ValueError("negative token id")
+
+
+class Timings(_Struct):
     """Wall-clock stamps (unix seconds) of one sample's life; None until the event happens."""
 
     submitted: float | None = None
@@ -155,138 +190,101 @@ class Timings(Record):
     scored: float | None = None
 
 
-class Sample(Record):
+class Record(_Struct, tag_field="type"):
+    """A record the buffer stores on its own; its `type` tag names it on the wire."""
+
+
+class Sample(Record, tag="sample"):
     """One completion of a prompt, with what the engine and the reward service said of it."""
 
-    prompt_id: str = Field(min_length=1, max_length=256)
-    index: int = Field(ge=0, description="position of this sample in its group")
+    prompt_id: Id
+    index: Count  # position of this sample in its group
     completion_ids: Int32Array
-    behavior_logprobs: Float32Array = Field(description="log μ of each completion token, from the engine")
-    versions: Int32Array = Field(description="policy version that sampled each completion token")
-    finish_reason: Annotated[FinishReason, Field(strict=False)]
+    behavior_logprobs: Float32Array  # log μ of each completion token, from the engine
+    versions: Int32Array  # policy version that sampled each completion token
+    finish_reason: FinishReason
     truncated: bool = False
     text: str = ""
     reward: float | None = None
-    reward_status: Annotated[RewardStatus | None, Field(strict=False)] = None
-    reward_details: dict[str, Any] = Field(default_factory=dict)
-    timings: Timings = Field(default_factory=Timings)
+    reward_status: RewardStatus | None = None
+    reward_details: dict[str, Any] = {}
+    timings: Timings = msgspec.field(default_factory=Timings)
 
-    @model_validator(mode="after")
-    def _check(self) -> Sample:
-        n = len(self.completion_ids)
-        if len(self.behavior_logprobs) != n:
-            raise ValueError(f"{len(self.behavior_logprobs)} logprobs for {n} completion tokens")
-        if len(self.versions) != n:
-            raise ValueError(f"{len(self.versions)} versions for {n} completion tokens")
-        if n:
-            check_token_arrays(self.completion_ids, self.behavior_logprobs, self.versions)
-        _check_reward(self.reward, self.reward_status)
-        return self
+    def _check(self) -> None:
+        _check_tokens(self.completion_ids, self.behavior_logprobs, self.versions)
+        _oldest(self.versions)  # refuses a negative version
+        check_reward(self.reward, self.reward_status)
 
     @property
     def min_version(self) -> int | None:
         return _oldest(self.versions)
 
 
-class TimingsView(Timings):
-    """A sample's timings read out of a group's columns: frozen, like the sample."""
-
-    model_config = ConfigDict(frozen=True)
-
-
-class SampleView(Sample):
-    """A sample read out of a group's columns: its arrays are read-only views of them, and it is
-    frozen (assigning to it raises), since a change could never reach the group. Its
-    `reward_details` is the group's own dict: treat it as read-only too."""
-
-    model_config = ConfigDict(frozen=True)
-
-
-class Samples(Record):
+class Samples(_Struct):
     """A group's samples, column-wise: the unit the buffer stores, the codec moves in one copy
     and the trainer reads.
 
     Sample i is `samples[i]` and its `index` is i. Its tokens are `completion_ids[o:o + lengths[i]]`
     with `o = sum(lengths[:i])` (likewise `behavior_logprobs`, `versions`); every other column
     is a list with one entry per sample (`submitted` … `scored` are its `Timings`). Indexing and
-    iterating give read-only `SampleView`s, built on access. `Samples.of(samples)` gathers
-    `Sample`s (in any order) into columns. The record is frozen and its arrays read-only; its
-    lists are shared with the views and the wire: to change a group, build a new one.
+    iterating give `Sample`s viewing the columns, built on access. `Samples.of(samples)` gathers
+    `Sample`s (in any order) into columns.
     """
 
-    model_config = ConfigDict(frozen=True)
-
-    lengths: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, description="completion tokens per sample")
+    lengths: Annotated[list[Count], Meta(min_length=1)]  # completion tokens per sample
     completion_ids: Int32Array
-    behavior_logprobs: Float32Array = Field(description="log μ of each completion token, from the engine")
-    versions: Int32Array = Field(description="policy version that sampled each completion token")
-    prompt_id: list[Annotated[str, Field(min_length=1, max_length=256)]]
-    finish_reason: list[Annotated[FinishReason, Field(strict=False)]]
+    behavior_logprobs: Float32Array  # log μ of each completion token, from the engine
+    versions: Int32Array  # policy version that sampled each completion token
+    prompt_id: list[Id]
+    finish_reason: list[FinishReason]
     truncated: list[bool]
     text: list[str]
     reward: list[float | None]
-    reward_status: list[Annotated[RewardStatus | None, Field(strict=False)]]
+    reward_status: list[RewardStatus | None]
     reward_details: list[dict[str, Any]]
     submitted: list[float | None]
     first_token: list[float | None]
     finished: list[float | None]
     scored: list[float | None]
 
-    @field_validator("completion_ids", "behavior_logprobs", "versions")
-    @classmethod
-    def _read_only(cls, column: np.ndarray) -> np.ndarray:
-        """A read-only view: the column is shared by every view of the group's samples (the
-        caller's own array stays as it was)."""
-        column = column.view()
-        column.flags.writeable = False
-        return column
-
-    @model_validator(mode="after")
-    def _check(self) -> Samples:
+    def _check(self) -> None:
         n, tokens = len(self.lengths), len(self.completion_ids)
         for name in PER_SAMPLE:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{len(getattr(self, name))} {name} entries for {n} samples")
         if sum(self.lengths) != tokens:
             raise ValueError(f"lengths add up to {sum(self.lengths)}, the columns hold {tokens} tokens")
-        if len(self.behavior_logprobs) != tokens:
-            raise ValueError(f"{len(self.behavior_logprobs)} logprobs for {tokens} completion tokens")
-        if len(self.versions) != tokens:
-            raise ValueError(f"{len(self.versions)} versions for {tokens} completion tokens")
-        check_token_arrays(self.completion_ids, self.behavior_logprobs, self.versions)
+        _check_tokens(self.completion_ids, self.behavior_logprobs, self.versions)  # (versions: by the group)
         for i, (reward, status) in enumerate(zip(self.reward, self.reward_status)):
-            _check_reward(reward, status, f"sample {i}: ")
-        return self
+            check_reward(reward, status, i)
 
     @classmethod
-    def of(cls, samples: list[Any]) -> Samples:
-        """Gather `Sample`s (or maps that validate as one) into columns, ordered by `index`,
-        which must run 0..n−1."""
-        rows = sorted((s if isinstance(s, Sample) else Sample.model_validate(s) for s in samples),
-                      key=lambda s: s.index)  # fmt: skip
+    def of(cls, samples: typing.Iterable[Sample]) -> Samples:
+        """Gather `Sample`s into columns, ordered by `index`, which must run 0..n−1."""
+        rows = sorted(samples, key=lambda s: s.index)
         if not rows:
             raise ValueError("a group needs at least one sample")
         if [s.index for s in rows] != list(range(len(rows))):
-            raise ValueError(f"sample indices must be 0..{len(rows) - 1}, got {sorted(s.index for s in rows)}")
-        columns = {name: _gather([getattr(s, name) for s in rows], dtype) for name, dtype in TOKEN_COLUMNS.items()}
-        timings = {name: [getattr(s.timings, name) for s in rows] for name in _TIMINGS}
-        per_sample = {name: [getattr(s, name) for s in rows] for name in PER_SAMPLE if name not in timings}
-        return cls.model_validate({"lengths": [len(s.completion_ids) for s in rows], **columns, **per_sample, **timings})
+            raise ValueError(f"sample indices must be 0..{len(rows) - 1}, got {[s.index for s in rows]}")
+        columns = {name: [getattr(s, name) for s in rows] for name in PER_SAMPLE if name not in TIMINGS}
+        columns |= {name: [getattr(s.timings, name) for s in rows] for name in TIMINGS}
+        tokens = {name: np.concatenate([getattr(s, name) for s in rows]) for name in TOKEN_COLUMNS}
+        return cls(lengths=[len(s.completion_ids) for s in rows], **tokens, **columns)
 
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def __iter__(self):  # type: ignore[override]  (a model iterates its samples, not its fields)
+    def __iter__(self) -> typing.Iterator[Sample]:
         start = 0
         for i, n in enumerate(self.lengths):
             yield self._view(i, start, start + n)
             start += n
 
     @typing.overload
-    def __getitem__(self, i: int) -> SampleView: ...
+    def __getitem__(self, i: int) -> Sample: ...
     @typing.overload
-    def __getitem__(self, i: slice) -> list[SampleView]: ...
-    def __getitem__(self, i: int | slice) -> SampleView | list[SampleView]:
+    def __getitem__(self, i: slice) -> list[Sample]: ...
+    def __getitem__(self, i: int | slice) -> Sample | list[Sample]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self.lengths)))]
         i = operator.index(i)
@@ -296,100 +294,57 @@ class Samples(Record):
         start = sum(self.lengths[:i])
         return self._view(i, start, start + self.lengths[i])
 
-    def _view(self, i: int, start: int, end: int) -> SampleView:
-        """Sample i, its fields in `Sample`'s order (as pydantic would lay them out)."""
-        values: dict[str, Any] = {}
-        for name in Sample.model_fields:
-            if name in TOKEN_COLUMNS:
-                values[name] = getattr(self, name)[start:end]
-            elif name == "index":
-                values[name] = i
-            elif name == "timings":
-                values[name] = construct(TimingsView, {t: getattr(self, t)[i] for t in _TIMINGS})
-            else:
-                values[name] = getattr(self, name)[i]
-        return construct(SampleView, values)
+    def _view(self, i: int, start: int, end: int) -> Sample:
+        """Sample i: its arrays view the columns and its `reward_details` is the group's own dict."""
+        values = {name: getattr(self, name)[i] for name in PER_SAMPLE if name not in TIMINGS}
+        tokens = {name: getattr(self, name)[start:end] for name in TOKEN_COLUMNS}
+        token = FIELDS_CHECKED.set(True)  # the columns were checked
+        try:
+            timings = Timings(**{name: getattr(self, name)[i] for name in TIMINGS})
+            return Sample(index=i, timings=timings, **tokens, **values)
+        finally:
+            FIELDS_CHECKED.reset(token)
 
     @property
     def min_version(self) -> int | None:
         return _oldest(self.versions)
 
 
-TOKEN_COLUMNS = {"completion_ids": np.dtype(np.int32), "behavior_logprobs": np.dtype(np.float32),
-                  "versions": np.dtype(np.int32)}  # fmt: skip
-PER_SAMPLE = tuple(name for name in Samples.model_fields if name not in TOKEN_COLUMNS and name != "lengths")  # lists
-_TIMINGS = tuple(Timings.model_fields)
-assert set(_TIMINGS) < set(PER_SAMPLE), "a sample's timings are columns of their own"
-assert {*TOKEN_COLUMNS, *PER_SAMPLE} - set(_TIMINGS) == Sample.model_fields.keys() - {"index", "timings"}
+TOKEN_COLUMNS = ("completion_ids", "behavior_logprobs", "versions")
+PER_SAMPLE = tuple(name for name in Samples.__struct_fields__ if name not in TOKEN_COLUMNS and name != "lengths")
+TIMINGS = Timings.__struct_fields__
+assert {*PER_SAMPLE, *TOKEN_COLUMNS} - set(TIMINGS) == set(Sample.__struct_fields__) - {"index", "timings"}
 
 
-def _gather(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+class Group(Record, tag="group"):
+    """All samples of one prompt: the unit of admission, storage and advantage estimation."""
 
-
-def _check_reward(reward: float | None, status: RewardStatus | None, where: str = "") -> None:
-    if status is RewardStatus.scored:
-        if reward is None or not math.isfinite(reward):
-            raise ValueError(f"{where}a scored sample needs a finite reward")
-    elif reward is not None:
-        raise ValueError(f"{where}reward must be None when reward_status is {status}")
-
-
-def construct(cls: type[BaseModel], values: dict[str, Any]) -> Any:
-    """`cls.model_construct(**values)` for a record whose every field is given, already valid
-    and in field order, without its per-field loop (the codec and `Samples` build many)."""
-    record = cls.__new__(cls)
-    object.__setattr__(record, "__dict__", values)
-    object.__setattr__(record, "__pydantic_fields_set__", set(values))
-    object.__setattr__(record, "__pydantic_extra__", None)
-    object.__setattr__(record, "__pydantic_private__", None)
-    return record
-
-
-class Group(Record):
-    """All samples of one prompt: the unit of admission, storage and advantage estimation.
-    `samples` is column-wise (`Samples`); a list of `Sample`s is gathered into it."""
-
-    group_id: str = Field(min_length=1, max_length=256, description="idempotency key")
-    job_id: str = Field(min_length=1, max_length=256)
-    prompt_ids: Int32Array
-    reward_spec: dict[str, Any]
+    group_id: Id  # idempotency key
+    job_id: Id
+    prompt_tokens: Int32Array
+    reward_spec: dict[str, Any]  # a `proto.rewards.RewardSpec`, checked when its job was submitted
     samples: Samples
-    submit_version: int = Field(ge=0, description="trainer version when generation was admitted")
-    min_version: int = Field(ge=0, description="oldest token version in the group")
-    lineage: dict[int, int] = Field(
-        default_factory=dict,
-        description="epoch -> newest version that sampled a token under it (proto/lineage.py); "
-        "empty: every token is from epoch 0",
-    )
+    submit_version: Count  # trainer version when generation was admitted
+    min_version: Count  # oldest token version in the group
+    # epoch -> newest version that sampled a token under it (proto/lineage.py); empty: all epoch 0
+    lineage: dict[int, int] = {}
 
-    @field_validator("samples", mode="before")
-    @classmethod
-    def _gather_samples(cls, value: Any) -> Any:
-        return Samples.of(list(value)) if isinstance(value, (list, tuple)) else value
-
-    @model_validator(mode="after")
-    def _check(self) -> Group:
-        if len(self.prompt_ids) == 0:
+    def _check(self) -> None:
+        if not len(self.prompt_tokens):
             raise ValueError("empty prompt")
-        if "verifier" not in self.reward_spec or not isinstance(self.reward_spec["verifier"], str):
-            raise ValueError("reward_spec needs a string 'verifier'")
         oldest = self.samples.min_version
         expected = self.submit_version if oldest is None else oldest
         if self.min_version != expected:
             raise ValueError(f"min_version {self.min_version} but the oldest token version is {expected}")
-        return self
 
     @classmethod
-    def build(cls, **fields: Any) -> Group:
-        """Construct a group, deriving `min_version` from the samples' token versions."""
-        samples = fields["samples"]
-        if isinstance(samples, Samples):
-            oldest = samples.min_version
-        else:  # a list of `Sample`s: the group gathers it while it validates
-            oldest = min((v for v in (s.min_version for s in samples) if v is not None), default=None)
+    def build(cls, *, samples: Samples | typing.Iterable[Sample], **fields: Any) -> Group:
+        """A group of `samples` (`Samples`, or `Sample`s in any order), its `min_version`
+        derived from their token versions."""
+        samples = samples if isinstance(samples, Samples) else Samples.of(samples)
+        oldest = samples.min_version
         fields.setdefault("min_version", fields["submit_version"] if oldest is None else oldest)
-        return cls(**fields)
+        return cls(samples=samples, **fields)
 
     @property
     def rewards(self) -> list[float | None]:
@@ -402,43 +357,47 @@ class Group(Record):
 
     def num_bytes(self) -> int:
         s = self.samples
-        return self.prompt_ids.nbytes + s.completion_ids.nbytes + s.behavior_logprobs.nbytes + s.versions.nbytes
+        return self.prompt_tokens.nbytes + s.completion_ids.nbytes + s.behavior_logprobs.nbytes + s.versions.nbytes
 
 
-class GroupJob(Record):
+class GroupJob(Record, tag="job"):
     """One entry of the `jobs` stream: a prompt to sample `group_size` completions of."""
 
-    job_id: str = Field(min_length=1, max_length=256)
-    group_id: str = Field(min_length=1, max_length=256)
-    prompt_id: str = Field(min_length=1, max_length=256)
-    prompt_ids: Int32Array
+    job_id: Id
+    group_id: Id
+    prompt_id: Id
+    prompt_tokens: Int32Array
+    group_size: Annotated[int, Meta(ge=1, le=MAX_GROUP_SIZE)]
+    reward_spec: dict[str, Any]  # a `proto.rewards.RewardSpec`, checked at submission
     prompt_text: str = ""
-    group_size: int = Field(ge=1, le=4096)
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-    reward_spec: dict[str, Any]
+    sampling_params: dict[str, Any] = {}
     submitted_at: float = 0.0
 
-    @model_validator(mode="after")
-    def _check(self) -> GroupJob:
-        if len(self.prompt_ids) == 0:
+    def _check(self) -> None:
+        if not len(self.prompt_tokens):
             raise ValueError("empty prompt")
-        if "verifier" not in self.reward_spec or not isinstance(self.reward_spec["verifier"], str):
-            raise ValueError("reward_spec needs a string 'verifier'")
-        return self
 
 
-class WeightsInfo(Record):
+class WeightsInfo(Record, tag="weights"):
     """Where the weights of policy version `version` can be loaded from."""
 
-    version: int = Field(ge=0)
-    epoch: int = Field(0, ge=0, description="the trainer history it belongs to (proto/lineage.py)")
-    method: str = Field(pattern="^(disk|distributed)$")
+    version: Count
+    method: Literal["disk", "distributed"]
+    epoch: Count = 0  # the trainer history it belongs to (proto/lineage.py)
     path: str | None = None
     published_at: float = 0.0
-    extra: dict[str, Any] = Field(default_factory=dict)
+    extra: dict[str, Any] = {}
 
-    @model_validator(mode="after")
-    def _check(self) -> WeightsInfo:
+    def _check(self) -> None:
         if self.method == "disk" and not self.path:
             raise ValueError("disk weights need a path")
-        return self
+
+
+def _token_arrays(cls: type[_Struct]) -> dict[str, np.dtype]:
+    """The fields annotated `Int32Array` / `Float32Array`, with their wire dtypes."""
+    hints = ((f.name, typing.get_args(f.type)) for f in msgspec.structs.fields(cls))
+    return {name: args[1] for name, args in hints if args[:1] == (memoryview,)}
+
+
+for _cls in (Sample, Samples, Group, GroupJob):
+    _cls._arrays = _token_arrays(_cls)

@@ -6,19 +6,23 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from proto.records import RewardStatus
+from proto.limits import MAX_GROUP_SIZE
+from proto.records import RewardStatus, check_reward
 
-MAX_ITEMS_PER_BATCH = 4096
+MAX_ITEMS_PER_BATCH = MAX_GROUP_SIZE  # a group's samples are scored in one batch
 MAX_COMPLETION_CHARS = 1_000_000  # hard cap on the wire; verifiers cap lower before parsing
 
 
 class RewardSpec(BaseModel):
-    """`{"verifier": "math"|"code"|"judge"|"reverse"|"arith"|…, …verifier arguments}`."""
+    """`{"verifier": "math"|"code"|"judge"|"reverse"|"arith"|…, …verifier arguments}`.
+
+    Checked where it enters: at the rollout's intake (with the verifier's published schema),
+    which hands the records its `model_dump()` for the rollout to pass on as it is, and at the
+    reward service's door, which outside clients call too."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -60,11 +64,7 @@ class RewardResult(BaseModel):
 
     @model_validator(mode="after")
     def _reward_iff_scored(self) -> RewardResult:
-        if self.status is RewardStatus.scored:
-            if self.reward is None or not math.isfinite(self.reward):
-                raise ValueError("a scored result needs a finite reward")
-        elif self.reward is not None:
-            raise ValueError(f"a {self.status.value} result carries no reward")
+        check_reward(self.reward, self.status)
         return self
 
 

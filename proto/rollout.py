@@ -16,12 +16,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from proto.limits import MAX_GROUP_SIZE
 from proto.rewards import RewardSpec
 from proto.sglang import SamplingParams
+from proto.states import JobState
 
 MAX_PROMPTS_PER_JOB = 100_000
 MAX_PROMPT_CHARS = 1_000_000
-MAX_GROUP_SIZE = 4096  # same bound as `GroupJob.group_size`
 
 
 class ChatTurn(BaseModel):
@@ -99,10 +100,12 @@ class RolloutAccepted(BaseModel):
 
 
 class RolloutProgress(BaseModel):
-    """Answer of `GET /v1/rollouts/{id}`: where each group of the job is.
+    """Answer of `GET /v1/rollouts/{id}`: where each group of the job is, one count per
+    `proto.states.GroupState`.
 
     `queued + generating + scoring + buffered + failed + cancelled == groups`; `trained`,
-    `dropped`, `withheld` and `zero_spread` count what the trainer did with buffered groups.
+    `dropped`, `withheld` and `zero_spread` count what the trainer did with buffered groups
+    (`other`: any other way they left the buffer, e.g. `lost`).
     `unscored` counts the buffered groups in which no sample was scored (every reward came back
     `timeout`, `error` or `invalid_input`): they are in the buffer, and the trainer may ack
     them (`trained`), but they carry no reward. A finished job reads `failed` when no group
@@ -111,7 +114,7 @@ class RolloutProgress(BaseModel):
     """
 
     job_id: str
-    state: str = Field(description="queued | running | done | failed | cancelling | cancelled")
+    state: JobState
     groups: int
     queued: int
     generating: int

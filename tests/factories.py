@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from msgspec.structs import replace
 
 from proto import Group, GroupJob, RewardStatus, Sample
 
@@ -29,7 +30,7 @@ def make_group(group_id="g0", job_id="j0", n=4, n_tokens=5, version=0, submit_ve
     return Group.build(
         group_id=group_id,
         job_id=job_id,
-        prompt_ids=np.array([1, 5, 6, 7], dtype=np.int32),
+        prompt_tokens=np.array([1, 5, 6, 7], dtype=np.int32),
         reward_spec={"verifier": "reverse", "target": "dcb"},
         samples=samples,
         submit_version=version if submit_version is None else submit_version,
@@ -41,7 +42,7 @@ def make_job(group_id="g0", job_id="j0", group_size=4) -> GroupJob:
         job_id=job_id,
         group_id=group_id,
         prompt_id=group_id,
-        prompt_ids=np.array([1, 5, 6, 7], dtype=np.int32),
+        prompt_tokens=np.array([1, 5, 6, 7], dtype=np.int32),
         prompt_text="bcd>",
         group_size=group_size,
         sampling_params={"temperature": 1.0, "max_new_tokens": 4},
@@ -50,8 +51,8 @@ def make_job(group_id="g0", job_id="j0", group_size=4) -> GroupJob:
 
 
 def edit_sample(group: Group, index: int, **changes) -> Group:
-    """`group` with sample `index` changed (a group's samples are read-only views: build anew)."""
+    """`group` with sample `index` changed (records are frozen: build anew)."""
     samples = list(group.samples)
-    samples[index] = Sample.model_validate({**samples[index].model_dump(), **changes})
-    return Group.build(group_id=group.group_id, job_id=group.job_id, prompt_ids=group.prompt_ids,
+    samples[index] = replace(samples[index], **changes)
+    return Group.build(group_id=group.group_id, job_id=group.job_id, prompt_tokens=group.prompt_tokens,
                        reward_spec=group.reward_spec, samples=samples, submit_version=group.submit_version)  # fmt: skip

@@ -22,7 +22,7 @@ from trainer.advantages import AdvantageKind, group_advantages, overlong_penalty
 
 @dataclass
 class Row:
-    prompt_ids: np.ndarray
+    prompt_tokens: np.ndarray
     completion_ids: np.ndarray
     behavior_logprobs: np.ndarray
     advantage: float
@@ -85,7 +85,7 @@ def build_rows(groups: list[Group], kind: AdvantageKind, shaping: Shaping | None
             ok, end = bool(valid[gi, i]), start + length
             if not ok:
                 out.masked[status.value if status else "unscored"] += 1
-            out.rows.append(Row(g.prompt_ids, s.completion_ids[start:end], s.behavior_logprobs[start:end],
+            out.rows.append(Row(g.prompt_tokens, s.completion_ids[start:end], s.behavior_logprobs[start:end],
                                 float(adv[gi, i]) if ok else 0.0, ok))  # fmt: skip
             out.lengths.append(length)
             out.truncated += int(truncated)
@@ -122,7 +122,7 @@ class Batch:
 
 def collate(rows: list[Row | None], pad_id: int) -> Batch:
     n = len(rows)
-    lengths = [(len(r.prompt_ids), len(r.completion_ids)) if r is not None else (1, 0) for r in rows]
+    lengths = [(len(r.prompt_tokens), len(r.completion_ids)) if r is not None else (1, 0) for r in rows]
     seq_len = max(p + c for p, c in lengths)
     t_max = max(1, max(c for _, c in lengths))
     input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
@@ -136,7 +136,7 @@ def collate(rows: list[Row | None], pad_id: int) -> Batch:
         attention[i, : p + c] = 1
         if row is None:
             continue
-        input_ids[i, :p] = torch.from_numpy(row.prompt_ids.astype(np.int64))
+        input_ids[i, :p] = torch.from_numpy(row.prompt_tokens.astype(np.int64))
         input_ids[i, p : p + c] = torch.from_numpy(row.completion_ids.astype(np.int64))
         logit_pos[i, :c] = torch.arange(p - 1, p - 1 + c)
         targets[i, :c] = input_ids[i, p : p + c]
@@ -168,7 +168,7 @@ def micro_batches(rows: list[Row], rank: int, world: int, minibatches: int, micr
 
 def _row_length(row: Row | None) -> int:
     """Prompt + completion tokens; a rank's filler row (None) sorts last."""
-    return -1 if row is None else len(row.prompt_ids) + len(row.completion_ids)
+    return -1 if row is None else len(row.prompt_tokens) + len(row.completion_ids)
 
 
 def token_logprobs(

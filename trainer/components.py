@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from trainer.step import StepConfig
 from trainer.tracking import Tracker, build_tracker
 from trainer.weights import BroadcastPublisher, DiskPublisher, cast_state
 
+if TYPE_CHECKING:
+    from buffer import AdmissionControl, Groups, Weights
+
 log = logging.getLogger("asyncrl.trainer")
 
 
@@ -43,7 +47,9 @@ class Parts:
     step_cfg: StepConfig
     source: GroupSource
     ckpt: Checkpointer
-    buf: object | None  # buffer.ReplayBuffer on rank 0
+    groups: Groups | None  # rank 0: the trainer's consumer of the buffer
+    weights: Weights | None  # rank 0: versions, weight locations and lineage in the buffer
+    admission: AdmissionControl | None  # rank 0
     disk: DiskPublisher | None
     broadcast: BroadcastPublisher | None
     health: tm.Health
@@ -56,8 +62,8 @@ class Parts:
     def publish(self, version: int, rollback: bool = False) -> None:
         """Collective: gather the full weights, then rank 0 ships them and announces `version`."""
         if self.cfg.publish == "none":
-            if self.buf is not None:
-                self.buf.set_version(version)
+            if self.weights is not None:
+                self.weights.set_version(version)
             return
         t0 = time.perf_counter()
         state = full_state_dict(self.model)
@@ -72,8 +78,8 @@ class Parts:
             out = self.broadcast.publish(version, state, self.epoch)
             info = WeightsInfo(version=version, epoch=self.epoch, method="distributed", published_at=time.time(),
                                extra={"group_name": self.broadcast.group_name})  # fmt: skip
-        self.buf.publish_weights(info, rollback=rollback)
-        self.buf.set_version(version)
+        self.weights.publish(info, rollback=rollback)
+        self.weights.set_version(version)
         seconds = time.perf_counter() - t0
         tm.PUBLISH_SECONDS.labels(info.method).observe(seconds)
         tm.PUBLISH_BYTES.labels(info.method).inc(out.nbytes)
@@ -114,13 +120,15 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
                           minibatches=cfg.minibatches, kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind,
                           entropy_coef=cfg.entropy_coef)  # fmt: skip
     shaping = Shaping(cfg.overlong_max_len, cfg.overlong_cache_len, cfg.overlong_factor)
-    buf = disk = broadcast = None
+    groups = weights = admission = disk = broadcast = None
     health = tm.Health()
     if d.is_main:
-        from buffer import ReplayBuffer
+        from buffer import AdmissionControl, Buffer, Groups, Weights
 
-        buf = ReplayBuffer(cfg.redis_url, run=cfg.run, consumer=cfg.consumer)
-        buf.configure(batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness)
+        buf = Buffer(cfg.redis_url, run=cfg.run)
+        groups, weights = Groups(buf, consumer=cfg.consumer), Weights(buf)
+        admission = AdmissionControl(buf, cfg.batch_groups, cfg.max_staleness)
+        admission.configure(batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness)
         if cfg.publish == "disk":
             disk = DiskPublisher(out / "weights", cfg.model_path, keep=cfg.keep_weights)
         elif cfg.publish == "distributed":
@@ -133,15 +141,18 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
             # a fresh group name per trainer start: engines still hold the dead group of a crashed one
         if cfg.metrics_port:
             tm.serve(cfg.metrics_host, cfg.metrics_port, health)
-    source = GroupSource(d, buf, cfg.batch_groups, cfg.max_staleness, cfg.staleness_policy, cfg.block_ms,
+    source = GroupSource(d, groups, cfg.batch_groups, cfg.max_staleness, cfg.staleness_policy, cfg.block_ms,
                          cfg.dynamic_sampling, shaping if cfg.overlong_max_len else None, cfg.heartbeat_s)  # fmt: skip
     pad_id = AutoConfig.from_pretrained(cfg.model_path).pad_token_id or 0
     fetch = None
-    if tracker is not None and buf is not None:
+    if tracker is not None and d.is_main:
         from buffer import EvalStore
 
         evals = EvalStore(cfg.redis_url, run=cfg.run)  # the rollout service's evaluations of this run
-        fetch = lambda: [e.model_dump() for e in evals.list()]
+
+        def fetch() -> list[dict]:
+            return [e.model_dump() for e in evals.list()]
+
     return Parts(cfg, d, model, ref_model, optimizer, step_cfg, source,
-                 Checkpointer(out / "checkpoints", d, cfg.keep_checkpoints), buf, disk, broadcast, health,
-                 int(pad_id), out / "trained.jsonl" if cfg.audit_log else None, tracker, fetch)  # fmt: skip
+                 Checkpointer(out / "checkpoints", d, cfg.keep_checkpoints), groups, weights, admission, disk, broadcast,
+                 health, int(pad_id), out / "trained.jsonl" if cfg.audit_log else None, tracker, fetch)  # fmt: skip

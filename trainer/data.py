@@ -16,14 +16,19 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import msgpack
+import msgspec
 import torch
 
 from proto import Group, decode, encode
+from proto.states import GroupState
 from trainer import metrics as tm
 from trainer.batch import Shaping, zero_spread_groups
 from trainer.model import Dist, broadcast_from_main
+
+if TYPE_CHECKING:
+    from buffer import Groups
 
 READY, STOP, WAIT = 0, 1, 2
 
@@ -41,9 +46,9 @@ class Taken:
 
 
 class GroupSource:
-    def __init__(self, d: Dist, buf, batch_groups: int, max_staleness: int, policy: str, block_ms: int,
+    def __init__(self, d: Dist, groups: Groups | None, batch_groups: int, max_staleness: int, policy: str, block_ms: int,
                  dynamic_sampling: bool, shaping: Shaping | None, heartbeat_s: float = 30.0):  # fmt: skip
-        self.d, self.buf = d, buf
+        self.d, self.groups = d, groups  # (the buffer's groups: rank 0 only)
         self.batch_groups, self.max_staleness, self.policy = batch_groups, max_staleness, policy
         self.block_ms, self.dynamic_sampling, self.shaping = block_ms, dynamic_sampling, shaping
         self.heartbeat_s = heartbeat_s
@@ -57,21 +62,20 @@ class GroupSource:
     def _read(self, version: int, taken: Taken, deadline: float) -> None:
         """Rank 0: add to `taken` until it holds B trainable groups, a stop request, or `deadline`."""
         while len(taken.groups) < self.batch_groups and not self.stop_requested.is_set() and time.monotonic() < deadline:
-            res = self.buf.take_groups(self.batch_groups - len(taken.groups), version, self.max_staleness,
-                                       self.block_ms, self.policy)  # fmt: skip
+            res = self.groups.take(self.batch_groups - len(taken.groups), version, self.max_staleness,
+                                   self.block_ms, self.policy)  # fmt: skip
             taken.withheld += res.withheld
             taken.dropped += res.dropped
             taken.lost += res.lost
-            tm.GROUPS.labels("lost_history").inc(len(res.lost))
             taken.dead_lettered += res.dead_lettered
-            tm.GROUPS.labels("stale_dropped").inc(len(res.dropped))
-            tm.GROUPS.labels("stale_withheld").inc(len(res.withheld))
-            tm.GROUPS.labels("dead_lettered").inc(res.dead_lettered)
+            for outcome, n in ((GroupState.lost, len(res.lost)), (GroupState.dropped, len(res.dropped)),
+                               (GroupState.withheld, len(res.withheld)), (GroupState.dead_lettered, res.dead_lettered)):
+                tm.GROUPS.labels(outcome.value).inc(n)  # fmt: skip
             flat = zero_spread_groups(res.groups, self.shaping) if self.dynamic_sampling else [False] * len(res.groups)
             skip = [g.group_id for g, z in zip(res.groups, flat) if z]
             if skip:
-                self.buf.discard(skip, "zero_spread")
-                tm.GROUPS.labels("zero_spread").inc(len(skip))
+                self.groups.discard(skip, GroupState.zero_spread)
+                tm.GROUPS.labels(GroupState.zero_spread.value).inc(len(skip))
                 taken.discarded += skip
             for g, s, z in zip(res.groups, res.staleness, flat):
                 if not z:
@@ -90,7 +94,7 @@ class GroupSource:
                 self._read(version, taken, time.monotonic() + self.heartbeat_s)
                 if len(taken.groups) < self.batch_groups:
                     state = STOP if self.stop_requested.is_set() else WAIT
-            payload = msgpack.packb([encode(g) for g in taken.groups]) if self.d.is_main and state == READY else b""
+            payload = msgspec.msgpack.encode([encode(g) for g in taken.groups]) if self.d.is_main and state == READY else b""
             header = torch.tensor([state, len(payload)], dtype=torch.long)
             broadcast_from_main(self.d, header)
             state = int(header[0])
@@ -104,5 +108,5 @@ class GroupSource:
                     torch.empty(int(header[1]), dtype=torch.uint8)  # fmt: skip
                 broadcast_from_main(self.d, data)
                 if not self.d.is_main:
-                    taken.groups = [decode(b, Group) for b in msgpack.unpackb(data.numpy().tobytes())]
+                    taken.groups = [decode(b, Group) for b in msgspec.msgpack.decode(data.numpy().tobytes(), type=list[bytes])]
             return taken

@@ -7,7 +7,7 @@
              → every k steps: checkpoint, then XACK the groups it covers
 
 Exactly-once: a group is acked only after the checkpoint holding its update is durable; after a
-crash the groups consumed since that checkpoint are redelivered (`recover_pending`) and trained
+crash the groups consumed since that checkpoint are redelivered (`Groups.recover`) and trained
 again from the same version, so each group is in the surviving lineage exactly once.
 """
 
@@ -19,7 +19,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from buffer.replay import sampled_lineage
+from buffer.groups import sampled_lineage
+from proto.states import GroupState
 from services.common.logging import log_event
 from trainer import metrics as tm
 from trainer.batch import build_rows, micro_batches, zero_spread_groups
@@ -50,12 +51,12 @@ def resume(p: Parts) -> int:
     meta = p.ckpt.load(p.model, p.optimizer)
     version = meta.version if meta else 0
     if p.d.is_main:
-        if meta is not None or p.buf.latest_weights() is not None or p.buf.get_version() > 0:
-            p.epoch = p.buf.begin_epoch(version)
+        if meta is not None or p.weights.latest() is not None or p.weights.version() > 0:
+            p.epoch = p.weights.begin_epoch(version)
         if meta:
-            p.buf.ack(meta.consumed_ids)  # a crash between checkpoint and ack: finish the ack
-        reclaimed = p.buf.recover_pending(0)  # consumed after the checkpoint: train them again
-        accepted = p.buf.rebuild_admission(version)
+            p.groups.ack(meta.consumed_ids)  # a crash between checkpoint and ack: finish the ack
+        reclaimed = p.groups.recover(0)  # consumed after the checkpoint: train them again
+        accepted = p.admission.rebuild(version)
         log_event(log, "trainer resumed", version=version, epoch=p.epoch, reclaimed=reclaimed, accepted=accepted,
                   checkpoint=str(meta.path) if meta else None)  # fmt: skip
         p.audit("resume", version, epoch=p.epoch, reclaimed=reclaimed)
@@ -127,7 +128,7 @@ def old_logprobs(p: Parts, micro) -> list:
 def checkpoint_and_ack(p: Parts, version: int, consumed: list[str]) -> None:
     p.ckpt.save(p.model, p.optimizer, version, consumed)
     if p.d.is_main:
-        acked = p.buf.ack(consumed)  # only now: the update of these groups is durable
+        acked = p.groups.ack(consumed)  # only now: the update of these groups is durable
         tm.CHECKPOINTS.inc()
         p.audit("checkpoint", version, acked=len(consumed))
         log_event(log, "checkpoint", version=version, groups=len(consumed), acked=acked)
@@ -148,7 +149,7 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
     tm.BUSY_SECONDS.inc(busy)
     tm.TOKENS.inc(stats["tokens"])
     tm.TOKENS_PER_SECOND.set(stats["tokens"] / busy)
-    tm.GROUPS.labels("trained").inc(len(taken.groups))
+    tm.GROUPS.labels(GroupState.trained.value).inc(len(taken.groups))
     for reason, n in rows.masked.items():
         tm.SAMPLES_MASKED.labels(reason).inc(n)
     for s in taken.staleness:

@@ -3,7 +3,7 @@
 Every loss term is normalised by the *global* denominator of its minibatch (all ranks, all
 micro-batches; see `losses.aggregate`), and multiplied by the world size because FSDP
 averages gradients over ranks, so the update equals one big-batch step on a single process
-(what tests/unit/test_parity.py checks). Each minibatch is one optimizer step with gradient
+(what tests/integration/test_parity.py checks). Each minibatch is one optimizer step with gradient
 clipping; PPO's `r = π_θ/π_old` departs from 1 from the second minibatch on.
 """
 
@@ -70,7 +70,7 @@ def policy_step(
         raise ValueError("old_logprobs may be None only with one minibatch (π_θ moves after the first)")
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_mb = len(micro) // cfg.minibatches  # micro_batches() makes equal minibatches
-    sums = {k: 0.0 for k in (*SUM_METRICS, "entropy", "ref_kl", "tokens", "loss", "grad_norm")}
+    sums = dict.fromkeys((*SUM_METRICS, "entropy", "ref_kl", "tokens", "loss", "grad_norm"), 0.0)
     w_max, t_fb, t_opt = 0.0, 0.0, 0.0
     for m in range(cfg.minibatches):
         idx = range(m * per_mb, min((m + 1) * per_mb, len(micro)))

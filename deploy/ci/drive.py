@@ -201,7 +201,7 @@ def check_metrics() -> None:
         status, body = http("GET", "http://127.0.0.1:9090/api/v1/targets", auth=False)
         targets = json.loads(body)["data"]["activeTargets"] if status == 200 else []
         health = {t["labels"]["job"]: t["health"] for t in targets}
-        if PROM_JOBS <= set(health) and all(h == "up" for h in health.values()):
+        if set(health) >= PROM_JOBS and all(h == "up" for h in health.values()):
             log(f"prometheus targets up: {sorted(health)}")
             return
         if time.time() > deadline:
@@ -276,7 +276,7 @@ def main() -> int:
     stats = buffer_stats()
     log(f"buffer stats: depth {stats['depth']} pending {stats['pending']} counters {stats['counters']}")
     c = stats["counters"]
-    pairs = {"jobs_enqueued": "groups", "put": "buffered", "acked": "trained", "dropped": "dropped"}
+    pairs = {"jobs_enqueued": "groups", "put": "buffered", "trained": "trained", "dropped": "dropped"}
     wrong = {k: (c.get(k, 0), totals[v]) for k, v in pairs.items() if c.get(k, 0) != totals[v]}
     if wrong:
         raise Failed(f"buffer counters disagree with the jobs' totals (counter, jobs): {wrong}")

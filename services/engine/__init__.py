@@ -2,7 +2,7 @@
 
     main.py          entry point: settings (config.py), then torch, then uvicorn
     app.py           FastAPI routes (SGLang native API + OpenAI /v1/chat/completions)
-    engine.py        validation, submission, SGLang response shapes, weight updates
+    engine.py        InferenceEngine: validation, submission, SGLang response shapes, weight updates
     scheduler.py     continuous batching loop on one thread (admit → prefill → decode)
     model_runner.py  the model, the slot KV cache, batched prefill/decode forwards
     sampling.py      temperature / top-p / top-k / min-p sampling and the logprobs returned

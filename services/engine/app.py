@@ -46,7 +46,7 @@ from services.common.limits import BodyLimit, install_validation_handler
 from services.common.metrics import router as metrics_router
 from services.engine import metrics
 from services.engine.config import is_loopback
-from services.engine.engine import Engine, InvalidRequest
+from services.engine.engine import InferenceEngine, InvalidRequest
 
 # The data plane: generation and read-only info (everything else is control).
 DATA_PATHS = frozenset(
@@ -67,7 +67,7 @@ HARMLESS_CHAT_FIELDS = frozenset(
 )
 
 
-def build_app(engine: Engine, *, tokenless_control: bool = False) -> FastAPI:
+def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> FastAPI:
     """`tokenless_control`: without a token, leave the control endpoints open too. Only for
     in-process test engines on loopback (`services/engine/testing.py`); `asyncrl engine` never
     sets it."""
@@ -213,7 +213,7 @@ def build_app(engine: Engine, *, tokenless_control: bool = False) -> FastAPI:
     return app
 
 
-async def _chat(engine: Engine, body: ChatCompletionRequest) -> ChatCompletionResponse:
+async def _chat(engine: InferenceEngine, body: ChatCompletionRequest) -> ChatCompletionResponse:
     if body.stream:
         raise InvalidRequest("stream=true is not supported by the reference engine")
     changes_output = {

@@ -85,7 +85,7 @@ def resolve_weights_dir(root: str, path: str) -> str | None:
     return real if files and all(inside) else None
 
 
-class Engine:
+class InferenceEngine:
     def __init__(self, settings: EngineSettings):
         self.settings = settings
         self.runner = ModelRunner(

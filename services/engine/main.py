@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.common.logging import log_event, setup_logging
     from services.engine.app import build_app
-    from services.engine.engine import Engine
+    from services.engine.engine import InferenceEngine
 
     setup_logging(settings.log_level)
     log = logging.getLogger("asyncrl.engine")
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.weights_root is None:
         log_event(log, "no weights_root: update_weights_from_disk is refused", logging.WARNING)
     torch.set_num_threads(settings.num_threads)
-    engine = Engine(settings)
+    engine = InferenceEngine(settings)
     log_event(
         log,
         "engine ready",

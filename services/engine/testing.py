@@ -14,7 +14,7 @@ __all__ = ["RunningEngine", "free_port", "serve_in_thread"]
 @dataclass
 class RunningEngine:
     url: str
-    engine: object  # services.engine.engine.Engine
+    engine: object  # services.engine.engine.InferenceEngine
     http: ThreadServer
 
     def stop(self) -> None:
@@ -28,13 +28,13 @@ def serve_in_thread(model: str, *, tokenless_control: bool = True, **overrides) 
     and `weights_root` is "/" (any absolute path, symlinks resolved) unless overridden."""
     from services.engine.app import build_app
     from services.engine.config import EngineSettings
-    from services.engine.engine import Engine
+    from services.engine.engine import InferenceEngine
 
     overrides.setdefault("weights_root", "/")
     settings = EngineSettings(
         model=model, host="127.0.0.1", port=overrides.pop("port", None) or free_port(), **overrides
     )
-    engine = Engine(settings)
+    engine = InferenceEngine(settings)
     http = serve_app_in_thread(
         build_app(engine, tokenless_control=tokenless_control), settings.port, "engine", settings.host
     )

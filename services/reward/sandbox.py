@@ -271,7 +271,7 @@ class Sandbox:
         """DEVELOPMENT ONLY (`allow_unsandboxed`): rlimits and a private temp dir, no namespaces."""
         with tempfile.TemporaryDirectory(prefix="asyncrl-unsandboxed-") as tmp:
             for name, text in files.items():
-                Path(tmp, name).write_text(text)
+                Path(tmp, name).write_text(text)  # noqa: ASYNC240 — development only; a few small files
             if uid is not None:
                 for path in [tmp, *(os.path.join(tmp, n) for n in files)]:
                     os.chown(path, uid, uid)

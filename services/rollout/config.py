@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from proto.limits import MAX_GROUP_SIZE
 from services.common.config import ServiceSettings
 
 
@@ -68,7 +69,7 @@ class RolloutSettings(ServiceSettings):
     )
     max_new_tokens_cap: int = Field(4096, gt=0, description="largest max_new_tokens a job may ask")
     default_max_new_tokens: int = Field(256, gt=0, description="max_new_tokens when a job sets none")
-    default_group_size: int = Field(8, ge=1, le=4096, description="group size when a job sets none")
+    default_group_size: int = Field(8, ge=1, le=MAX_GROUP_SIZE, description="group size when a job sets none")
     initial_weight_version: int = Field(
         0, ge=0, description="version of tokens from an engine whose weight_version is not an integer"
     )

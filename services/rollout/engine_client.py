@@ -11,7 +11,7 @@ Guarantees:
 * An engine with `unhealthy_after` consecutive failures is marked unhealthy and gets no new
   work; a background probe (`GET /health`) brings it back. `pick()` chooses among healthy
   engines by least in-flight requests, ties broken round-robin, and waits while none is
-  healthy. Callers keep affinity by passing the same `Engine` for a whole group.
+  healthy. Callers keep affinity by passing the same `EngineEndpoint` for a whole group.
 * Control calls (`update_weights_from_disk`, `continue_generation`) go to the admin URLs
   (the workers, when generation goes through a router).
 """
@@ -19,6 +19,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -28,19 +29,19 @@ from dataclasses import dataclass, field
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
+from proto.limits import MAX_LOGPROB
 from proto.sglang import GenerateResponse, UpdateWeightFromDiskReqOutput
 from services.common.auth import engine_auth_headers
+from services.common.coalescer import Coalescer
 from services.common.logging import log_event
+from services.common.retry import Retryable, with_retries
 from services.rollout import metrics as m
-from services.rollout.batching import chunk_by_size
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 MAX_BACKOFF_S = 10.0  # one engine retry never sleeps longer than this
 GENERATE_KEEPALIVE = 64  # idle generation connections kept
-COALESCE_S = 0.005  # how long a generate call waits for others (same engine, same params) to share its request
-MAX_COALESCED_ITEMS = 1024  # items in one coalesced /generate at most
 
 
 class EngineFailure(Exception):
@@ -56,7 +57,9 @@ class EngineRejected(Exception):
 
 
 @dataclass(eq=False)
-class Engine:
+class EngineEndpoint:
+    """One engine URL as the rollout sees it: its health and the requests it has in flight."""
+
     index: int
     url: str
     healthy: bool = True
@@ -79,18 +82,10 @@ class Generation:
     text: str
 
 
-@dataclass
-class _Waiting:
-    """A generate call waiting for its coalesced request."""
-
-    inputs: list[list[int]]
-    in_flight: set[str]
-    future: asyncio.Future
-
-
-def _settle(fut: asyncio.Future, *, result=None, exc: BaseException | None = None) -> None:
-    if not fut.done():  # a caller cancelled meanwhile (its group was cancelled): nothing to hand over
-        fut.set_exception(exc) if exc is not None else fut.set_result(result)
+# A coalesced `/generate` goes to one engine with one `sampling_params` (as canonical JSON); each
+# of its items is an input and the `in_flight` set of the call it came from.
+BatchKey = tuple[EngineEndpoint, str]
+BatchItem = tuple[list[int], set[str]]
 
 
 class EngineClient:
@@ -107,8 +102,8 @@ class EngineClient:
         update_timeout_s: float,
         headers: dict[str, str] | None = None,
     ):
-        self.engines = [Engine(i, u) for i, u in enumerate(urls)]
-        self.admins = [Engine(i, u) for i, u in enumerate(admin_urls)]
+        self.engines = [EngineEndpoint(i, u) for i, u in enumerate(urls)]
+        self.admins = [EngineEndpoint(i, u) for i, u in enumerate(admin_urls)]
         self.retries, self.backoff_s = retries, backoff_s
         self.unhealthy_after, self.probe_s = unhealthy_after, probe_s
         self.update_timeout_s = update_timeout_s
@@ -124,25 +119,26 @@ class EngineClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=GENERATE_KEEPALIVE),
         )  # fmt: skip
         self._control_http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
+        self._batches = Coalescer(self._post_generate, split_on=EngineRejected, on_split=m.COALESCED_SPLITS.inc,
+                                  on_flush=m.COALESCED_CALLS.observe)  # fmt: skip
         self._rr = itertools.count()
         self._batch_ids = itertools.count()
         self._rid_prefix = uuid.uuid4().hex[:12]  # engine rids stay unique across rollout replicas
-        self._pending: dict[tuple[str, str], list[_Waiting]] = {}
-        self._background: set[asyncio.Task] = set()  # tasks nobody awaits: coalesced sends, continues
+        self._continues: set[asyncio.Task] = set()  # post-update continues nobody awaits
         self._health_changed = asyncio.Event()
         for e in self.engines:
             m.ENGINE_HEALTHY.labels(e.label).set(1)
 
     async def aclose(self) -> None:
-        for task in list(self._background):  # coalesced sends and post-update continues
+        for task in list(self._continues):
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(self._batches.aclose(), *self._continues, return_exceptions=True)
         await self._http.aclose()
         await self._control_http.aclose()
 
     # --- choosing an engine -----------------------------------------------------------------
 
-    async def pick(self) -> Engine:
+    async def pick(self) -> EngineEndpoint:
         """A healthy engine with the fewest requests in flight; waits while none is healthy."""
         while True:
             healthy = [e for e in self.engines if e.healthy]
@@ -151,12 +147,10 @@ class EngineClient:
                 rotated = healthy[start:] + healthy[:start]
                 return min(rotated, key=lambda e: e.in_flight)
             self._health_changed.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._health_changed.wait(), timeout=self.probe_s)
-            except TimeoutError:
-                pass
 
-    def _record(self, engine: Engine, op: str, ok: bool) -> None:
+    def _record(self, engine: EngineEndpoint, op: str, ok: bool) -> None:
         m.ENGINE_REQUESTS.labels(engine.label, op, "ok" if ok else "error").inc()
         if engine not in self.engines:
             return
@@ -191,127 +185,77 @@ class EngineClient:
     # --- generation -------------------------------------------------------------------------
 
     async def generate(
-        self, engine: Engine, inputs: list[list[int]], sampling_params: list[dict], in_flight: set[str]
+        self, engine: EngineEndpoint, inputs: list[list[int]], sampling_params: list[dict], in_flight: set[str]
     ) -> list[Generation]:
         """Generate for every input (one answer per input, in order) in as few requests as
         possible. Items with the same sampling params share an SGLang batch, and so do the
-        calls of other groups for the same engine and params arriving within `COALESCE_S`:
-        a step's worth of groups costs a few HTTP requests, not one per sample. `in_flight`
-        holds the engine rids of this call's items while their request runs (for cancels).
-        """
+        calls of other groups for the same engine and params arriving within the coalescing
+        window: a step's worth of groups costs a few HTTP requests, not one per sample.
+        `in_flight` holds the engine rids of this call's items while their request runs (for
+        cancels)."""
         by_params: dict[str, list[int]] = {}
         for i, params in enumerate(sampling_params):
             by_params.setdefault(json.dumps(params, sort_keys=True), []).append(i)
-        answers: list[Generation | None] = [None] * len(inputs)
-
-        async def batch(key: str, items: list[int]) -> None:
-            gens = await self._coalesced(engine, key, sampling_params[items[0]], [inputs[i] for i in items], in_flight)
-            for i, gen in zip(items, gens):
-                answers[i] = gen
-
-        tasks = [asyncio.ensure_future(batch(key, items)) for key, items in by_params.items()]
+        batches = [
+            asyncio.ensure_future(self._batches.submit((engine, key), [(inputs[i], in_flight) for i in items]))
+            for key, items in by_params.items()
+        ]
         try:
-            await asyncio.gather(*tasks)
+            answers = await asyncio.gather(*batches)
         finally:
-            for t in tasks:
-                t.cancel()  # the first failure ends the others
-        return answers  # type: ignore[return-value]
+            for b in batches:
+                b.cancel()  # the first failure ends the others
+        by_input = {i: gen for items, gens in zip(by_params.values(), answers) for i, gen in zip(items, gens)}
+        return [by_input[i] for i in range(len(inputs))]
 
-    async def _coalesced(
-        self, engine: Engine, key: str, params: dict, inputs: list[list[int]], in_flight: set[str]
-    ) -> list[Generation]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        queue = self._pending.setdefault((engine.url, key), [])
-        queue.append(_Waiting(inputs, in_flight, fut))
-        if len(queue) == 1:
-            loop.call_later(COALESCE_S, self._start_flush, engine, key, params)
-        return await fut
-
-    def _start_flush(self, engine: Engine, key: str, params: dict) -> None:
-        self._spawn(self._flush(engine, key, params))
-
-    def _spawn(self, coro) -> None:
-        """Run `coro` as a task nobody awaits; kept here because the loop holds tasks only
-        weakly, and cancelled by `aclose`."""
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _flush(self, engine: Engine, key: str, params: dict) -> None:
-        """Send everything waiting under `key`, in requests of at most MAX_COALESCED_ITEMS."""
-        waiting = [w for w in self._pending.pop((engine.url, key), []) if not w.future.done()]
-        chunks = chunk_by_size(waiting, lambda w: len(w.inputs), MAX_COALESCED_ITEMS)
-        m.COALESCED_CALLS.observe(len(waiting))
-        await asyncio.gather(*(self._send(engine, params, chunk) for chunk in chunks))
-
-    async def _send(self, engine: Engine, params: dict, chunk: list[_Waiting]) -> None:
-        owners = [w.in_flight for w in chunk for _ in w.inputs]
-        try:
-            gens = await self._generate_batch(engine, [x for w in chunk for x in w.inputs], params, owners)
-        except EngineRejected as exc:
-            if len(chunk) == 1:
-                _settle(chunk[0].future, exc=exc)
-                return
-            m.COALESCED_SPLITS.inc()  # one caller's input may be what the engine refused: isolate it
-            await asyncio.gather(*(self._send(engine, params, [w]) for w in chunk))
-            return
-        except Exception as exc:  # noqa: BLE001 — handed to every waiting caller, who owns the policy
-            for w in chunk:
-                _settle(w.future, exc=exc)
-            return
-        offset = 0
-        for w in chunk:
-            _settle(w.future, result=gens[offset : offset + len(w.inputs)])
-            offset += len(w.inputs)
-
-    async def _generate_batch(
-        self, engine: Engine, inputs: list[list[int]], params: dict, owners: list[set[str]]
-    ) -> list[Generation]:
-        """One `/generate` of a batch with one `sampling_params` map and one string `rid` (items
-        become `rid_0`, `rid_1`, …): the form SGLang and sglang-router both accept."""
-        body = {"input_ids": inputs, "sampling_params": params, "return_logprob": True}
+    async def _post_generate(self, key: BatchKey, items: list[BatchItem]) -> list[Generation]:
+        """One `/generate` of a coalesced batch with one `sampling_params` map and one string
+        `rid` (items become `rid_0`, `rid_1`, …): the form SGLang and sglang-router both accept.
+        Each retry gets a fresh rid; every failed attempt counts against the engine's health."""
+        engine, params = key
+        inputs = [x for x, _ in items]
+        body = {"input_ids": inputs, "sampling_params": json.loads(params), "return_logprob": True}
         rid = f"{self._rid_prefix}-{next(self._batch_ids)}"
-        delay = self.backoff_s
-        last = "no attempt"
-        for attempt in range(self.retries + 1):
-            body["rid"] = rid if attempt == 0 else f"{rid}-r{attempt}"
-            item_rids = [f"{body['rid']}_{j}" for j in range(len(inputs))]
-            for owner, item in zip(owners, item_rids):
+
+        async def attempt(n: int) -> list[Generation]:
+            body["rid"] = rid if n == 0 else f"{rid}-r{n}"
+            item_rids = [f"{body['rid']}_{j}" for j in range(len(items))]
+            for (_, owner), item in zip(items, item_rids):
                 owner.add(item)
-            engine.in_flight += len(inputs)
+            engine.in_flight += len(items)
             m.ENGINE_IN_FLIGHT.labels(engine.label).set(engine.in_flight)
             try:
                 resp = await self._http.post(f"{engine.url}/generate", json=body)
             except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                resp = None
+                resp, problem = None, f"{type(exc).__name__}: {exc}"
             finally:
-                for owner, item in zip(owners, item_rids):
+                for (_, owner), item in zip(items, item_rids):
                     owner.discard(item)
-                engine.in_flight -= len(inputs)
+                engine.in_flight -= len(items)
                 m.ENGINE_IN_FLIGHT.labels(engine.label).set(engine.in_flight)
             if resp is not None:
                 if 400 <= resp.status_code < 500 and resp.status_code not in RETRY_STATUSES:
                     self._record(engine, "generate", True)  # the engine is fine; the request is not
                     raise EngineRejected(_error_message(resp), resp.status_code)
-                if resp.status_code == 200:
+                if resp.status_code != 200:
+                    problem = f"HTTP {resp.status_code}: {_error_message(resp)}"
+                else:
                     try:
-                        out = _parse_generations(resp, len(inputs))
+                        out = _parse_generations(resp, len(items))
                     except ValueError as exc:
-                        last = f"garbage response: {exc}"
+                        problem = f"garbage response: {exc}"
                     else:
                         self._record(engine, "generate", True)
                         return out
-                else:
-                    last = f"HTTP {resp.status_code}: {_error_message(resp)}"
             self._record(engine, "generate", False)
-            if attempt < self.retries:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, MAX_BACKOFF_S)
-        raise EngineFailure(f"engine {engine.url} failed {self.retries + 1} times; last: {last}")
+            raise Retryable(problem)
 
-    async def abort(self, engine: Engine, rid: str) -> None:
+        try:
+            return await with_retries(attempt, self.retries, first_s=self.backoff_s, max_s=MAX_BACKOFF_S)
+        except Retryable as exc:
+            raise EngineFailure(f"engine {engine.url} failed {self.retries + 1} times; last: {exc}") from None
+
+    async def abort(self, engine: EngineEndpoint, rid: str) -> None:
         """Best effort: ask the engine to stop `rid` (its partial output is discarded by the caller)."""
         try:
             await self._control_http.post(f"{engine.url}/abort_request", json={"rid": rid}, timeout=10.0)
@@ -330,7 +274,7 @@ class EngineClient:
         results = await asyncio.gather(*(self._update_one(e, path, version) for e in admins))
         return [r for r in results if r]
 
-    async def _update_one(self, e: Engine, path: str, version: int | str) -> str | None:
+    async def _update_one(self, e: EngineEndpoint, path: str, version: int | str) -> str | None:
         """SGLang's `/update_weights_from_disk` with `abort_all_requests` aborts what is in
         flight, loads the weights under `weight_version` and, with `flush_cache`, drops every
         prefix computed under the old ones. Then `/continue_generation` goes out in the
@@ -349,20 +293,18 @@ class EngineClient:
             m.ENGINE_REQUESTS.labels(e.label, "update", "error").inc()
             return f"{e.url}: {type(exc).__name__}: {exc}"
         finally:  # whatever became of the update (a timeout may still have aborted and paused)
-            self._spawn(self._continue(e))
+            task = asyncio.ensure_future(self._continue(e))
+            self._continues.add(task)  # the loop holds tasks only weakly
+            task.add_done_callback(self._continues.discard)
         try:
             out = UpdateWeightFromDiskReqOutput.model_validate_json(resp.content)
+            problem = None if out.success else out.message
         except ValidationError:
-            out = None
-        if out is None or not out.success:
-            m.ENGINE_REQUESTS.labels(e.label, "update", "error").inc()
-            if out is None:
-                return f"{e.url}: garbage answer to update_weights_from_disk (HTTP {resp.status_code})"
-            return f"{e.url}: {out.message}"
-        m.ENGINE_REQUESTS.labels(e.label, "update", "ok").inc()
-        return None
+            problem = f"garbage answer to update_weights_from_disk (HTTP {resp.status_code})"
+        m.ENGINE_REQUESTS.labels(e.label, "update", "ok" if problem is None else "error").inc()
+        return None if problem is None else f"{e.url}: {problem}"
 
-    async def _continue(self, e: Engine) -> None:
+    async def _continue(self, e: EngineEndpoint) -> None:
         try:
             resp = await self._control_http.post(f"{e.url}/continue_generation", json={},
                                                  timeout=self.update_timeout_s)  # fmt: skip
@@ -379,7 +321,7 @@ class EngineClient:
         """`weight_version` of each admin engine, or of the admin indices in `only` (None where
         it cannot be read)."""
 
-        async def one(e: Engine) -> str | None:
+        async def one(e: EngineEndpoint) -> str | None:
             try:
                 resp = await self._control_http.get(f"{e.url}/get_model_info", timeout=10.0)
                 return resp.json().get("weight_version") if resp.status_code == 200 else None
@@ -411,7 +353,7 @@ def _check_generation(out: GenerateResponse) -> Generation:
     if len(lps) != len(out.output_ids) or any(t != tok for (_, t, _), tok in zip(lps, out.output_ids)):
         raise ValueError(f"{len(lps)} logprobs do not match {len(out.output_ids)} output ids")
     logprobs = [float(lp) for lp, _, _ in lps]
-    if any(not lp <= 1e-3 for lp in logprobs):  # NaN fails too; ≤ 0 up to rounding (proto MAX_LOGPROB)
+    if any(not lp <= MAX_LOGPROB for lp in logprobs):  # NaN fails too
         raise ValueError("logprobs must be finite and <= 0")
     return Generation(list(out.output_ids), logprobs, meta.finish_reason.type, meta.weight_version, out.text)
 

@@ -45,10 +45,17 @@ from proto.records import RewardStatus
 from proto.rewards import RewardItem, RewardSpec
 from proto.rollout import RolloutPrompt
 from proto.sglang import SamplingParams
+from proto.states import JobState
 from services.common.logging import log_event
 from services.rollout import metrics as m
 from services.rollout.config import RolloutSettings
-from services.rollout.engine_client import Engine, EngineClient, EngineFailure, EngineRejected, Generation
+from services.rollout.engine_client import (
+    EngineClient,
+    EngineEndpoint,
+    EngineFailure,
+    EngineRejected,
+    Generation,
+)
 from services.rollout.intake import MAX_REPORTED, BadRequest, Intake
 from services.rollout.reward_client import RewardClient
 from services.rollout.weights import Pin, VersionNotServed, WeightSync, policy_version
@@ -119,10 +126,10 @@ def build_task(
             raise BadRequest(f"prompt {i} is empty after tokenization")
         if len(ids) >= intake.context_length:
             too_long.append(f"prompt {i} has {len(ids)} tokens")
-        spec = (prompt.reward_spec or default_spec).model_dump()  # type: ignore[union-attr]
-        if verifiers is not None and spec["verifier"] not in verifiers:
-            unknown.add(spec["verifier"])
-        out.append(EvalPrompt(prompt_id=prompt.prompt_id or f"{name}-{i}", prompt_ids=ids, prompt_text=text,
+        spec: RewardSpec = prompt.reward_spec or default_spec  # type: ignore[assignment]
+        if verifiers is not None and spec.verifier not in verifiers:
+            unknown.add(spec.verifier)
+        out.append(EvalPrompt(prompt_id=prompt.prompt_id or f"{name}-{i}", prompt_tokens=ids, prompt_text=text,
                               reward_spec=spec))  # fmt: skip
     if too_long:
         raise BadRequest(f"{len(too_long)} prompts do not fit the context length {intake.context_length}: "
@@ -152,7 +159,7 @@ def load_eval_file(path: str) -> list[RolloutPrompt]:
 
 
 def new_summary(eval_id: str, name: str, source: str, task: EvalTask, digest: str = "") -> EvalSummary:
-    return EvalSummary(eval_id=eval_id, name=name, source=source, state="queued", prompts=len(task.prompts),
+    return EvalSummary(eval_id=eval_id, name=name, source=source, state=JobState.queued, prompts=len(task.prompts),
                        target_version=task.target_version, sampling_params=task.sampling_params,
                        created_at=time.time(), body_hash=digest)  # fmt: skip
 
@@ -311,12 +318,12 @@ class Evaluator:
                 pin = await self.weights.pin(task.target_version)
             version = await self._start_version(pin, task.target_version)
             run.summary = run.summary.model_copy(update={
-                "state": "running", "version": version, "engine": pin.engine.url, "started_at": time.time(),
+                "state": JobState.running, "version": version, "engine": pin.engine.url, "started_at": time.time(),
                 "pinned": self.weights.method != "distributed"})  # fmt: skip
             if not await asyncio.to_thread(self.store.set_running, self.owner, run.summary):
                 raise _Lost()
             run.items = await self._items(task, pin.engine, version)
-            outcome = {"state": "done", "finished_at": time.time(), **summarize(run.items)}
+            outcome = {"state": JobState.done, "finished_at": time.time(), **summarize(run.items)}
             run.summary = run.summary.model_copy(update=outcome)
         finally:
             if pin is not None:
@@ -337,7 +344,7 @@ class Evaluator:
             raise EvalFailed(f"version {target} is not served any more ({pin.engine.url} serves {version})")
         return version
 
-    async def _items(self, task: EvalTask, engine: Engine, version: int) -> list[EvalItem]:
+    async def _items(self, task: EvalTask, engine: EngineEndpoint, version: int) -> list[EvalItem]:
         gate = asyncio.Semaphore(CHUNKS_IN_FLIGHT)
 
         async def chunk(start: int) -> list[EvalItem]:
@@ -352,18 +359,18 @@ class Evaluator:
                 t.cancel()  # the first failure ends the others
         return [item for part in parts for item in part]
 
-    async def _chunk(self, task: EvalTask, start: int, engine: Engine, version: int) -> list[EvalItem]:
+    async def _chunk(self, task: EvalTask, start: int, engine: EngineEndpoint, version: int) -> list[EvalItem]:
         """One /generate for up to CHUNK prompts, checked, then one reward batch."""
         prompts = task.prompts[start : start + CHUNK]
         params = task.sampling_params
         gens = await self.engines.generate(
-            engine, [p.prompt_ids for p in prompts], [params] * len(prompts), set()
+            engine, [p.prompt_tokens for p in prompts], [params] * len(prompts), set()
         )
         for p, gen in zip(prompts, gens):
             self._check(p, gen, version)
         texts = [self._text(gen, params) for gen in gens]
         results = await self.rewards.score([
-            RewardItem(id=str(start + k), prompt=p.prompt_text, completion=text, spec=RewardSpec.model_validate(p.reward_spec))
+            RewardItem(id=str(start + k), prompt=p.prompt_text, completion=text, spec=p.reward_spec)
             for k, (p, text) in enumerate(zip(prompts, texts))])  # fmt: skip
         return [
             EvalItem(
@@ -399,20 +406,20 @@ class Evaluator:
         summary = run.summary
         if not await asyncio.to_thread(self.store.finish, self.owner, summary, run.items):
             raise _Lost()
-        m.EVALS_FINISHED.labels(summary.state).inc()
+        m.EVALS_FINISHED.labels(JobState(summary.state).value).inc()
         for status, n in summary.statuses.items():
             m.EVAL_ITEMS.labels(status).inc(n)
         m.EVAL_SECONDS.observe(time.monotonic() - t0)
-        if summary.state == "done":
+        if summary.state == JobState.done:
             set_gauges(summary)
-        log_event(log, f"evaluation {summary.state}", logging.INFO if summary.state == "done" else logging.ERROR,
+        log_event(log, f"evaluation {JobState(summary.state).value}", logging.INFO if summary.state == JobState.done else logging.ERROR,
                   eval_id=summary.eval_id, name=summary.name, version=summary.version, accuracy=summary.accuracy,
                   mean_reward=summary.mean_reward, error=summary.error)  # fmt: skip
 
     async def _restore_gauges(self) -> None:
         """After a restart the dashboards keep the newest results (from Redis)."""
         try:
-            done = [s for s in await asyncio.to_thread(self.store.list) if s.state == "done"]
+            done = [s for s in await asyncio.to_thread(self.store.list) if s.state == JobState.done]
         except redis.RedisError as exc:
             m.EVAL_REDIS_ERRORS.inc()
             log_event(log, "evaluation gauges not restored", logging.WARNING, error=str(exc))
@@ -422,7 +429,7 @@ class Evaluator:
 
 
 def _failed(summary: EvalSummary, error: str) -> EvalSummary:
-    return summary.model_copy(update={"state": "failed", "finished_at": time.time(), "error": error[:2000]})
+    return summary.model_copy(update={"state": JobState.failed, "finished_at": time.time(), "error": error[:2000]})
 
 
 _series: dict[tuple[str, str], int] = {}  # gauge label sets set by this process -> version

@@ -152,7 +152,7 @@ class Intake:
                     job_id=job_id,
                     group_id=f"{job_id}-{i:06d}",
                     prompt_id=prompt.prompt_id or f"{job_id}-p{i}",
-                    prompt_ids=ids,
+                    prompt_tokens=ids,
                     prompt_text=text,
                     group_size=group_size,
                     sampling_params=params,

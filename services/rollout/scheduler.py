@@ -2,45 +2,47 @@
 engine (partial rollouts across weight updates) → score → write to the buffer → ack.
 
     for each claimed job (up to `max_active_groups` at once; dead replicas' jobs recovered):
-        cancelled?                     → release, ack `cancelled`
+        cancelled?                     → release, end the job `cancelled`
         try_admit until not `full`     (each `full` counted)
-        `done` (already buffered)      → ack `done`
+        `duplicate` (already put)      → end the job `buffered`
         engine = least-loaded healthy engine (the whole group stays on it)
         generate the group_size samples in one batched /generate; the samples aborted by a
             weight update are resubmitted together as prompt + tokens so far with the remaining
             budget; every token keeps the engine's `weight_version` of the segment that sampled it
         engine failed                  → requeue: same slot, another engine, after a backoff
-        engine refused (4xx)           → release, ack `failed`
+        engine refused (4xx)           → release, end the job `failed`
         score the samples (one reward batch per group)
-        put_group (idempotent), ack `done`
+        put the group (idempotent), end the job `buffered`
 
-Each group's phase is recorded in its job's hash (`GET /v1/rollouts/{id}` counts them; written
-every PHASE_FLUSH_S in one pipeline). Jobs in progress are heartbeated; a job of a dead replica
-(idle past `recover_idle_s`) is recovered. On shutdown, unfinished groups are left pending for a
-restart (`resume_own_jobs`) or another replica: nothing is acked that was not finished.
+Each group's state (`proto.states.GroupState`) is reported in its job's record (`GET
+/v1/rollouts/{id}` counts them; written every PHASE_FLUSH_S in one pipeline). Jobs in progress
+are heartbeated; a job of a dead replica (idle past `recover_idle_s`) is recovered. On shutdown,
+unfinished groups are left pending for a restart (`Jobs.resume_own`) or another replica: no job
+is ended that was not finished.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
 import redis
-from pydantic import ValidationError
 
-from buffer import Admission, ClaimedJob, ReplayBuffer
+from buffer import AdmissionControl, Buffer, ClaimedJob, GroupReport, Groups, Jobs, Weights
 from proto import Group, GroupJob, RewardStatus, Sample, Timings
 from proto.lineage import parse_weight_version
 from proto.rewards import RewardItem, RewardSpec
+from proto.states import Admission, GroupState
 from services.common.logging import log_event
+from services.common.retry import Retryable, with_retries
 from services.rollout import metrics as m
 from services.rollout.config import RolloutSettings
-from services.rollout.engine_client import Engine, EngineClient, EngineFailure, EngineRejected
+from services.rollout.engine_client import EngineClient, EngineEndpoint, EngineFailure, EngineRejected
 from services.rollout.reward_client import RewardClient
 from services.rollout.weights import WeightSync
 
@@ -75,7 +77,7 @@ class Active:
     stage: str = "claimed"  # claimed | admission | generating | scoring | writing
     task: asyncio.Task | None = None
     cancel_reason: str | None = None
-    engine: Engine | None = None
+    engine: EngineEndpoint | None = None
     rids: set[str] = field(default_factory=set)
 
 
@@ -83,7 +85,7 @@ class Scheduler:
     def __init__(
         self,
         settings: RolloutSettings,
-        buf: ReplayBuffer,
+        buf: Buffer,
         engines: EngineClient,
         rewards: RewardClient,
         weights: WeightSync,
@@ -91,7 +93,10 @@ class Scheduler:
         context_length: int,
     ):
         self.s = settings
-        self.buf = buf  # used only on the `_redis` thread (a ReplayBuffer is one-thread)
+        # The buffer's parts, on the process's one connection; used only on the `_redis` thread
+        # (`jobs` holds this replica's claims).
+        self.jobs = Jobs(buf, consumer=f"rollout-{settings.replica}")
+        self.groups, self.admission, self.versions = Groups(buf), AdmissionControl(buf), Weights(buf)
         self.engines, self.rewards, self.weights = engines, rewards, weights
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -100,7 +105,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._admission_queue = asyncio.Lock()
         self._stopping = False
-        self._phases: dict[str, dict[str, str]] = {}  # job_id -> job-hash fields not yet written
+        self._phases: dict[str, GroupReport] = {}  # group_id -> its state, not yet written
 
     async def _db(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._redis, partial(fn, *args, **kwargs))
@@ -114,7 +119,7 @@ class Scheduler:
             asyncio.create_task(self._write_phases()),
         ]
         try:
-            for c in await self._db(self.buf.resume_own_jobs):
+            for c in await self._db(self.jobs.resume_own):
                 self._start(c, "resumed")
             next_recover = time.monotonic() + self.s.recover_interval_s
             while True:
@@ -122,11 +127,11 @@ class Scheduler:
                 free = self.s.max_active_groups - len(self.active)
                 if free > 0 and time.monotonic() >= next_recover:
                     idle_ms = int(self.s.recover_idle_s * 1000)
-                    claimed += [(c, "recovered") for c in await self._db(self.buf.recover_jobs, idle_ms)]
+                    claimed += [(c, "recovered") for c in await self._db(self.jobs.recover, idle_ms)]
                     next_recover = time.monotonic() + self.s.recover_interval_s
                 if free - len(claimed) > 0:
                     claimed += [
-                        (c, "new") for c in await self._db(self.buf.claim_jobs, free - len(claimed), 0)
+                        (c, "new") for c in await self._db(self.jobs.claim, free - len(claimed), 0)
                     ]
                 for c, source in claimed:
                     self._start(c, source)
@@ -146,7 +151,7 @@ class Scheduler:
             await asyncio.gather(*tasks, *background, return_exceptions=True)
             try:
                 if self._phases:  # the last `generating` / `scoring` records
-                    await self._db(self.buf.set_jobs_info, self._phases)
+                    await self._db(self.jobs.report, list(self._phases.values()))
             except redis.RedisError as exc:
                 log_event(log, "phase records lost at shutdown", logging.WARNING, error=str(exc))
             finally:
@@ -170,14 +175,14 @@ class Scheduler:
             a.stage = "admission"
             admission, submit_version = await self._admit(job)
             if admission is None:
-                return await self._close(a, "cancelled")
-            if admission is Admission.done:
-                return await self._close(a, "duplicate")
+                return await self._close(a, GroupState.cancelled)
+            if admission is Admission.duplicate:
+                return await self._close(a, GroupState.buffered, duplicate=True)
             a.stage = "generating"
-            self._phase(job, "generating")
+            self._phase(job, GroupState.generating)
             drafts = await self._generate(a)
             a.stage = "scoring"
-            self._phase(job, "scoring")
+            self._phase(job, GroupState.scoring)
             samples = await self._score(job, drafts)
             a.stage = "writing"
             lineage: dict[int, int] = {}
@@ -187,20 +192,21 @@ class Scheduler:
             group = Group.build(
                 group_id=job.group_id,
                 job_id=job.job_id,
-                prompt_ids=job.prompt_ids,
+                prompt_tokens=job.prompt_tokens,
                 reward_spec=job.reward_spec,
                 samples=samples,
                 submit_version=submit_version,
                 lineage=lineage,
             )
-            new, version = await self._db(self._put, job, group, self._buffered_phase(job, samples))
+            new, version = await self._db(self._put, group, self._buffered_phase(job, samples))
             m.STALENESS_AT_WRITE.observe(max(version - group.min_version, 0))
-            await self._close(a, "buffered" if new else "duplicate", settled=True)
-        except (EngineRejected, ValidationError) as exc:
-            # The request or what came back for it is wrong: retrying cannot help. Counted,
-            # recorded in the job (`GET /v1/rollouts/{id}` shows the reason), slot given back.
+            await self._close(a, GroupState.buffered, settled=True, duplicate=not new)
+        except (EngineRejected, ValueError) as exc:
+            # The request or what came back for it is wrong (the records and the HTTP bodies
+            # refuse bad values with ValueError): retrying cannot help. Counted, recorded in
+            # the job (`GET /v1/rollouts/{id}` shows the reason), slot given back.
             log_event(log, "group failed", logging.ERROR, group_id=job.group_id, error=str(exc)[:2000])
-            await self._close(a, "failed", error=f"{type(exc).__name__}: {exc}")
+            await self._close(a, GroupState.failed, error=f"{type(exc).__name__}: {exc}")
         except (EngineFailure, OSError, redis.RedisError) as exc:
             # Not the group's fault (an engine aborting forever, a Redis hiccup): keep the
             # claim and the admission slot and start the group again.
@@ -215,12 +221,12 @@ class Scheduler:
             asyncio.get_running_loop().call_later(INTERNAL_RETRY_S, self._start, a.claimed, "retry")
         except Exception as exc:  # a bug: fail this group visibly rather than leave its job stuck
             log.exception("group %s crashed the scheduler", job.group_id)
-            await self._close(a, "failed", error=f"internal error: {type(exc).__name__}: {exc}")
+            await self._close(a, GroupState.failed, error=f"internal error: {type(exc).__name__}: {exc}")
         except asyncio.CancelledError:
             if a.cancel_reason != "job_cancelled":
                 raise  # shutdown: leave the job pending for a restart or another replica
             await asyncio.gather(*(self.engines.abort(a.engine, rid) for rid in a.rids if a.engine))
-            await self._close(a, "cancelled")
+            await self._close(a, GroupState.cancelled)
         finally:
             self.active.pop(job.group_id, None)
             m.ACTIVE_GROUPS.set(len(self.active))
@@ -243,58 +249,53 @@ class Scheduler:
     # The buffer calls a group makes at one point run together on the Redis thread: one hop
     # there and back instead of one per call (the rollout's CPU went mostly to those hops).
     def _try_enter(self, job: GroupJob) -> tuple[Admission | None, int]:
-        if self.buf.job_cancelled(job.job_id):
+        if self.jobs.cancelled(job.job_id):
             return None, 0
-        admission = self.buf.try_admit(job.group_id)
-        return admission, self.buf.get_version() if admission.go else 0
+        admission = self.admission.try_admit(job.group_id)
+        return admission, self.versions.version() if admission.go else 0
 
-    # A group's last phase is written with its job ack, before it: a crash in between re-runs
-    # the job, which finds its group buffered and writes the phase again.
-    def _put(self, job: GroupJob, group: Group, final: dict[str, str]) -> tuple[bool, int]:
-        new = self.buf.put_group(group)
-        self._settle(job, "done", final)  # after the put: a crash between them re-runs the job
-        return new, self.buf.get_version()
+    # A group's last state is reported when its job ends, in the same round trip, and after the
+    # put: a crash between put and end re-runs the job, which finds its group put (`duplicate`).
+    def _put(self, group: Group, final: GroupReport) -> tuple[bool, int]:
+        new = self.groups.put([group])[0]
+        self.jobs.end(final)
+        return new, self.versions.version()
 
-    def _settle(self, job: GroupJob, state: str, final: dict[str, str]) -> None:
-        if state in ("failed", "cancelled"):
-            self.buf.release(job.group_id)
-        self.buf.set_job_info(job.job_id, **final)
-        self.buf.ack_job(job.group_id, state)
+    def _settle(self, final: GroupReport) -> None:
+        if final.state in (GroupState.failed, GroupState.cancelled):
+            self.admission.release(final.group_id)
+        self.jobs.end(final)
 
-    async def _close(self, a: Active, result: str, error: str = "", settled: bool = False) -> None:
-        """The group leaves this service: `buffered`/`duplicate` (in the buffer), `failed`, `cancelled`.
-        `settled`: the put already wrote the last phase and acked the job."""
-        job = a.claimed.job
+    async def _close(self, a: Active, state: GroupState, error: str = "", settled: bool = False,
+                     duplicate: bool = False) -> None:  # fmt: skip
+        """The group leaves this service: `buffered` (in the buffer; `duplicate`: put before),
+        `failed`, `cancelled`. `settled`: the put already ended the job."""
         if not settled:
-            final = self._final_phase(job, "buffered" if result == "duplicate" else result, error)
-            await self._db(self._settle, job, {"buffered": "done", "duplicate": "done"}.get(result, result), final)
-        m.GROUPS_FINISHED.labels(result).inc()
+            await self._db(self._settle, self._final_phase(a.claimed.job, state, error))
+        m.GROUPS_FINISHED.labels("duplicate" if duplicate else state.value).inc()
 
-    def _phase(self, job: GroupJob, phase: str) -> None:
-        """Record an intermediate phase in the job's hash (`GET /v1/rollouts/{id}` counts
-        them); `_write_phases` writes them within PHASE_FLUSH_S, all groups' in one pipeline."""
-        self._phases.setdefault(job.job_id, {})[f"phase:{job.group_id}"] = phase
+    def _phase(self, job: GroupJob, state: GroupState) -> None:
+        """Report an intermediate state (`GET /v1/rollouts/{id}` counts them); `_write_phases`
+        writes them within PHASE_FLUSH_S, all groups' in one pipeline."""
+        self._phases[job.group_id] = GroupReport(job.job_id, job.group_id, state)
 
-    def _final_phase(self, job: GroupJob, phase: str, error: str = "") -> dict[str, str]:
-        """The fields of a group's last phase, written with its ack; any batched phase of the
-        group not yet written is dropped, so it cannot land after the last one."""
-        pending = self._phases.get(job.job_id, {})
-        pending.pop(f"phase:{job.group_id}", None)
-        if not pending:
-            self._phases.pop(job.job_id, None)
-        return {f"phase:{job.group_id}": phase, **({f"error:{job.group_id}": error[:500]} if error else {})}
+    def _final_phase(self, job: GroupJob, state: GroupState, error: str = "") -> GroupReport:
+        """A group's last state, reported when its job ends; any batched state of the group not
+        yet written is dropped, so it cannot land after the last one."""
+        self._phases.pop(job.group_id, None)
+        return GroupReport(job.job_id, job.group_id, state, error)
 
-    def _buffered_phase(self, job: GroupJob, samples: list[Sample]) -> dict[str, str]:
-        """`_final_phase` of a scored group, plus what its rewards say: `unscored:<gid>` counts
-        its samples by reward status when any was not `scored`, and a group with no scored
-        sample at all (it teaches the trainer nothing) gets an `error:<gid>` and is counted;
-        `GET /v1/rollouts/{id}` reads a job whose every group is such as `failed`."""
+    def _buffered_phase(self, job: GroupJob, samples: list[Sample]) -> GroupReport:
+        """`_final_phase` of a scored group, with what its rewards say: its samples by reward
+        status when any was not `scored`, and for a group with no scored sample at all (it
+        teaches the trainer nothing) an error, counted; `GET /v1/rollouts/{id}` reads a job
+        whose every group is such as `failed`."""
         counts: dict[str, int] = {}
         for sample in samples:
             status = sample.reward_status.value if sample.reward_status is not None else "none"
             counts[status] = counts.get(status, 0) + 1
         if set(counts) <= {RewardStatus.scored.value}:
-            return self._final_phase(job, "buffered")
+            return self._final_phase(job, GroupState.buffered)
         error = ""
         if RewardStatus.scored.value not in counts:
             m.GROUPS_UNSCORED.inc()
@@ -302,7 +303,9 @@ class Scheduler:
             why = str(first.get("error") or first.get("reason") or "")[:UNSCORED_DETAIL_CHARS]
             error = f"no sample scored ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))})"
             error += f": {why}" if why else ""
-        return {**self._final_phase(job, "buffered", error), f"unscored:{job.group_id}": json.dumps(counts)}
+        final = self._final_phase(job, GroupState.buffered, error)
+        final.unscored = counts
+        return final
 
     async def _write_phases(self) -> None:
         while True:
@@ -311,11 +314,10 @@ class Scheduler:
                 continue
             batch, self._phases = self._phases, {}
             try:
-                await self._db(self.buf.set_jobs_info, batch)
+                await self._db(self.jobs.report, list(batch.values()))
             except Exception as exc:  # noqa: BLE001 — never let the writer die: keep them for the next round
-                for job_id, fields in batch.items():  # groups that finished since wrote their last phase
-                    kept = {k: v for k, v in fields.items() if k.split(":", 1)[1] in self.active}
-                    self._phases[job_id] = {**kept, **self._phases.get(job_id, {})}
+                # (groups that finished since reported their last state; newer reports win)
+                self._phases = {**{g: r for g, r in batch.items() if g in self.active}, **self._phases}
                 log_event(log, "phase records not written; retrying", logging.WARNING,
                           error=f"{type(exc).__name__}: {exc}")  # fmt: skip
 
@@ -323,9 +325,9 @@ class Scheduler:
         """Keep our jobs from looking dead; stop groups of cancelled jobs before they are scored."""
         while True:
             await asyncio.sleep(self.s.heartbeat_s)
-            await self._db(self.buf.touch_jobs, [a.claimed.entry_id for a in self.active.values()])
+            await self._db(self.jobs.touch, [a.claimed.entry_id for a in self.active.values()])
             for job_id in {a.claimed.job.job_id for a in self.active.values()}:
-                if not await self._db(self.buf.job_cancelled, job_id):
+                if not await self._db(self.jobs.cancelled, job_id):
                     continue
                 for a in list(self.active.values()):
                     if a.claimed.job.job_id == job_id and a.stage in ("admission", "generating") and a.task:
@@ -335,29 +337,20 @@ class Scheduler:
     # --- generation -----------------------------------------------------------------------
 
     async def _generate(self, a: Active) -> list[Draft]:
-        """All samples of the group on one engine; on engine failure, the whole group again."""
+        """All samples of the group on one engine; on engine failure, the whole group again on
+        the least-loaded healthy engine after a backoff, for as long as it takes."""
         job = a.claimed.job
-        attempt = 0
-        while True:
+
+        async def on_an_engine(attempt: int) -> list[Draft]:
             a.engine = await self.engines.pick()
             t0 = time.monotonic()
             try:
-                drafts = await self._samples(a, attempt)
+                drafts = await self._samples(a)
             except EngineFailure as exc:
-                attempt += 1
                 m.GROUPS_REQUEUED.labels("engine").inc()
-                delay = min(self.s.engine_backoff_s * 2**attempt, self.s.requeue_backoff_max_s)
-                log_event(
-                    log,
-                    "group requeued after an engine failure",
-                    logging.WARNING,
-                    group_id=job.group_id,
-                    engine=a.engine.url,
-                    attempt=attempt,
-                    error=str(exc),
-                )
-                await asyncio.sleep(delay)
-                continue
+                log_event(log, "group requeued after an engine failure", logging.WARNING, group_id=job.group_id,
+                          engine=a.engine.url, attempt=attempt + 1, error=str(exc))  # fmt: skip
+                raise Retryable(str(exc)) from exc
             seconds = time.monotonic() - t0
             tokens = sum(len(d.tokens) for d in drafts)
             m.GENERATION_SECONDS.observe(seconds)
@@ -365,14 +358,17 @@ class Scheduler:
             m.TOKENS_PER_SECOND.set(tokens / seconds if seconds > 0 else 0.0)
             return drafts
 
-    async def _samples(self, a: Active, attempt: int) -> list[Draft]:
+        return await with_retries(on_an_engine, math.inf, first_s=2 * self.s.engine_backoff_s,
+                                  max_s=self.s.requeue_backoff_max_s)  # fmt: skip
+
+    async def _samples(self, a: Active) -> list[Draft]:
         """The group's completions in one batched request; after a weight-update abort, the
         aborted samples' remainders (prompt + their tokens so far) go again as one batch."""
         job, engine = a.claimed.job, a.engine
         assert engine is not None
         params = dict(job.sampling_params)
         budget = int(params.get("max_new_tokens", self.s.default_max_new_tokens))
-        prompt = job.prompt_ids.tolist()
+        prompt = job.prompt_tokens.tolist()
         now = time.time()
         drafts = [Draft(i, submitted=now) for i in range(job.group_size)]
         pending = list(range(job.group_size))
@@ -434,7 +430,7 @@ class Scheduler:
     # --- scoring --------------------------------------------------------------------------
 
     async def _score(self, job: GroupJob, drafts: list[Draft]) -> list[Sample]:
-        spec = RewardSpec.model_validate(job.reward_spec)
+        spec = RewardSpec.model_construct(**job.reward_spec)  # checked at submission (intake)
         items = [
             RewardItem(id=str(d.index), prompt=job.prompt_text, completion=d.text, spec=spec) for d in drafts
         ]

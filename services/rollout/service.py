@@ -1,5 +1,5 @@
-"""The rollout service object: settings, tokenizer, buffer handles, clients and the background
-scheduler, weight follower and evaluation runner, started and stopped with the app."""
+"""The rollout service object: settings, tokenizer, the buffer connection, clients and the
+background scheduler, weight follower and evaluation runner, started and stopped with the app."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from buffer import EvalStore, ReplayBuffer
+from buffer import Buffer, EvalStore, Jobs, Weights
 from services.common.logging import log_event
 from services.rollout import metrics as m
 from services.rollout.config import RolloutSettings
@@ -41,13 +41,14 @@ class RolloutService:
 
             tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer)
         self.settings = settings
-        self.redis_url = redis_url
         self.tokenizer = tokenizer
         self.context_length = resolve_context_length(settings, tokenizer)
         self.intake = Intake(settings, tokenizer, self.context_length)
-        # The routes' buffer handle: they call only stateless methods (enqueue, job info,
-        # cancel), which are safe from the thread pool; the scheduler has its own handle.
-        self.api_buf = ReplayBuffer(redis_url, run=settings.run, consumer=f"rollout-{settings.replica}-api")
+        # One connection (and pool) for every part of the buffer this process uses. The routes'
+        # `jobs` only enqueue, describe, read and cancel (safe from the thread pool); the
+        # scheduler's parts hold its claims.
+        self.buf = Buffer(redis_url, run=settings.run)
+        self.jobs = Jobs(self.buf)
         self.evals = EvalStore(redis_url, run=settings.run)  # thread-safe: routes and the evaluator share it
         self.auto_eval = self._auto_eval_task()
         self._tasks: list[asyncio.Task] = []
@@ -98,9 +99,8 @@ class RolloutService:
         )
         if not run_scheduler:
             return
-        consumer = f"rollout-{s.replica}"
         weights = WeightSync(
-            ReplayBuffer(self.redis_url, run=s.run, consumer=consumer),
+            Weights(self.buf),
             self.engines,
             poll_s=s.weights_poll_s,
             initial_version=s.initial_weight_version,
@@ -110,7 +110,7 @@ class RolloutService:
         )
         scheduler = Scheduler(
             s,
-            ReplayBuffer(self.redis_url, run=s.run, consumer=consumer),
+            self.buf,
             self.engines,
             self.rewards,
             weights,
@@ -165,7 +165,7 @@ class RolloutService:
         for client in (self.engines, self.rewards):
             if client is not None:
                 await client.aclose()
-        self.api_buf.close()
+        self.buf.close()
         self.evals.close()
         if self.owned_redis is not None:
             self.owned_redis.stop()

@@ -48,7 +48,7 @@ def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise DatasetError(
-            "parquet needs pyarrow, which is not installed; convert the file to JSONL"
+            "parquet needs pyarrow (`pip install 'asyncrl[parquet]'`); or convert the file to JSONL"
         ) from exc
     for n, row in enumerate(pq.read_table(path).to_pylist(), 1):
         yield _prompt({k: v for k, v in row.items() if v is not None}, f"{path}: row {n}")

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from buffer.server import free_port
+from proto.states import JobState
 from services.common.serving import STARTUP_TIMEOUT_S, ThreadServer, serve_app_in_thread
 from services.rollout.config import RolloutSettings
 
@@ -90,7 +91,8 @@ def start_reward_service(port: int | None = None, *, log_path=None) -> RunningPr
     return start_process(cmd, f"http://127.0.0.1:{port}", "/v1/verifiers", log_path=log_path)
 
 
-def wait_job(client, job_id: str, *, timeout_s: float = 60.0, until=("done", "failed", "cancelled")) -> dict:
+def wait_job(client, job_id: str, *, timeout_s: float = 60.0,
+             until=(JobState.done, JobState.failed, JobState.cancelled)) -> dict:  # fmt: skip
     """Poll `GET /v1/rollouts/{id}` until its state is one of `until`; returns the progress."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -42,12 +42,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from buffer import ReplayBuffer
+from buffer import Weights
 from proto import WeightsInfo
 from proto.lineage import parse_weight_version, weight_version_name
 from services.common.logging import log_event
 from services.rollout import metrics as m
-from services.rollout.engine_client import Engine, EngineClient
+from services.rollout.engine_client import EngineClient, EngineEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,14 @@ class VersionNotServed(Exception):
 
 @dataclass(eq=False)
 class Pin:
-    engine: Engine  # the generation endpoint the evaluation sends to
+    engine: EngineEndpoint  # the generation endpoint the evaluation sends to
     admins: tuple[int, ...]  # admin engines whose updates wait for `unpin`
     version: int | None  # what they serve as far as this replica knows (None: unknown or mixed)
 
 
 class WeightSync:
-    def __init__(self, buf: ReplayBuffer, engines: EngineClient, *, poll_s: float, initial_version: int = 0):
-        self.buf = buf  # this component's own instance: used from one worker thread at a time
+    def __init__(self, published: Weights, engines: EngineClient, *, poll_s: float, initial_version: int = 0):
+        self.published = published  # where the trainer announces its weights
         self.engines = engines
         self.poll_s = poll_s
         self.initial_version = initial_version
@@ -97,7 +97,7 @@ class WeightSync:
         """Forever: catch up with the latest weights, then apply each announced version."""
         try:
             await self._catch_up(initial=True)
-            sub = await asyncio.to_thread(self.buf.subscribe_weights)
+            sub = await asyncio.to_thread(self.published.subscribe)
             next_poll = time.monotonic() + self.poll_s
             try:
                 while True:
@@ -115,7 +115,7 @@ class WeightSync:
                 task.cancel()
 
     async def _catch_up(self, initial: bool = False) -> None:
-        latest = await asyncio.to_thread(self.buf.latest_weights)
+        latest = await asyncio.to_thread(self.published.latest)
         if (initial or (latest is None and self._announced[1] < 0)) and await self._adopt_served(latest):
             return
         if latest is not None and self._newer(latest):
@@ -292,7 +292,7 @@ class WeightSync:
             self._refreshes.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._refreshes.discard)
 
-    def _admins_of(self, engine: Engine) -> tuple[int, ...]:
+    def _admins_of(self, engine: EngineEndpoint) -> tuple[int, ...]:
         """The admin engines behind a generation URL: the one with its URL, else (a router) all."""
         same = tuple(a.index for a in self.engines.admins if a.url == engine.url)
         return same or tuple(range(len(self.engines.admins)))

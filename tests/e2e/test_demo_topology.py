@@ -17,12 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import readme_commands
+from readme_commands import sample_dataset
+from waiting import wait_until
 
 from buffer.server import free_port
 from services.demo import DemoSection, History, _to_toml, scrape_trainer, submit
 from services.launcher import Launcher, UpConfig
-from tests.e2e import readme_commands
-from tests.e2e.readme_commands import sample_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 40  # enough for the rise to clear the early noise (the first steps are ~0.05-0.1)
@@ -71,17 +72,20 @@ def test_demo_topology_learns_and_shuts_down_cleanly(tmp_path):
                     "reward": launcher.reward_urls[0], "engine": launcher.engine_urls[0]}  # fmt: skip
         submit(launcher.rollout_urls()[0], demo, (STEPS + ETA + 2) * demo.prompts_per_step, random.Random(0))
         t0 = time.monotonic()
-        deadline = t0 + 300
-        while time.monotonic() < deadline:
+
+        def trained() -> bool:
+            """One sample of the trainer's progress into `history`; true at version STEPS."""
             s = scrape_trainer(launcher.trainer_url, t0)
             if s is not None:
                 history.add(s)
                 if s.version >= 2 and not metrics_answered:
-                    metrics_answered = {name: _metrics_ok(url) for name, url in services.items()}
+                    metrics_answered.update({name: _metrics_ok(url) for name, url in services.items()})
                 if s.version >= STEPS:
-                    break
+                    return True
             assert all(p.alive for p in launcher.procs), [p.name for p in launcher.procs if not p.alive]
-            time.sleep(0.3)
+            return False
+
+        wait_until(trained, timeout=300, interval=0.3, message=f"the trainer reaches version {STEPS}")
         engine_version = httpx.get(f"{launcher.engine_urls[0]}/get_weight_version", timeout=5).json()
         final = scrape_trainer(launcher.trainer_url, t0)
         # The README's HTTP examples, as written, against this topology (tests/e2e/readme_commands.py)
@@ -104,6 +108,7 @@ def test_demo_topology_learns_and_shuts_down_cleanly(tmp_path):
     assert final.staleness_max_bucket <= ETA
     assert int(engine_version.get("weight_version", "0")) > 0, "published weights never reached the engine"
     # Shutdown left nothing behind: no process group of any service, no Redis.
-    time.sleep(0.5)
+    # A killed service's children are reaped by init a moment after stop() returns.
+    wait_until(lambda: not any(_group_alive(g) for g in pgids), timeout=10, message="every group is gone")
     assert [g for g in pgids if _group_alive(g)] == []
     assert launcher.redis is None

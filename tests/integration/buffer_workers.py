@@ -5,21 +5,21 @@ from __future__ import annotations
 import json
 import time
 
-from buffer import ReplayBuffer
+from buffer import AdmissionControl, Buffer, Groups
 
 
 def consume(url: str, run: str, consumer: str, out_path: str, batch: int, idle_s: float) -> None:
     """Take groups until none arrive for idle_s; ack each batch; record what was received."""
-    buf = ReplayBuffer(url, run=run, consumer=consumer)
-    buf.r.xgroup_createconsumer(buf.keys.groups, "trainer", consumer)  # visible to the producer's wait
+    groups = Groups(Buffer(url, run), consumer)
+    groups.buf.r.xgroup_createconsumer(groups.keys.groups, "trainer", consumer)  # visible to the producer's wait
     got: list[str] = []
     last = time.monotonic()
     while time.monotonic() - last < idle_s:
-        res = buf.take_groups(batch, current_version=0, max_staleness=0, block_ms=100)
+        res = groups.take(batch, current_version=0, max_staleness=0, block_ms=100)
         if res.groups:
             ids = [g.group_id for g in res.groups]
             got += ids
-            buf.ack(ids)
+            groups.ack(ids)
             last = time.monotonic()
     with open(out_path, "w") as f:
         json.dump(got, f)
@@ -27,16 +27,16 @@ def consume(url: str, run: str, consumer: str, out_path: str, batch: int, idle_s
 
 def take_and_hang(url: str, run: str, consumer: str, out_path: str, n: int) -> None:
     """Take n groups without acking, report them, then wait to be SIGKILLed mid-batch."""
-    buf = ReplayBuffer(url, run=run, consumer=consumer)
-    res = buf.take_groups(n, current_version=0, max_staleness=0, block_ms=5000)
+    res = Groups(Buffer(url, run), consumer).take(n, current_version=0, max_staleness=0, block_ms=5000)
     with open(out_path, "w") as f:
         json.dump([g.group_id for g in res.groups], f)
-    time.sleep(600)
+    time.sleep(600)  # not synchronisation: it hangs here until the test kills it
 
 
-def admit(url: str, run: str, worker: int, attempts: int, start_evt, out_path: str) -> None:
-    buf = ReplayBuffer(url, run=run, consumer=f"admit-{worker}")
-    start_evt.wait()
-    admitted = [f"w{worker}-{i}" for i in range(attempts) if buf.try_admit(f"w{worker}-{i}").go]
+def admit(url: str, run: str, worker: int, attempts: int, start, out_path: str) -> None:
+    """Connect, wait at the `start` barrier for every other worker, then try to admit."""
+    admission = AdmissionControl(Buffer(url, run))
+    start.wait()
+    admitted = [f"w{worker}-{i}" for i in range(attempts) if admission.try_admit(f"w{worker}-{i}").go]
     with open(out_path, "w") as f:
         json.dump(admitted, f)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer import ReplayBuffer
+from buffer import AdmissionControl, Buffer
 from services.common.tinymodel import build_tiny_model
 from services.engine.testing import serve_in_thread as serve_engine
 from services.rollout.testing import serve_in_thread, start_reward_service
@@ -90,7 +90,7 @@ def test_engine_schema_fuzz_gives_no_5xx(tmp_path):
 def test_rollout_schema_fuzz_gives_no_5xx(tmp_path, redis_url, run_id):
     model = tmp_path / "tiny"
     build_tiny_model(model, seed=0, max_position_embeddings=64)
-    ReplayBuffer(redis_url, run=run_id).configure(batch_groups=4, max_staleness=0)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=4, max_staleness=0)
     from transformers import AutoTokenizer
 
     # the real reward service (submissions are checked against its verifiers); no engine: the

@@ -8,16 +8,19 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 import buffer_workers as workers
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 from factories import edit_sample, make_group, make_job
 from prometheus_client import REGISTRY
+from waiting import wait_until
 
-from buffer import Admission, RedisServer, ReplayBuffer
-from proto import encode
+from buffer import AdmissionControl, Buffer, GroupReport, Groups, Jobs, RedisServer, Weights, stats
+from proto import SCHEMA_VERSION, encode
+from proto.states import Admission, GroupState
 
 SPAWN = mp.get_context("spawn")
 
@@ -26,68 +29,96 @@ def metric(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+@dataclass
+class Parts:
+    """One process's buffer: the connection and every part on it."""
+
+    conn: Buffer
+    groups: Groups
+    jobs: Jobs
+    admission: AdmissionControl
+    weights: Weights
+
+    def stats(self) -> dict:
+        return stats(self.conn)
+
+
+def open_parts(url: str, run: str, consumer: str = "trainer-0", batch_groups: int = 1, max_staleness: int = 0) -> Parts:
+    conn = Buffer(url, run)
+    return Parts(conn, Groups(conn, consumer), Jobs(conn, consumer), AdmissionControl(conn, batch_groups, max_staleness),
+                 Weights(conn))  # fmt: skip
+
+
+def all_delivered(buf: Parts) -> bool:
+    """The trainer group has handed every entry added so far to a consumer."""
+    r, stream = buf.conn.r, buf.conn.keys.groups
+    (group,) = r.xinfo_groups(stream)
+    return group["last-delivered-id"] == r.xinfo_stream(stream)["last-generated-id"]
+
+
 @pytest.fixture
 def buf(redis_url, run_id):
-    b = ReplayBuffer(redis_url, run=run_id, consumer="trainer-0", batch_groups=4, max_staleness=1)
+    b = open_parts(redis_url, run_id, batch_groups=4, max_staleness=1)
     yield b
-    b.close()
+    b.conn.close()
 
 
 def test_put_is_idempotent_on_group_id(buf):
     g = make_group("g1")
     dup_before = metric("asyncrl_buffer_duplicate_puts_total")
-    assert buf.put_group(g) is True
-    assert buf.put_group(g) is False
-    assert buf.put_group(make_group("g1", seed=9)) is False  # same id, other content: still the first one
-    res = buf.take_groups(10, current_version=0, block_ms=50)
+    assert buf.groups.put([g]) == [True]
+    assert buf.groups.put([g]) == [False]
+    assert buf.groups.put([make_group("g1", seed=9)]) == [False]  # same id, other content: still the first one
+    res = buf.groups.take(10, current_version=0, block_ms=50)
     assert [x.group_id for x in res.groups] == ["g1"]
     assert res.groups[0] == g
-    assert buf.admission()["accepted"] == 1
+    assert buf.admission.snapshot()["accepted"] == 1
     assert buf.stats()["counters"]["duplicates"] == 2
     assert metric("asyncrl_buffer_duplicate_puts_total") - dup_before == 2
-    buf.ack(["g1"])
-    assert buf.put_group(g) is False  # still idempotent after it was trained
+    buf.groups.ack(["g1"])
+    assert buf.groups.put([g]) == [False]  # still idempotent after it was trained
 
 
 def test_batched_put_and_ack_of_many_groups_stay_exact(buf):
     """put_groups and ack work in slices inside their scripts (Lua's unpack limit): 2,100 groups
     in one call each, with duplicates inside the batch, leave exact counters and no payload."""
     groups = [make_group(f"m{i}", job_id=f"job{i % 3}", n=2, n_tokens=1) for i in range(2100)]
-    flags = buf.put_groups(groups + groups[:5])
+    buf.jobs.describe("job1", groups=700, body_hash="")
+    flags = buf.groups.put(groups + groups[:5])
     assert flags == [True] * 2100 + [False] * 5
     taken = []
     while len(taken) < 2100:
-        taken += buf.take_groups(1000, current_version=0, block_ms=200).groups
+        taken += buf.groups.take(1000, current_version=0, block_ms=200).groups
     assert sorted(g.group_id for g in taken) == sorted(g.group_id for g in groups)
-    assert buf.ack([g.group_id for g in taken] + ["m0"]) == 2100  # m0 twice: counted once
+    assert buf.groups.ack([g.group_id for g in taken] + ["m0"]) == 2100  # m0 twice: counted once
     stats = buf.stats()
     assert stats["depth"]["groups"] == 0 and stats["pending"]["groups"] == 0
-    assert stats["counters"]["acked"] == 2100 and stats["counters"]["duplicates"] == 5
-    assert buf.admission()["accepted"] == 2100  # trained groups keep their admission count
-    assert buf.job_progress("job1")["acked"] == "700"
-    assert not list(buf.r.scan_iter(buf.keys.payload_prefix + "*"))
+    assert stats["counters"]["trained"] == 2100 and stats["counters"]["duplicates"] == 5
+    assert buf.admission.snapshot()["accepted"] == 2100  # trained groups keep their admission count
+    assert buf.jobs.progress("job1").exits == {GroupState.trained: 700}
+    assert not list(buf.conn.r.scan_iter(buf.conn.keys.payload_prefix + "*"))
 
 
 def test_pipelined_scripts_survive_a_flushed_script_cache(buf):
     """Pipelines call scripts by sha without checking first; a Redis that lost its scripts (a
     restart) gets them loaded again and the idempotent writes run again, once."""
-    assert buf.put_groups([make_group("a")]) == [True]
-    buf.r.script_flush()
-    assert buf.put_groups([make_group("b"), make_group("a")]) == [True, False]
-    buf.r.script_flush()
-    assert buf.enqueue_jobs([make_job("j1"), make_job("j2")]) == 2
-    assert buf.admission()["accepted"] == 2 and buf.stats()["counters"]["put"] == 2
-    assert [g.group_id for g in buf.take_groups(5, current_version=0, block_ms=50).groups] == ["a", "b"]
+    assert buf.groups.put([make_group("a")]) == [True]
+    buf.conn.r.script_flush()
+    assert buf.groups.put([make_group("b"), make_group("a")]) == [True, False]
+    buf.conn.r.script_flush()
+    assert buf.jobs.enqueue([make_job("j1"), make_job("j2")]) == 2
+    assert buf.admission.snapshot()["accepted"] == 2 and buf.stats()["counters"]["put"] == 2
+    assert [g.group_id for g in buf.groups.take(5, current_version=0, block_ms=50).groups] == ["a", "b"]
 
 
 def test_put_refuses_unscored_groups(buf):
     g = edit_sample(make_group("g1"), 0, reward_status=None, reward=None)
     with pytest.raises(ValueError, match="without a reward status"):
-        buf.put_group(g)
+        buf.groups.put([g])
 
 
 def test_two_concurrent_consumers_never_receive_the_same_group(redis_url, run_id, tmp_path):
-    producer = ReplayBuffer(redis_url, run=run_id, consumer="producer")
+    producer = open_parts(redis_url, run_id, consumer="producer")
     outs = [tmp_path / "a.json", tmp_path / "b.json"]
     procs = [
         SPAWN.Process(target=workers.consume, args=(redis_url, run_id, f"c{i}", str(out), 3, 2.0))
@@ -95,13 +126,13 @@ def test_two_concurrent_consumers_never_receive_the_same_group(redis_url, run_id
     ]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + 60
-    while len(producer.r.xinfo_consumers(producer.keys.groups, "trainer")) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)  # both consumers are reading
+    wait_until(lambda: len(producer.conn.r.xinfo_consumers(producer.conn.keys.groups, "trainer")) == 2,
+               message="both consumers are reading")  # fmt: skip
     ids = [f"g{i}" for i in range(120)]
     for gid in ids:
-        producer.put_group(make_group(gid, n=2, n_tokens=3))
-        time.sleep(0.002)
+        producer.groups.put([make_group(gid, n=2, n_tokens=3)])
+        # Delivered before the next put: the consumer waiting longest gets each one, so both get work.
+        wait_until(lambda: all_delivered(producer), interval=0.002, message=f"{gid} is delivered")
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -113,32 +144,30 @@ def test_two_concurrent_consumers_never_receive_the_same_group(redis_url, run_id
 
 
 def test_consumer_killed_mid_batch_loses_nothing(redis_url, run_id, tmp_path):
-    buf = ReplayBuffer(redis_url, run=run_id, consumer="survivor")
+    buf = open_parts(redis_url, run_id, consumer="survivor")
     for i in range(10):
-        buf.put_group(make_group(f"g{i}", n=2))
+        buf.groups.put([make_group(f"g{i}", n=2)])
     out = tmp_path / "taken.json"
     victim = SPAWN.Process(target=workers.take_and_hang, args=(redis_url, run_id, "victim", str(out), 6))
     victim.start()
-    deadline = time.monotonic() + 60
-    while not out.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: out.exists() and out.read_text().endswith("]"), message="the victim took its groups")
     os.kill(victim.pid, signal.SIGKILL)
     victim.join()
     taken_by_victim = json.loads(out.read_text())
     assert len(taken_by_victim) == 6
 
     # The survivor sees only the 4 never-delivered groups until it recovers the victim's.
-    first = buf.take_groups(10, current_version=0, max_staleness=0, block_ms=50)
+    first = buf.groups.take(10, current_version=0, max_staleness=0, block_ms=50)
     assert sorted(g.group_id for g in first.groups) == sorted({f"g{i}" for i in range(10)} - set(taken_by_victim))
-    assert buf.recover_pending(idle_ms=10_000) == 0  # not idle long enough yet
-    time.sleep(0.2)
-    assert buf.recover_pending(idle_ms=100) == 6
-    second = buf.take_groups(10, current_version=0, max_staleness=0, block_ms=50)
+    assert buf.groups.recover(idle_ms=10_000) == 0  # not idle long enough yet
+    time.sleep(0.2)  # time is the subject: the victim's entries must sit idle for longer than idle_ms
+    assert buf.groups.recover(idle_ms=100) == 6
+    second = buf.groups.take(10, current_version=0, max_staleness=0, block_ms=50)
     assert sorted(g.group_id for g in second.groups) == sorted(taken_by_victim)
-    assert buf.ack([g.group_id for g in first.groups + second.groups]) == 10
+    assert buf.groups.ack([g.group_id for g in first.groups + second.groups]) == 10
     stats = buf.stats()
     assert stats["pending"]["groups"] == 0 and stats["depth"]["groups"] == 0
-    assert stats["counters"]["acked"] == 10
+    assert stats["counters"]["trained"] == 10
 
 
 def test_staleness_drop_and_withhold_are_counted(buf):
@@ -148,12 +177,12 @@ def test_staleness_drop_and_withhold_are_counted(buf):
         g = make_group(gid, n=2, version=v)
         if gid == "f":  # one old token makes the whole group as old as it
             g = edit_sample(g, 0, versions=np.array([1, *g.samples[0].versions[1:]], np.int32))
-        buf.put_group(g)
+        buf.groups.put([g])
     dropped_before = metric("asyncrl_buffer_dropped_total", reason="stale")
-    res = buf.take_groups(3, current_version=5, max_staleness=2, block_ms=50, policy="drop")
+    res = buf.groups.take(3, current_version=5, max_staleness=2, block_ms=50, policy="drop")
     # a (0), b (1), c (2) are fresh; take stops after 3 fresh groups.
     assert [g.group_id for g in res.groups] == ["a", "b", "c"] and res.staleness == [0, 1, 2]
-    res = buf.take_groups(3, current_version=5, max_staleness=2, block_ms=50, policy="withhold")
+    res = buf.groups.take(3, current_version=5, max_staleness=2, block_ms=50, policy="withhold")
     # d (3), e (4), f (4) are all too stale: withheld, none trainable.
     assert res.groups == [] and [g.group_id for g in res.withheld] == ["d", "e", "f"]
     stats = buf.stats()
@@ -162,173 +191,176 @@ def test_staleness_drop_and_withhold_are_counted(buf):
     assert stats["depth"]["stale"] == 3
 
     for gid, v in (("g", 0), ("h", 4)):
-        buf.put_group(make_group(gid, n=2, version=v))
-    res = buf.take_groups(2, current_version=5, max_staleness=2, block_ms=50, policy="drop")
+        buf.groups.put([make_group(gid, n=2, version=v)])
+    res = buf.groups.take(2, current_version=5, max_staleness=2, block_ms=50, policy="drop")
     assert [g.group_id for g in res.groups] == ["h"] and res.dropped == ["g"]
     assert metric("asyncrl_buffer_dropped_total", reason="stale") - dropped_before == 1
     # Stale groups give their admission slot back; the trained one (h, once acked) keeps it.
-    assert buf.admission()["accepted"] == 8 - 4
-    assert buf.ack(["a", "b", "c", "h"]) == 4
-    assert buf.admission()["accepted"] == 4
+    assert buf.admission.snapshot()["accepted"] == 8 - 4
+    assert buf.groups.ack(["a", "b", "c", "h"]) == 4
+    assert buf.admission.snapshot()["accepted"] == 4
 
 
 def test_discard_is_counted_once_and_frees_the_slot(buf):
     for gid in ("a", "b"):
-        buf.put_group(make_group(gid))
-    buf.take_groups(2, current_version=0, block_ms=50)
-    assert buf.discard(["a"], "zero_spread") == 1
-    assert buf.discard(["a"], "zero_spread") == 0
-    assert buf.ack(["a"]) == 0  # already gone: not trained
-    assert buf.admission()["accepted"] == 1
+        buf.groups.put([make_group(gid)])
+    buf.groups.take(2, current_version=0, block_ms=50)
+    assert buf.groups.discard(["a"], GroupState.zero_spread) == 1
+    assert buf.groups.discard(["a"], GroupState.zero_spread) == 0
+    assert buf.groups.ack(["a"]) == 0  # already gone: not trained
+    assert buf.admission.snapshot()["accepted"] == 1
     assert buf.stats()["counters"]["zero_spread"] == 1
     with pytest.raises(ValueError):
-        buf.discard(["b"], "acked")
+        buf.groups.discard(["b"], GroupState.trained)
 
 
 def test_admission_bound_holds_across_8_concurrent_processes(redis_url, run_id, tmp_path):
-    buf = ReplayBuffer(redis_url, run=run_id, consumer="cfg")
-    buf.configure(batch_groups=4, max_staleness=2)
-    buf.set_version(3)
-    buf.put_group(make_group("already-there"))  # accepted = 1
+    buf = open_parts(redis_url, run_id, consumer="cfg")
+    buf.admission.configure(batch_groups=4, max_staleness=2)
+    buf.weights.set_version(3)
+    buf.groups.put([make_group("already-there")])  # accepted = 1
     capacity = (2 + 3 + 1) * 4  # (η + v + 1)·B = 24
-    start = SPAWN.Event()
+    start = SPAWN.Barrier(8 + 1)  # every worker connected, then all released together
     outs = [tmp_path / f"w{i}.json" for i in range(8)]
     procs = [SPAWN.Process(target=workers.admit, args=(redis_url, run_id, i, 10, start, str(outs[i]))) for i in range(8)]
     for p in procs:
         p.start()
-    time.sleep(1.0)  # let every worker connect, then release them together
-    start.set()
+    start.wait(timeout=60)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
     admitted = [gid for out in outs for gid in json.loads(out.read_text())]
     assert len(admitted) == capacity - 1, "accepted + running must stop exactly at (η+v+1)·B"
     assert len(set(admitted)) == len(admitted)
-    adm = buf.admission()
+    adm = buf.admission.snapshot()
     assert adm["running"] == capacity - 1 and adm["accepted"] + adm["running"] == capacity
-    assert buf.try_admit("late") is Admission.full
+    assert buf.admission.try_admit("late") is Admission.full
     # A reclaimed job re-admits its own group without taking a second slot.
-    assert buf.try_admit(admitted[0]) is Admission.resumed
+    assert buf.admission.try_admit(admitted[0]) is Admission.resumed
     # Putting a running group moves its slot from running to accepted; the bound is unchanged.
-    buf.put_group(make_group(admitted[0]))
-    adm = buf.admission()
+    buf.groups.put([make_group(admitted[0])])
+    adm = buf.admission.snapshot()
     assert (adm["accepted"], adm["running"]) == (2, capacity - 2)
-    assert buf.try_admit(admitted[0]) is Admission.done
+    assert buf.admission.try_admit(admitted[0]) is Admission.duplicate
     # The trainer steps: one more version frees B slots.
-    buf.set_version(4)
-    assert sum(buf.try_admit(f"after-{i}").go for i in range(10)) == 4
-    assert buf.release(admitted[1]) and not buf.release(admitted[1])
-    assert buf.try_admit("after-release").go
+    buf.weights.set_version(4)
+    assert sum(buf.admission.try_admit(f"after-{i}").go for i in range(10)) == 4
+    assert buf.admission.release(admitted[1]) and not buf.admission.release(admitted[1])
+    assert buf.admission.try_admit("after-release").go
 
 
 def test_rebuild_admission_after_trainer_restart(buf):
-    buf.configure(batch_groups=2, max_staleness=1)
+    buf.admission.configure(batch_groups=2, max_staleness=1)
     for i in range(6):
-        buf.put_group(make_group(f"g{i}"))
-    res = buf.take_groups(2, current_version=0, block_ms=50)
-    buf.ack([g.group_id for g in res.groups])  # trained at step 1
-    assert len(buf.take_groups(2, current_version=1, block_ms=50).groups) == 2  # step 2, then a crash
+        buf.groups.put([make_group(f"g{i}")])
+    res = buf.groups.take(2, current_version=0, max_staleness=1, block_ms=50)
+    buf.groups.ack([g.group_id for g in res.groups])  # trained at step 1
+    assert len(buf.groups.take(2, current_version=1, max_staleness=1, block_ms=50).groups) == 2  # step 2, then a crash
     # The checkpoint is at version 1: v·B trained + 4 still in the buffer (2 pending, 2 new).
-    assert buf.rebuild_admission(1) == 1 * 2 + 4
-    assert buf.get_version() == 1
-    assert buf.admission()["capacity"] == (1 + 1 + 1) * 2  # (η + v + 1)·B
+    assert buf.admission.rebuild(1) == 1 * 2 + 4
+    assert buf.weights.version() == 1
+    assert buf.admission.snapshot()["capacity"] == (1 + 1 + 1) * 2  # (η + v + 1)·B
 
 
 def test_bad_payloads_go_to_dead_letter_and_good_ones_keep_flowing(buf):
-    stream = buf.keys.groups
+    r, keys = buf.conn.r, buf.conn.keys
     good_bytes = encode(make_group("x"))
     bad = {
         "truncated": good_bytes[:-7],
         "garbage": b"\x93\x01\xff\x00not msgpack",
-        "wrong-type": msgpack.packb({"schema": 1, "type": "group", "group_id": 5}),
-        "future-schema": msgpack.packb({"schema": 99, "type": "group"}),
+        "wrong-type": msgspec.msgpack.encode([SCHEMA_VERSION, {"type": "group", "group_id": 5}]),
+        "future-schema": msgspec.msgpack.encode([99, {"type": "group"}]),
         "job-in-groups": encode(make_job()),
     }
     dead_before = metric("asyncrl_buffer_dead_lettered_total", stream="groups")
     for i, (name, payload) in enumerate(bad.items()):
-        buf.put_group(make_group(f"good{i}"))
-        buf.r.xadd(stream, {"gid": name, "data": payload})
-    buf.r.xadd(stream, {"gid": "no-data"})
-    buf.put_group(make_group("good-last"))
-    res = buf.take_groups(100, current_version=0, block_ms=100)
+        buf.groups.put([make_group(f"good{i}")])
+        r.set(keys.payload_prefix + name, payload)
+        r.xadd(keys.groups, {"gid": name})
+    r.xadd(keys.groups, {"gid": "no-data"})
+    buf.groups.put([make_group("good-last")])
+    res = buf.groups.take(100, current_version=0, block_ms=100)
     assert [g.group_id for g in res.groups] == [f"good{i}" for i in range(5)] + ["good-last"]
     assert res.dead_lettered == 6
-    letters = buf.r.xrange(buf.keys.deadletter)
+    letters = r.xrange(keys.deadletter)
     reasons = {f[b"gid"].decode(): f[b"reason"].decode() for _, f in letters}
     assert set(reasons) == set(bad) | {"no-data"}
     assert "unknown schema 99" in reasons["future-schema"]
     assert "expected a group record" in reasons["job-in-groups"]
-    assert "no 'data'" in reasons["no-data"]
+    assert "payload is missing" in reasons["no-data"]
     assert {f[b"data"] for _, f in letters if f[b"gid"] == b"garbage"} == {bad["garbage"]}
     assert metric("asyncrl_buffer_dead_lettered_total", stream="groups") - dead_before == 6
     stats = buf.stats()
     assert stats["pending"]["groups"] == 6  # the good ones, awaiting ack; no bad one is pending
-    assert stats["counters"]["deadletter"] == 6 and stats["admission"]["accepted"] == 6
+    assert stats["counters"]["dead_lettered"] == 6 and stats["admission"]["accepted"] == 6
 
 
 def test_jobs_stream_claim_ack_and_recovery(redis_url, run_id):
-    a = ReplayBuffer(redis_url, run=run_id, consumer="rollout-a")
-    b = ReplayBuffer(redis_url, run=run_id, consumer="rollout-b")
+    a = Jobs(Buffer(redis_url, run_id), "rollout-a")
+    b = Jobs(Buffer(redis_url, run_id), "rollout-b")
     jobs = [make_job(f"g{i}") for i in range(5)]
-    assert [a.enqueue_job(j) for j in jobs] == [True] * 5
-    assert a.enqueue_job(jobs[0]) is False
-    a.r.xadd(a.keys.jobs, {"gid": "junk", "data": b"\x00\x01"})
-    got_a = a.claim_jobs(3, block_ms=50)
+    assert [a.enqueue([j]) for j in jobs] == [1] * 5
+    assert a.enqueue([jobs[0]]) == 0
+    a.buf.r.xadd(a.keys.jobs, {"gid": "junk", "data": b"\x00\x01"})
+    got_a = a.claim(3, block_ms=50)
     assert [c.job for c in got_a] == jobs[:3]
-    got_b = b.claim_jobs(10, block_ms=50)
+    got_b = b.claim(10, block_ms=50)
     assert [c.job.group_id for c in got_b] == ["g3", "g4"]  # junk went to the dead-letter stream
-    assert a.stats()["counters"]["deadletter"] == 1
-    assert a.ack_job("g0") is True and a.ack_job("g0") is False
-    time.sleep(0.3)
-    a.touch_jobs([got_a[1].entry_id])  # a is alive and still working on g1
+    assert stats(a.buf)["counters"]["dead_lettered"] == 1
+    done = GroupReport("j0", "g0", GroupState.buffered)
+    assert a.end(done) is True and a.end(done) is False
+    time.sleep(0.3)  # time is the subject: a's claims must sit idle for longer than idle_ms
+    a.touch([got_a[1].entry_id])  # a is alive and still working on g1
     # b takes over a's idle g2; its own g3, g4 are in hand and not handed out again; g0 is done.
-    assert [c.job.group_id for c in b.recover_jobs(idle_ms=200)] == ["g2"]
-    assert [c.job.group_id for c in a.recover_jobs(idle_ms=200)] == []
-    fresh_b = ReplayBuffer(redis_url, run=run_id, consumer="rollout-b")  # b restarted: it resumes its own
-    assert sorted(c.job.group_id for c in fresh_b.resume_own_jobs()) == ["g2", "g3", "g4"]
-    assert fresh_b.resume_own_jobs() == []  # now held
+    assert [c.job.group_id for c in b.recover(idle_ms=200)] == ["g2"]
+    assert [c.job.group_id for c in a.recover(idle_ms=200)] == []
+    fresh_b = Jobs(Buffer(redis_url, run_id), "rollout-b")  # b restarted: it resumes its own
+    assert sorted(c.job.group_id for c in fresh_b.resume_own()) == ["g2", "g3", "g4"]
+    assert fresh_b.resume_own() == []  # now held
 
 
 def test_weights_publish_and_subscribe(buf):
     from proto import WeightsInfo
 
-    assert buf.latest_weights() is None
-    with buf.subscribe_weights() as sub:
-        time.sleep(0.05)
-        buf.publish_weights(WeightsInfo(version=1, method="disk", path="/w/1", published_at=1.0))
-        buf.publish_weights(WeightsInfo(version=2, method="distributed"))
+    weights, r = buf.weights, buf.conn.r
+    assert weights.latest() is None
+    with weights.subscribe() as sub:
+        channel = buf.conn.keys.weights_channel
+        wait_until(lambda: r.pubsub_numsub(channel)[0][1] == 1, message="the subscription is live")
+        weights.publish(WeightsInfo(version=1, method="disk", path="/w/1", published_at=1.0))
+        weights.publish(WeightsInfo(version=2, method="distributed"))
         assert sub.get(2.0).version == 1
         assert sub.get(2.0).method == "distributed"
         assert sub.get(0.1) is None
-    buf.publish_weights(WeightsInfo(version=0, method="disk", path="/w/0"))  # late, older: not "latest"
-    assert buf.latest_weights().version == 2
+    weights.publish(WeightsInfo(version=0, method="disk", path="/w/0"))  # late, older: not "latest"
+    assert weights.latest().version == 2
     for v in range(3, 40):
-        buf.publish_weights(WeightsInfo(version=v, method="disk", path=f"/w/{v}"))
-    assert sorted(int(v) for v in buf.r.hkeys(buf.keys.weights)) == list(range(24, 40))  # the last 16
+        weights.publish(WeightsInfo(version=v, method="disk", path=f"/w/{v}"))
+    assert sorted(int(v) for v in r.hkeys(buf.conn.keys.weights)) == list(range(24, 40))  # the last 16
     # A trainer resumed from the checkpoint at 30: 31..39 never happened.
-    buf.publish_weights(WeightsInfo(version=30, method="disk", path="/w/30b"), rollback=True)
-    assert buf.latest_weights().path == "/w/30b"
-    assert max(int(v) for v in buf.r.hkeys(buf.keys.weights)) == 30
+    weights.publish(WeightsInfo(version=30, method="disk", path="/w/30b"), rollback=True)
+    assert weights.latest().path == "/w/30b"
+    assert max(int(v) for v in r.hkeys(buf.conn.keys.weights)) == 30
 
 
 @pytest.mark.parametrize("crash", [False, True], ids=["clean-restart-everysec", "sigkill-fsync-always"])
 def test_redis_restart_with_aof_loses_no_acknowledged_put(tmp_path, crash):
     server = RedisServer(tmp_path / "redis", fsync="always" if crash else "everysec").start()
-    buf = ReplayBuffer(server.url, run="aof", consumer="t")
-    acknowledged = [f"g{i}" for i in range(50) if buf.put_group(make_group(f"g{i}", n=2))]
-    taken = buf.take_groups(10, current_version=0, block_ms=50)
-    buf.ack([g.group_id for g in taken.groups[:5]])
-    buf.close()
+    buf = open_parts(server.url, "aof", consumer="t")
+    acknowledged = [f"g{i}" for i in range(50) if buf.groups.put([make_group(f"g{i}", n=2)])[0]]
+    taken = buf.groups.take(10, current_version=0, block_ms=50)
+    buf.groups.ack([g.group_id for g in taken.groups[:5]])
+    buf.conn.close()
     server.kill() if crash else server.stop()
     server = RedisServer(tmp_path / "redis", port=server.port, fsync="always").start()
     try:
-        buf = ReplayBuffer(server.url, run="aof", consumer="t")
-        assert buf.stats()["counters"]["acked"] == 5
-        assert buf.recover_pending(0) == 5  # taken but unacked before the restart
-        res = buf.take_groups(100, current_version=0, block_ms=50)
+        buf = open_parts(server.url, "aof", consumer="t")
+        assert buf.stats()["counters"]["trained"] == 5
+        assert buf.groups.recover(0) == 5  # taken but unacked before the restart
+        res = buf.groups.take(100, current_version=0, block_ms=50)
         assert len(acknowledged) == 50
         assert sorted(g.group_id for g in res.groups) == sorted(acknowledged[5:])
-        assert buf.admission()["accepted"] == 50
-        buf.close()
+        assert buf.admission.snapshot()["accepted"] == 50
+        buf.conn.close()
     finally:
         server.stop()

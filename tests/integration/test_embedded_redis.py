@@ -10,7 +10,7 @@ import sys
 import redis
 from factories import make_group
 
-from buffer import RedisServer, ReplayBuffer, ensure_redis
+from buffer import AdmissionControl, Buffer, Groups, RedisServer, Weights, ensure_redis
 from buffer.server import embedded_binary
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,9 +23,9 @@ def test_embedded_redis_starts_is_shared_persists_and_stops(tmp_path):
         assert redis.Redis.from_url(url).info("server")["redis_version"].startswith("6.2")
         url2, owner2 = ensure_redis(tmp_path)  # a second process of the same run reuses it
         assert (url2, owner2) == (url, None)
-        buf = ReplayBuffer(url, run="emb")
-        assert buf.put_group(make_group("g1"))
-        buf.close()
+        groups = Groups(Buffer(url, "emb"))
+        assert groups.put([make_group("g1")]) == [True]
+        groups.buf.close()
     finally:
         owner.stop()
     assert owner.proc.poll() is not None
@@ -34,10 +34,10 @@ def test_embedded_redis_starts_is_shared_persists_and_stops(tmp_path):
     url3, owner3 = ensure_redis(tmp_path)
     try:
         assert owner3 is not None
-        buf = ReplayBuffer(url3, run="emb")
-        assert buf.put_group(make_group("g1")) is False  # persisted across the restart
-        assert [g.group_id for g in buf.take_groups(5, 0, block_ms=50).groups] == ["g1"]
-        buf.close()
+        groups = Groups(Buffer(url3, "emb"))
+        assert groups.put([make_group("g1")]) == [False]  # persisted across the restart
+        assert [g.group_id for g in groups.take(5, 0, block_ms=50).groups] == ["g1"]
+        groups.buf.close()
     finally:
         owner3.stop()
 
@@ -45,8 +45,8 @@ def test_embedded_redis_starts_is_shared_persists_and_stops(tmp_path):
 def test_password_protected_redis(tmp_path):
     with RedisServer(tmp_path, password="s3cret-pw") as server:
         assert ":s3cret-pw@" in server.url
-        buf = ReplayBuffer(server.url, run="auth")
-        assert buf.put_group(make_group("g1"))
+        buf = Buffer(server.url, "auth")
+        assert Groups(buf).put([make_group("g1")]) == [True]
         try:
             redis.Redis(port=server.port).ping()
             raise AssertionError("unauthenticated client was let in")
@@ -61,12 +61,12 @@ def _asyncrl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
 
 
 def test_buffer_stats_cli(redis_url, run_id):
-    buf = ReplayBuffer(redis_url, run=run_id, consumer="t")
-    buf.configure(batch_groups=2, max_staleness=1)
-    buf.set_version(3)
-    for i, v in enumerate([3, 2, 1]):
-        buf.put_group(make_group(f"g{i}", version=v))
-    buf.take_groups(3, current_version=3, block_ms=50)  # staleness 0, 1 fresh; 2 dropped
+    buf = Buffer(redis_url, run_id)
+    AdmissionControl(buf).configure(batch_groups=2, max_staleness=1)
+    Weights(buf).set_version(3)
+    groups = Groups(buf, "t")
+    groups.put([make_group(f"g{i}", version=v) for i, v in enumerate([3, 2, 1])])
+    groups.take(3, current_version=3, max_staleness=1, block_ms=50)  # staleness 0, 1 fresh; 2 dropped
     out = _asyncrl("buffer", "stats", "--redis-url", redis_url, "--run", run_id, "--json")
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)

@@ -5,12 +5,12 @@ finish reasons, bad input, SGLang response shapes, chat completions and metrics.
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
+from waiting import wait_until
 
 from proto.sglang import GenerateResponse
 from services.common.tinymodel import EOS_ID, build_tiny_model
@@ -147,13 +147,6 @@ def _in_background(client, body):
     return thread, box
 
 
-def _wait_until(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def test_abort_by_rid_returns_partial_output(client):
     body = {
         "input_ids": PROMPT,
@@ -163,7 +156,7 @@ def test_abort_by_rid_returns_partial_output(client):
     }
     base = stats(client)["generated_tokens"]
     thread, box = _in_background(client, body)
-    _wait_until(lambda: stats(client)["generated_tokens"] >= base + 3)
+    wait_until(lambda: stats(client)["generated_tokens"] >= base + 3, interval=0.01, message="3 tokens out")
     assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
     assert client.post("/abort_request", json={"rid": "abort-me"}).status_code == 200
     thread.join(20)
@@ -188,7 +181,7 @@ def test_abort_all_and_waiting_requests(client):
         {"input_ids": PROMPT, "rid": f"all-{i}", "sampling_params": {"max_new_tokens": 50}} for i in range(3)
     ]
     threads = [_in_background(client, b) for b in bodies]
-    _wait_until(lambda: stats(client)["num_waiting_reqs"] == 3)
+    wait_until(lambda: stats(client)["num_waiting_reqs"] == 3, interval=0.01, message="3 requests wait")
     assert client.post("/flush_cache").status_code == 400  # requests in flight
     assert client.post("/abort_request", json={"abort_all": True}).status_code == 200
     for thread, box in threads:
@@ -208,7 +201,7 @@ def test_pause_retract_then_continue_finishes_normally(client):
     reference = generate(client, **body)["output_ids"]
     base = stats(client)["generated_tokens"]
     thread, box = _in_background(client, body)
-    _wait_until(lambda: stats(client)["generated_tokens"] >= base + 2)
+    wait_until(lambda: stats(client)["generated_tokens"] >= base + 2, interval=0.01, message="2 tokens out")
     assert client.post("/pause_generation", json={"mode": "retract"}).json()["status"] == "ok"
     assert stats(client)["num_running_reqs"] == 0
     assert client.post("/continue_generation").status_code == 200
@@ -429,7 +422,7 @@ def test_cli_entry_point_serves(model_dir):
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_until(lambda: _responds(url), timeout=60)
+        wait_until(lambda: _responds(url), message="the engine responds")
         info = httpx.get(f"{url}/get_server_info").json()
         assert info["context_length"] == 128 and info["num_threads"] == 1
         out = httpx.post(

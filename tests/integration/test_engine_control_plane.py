@@ -24,6 +24,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
+from waiting import wait_until
 
 from services.common.auth import ENGINE_TOKEN_ENV, check_token, generate_token
 from services.common.tinymodel import build_tiny_model
@@ -159,10 +160,10 @@ def _tiers(tree, **settings) -> dict[str, dict[str, int]]:
     from fastapi.testclient import TestClient
 
     from services.engine.app import build_app
-    from services.engine.engine import Engine
+    from services.engine.engine import InferenceEngine
 
     app = build_app(
-        Engine(EngineSettings(model=str(tree["model"]), weights_root=str(tree["root"]), **settings))
+        InferenceEngine(EngineSettings(model=str(tree["model"]), weights_root=str(tree["root"]), **settings))
     )
     out = {}
     with TestClient(app) as client:
@@ -309,6 +310,17 @@ def blackhole() -> socket.socket:
     return hole
 
 
+def queued_connections(hole: socket.socket) -> int:
+    """Connections waiting in the blackhole's accept queue (the rx_queue of a listening socket
+    in /proc/net/tcp): a rendezvous that has begun."""
+    port = hole.getsockname()[1]
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:  # 0A: LISTEN
+            return int(fields[4].split(":")[1], 16)
+    return 0
+
+
 def join_body(hole: socket.socket, group: str) -> dict:
     return {"master_address": "127.0.0.1", "master_port": hole.getsockname()[1], "rank_offset": 1,
             "world_size": 2, "group_name": group, "backend": "gloo"}  # fmt: skip
@@ -345,7 +357,7 @@ def test_a_burst_of_joins_to_a_blackhole_does_not_hold_weight_sync(engine, tree)
         with ThreadPoolExecutor(8) as pool:
             joins = [pool.submit(client.post, "/init_weights_update_group", headers=AUTH, json=body)
                      for _ in range(8)]  # fmt: skip
-            time.sleep(0.3)
+            wait_until(lambda: sum(f.done() for f in joins) >= 7, message="seven joins are refused at once")
             gen = client.post("/generate", headers=AUTH, json={"input_ids": [1, 5], "sampling_params":
                                                                {"max_new_tokens": 2}})  # fmt: skip
             assert gen.status_code == 200 and time.monotonic() - t0 < GROUP_TIMEOUT_S
@@ -409,6 +421,7 @@ def test_health_reports_an_update_stuck_past_its_deadline(tree):
     running = serve_in_thread(str(tree["model"]), api_token=TOKEN, weights_root=str(tree["root"]),
                               weight_update_timeout_s=1.0, tokenless_control=False)  # fmt: skip
     apply = running.engine.runner.apply_weights
+    # time is the subject: a weight copy that outlasts the 1 s update deadline
     running.engine.runner.apply_weights = lambda named: (time.sleep(3.0), apply(named))
     try:
         box = {}
@@ -416,13 +429,8 @@ def test_health_reports_an_update_stuck_past_its_deadline(tree):
             f"{running.url}/update_weights_from_disk", headers=AUTH, timeout=60,
             json={"model_path": str(tree["root"] / "v1"), "weight_version": "slow"})))  # fmt: skip
         thread.start()
-        deadline = time.monotonic() + 10
-        while True:
-            health = httpx.get(f"{running.url}/health")
-            if health.status_code == 503:
-                break
-            assert time.monotonic() < deadline, "never reported stuck"
-            time.sleep(0.1)
+        health = wait_until(lambda: (h := httpx.get(f"{running.url}/health")).status_code == 503 and h,
+                            timeout=10, interval=0.1, message="the update is reported stuck")  # fmt: skip
         assert health.json()["reason"] == "weight_update_stuck"
         assert "disk" in health.json()["message"]
         assert running.engine.updates.pending == 1
@@ -449,23 +457,23 @@ def test_sigterm_stops_the_engine_while_an_update_is_stuck(tree):
     with blackhole() as hole:
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            deadline = time.monotonic() + 120
-            while True:
+
+            def healthy() -> bool:
                 assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-                assert time.monotonic() < deadline, "engine did not become healthy"
                 try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
+                    return httpx.get(f"{url}/health", timeout=1).status_code == 200
                 except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
+                    return False
+
+            wait_until(healthy, timeout=120, interval=0.2, message="the engine is healthy")
             body = join_body(hole, "stuck")
             joining = threading.Thread(target=lambda: _post_quietly(f"{url}/init_weights_update_group", body),
                                        daemon=True)  # fmt: skip
             joining.start()
-            while httpx.get(f"{url}/get_server_info", headers=AUTH).json()["weight_updates"]["pending"] != 1:
-                time.sleep(0.05)
-            time.sleep(0.5)  # the rendezvous is under way
+            info = f"{url}/get_server_info"
+            wait_until(lambda: httpx.get(info, headers=AUTH).json()["weight_updates"]["pending"] == 1,
+                       message="the join is pending")  # fmt: skip
+            wait_until(lambda: queued_connections(hole) > 0, message="the rendezvous is under way")
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             try:

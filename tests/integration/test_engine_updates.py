@@ -22,7 +22,7 @@ def recording_engine(calls: list, *, update_ok: bool = True, continue_status: in
     @app.post("/update_weights_from_disk")
     async def update(req: Request) -> JSONResponse:
         calls.append(("update", await req.json(), time.monotonic()))
-        await asyncio.sleep(update_delay_s)
+        await asyncio.sleep(update_delay_s)  # time is the subject: an update that takes this long
         message = "Succeeded." if update_ok else "cannot read /nowhere: no such file"
         return JSONResponse({"success": update_ok, "message": message, "num_paused_requests": 0},
                             status_code=200 if update_ok else 400)  # fmt: skip
@@ -48,7 +48,7 @@ def update(url: str, path: str, version: int, timeout_s: float = 10) -> list[str
                               probe_s=1.0, update_timeout_s=timeout_s)  # fmt: skip
         try:
             errors = await client.update_all_from_disk(path, version)
-            await asyncio.wait_for(asyncio.gather(*client._background), 30)  # the continue goes out in the background
+            await asyncio.wait_for(asyncio.gather(*client._continues), 30)  # the continue goes out in the background
             return errors
         finally:
             await client.aclose()

@@ -9,11 +9,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import httpx
 import pytest
 import torch
+from waiting import wait_until
 
 from services.common.tinymodel import build_tiny_model
 from services.engine.engine import REFUSED_PATH
@@ -184,9 +184,12 @@ def test_update_waits_for_running_requests(engines, weights):
         target=lambda: box.update(r=httpx.post(f"{updated.url}/generate", json=body, timeout=60))
     )
     thread.start()
-    while httpx.get(f"{updated.url}/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
+
+    def running() -> bool:
         assert thread.is_alive(), "the request finished before the update was sent"
-        time.sleep(0.005)
+        return httpx.get(f"{updated.url}/get_server_info").json()["internal_states"][0]["num_running_reqs"] > 0
+
+    wait_until(running, interval=0.005, message="the request is running")
     resp = httpx.post(
         f"{updated.url}/update_weights_from_disk",
         json={"model_path": weights[1], "weight_version": "4"},
@@ -239,9 +242,12 @@ def test_update_while_paused_recomputes_kv_under_new_weights(engines, weights):
         target=lambda: box.update(r=httpx.post(f"{url}/generate", json=body, timeout=60))
     )
     thread.start()
-    while generated() < base + 5:
+
+    def five_tokens_in() -> bool:
         assert thread.is_alive(), "the request finished before the pause"
-        time.sleep(0.002)
+        return generated() >= base + 5
+
+    wait_until(five_tokens_in, interval=0.002, message="5 tokens are generated")
     assert httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}).status_code == 200
     k = generated() - base  # tokens sampled under the old weights
     resp = httpx.post(

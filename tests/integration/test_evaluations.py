@@ -23,8 +23,10 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_until
 
-from buffer import ReplayBuffer
+from buffer import AdmissionControl, Buffer, Weights
+from buffer import stats as buffer_stats
 from proto import WeightsInfo
 from services.common.tinymodel import build_tiny_model
 from services.engine.testing import serve_in_thread as serve_engine
@@ -105,22 +107,15 @@ def settings(engine_urls: str, reward_url: str, model_dir: str, run: str, **extr
 def wait_eval(
     client: httpx.Client, eval_id: str, *, timeout_s: float = 60.0, until=("done", "failed")
 ) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def finished() -> dict | None:
         resp = client.get(f"/v1/evaluations/{eval_id}")
         resp.raise_for_status()
         body = resp.json()
-        if body["state"] in until:
-            return body
-        assert time.monotonic() < deadline, f"evaluation {eval_id} still {body['state']} after {timeout_s} s"
-        time.sleep(0.05)
+        return body if body["state"] in until else None
 
-
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
+    return wait_until(
+        finished, timeout=timeout_s, interval=0.05, message=f"evaluation {eval_id} is {' or '.join(until)}"
+    )
 
 
 def engine_version(url: str) -> str:
@@ -150,7 +145,7 @@ def assert_summary_matches_items(result: dict) -> None:
 def shared(redis_server, reward, model_dir, tokenizer):
     """One engine (version 0 throughout) and one rollout service on a fresh run."""
     run = f"t{uuid.uuid4().hex[:12]}"
-    ReplayBuffer(redis_server.url, run=run).configure(batch_groups=64, max_staleness=0)
+    AdmissionControl(Buffer(redis_server.url, run)).configure(batch_groups=64, max_staleness=0)
     engine = start_engine(model_dir)
     running = serve_in_thread(
         redis_server.url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run)
@@ -224,8 +219,7 @@ def test_get_and_listing_carry_the_values_of_the_items(shared, scored):
 
 
 def test_evaluations_never_reach_the_training_buffer(shared, scored, redis_server):
-    buf = ReplayBuffer(redis_server.url, run=scored["run"])
-    stats = buf.stats()
+    stats = buffer_stats(Buffer(redis_server.url, scored["run"]))
     assert stats["depth"] == {"jobs": 0, "groups": 0, "deadletter": 0, "stale": 0}
     assert stats["pending"] == {"groups": 0, "jobs": 0}
     assert (stats["admission"]["accepted"], stats["admission"]["running"]) == (0, 0)
@@ -237,7 +231,9 @@ def test_gauges_carry_the_version_label_and_the_values(shared, scored):
     client, _, _ = shared
     result = scored["result"]
     # The gauges are set right after the result is stored, so a reader may see `done` first.
-    wait_until(lambda: 'name="arith",version="0"' in client.get("/metrics").text, 10, "no arith gauges")
+    wait_until(
+        lambda: 'name="arith",version="0"' in client.get("/metrics").text, timeout=10, message="arith gauges"
+    )
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     for name, field in (
         ("asyncrl_eval_accuracy", "accuracy"),
@@ -334,7 +330,7 @@ def test_an_evaluation_left_by_a_dead_replica_is_recovered(shared, redis_server,
         prompts=[
             EvalPrompt(
                 prompt_id=f"d{i}",
-                prompt_ids=tokenizer(word(i) + ">")["input_ids"],
+                prompt_tokens=tokenizer(word(i) + ">")["input_ids"],
                 prompt_text=word(i) + ">",
                 reward_spec={"verifier": "reverse"},
             )
@@ -346,7 +342,7 @@ def test_an_evaluation_left_by_a_dead_replica_is_recovered(shared, redis_server,
                           replica="dead", created_at=time.time())  # fmt: skip
     store = EvalStore(redis_server.url, run=run)
     assert store.create(summary, task, owner="rollout-dead", lease_s=0.5)
-    time.sleep(0.3)
+    time.sleep(0.3)  # time is the subject: within its 0.5 s lease the dead replica still owns it
     assert client.get("/v1/evaluations/edead").json()["state"] == "running"  # still the dead one's
     result = wait_eval(client, "edead", timeout_s=30)
     assert (result["state"], result["attempts"], result["replica"], result["version"]) == ("done", 2, "r0", 0)
@@ -394,7 +390,7 @@ def test_pinned_evaluation_survives_a_weight_update(
     """Freeze the engine mid-evaluation and publish version 1: the update waits for the
     evaluation (nothing aborted or resubmitted, every token at version 0), then the engine moves."""
     engine = start_engine(model_dir)
-    ReplayBuffer(redis_url, run=run_id).configure(batch_groups=8, max_staleness=1)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=8, max_staleness=1)
     running = serve_in_thread(
         redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
     )
@@ -423,14 +419,18 @@ def test_pinned_evaluation_survives_a_weight_update(
             }
             eval_id = client.post("/v1/evaluations", json=body).json()["eval_id"]
             wait_until(
-                lambda: in_the_middle(engine, requests=6, tokens=2), 30, "the evaluation did not start"
+                lambda: in_the_middle(engine, requests=6, tokens=2),
+                timeout=30,
+                message="the evaluation started",
             )
             assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-            ReplayBuffer(redis_url, run=run_id).publish_weights(
+            Weights(Buffer(redis_url, run_id)).publish(
                 WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time())
             )
             wait_until(
-                lambda: count("deferred") > before["deferred"], 20, "the weight update was not deferred"
+                lambda: count("deferred") > before["deferred"],
+                timeout=20,
+                message="the weight update is deferred",
             )
             assert engine_version(engine.url) == "0"
             assert client.get(f"/v1/evaluations/{eval_id}").json()["state"] == "running"
@@ -438,7 +438,9 @@ def test_pinned_evaluation_survives_a_weight_update(
             result = wait_eval(client, eval_id)
             assert result["state"] == "done", result
             after = {key: count(key) for key in counters}
-            wait_until(lambda: engine_version(engine.url) == "1", 30, "the engine did not move to version 1")
+            wait_until(
+                lambda: engine_version(engine.url) == "1", timeout=30, message="the engine moves to version 1"
+            )
             # The next evaluation runs at the version the engine serves now.
             later = client.post(
                 "/v1/evaluations", json={**body, "name": "later", "sampling_params": {"max_new_tokens": 3}}
@@ -448,7 +450,9 @@ def test_pinned_evaluation_survives_a_weight_update(
             # cannot be deferred: the evaluation it interrupts fails, saying why.
             failed = client.post("/v1/evaluations", json={**body, "name": "interrupted"}).json()["eval_id"]
             wait_until(
-                lambda: in_the_middle(engine, requests=6, tokens=2), 30, "the evaluation did not start"
+                lambda: in_the_middle(engine, requests=6, tokens=2),
+                timeout=30,
+                message="the evaluation started",
             )
             update = {"model_path": model_dir, "weight_version": "2", "abort_all_requests": True}
             assert eng.post("/update_weights_from_disk", json=update).json()["success"]
@@ -487,7 +491,7 @@ def test_behind_a_router_an_evaluation_pins_every_worker(
            "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin", "--log-level", "warn",
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
     router = start_process(cmd, f"http://127.0.0.1:{port}", "/health", log_path=tmp_path / "router.log")
-    ReplayBuffer(redis_url, run=run_id).configure(batch_groups=8, max_staleness=1)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=8, max_staleness=1)
     fields = settings(
         router.url, reward.url, model_dir, run_id, engine_admin_urls=",".join(e.url for e in engines)
     )
@@ -508,13 +512,13 @@ def test_behind_a_router_an_evaluation_pins_every_worker(
 
             wait_until(
                 lambda: len(decoding()) == 4 and min(len(r.output_ids) for r in decoding()) >= 2,
-                30,
-                "the evaluation did not start",
+                timeout=30,
+                message="the evaluation started",
             )
             for e in engines:
                 assert httpx.post(f"{e.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
             assert client.get(f"/v1/evaluations/{eval_id}").json()["state"] == "running"
-            ReplayBuffer(redis_url, run=run_id).publish_weights(
+            Weights(Buffer(redis_url, run_id)).publish(
                 WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time())
             )
             wait_until(
@@ -522,15 +526,17 @@ def test_behind_a_router_an_evaluation_pins_every_worker(
                     metric("asyncrl_rollout_weight_updates_total", method="disk", result="deferred")
                     >= deferred0 + 2
                 ),
-                20,
-                "the workers' updates were not deferred",
+                timeout=20,
+                message="the workers' updates are deferred",
             )
             assert [engine_version(e.url) for e in engines] == ["0", "0"]
             for e in engines:
                 assert httpx.post(f"{e.url}/continue_generation", json={}).status_code == 200
             result = wait_eval(client, eval_id)
             wait_until(
-                lambda: [engine_version(e.url) for e in engines] == ["1", "1"], 30, "the workers did not move"
+                lambda: [engine_version(e.url) for e in engines] == ["1", "1"],
+                timeout=30,
+                message="the workers moved",
             )
     finally:
         running.stop()
@@ -555,7 +561,7 @@ def test_automatic_evaluations_at_every_eval_every_versions_once_across_replicas
             json.dumps({"text": word(i) + ">", "reward_spec": {"verifier": "reverse"}}) for i in range(4)
         )
     )
-    ReplayBuffer(redis_url, run=run_id).configure(batch_groups=8, max_staleness=1)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=8, max_staleness=1)
     auto = {"eval_file": str(eval_file), "eval_every": 2, "eval_max_new_tokens": 6}
     created0, exists0 = (metric("asyncrl_eval_auto_total", result=r) for r in ("created", "exists"))
     engines = [start_engine(model_dir), start_engine(model_dir)]
@@ -569,28 +575,34 @@ def test_automatic_evaluations_at_every_eval_every_versions_once_across_replicas
             def heldout() -> list[dict]:
                 return client.get("/v1/evaluations", params={"name": "heldout"}).json()["evaluations"]
 
-            wait_until(lambda: [s["state"] for s in heldout()] == ["done"], 30, "no evaluation at version 0")
-            buf = ReplayBuffer(redis_url, run=run_id)
+            wait_until(
+                lambda: [s["state"] for s in heldout()] == ["done"],
+                timeout=30,
+                message="an evaluation at version 0",
+            )
+            weights = Weights(Buffer(redis_url, run_id))
             for version in range(1, 5):
                 path = model_dir_v1 if version % 2 else model_dir
-                buf.publish_weights(
+                weights.publish(
                     WeightsInfo(version=version, method="disk", path=path, published_at=time.time())
                 )
                 wait_until(
                     lambda v=version: all(engine_version(e.url) == str(v) for e in engines),
-                    30,
-                    f"the engines did not reach version {version}",
+                    timeout=30,
+                    message=f"the engines reach version {version}",
                 )
             wait_until(
-                lambda: [s["state"] for s in heldout()] == ["done"] * 3, 30, f"evaluations: {heldout()}"
+                lambda: [s["state"] for s in heldout()] == ["done"] * 3,
+                timeout=30,
+                message="3 evaluations are done",
             )
-            time.sleep(0.5)  # nothing else turns up
+            time.sleep(0.5)  # time is the subject: nothing else turns up in this while
             summaries = heldout()
             results = [client.get(f"/v1/evaluations/{s['eval_id']}").json() for s in summaries]
             wait_until(
                 lambda: 'asyncrl_eval_accuracy{name="heldout",version="4"}' in client.get("/metrics").text,
-                10,
-                "no gauge of version 4",
+                timeout=10,
+                message="the gauge of version 4 is there",
             )
             metrics_text = client.get("/metrics").text
     finally:

@@ -17,15 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from test_trainer import kill_tree, process_tree, read_audit, start_trainer, wait_for
 
-from buffer import ReplayBuffer
-from buffer.replay import sampled_lineage
+from buffer import Buffer, Weights, stats
+from buffer.groups import sampled_lineage
 from proto import Group, decode
 from proto.lineage import Lineage, parse_weight_version
 from services.common.tinymodel import build_tiny_model
 from services.engine.testing import serve_in_thread as serve_engine
 from services.rollout.testing import free_port, serve_in_thread, start_reward_service
-from tests.integration.test_trainer import kill_tree, process_tree, read_audit, start_trainer, wait_for
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -36,11 +36,11 @@ def step_logged(audit: Path, version: int) -> bool:
     return audit.exists() and f'"event": "step", "version": {version},' in audit.read_text()
 
 
-def buffered_lineages(buf: ReplayBuffer) -> dict[str, dict[int, int]]:
+def buffered_lineages(buf: Buffer) -> dict[str, dict[int, int]]:
     """group id -> lineage of every group waiting in the buffer (read without consuming)."""
     out = {}
     for _, fields in buf.r.xrange(buf.keys.groups):
-        data = fields.get(b"data") or buf.r.get(buf.keys.payload(fields[b"gid"].decode()))
+        data = buf.r.get(buf.keys.payload_prefix + fields[b"gid"].decode())
         if data:
             g = decode(data, Group)
             out[g.group_id] = sampled_lineage(g)
@@ -79,7 +79,7 @@ device = "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = serve_engine(str(model_dir), max_running_requests=32, max_new_tokens_cap=16, context_length=CONTEXT)
     reward = start_reward_service(log_path=tmp_path / "reward.log")
-    buf = ReplayBuffer(redis_url, run=run_id)
+    buf = Buffer(redis_url, run_id)
     rollout = serve_in_thread(
         redis_url, loaded_tokenizer=tokenizer, run=run_id, replica="r0", engine_urls=engine.url,
         reward_url=reward.url, tokenizer=str(model_dir), max_new_tokens_cap=16, default_max_new_tokens=6,
@@ -138,7 +138,7 @@ device = "cpu"
     events = read_audit(audit)
     resumes = [e for e in events if e["event"] == "resume"]
     assert [(e["version"], e["epoch"]) for e in resumes] == [(0, 0), (FORK, 1)]
-    assert buf.lineage() == Lineage(1, {1: FORK})
+    assert Weights(buf).lineage() == Lineage(1, {1: FORK})
     # the engine went from the lost v3 straight back to v2 of epoch 1, then only forward
     history = [parse_weight_version(v) for v in served]
     back = history.index((FORK, 1))
@@ -152,11 +152,11 @@ device = "cpu"
     trained = [(gid, {int(k): v for k, v in lin.items()}) for e in survivors for gid, lin in zip(e["groups"], e["sampled"])]
     assert len({gid for gid, _ in trained}) == len(trained) == STEPS * B  # each group once
     for gid, lin in trained:
-        assert not buf.lineage().lost(lin), (gid, lin)  # nothing sampled by the lost v3 was trained
+        assert not Weights(buf).lineage().lost(lin), (gid, lin)  # nothing sampled by the lost v3 was trained
     lost = {gid for e in steps for gid in e["lost"]}
     assert doomed and doomed <= lost, (doomed, lost)
     assert not lost & {gid for gid, _ in trained}
-    assert int(buf.stats()["counters"].get("lost", 0)) == len(lost)
+    assert int(stats(buf)["counters"].get("lost", 0)) == len(lost)
     # each history's weights under its own name: the lost v3 was deleted, never overwritten
     names = sorted(p.name for p in (out / "weights").iterdir())
     assert names == [f"v{v:08d}-e1" for v in range(STEPS - 2, STEPS + 1)], names

@@ -20,13 +20,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from waiting import wait_until
 
 from proto import Group, RewardStatus, Sample
 from services.engine.testing import serve_in_thread as serve_engine
@@ -232,10 +232,12 @@ def test_engine_logprobs_equal_trainer_logprobs(client, tokenizer, smollm2_dir, 
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(generate, client, **body)
         try:
-            deadline = time.monotonic() + 30
-            while stats(client)["num_waiting_reqs"] < len(items):
-                assert time.monotonic() < deadline and not future.done(), "requests did not queue"
-                time.sleep(0.01)
+
+            def queued() -> bool:
+                assert not future.done(), "the requests ran before they had all queued"
+                return stats(client)["num_waiting_reqs"] >= len(items)
+
+            wait_until(queued, timeout=30, interval=0.01, message="the requests queue up")
         finally:  # before the pool's exit, which waits for the request
             assert client.post("/continue_generation").status_code == 200
         outs = future.result(timeout=120)
@@ -256,7 +258,7 @@ def test_engine_logprobs_equal_trainer_logprobs(client, tokenizer, smollm2_dir, 
                                   versions=np.zeros(len(tokens), np.int32),
                                   finish_reason=out["meta_info"]["finish_reason"]["type"],
                                   reward=float(i), reward_status="scored"))  # fmt: skip
-        groups.append(Group.build(group_id=f"g{k}", job_id="j", prompt_ids=np.array(prompt, np.int32),
+        groups.append(Group.build(group_id=f"g{k}", job_id="j", prompt_tokens=np.array(prompt, np.int32),
                                   reward_spec={"verifier": "math", "answer": "0"}, samples=samples,
                                   submit_version=0))  # fmt: skip
 
@@ -339,11 +341,11 @@ def reward(tmp_path_factory):
 
 
 def test_rollout_reward_engine_one_group(redis_url, run_id, engine, reward, tokenizer, hf_model, smollm2_dir):
-    from buffer import ReplayBuffer
+    from buffer import AdmissionControl, Buffer, Groups
     from services.rollout.testing import serve_in_thread, wait_job
 
-    buf = ReplayBuffer(redis_url, run=run_id, consumer="test-trainer")
-    buf.configure(batch_groups=1, max_staleness=0)
+    buf = Buffer(redis_url, run_id)
+    AdmissionControl(buf).configure(batch_groups=1, max_staleness=0)
     rollout = serve_in_thread(
         redis_url, loaded_tokenizer=tokenizer, run=run_id, replica="r0", engine_urls=engine.url,
         reward_url=reward.url, tokenizer=str(smollm2_dir), max_new_tokens_cap=CAP, default_max_new_tokens=24,
@@ -362,9 +364,9 @@ def test_rollout_reward_engine_one_group(redis_url, run_id, engine, reward, toke
     finally:
         rollout.stop()
     assert (progress["state"], progress["buffered"], progress["failed"]) == ("done", 1, 0)
-    [group] = buf.take_groups(1, current_version=0, max_staleness=0, block_ms=2000).groups
+    [group] = Groups(buf, "test-trainer").take(1, current_version=0, max_staleness=0, block_ms=2000).groups
     prompt = chat_ids(tokenizer, messages)
-    assert group.prompt_ids.tolist() == prompt and group.reward_spec == spec
+    assert group.prompt_tokens.tolist() == prompt and group.reward_spec == spec
     assert (group.submit_version, group.min_version) == (0, 0)
     samples = sorted(group.samples, key=lambda s: s.index)
     assert [s.index for s in samples] == [0, 1]

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,10 +30,12 @@ def serve(app) -> tuple[str, object, threading.Thread]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
+
+    def started() -> bool:
+        assert thread.is_alive(), "the server thread died"
+        return server.started
+
+    wait_until(started, message="the server started")
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
 
 
@@ -64,7 +67,7 @@ def canned_judge() -> FastAPI:
         if case == "slow":
             import asyncio
 
-            await asyncio.sleep(5)
+            await asyncio.sleep(5)  # time is the subject: longer than the judge's 1 s request timeout
             return reply("Score: 5")
         return JSONResponse({"error": "unknown case"}, status_code=404)
 
@@ -232,16 +235,15 @@ def test_live_judge_round_trip_against_reference_engine(tmp_path):
     engine = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
+
+        def healthy() -> bool:
             assert engine.poll() is None, engine.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "engine did not become healthy"
             try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
+                return httpx.get(f"{base}/health", timeout=1).status_code == 200
             except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+                return False
+
+        wait_until(healthy, timeout=120, interval=0.3, message="the engine is healthy")
         judge = JudgeVerifier(
             base_url=f"{base}/v1", model="tiny", api_key=None, concurrency=1, request_timeout_s=60,
             item_timeout_s=120, max_retries=0, backoff_s=0, max_tokens=16, temperature=1.0, max_chars=1000,

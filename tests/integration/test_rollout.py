@@ -22,8 +22,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from waiting import wait_until
 
-from buffer import ReplayBuffer
+from buffer import AdmissionControl, Buffer, Groups, Weights
+from buffer import stats as buffer_stats
 from proto import RewardStatus, WeightsInfo
 from services.common.tinymodel import build_tiny_model
 from services.engine.testing import serve_in_thread as serve_engine
@@ -92,7 +94,7 @@ def settings(engine_urls: str, reward_url: str, model_dir: str, run: str, **extr
 @pytest.fixture
 def rollout(redis_url, run_id, engine, reward, model_dir, tokenizer):
     """A rollout service on a fresh run with room for 64 groups (B = 64, η = 0)."""
-    ReplayBuffer(redis_url, run=run_id).configure(batch_groups=64, max_staleness=0)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=64, max_staleness=0)
     running = serve_in_thread(
         redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
     )
@@ -102,9 +104,9 @@ def rollout(redis_url, run_id, engine, reward, model_dir, tokenizer):
 
 
 def trainer_side(redis_url: str, run_id: str, n: int) -> list:
-    buf = ReplayBuffer(redis_url, run=run_id, consumer="test-trainer")
-    out = buf.take_groups(n, current_version=buf.get_version(), max_staleness=10**6, block_ms=2000)
-    return out.groups
+    buf = Buffer(redis_url, run_id)
+    return Groups(buf, "test-trainer").take(n, current_version=Weights(buf).version(), max_staleness=10**6,
+                                            block_ms=2000).groups  # fmt: skip
 
 
 def word(i: int, k: int = 4) -> str:
@@ -178,7 +180,7 @@ def test_job_of_16_prompts_gives_16_scored_groups(rollout, redis_url, run_id, to
     # The chat prompt went through the tokenizer's chat template.
     chat = next(g for g in groups if g.group_id.endswith("-000001"))
     rendered = f"user: {word(1)}>\nassistant: "  # the tiny model's template, rendered by hand
-    assert chat.prompt_ids.tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert chat.prompt_tokens.tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 # --------------------------------------------------------------------------------- partial rollouts
@@ -203,8 +205,8 @@ def test_weight_update_mid_generation(redis_url, run_id, reward, model_dir, mode
     from transformers import AutoModelForCausalLM
 
     engine = serve_engine(model_dir, max_running_requests=16, max_new_tokens_cap=CAP, context_length=CONTEXT)
-    buf = ReplayBuffer(redis_url, run=run_id)
-    buf.configure(batch_groups=8, max_staleness=1)
+    buf = Buffer(redis_url, run_id)
+    AdmissionControl(buf).configure(batch_groups=8, max_staleness=1)
     running = serve_in_thread(
         redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
     )
@@ -220,13 +222,15 @@ def test_weight_update_mid_generation(redis_url, run_id, reward, model_dir, mode
                 "sampling_params": {"max_new_tokens": 60, "ignore_eos": True, "temperature": 1.0},
             }
             job_id = client.post("/v1/rollouts", json=body).json()["job_id"]
-            deadline = time.monotonic() + 30
-            while not in_the_middle(engine, requests=4, tokens=8):
-                assert time.monotonic() < deadline, "generation did not start"
-                time.sleep(0.002)
+            wait_until(
+                lambda: in_the_middle(engine, requests=4, tokens=8),
+                timeout=30,
+                interval=0.002,
+                message="generation is under way",
+            )
             assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
             frozen = engine.engine.scheduler.stats["generated_tokens"]
-            buf.publish_weights(
+            Weights(buf).publish(
                 WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time())
             )
             progress = wait_job(client, job_id)
@@ -243,7 +247,7 @@ def test_weight_update_mid_generation(redis_url, run_id, reward, model_dir, mode
     switched = 0
     for g in groups:
         assert g.submit_version == 0 and g.min_version == 0
-        prompt = g.prompt_ids.tolist()
+        prompt = g.prompt_tokens.tolist()
         for s in g.samples:
             versions, tokens = s.versions.tolist(), s.completion_ids.tolist()
             assert len(tokens) == 60 and s.finish_reason.value == "length"
@@ -274,8 +278,9 @@ def test_sigkill_of_a_replica_loses_no_group(
 ):
     """Replica A claims all 12 groups but may admit only 4 (B = 4, η = 0). SIGKILL it; once the
     capacity grows, replica B recovers A's pending jobs and every group lands exactly once."""
-    buf = ReplayBuffer(redis_url, run=run_id)
-    buf.configure(batch_groups=4, max_staleness=0)
+    buf = Buffer(redis_url, run_id)
+    admission = AdmissionControl(buf)
+    admission.configure(batch_groups=4, max_staleness=0)
     port = free_port()
     s = settings(engine.url, reward.url, model_dir, run_id, replica="a")
     cmd = [sys.executable, "-m", "services.cli", "rollout", "--port", str(port), "--redis-url", redis_url]
@@ -289,19 +294,20 @@ def test_sigkill_of_a_replica_loses_no_group(
                 "reward_spec": {"verifier": "reverse"},
             }
             job_id = client.post("/v1/rollouts", json=body).json()["job_id"]
-            deadline = time.monotonic() + 30
-            while not (
-                client.get(f"/v1/rollouts/{job_id}").json()["buffered"] == 4
-                and buf.stats()["pending"]["jobs"] == 8
-            ):
-                assert time.monotonic() < deadline, buf.stats()
-                time.sleep(0.05)
+            wait_until(
+                lambda: (
+                    client.get(f"/v1/rollouts/{job_id}").json()["buffered"] == 4
+                    and buffer_stats(buf)["pending"]["jobs"] == 8
+                ),
+                timeout=30,
+                message="4 groups are buffered and 8 jobs are claimed",
+            )
         a.proc.send_signal(signal.SIGKILL)
         a.proc.wait(timeout=10)
     finally:
         if a.proc.poll() is None:
             a.proc.kill()
-    buf.configure(batch_groups=12, max_staleness=0)  # the trainer moved on: room for all 12
+    admission.configure(batch_groups=12, max_staleness=0)  # the trainer moved on: room for all 12
     b = serve_in_thread(redis_url, loaded_tokenizer=tokenizer, **{**s, "replica": "b"})
     try:
         with httpx.Client(base_url=b.url, timeout=30) as client:
@@ -309,7 +315,7 @@ def test_sigkill_of_a_replica_loses_no_group(
     finally:
         b.stop()
     assert (progress["buffered"], progress["failed"], progress["cancelled"]) == (12, 0, 0)
-    stats = buf.stats()
+    stats = buffer_stats(buf)
     assert stats["depth"]["groups"] == 12 and stats["pending"]["jobs"] == 0
     assert stats["counters"].get("duplicates", 0) == 0 and stats["counters"]["put"] == 12
     groups = trainer_side(redis_url, run_id, 12)
@@ -344,7 +350,7 @@ def test_bad_input_is_refused_with_a_clear_message(rollout, redis_url, run_id):
         assert resp.status_code == status, (name, resp.text)
         message = resp.json().get("message") or resp.json()["detail"]
         assert needle.lower() in str(message).lower(), (name, message)
-    assert ReplayBuffer(redis_url, run=run_id).stats()["depth"]["jobs"] == 0  # nothing was queued
+    assert buffer_stats(Buffer(redis_url, run_id))["depth"]["jobs"] == 0  # nothing was queued
     assert rollout.get("/v1/rollouts/jnope").status_code == 404
     assert rollout.delete("/v1/rollouts/jnope").status_code == 404
 
@@ -367,13 +373,13 @@ def test_idempotency_key_gives_one_job(rollout, redis_url, run_id):
     assert progress["buffered"] == 3
     third = rollout.post("/v1/rollouts", json=body)  # after completion: still the same job, nothing new
     assert third.json() == {**first.json(), "duplicate": True}
-    time.sleep(0.3)
-    assert ReplayBuffer(redis_url, run=run_id).stats()["depth"]["groups"] == 3
+    time.sleep(0.3)  # time is the subject: nothing new turns up in this while
+    assert buffer_stats(Buffer(redis_url, run_id))["depth"]["groups"] == 3
 
 
 def test_delete_cancels_pending_groups(redis_url, run_id, engine, reward, model_dir, tokenizer):
-    buf = ReplayBuffer(redis_url, run=run_id)
-    buf.configure(batch_groups=1, max_staleness=0)  # one group fits; the rest wait for admission
+    buf = Buffer(redis_url, run_id)
+    AdmissionControl(buf).configure(batch_groups=1, max_staleness=0)  # one group fits; the rest wait for admission
     running = serve_in_thread(
         redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
     )
@@ -386,11 +392,16 @@ def test_delete_cancels_pending_groups(redis_url, run_id, engine, reward, model_
             }
             job_id = client.post("/v1/rollouts", json=body).json()["job_id"]
             wait_job(client, job_id, until=("running",))
-            deadline = time.monotonic() + 20
-            while client.get(f"/v1/rollouts/{job_id}").json()["buffered"] < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            time.sleep(0.3)  # the other five are claimed and waiting for admission
+            wait_until(
+                lambda: client.get(f"/v1/rollouts/{job_id}").json()["buffered"] >= 1,
+                timeout=20,
+                message="one group is buffered",
+            )
+            wait_until(
+                lambda: buffer_stats(buf)["pending"]["jobs"] == 5,
+                timeout=20,
+                message="the other five are claimed and waiting for admission",
+            )
             resp = client.delete(f"/v1/rollouts/{job_id}")
             assert resp.status_code == 200 and resp.json()["cancel_requested"] is True
             progress = wait_job(client, job_id, timeout_s=20)
@@ -398,9 +409,9 @@ def test_delete_cancels_pending_groups(redis_url, run_id, engine, reward, model_
         running.stop()
     assert progress["state"] == "cancelled"
     assert (progress["buffered"], progress["cancelled"], progress["queued"]) == (1, 5, 0)
-    admission = buf.admission()
+    admission = AdmissionControl(buf).snapshot()
     assert (admission["accepted"], admission["running"]) == (1, 0)  # the slots were given back
-    assert buf.stats()["depth"]["groups"] == 1 and buf.stats()["pending"]["jobs"] == 0
+    assert buffer_stats(buf)["depth"]["groups"] == 1 and buffer_stats(buf)["pending"]["jobs"] == 0
 
 
 # --------------------------------------------------------------------------------- broken engines
@@ -424,8 +435,7 @@ def garbage_engine() -> tuple[str, object]:
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
+    wait_until(lambda: server.started, interval=0.01, message="the garbage engine started")
     return f"http://127.0.0.1:{port}", server
 
 
@@ -437,7 +447,7 @@ def test_down_and_garbage_engines_are_marked_unhealthy_and_groups_requeued(
     def metric(name, **labels):
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
-    ReplayBuffer(redis_url, run=run_id).configure(batch_groups=64, max_staleness=0)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=64, max_staleness=0)
     garbage_url, garbage = garbage_engine()
     dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     urls = f"{dead_url},{garbage_url},{engine.url}"
@@ -544,14 +554,13 @@ def faulty_reward_service() -> tuple[str, object]:
     @app.post("/v1/rewards")
     async def rewards(body: dict):
         if body["items"][0]["spec"]["target"] == "slow":
-            await asyncio.sleep(5)
+            await asyncio.sleep(5)  # time is the subject: longer than the rollout's 0.5 s reward timeout
         return JSONResponse({"error": "verifier crashed"}, status_code=500)
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
+    wait_until(lambda: server.started, interval=0.01, message="the faulty reward service started")
     return f"http://127.0.0.1:{port}", server
 
 
@@ -560,7 +569,7 @@ def test_reward_timeouts_and_errors_become_statuses_not_zeros(
 ):
     from prometheus_client import REGISTRY
 
-    ReplayBuffer(redis_url, run=run_id).configure(batch_groups=8, max_staleness=0)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=8, max_staleness=0)
     url, server = faulty_reward_service()
     before = {
         s: REGISTRY.get_sample_value("asyncrl_rollout_reward_results_total", {"status": s}) or 0

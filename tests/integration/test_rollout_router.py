@@ -13,8 +13,9 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from waiting import wait_until
 
-from buffer import ReplayBuffer
+from buffer import AdmissionControl, Buffer, Groups, Weights
 from proto import RewardStatus, WeightsInfo
 from services.common.tinymodel import build_tiny_model
 from services.engine.testing import serve_in_thread as serve_engine
@@ -75,8 +76,8 @@ def test_rollout_behind_sglang_router(topology, models, redis_url, run_id):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     engines, router, reward = topology
-    buf = ReplayBuffer(redis_url, run=run_id)
-    buf.configure(batch_groups=16, max_staleness=1)
+    buf = Buffer(redis_url, run_id)
+    AdmissionControl(buf).configure(batch_groups=16, max_staleness=1)
     tokenizer = AutoTokenizer.from_pretrained(models[0])
     running = serve_in_thread(
         redis_url,
@@ -117,19 +118,20 @@ def test_rollout_behind_sglang_router(topology, models, redis_url, run_id):
             served = [e.engine.scheduler.stats["generated_tokens"] for e in engines]
             assert all(n > 0 for n in served), f"the router sent no work to one engine: {served}"
 
-            buf.publish_weights(
+            Weights(buf).publish(
                 WeightsInfo(version=1, method="disk", path=models[1], published_at=time.time())
             )
-            deadline = time.monotonic() + 30
-            while any(httpx.get(f"{e.url}/get_model_info").json()["weight_version"] != "1" for e in engines):
-                assert time.monotonic() < deadline, "the engines behind the router were not updated"
-                time.sleep(0.05)
+            wait_until(
+                lambda: all(httpx.get(f"{e.url}/get_model_info").json()["weight_version"] == "1" for e in engines),
+                timeout=30,
+                message="the engines behind the router are updated",
+            )
             second = client.post("/v1/rollouts", json={**body, "prompts": body["prompts"][:4]})
             assert wait_job(client, second.json()["job_id"])["buffered"] == 4
     finally:
         running.stop()
 
-    groups = buf.take_groups(12, current_version=1, max_staleness=1, block_ms=2000).groups
+    groups = Groups(buf).take(12, current_version=1, max_staleness=1, block_ms=2000).groups
     assert len(groups) == 12
     v1 = AutoModelForCausalLM.from_pretrained(models[1]).eval()
     for g in groups:
@@ -138,7 +140,7 @@ def test_rollout_behind_sglang_router(topology, models, redis_url, run_id):
             assert s.reward_status is RewardStatus.scored
             assert s.versions.tolist() == [version] * len(s.completion_ids)
             if version == 1:  # the tokens really came from the new weights
-                prompt, tokens = g.prompt_ids.tolist(), s.completion_ids.tolist()
+                prompt, tokens = g.prompt_tokens.tolist(), s.completion_ids.tolist()
                 with torch.no_grad():
                     logits = v1(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
                 want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)

@@ -16,7 +16,8 @@ import httpx
 import pytest
 import torch
 
-from buffer import ReplayBuffer
+from buffer import AdmissionControl, Buffer
+from buffer import stats as buffer_stats
 from services.common.tinymodel import BOS_ID, build_tiny_model
 from services.engine.testing import serve_in_thread as serve_engine
 from services.rollout.testing import free_port, serve_in_thread, start_reward_service, wait_job
@@ -59,7 +60,7 @@ def reward(tmp_path_factory):
 
 
 def start_rollout(redis_url: str, run_id: str, engine_url: str, reward_url: str, model_dir: str, tokenizer):
-    ReplayBuffer(redis_url, run=run_id).configure(batch_groups=16, max_staleness=0)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=16, max_staleness=0)
     return serve_in_thread(
         redis_url,
         loaded_tokenizer=tokenizer,
@@ -112,7 +113,7 @@ def rejected(reason: str) -> float:
 
 
 def nothing_queued(redis_url: str, run_id: str) -> bool:
-    stats = ReplayBuffer(redis_url, run=run_id).stats()
+    stats = buffer_stats(Buffer(redis_url, run_id))
     return (stats["depth"]["jobs"], stats["depth"]["groups"], stats["counters"].get("jobs_enqueued", 0)) == (
         0,
         0,

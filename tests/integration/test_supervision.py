@@ -25,10 +25,10 @@ import httpx
 import pytest
 import redis
 from factories import make_group
+from waiting import wait_until
 
-from buffer import ReplayBuffer
-from buffer.connection import OUTAGES, ReconnectRetry
-from buffer.replay import TRAINER_GROUP
+from buffer import Buffer, Groups, TakeResult, Weights, stats
+from buffer.connection import OUTAGES, TRAINER_GROUP, ReconnectRetry
 from buffer.server import RedisServer, embedded_binary, free_port
 from services.launcher import Launcher, Proc, UpConfig
 
@@ -42,11 +42,11 @@ def _outages(outcome: str) -> float:
 def test_buffer_rides_out_a_redis_crash_and_keeps_what_was_acknowledged(tmp_path):
     server = RedisServer(tmp_path / "redis", binary=embedded_binary(), fsync="always").start()
     try:
-        buf = ReplayBuffer(server.url, run="heal", consumer="trainer-0")
-        producer = ReplayBuffer(server.url, run="heal", consumer="rollout-0")
-        sub = producer.subscribe_weights()
-        assert producer.put_groups([make_group(f"g{i}") for i in range(3)]) == [True] * 3
-        assert [g.group_id for g in buf.take_groups(2, 0, block_ms=100).groups] == ["g0", "g1"]
+        buf = Groups(Buffer(server.url, "heal"), "trainer-0")
+        producer = Buffer(server.url, "heal")  # (another process: the rollout's)
+        sub = Weights(producer).subscribe()
+        assert Groups(producer).put([make_group(f"g{i}") for i in range(3)]) == [True] * 3
+        assert [g.group_id for g in buf.take(2, 0, block_ms=100).groups] == ["g0", "g1"]
         assert buf.ack(["g0"]) == 1
         recovered = _outages("recovered")
 
@@ -55,22 +55,22 @@ def test_buffer_rides_out_a_redis_crash_and_keeps_what_was_acknowledged(tmp_path
         restart.start()
         t0 = time.monotonic()
         # every call below starts while Redis is down and waits for it
-        assert producer.put_group(make_group("g3"))
+        assert Groups(producer).put([make_group("g3")]) == [True]
         assert time.monotonic() - t0 > 1.0
         restart.join()
         assert buf.ack(["g1"]) == 1
-        taken = buf.take_groups(5, 0, block_ms=200).groups
+        taken = buf.take(5, 0, block_ms=200).groups
         assert [g.group_id for g in taken] == ["g2", "g3"]  # nothing lost, nothing twice
         assert buf.ack(["g2", "g3"]) == 2
-        stats = buf.stats()
-        assert stats["counters"]["put"] == 4 and stats["counters"]["acked"] == 4
-        assert stats["pending"]["groups"] == 0 and stats["depth"]["groups"] == 0
+        numbers = stats(buf.buf)
+        assert numbers["counters"]["put"] == 4 and numbers["counters"]["trained"] == 4
+        assert numbers["pending"]["groups"] == 0 and numbers["depth"]["groups"] == 0
         assert _outages("recovered") >= recovered + 1
         sub.get(0.2)  # the subscription reconnects (and re-subscribes) too
-        producer.publish_weights(make_weights(1))
+        Weights(producer).publish(make_weights(1))
         assert _next_weights(sub).version == 1
         sub.close()
-        buf.close()
+        buf.buf.close()
         producer.close()
     finally:
         server.stop()
@@ -105,28 +105,30 @@ def test_client_gives_up_after_its_budget():
 def test_a_lost_read_reply_is_handed_out_after_the_outage(redis_url, run_id):
     """XREADGROUP ran, its reply never arrived (Redis died while sending it): the entries are in
     this consumer's pending list, unseen. After the outage the buffer hands them out, once."""
-    buf = ReplayBuffer(redis_url, run=run_id, consumer="trainer-0")
-    buf.put_groups([make_group("a"), make_group("b"), make_group("c")])
-    assert [g.group_id for g in buf.take_groups(1, 0, block_ms=50).groups] == ["a"]  # held, not yet acked
-    buf.r.xreadgroup(TRAINER_GROUP, "trainer-0", {buf.keys.groups: ">"}, count=1)  # "b": the lost reply
-    buf._retry.outages += 1  # what ReconnectRetry records when the connection broke
-    taken = [g.group_id for g in buf.take_groups(5, 0, block_ms=50).groups]
+    conn = Buffer(redis_url, run_id)
+    buf = Groups(conn, "trainer-0")
+    buf.put([make_group("a"), make_group("b"), make_group("c")])
+    assert [g.group_id for g in buf.take(1, 0, block_ms=50).groups] == ["a"]  # held, not yet acked
+    conn.r.xreadgroup(TRAINER_GROUP, "trainer-0", {conn.keys.groups: ">"}, count=1)  # "b": the lost reply
+    conn.retry.outages += 1  # what ReconnectRetry records when the connection broke
+    taken = [g.group_id for g in buf.take(5, 0, block_ms=50).groups]
     assert taken == ["b", "c"]  # "a" is held already: not handed out twice
     assert buf.ack(["a", "b", "c"]) == 3
-    assert buf.stats()["pending"]["groups"] == 0
-    buf.close()
+    assert stats(conn)["pending"]["groups"] == 0
+    conn.close()
 
 
 def test_a_resent_dead_letter_script_does_not_count_twice(redis_url, run_id):
-    buf = ReplayBuffer(redis_url, run=run_id, consumer="trainer-0")
-    k = buf.keys
-    eid = buf.r.xadd(k.groups, {"gid": "bad", "data": b"not msgpack"}).decode()
-    buf.r.hset(k.index, "bad", eid)
-    buf.r.xreadgroup(TRAINER_GROUP, "trainer-0", {k.groups: ">"}, count=1)
+    conn = Buffer(redis_url, run_id)
+    k = conn.keys
+    eid = conn.r.xadd(k.groups, {"gid": "bad"}).decode()
+    conn.r.hset(k.group_state, "bad", "buffered")
+    conn.r.hset(k.group_entry, "bad", eid)
+    conn.r.xreadgroup(TRAINER_GROUP, "trainer-0", {k.groups: ">"}, count=1)
     for _ in range(2):  # the second run is the re-send after a lost reply
-        buf._dead_letter(k.groups, TRAINER_GROUP, eid, "bad record", b"not msgpack", "bad")
-    assert buf.r.xlen(k.deadletter) == 1 and buf.stats()["counters"]["deadletter"] == 1
-    buf.close()
+        Groups(conn, "trainer-0")._decode(eid, {b"gid": b"bad"}, b"not msgpack", TakeResult())
+    assert conn.r.xlen(k.deadletter) == 1 and stats(conn)["counters"]["dead_lettered"] == 1
+    conn.close()
 
 
 class _Engines:
@@ -134,10 +136,10 @@ class _Engines:
     engine reports as its weight_version."""
 
     def __init__(self, served: list[str]):
-        from services.rollout.engine_client import Engine
+        from services.rollout.engine_client import EngineEndpoint
 
         self.served, self.updates = served, []
-        self.admins = [Engine(i, f"http://engine-{i}") for i in range(len(served))]
+        self.admins = [EngineEndpoint(i, f"http://engine-{i}") for i in range(len(served))]
 
     async def weight_versions(self, only=None) -> list[str]:
         return list(self.served)
@@ -170,7 +172,7 @@ def test_a_restarted_engine_is_moved_back_to_the_newest_weights():
 
 # --------------------------------------------------------------------------- the launcher's policy
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]  # a stand-in service that runs until killed
 
 
 def _launcher(tmp_path: Path, **launch) -> Launcher:
@@ -183,13 +185,16 @@ def _launcher(tmp_path: Path, **launch) -> Launcher:
 
 
 def _supervise_until(launcher: Launcher, predicate, timeout: float = 20.0) -> int | None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Run the supervision loop until it ends (its outcome) or `predicate` holds (None)."""
+    outcome = None
+
+    def there() -> bool:
+        nonlocal outcome
         outcome = launcher.supervise()
-        if outcome is not None or predicate():
-            return outcome
-        time.sleep(0.05)
-    raise AssertionError("supervision did not get there in time")
+        return outcome is not None or predicate()
+
+    wait_until(there, timeout=timeout, interval=0.05, message="supervision gets there")
+    return outcome
 
 
 def _start_fake(launcher: Launcher, *names: str) -> None:

@@ -257,13 +257,13 @@ def reward_group(gid: str, rewards: list[float], lengths: list[int]):
                       behavior_logprobs=np.full(n, -3.5, np.float32), versions=np.zeros(n, np.int32),
                       finish_reason="stop", reward=r, reward_status="scored")
                for i, (r, n) in enumerate(zip(rewards, lengths))]  # fmt: skip
-    return Group.build(group_id=gid, job_id="job-1", prompt_ids=np.array([1, 5, 6, 7], np.int32),
+    return Group.build(group_id=gid, job_id="job-1", prompt_tokens=np.array([1, 5, 6, 7], np.int32),
                        reward_spec={"verifier": "reverse"}, samples=samples, submit_version=0)  # fmt: skip
 
 
 @pytest.mark.slow
 def test_trainer_logs_each_version_to_wandb(tmp_path, redis_url, run_id):
-    from buffer import ReplayBuffer
+    from buffer import Buffer, Groups
     from services.common.tinymodel import build_tiny_model
 
     build_tiny_model(tmp_path / "tiny", seed=3)
@@ -291,9 +291,9 @@ tags = ["integration"]
     groups = {"g0": [1.0, 0.0, 1.0, 0.5], "g1": [0.0, 0.0, 1.0, 1.0], "g2": [1.0, 1.0, 0.0, 0.5],
               "g3": [0.25, 0.0, 0.0, 1.0]}  # fmt: skip
     lengths = [3, 4, 5, 6]
-    buf = ReplayBuffer(redis_url, run=run_id, consumer="test-producer")
+    producer = Groups(Buffer(redis_url, run_id))
     for gid, rewards in groups.items():
-        assert buf.put_group(reward_group(gid, rewards, lengths))
+        assert producer.put([reward_group(gid, rewards, lengths)]) == [True]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "services.cli", "train", "--config", str(config), "--nproc-per-node", "1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)  # fmt: skip

@@ -23,14 +23,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+from msgspec.structs import replace
+from waiting import wait_until
 
-from buffer import ReplayBuffer
+from buffer import Buffer, Groups, Weights, stats
 from buffer.server import free_port
 from proto import Group, Sample
 
@@ -50,7 +51,7 @@ def make_group(gid: str, min_version: int, rng: np.random.Generator, rewards=Non
             behavior_logprobs=np.full(n, -3.5, np.float32), versions=np.full(n, min_version, np.int32),
             finish_reason="length", reward=None if failed else r, reward_status="timeout" if failed else "scored",
         ))  # fmt: skip
-    return Group.build(group_id=gid, job_id="job-1", prompt_ids=np.array([1, 5, 6, 7, 8, 40], np.int32),
+    return Group.build(group_id=gid, job_id="job-1", prompt_tokens=np.array([1, 5, 6, 7, 8, 40], np.int32),
                        reward_spec={"verifier": "reverse"}, samples=samples, submit_version=min_version)  # fmt: skip
 
 
@@ -59,14 +60,23 @@ def read_audit(path: Path) -> list[dict]:
 
 
 def wait_for(predicate, timeout: float, what: str, proc=None, poll_s: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """`wait_until`, failing at once if the trainer `proc` exits first."""
+
+    def done() -> bool:
         if predicate():
-            return
+            return True
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"trainer exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out waiting for {what}")
+        return False
+
+    wait_until(done, timeout=timeout, interval=poll_s, message=what)
+
+
+def waiting_heartbeats(port: int) -> float:
+    """asyncrl_trainer_wait_heartbeats_total on the trainer's /metrics (0 before the first)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    beats = [ln for ln in text.splitlines() if ln.startswith("asyncrl_trainer_wait_heartbeats_total ")]
+    return float(beats[0].split()[1]) if beats else 0.0
 
 
 def process_tree(pid: int) -> list[int]:
@@ -126,19 +136,19 @@ kind = "ppo"
 is_correction = "tis"
 """)
     rng = np.random.default_rng(0)
-    buf = ReplayBuffer(redis_url, run=run_id, consumer="test-producer")
+    buf = Buffer(redis_url, run_id)
     trainable = [f"g{k:02d}" for k in range(20)]
     phase1 = [make_group("g00", 0, rng), make_group("Z", 0, rng, rewards=[1.0, 1.0, 1.0, 1.0])]
     phase1 += [make_group(f"g{k:02d}", min(k // B, 2), rng, timeout_sample=(k == 3)) for k in range(1, 7)]
     phase2 = []
     for k in range(7, 20):
-        phase2.append(make_group(f"g{k:02d}", k // B, rng).model_copy(update={"lineage": {1: k // B}}))
+        phase2.append(replace(make_group(f"g{k:02d}", k // B, rng), lineage={1: k // B}))
         if k in (10, 15):
             phase2.append(make_group(f"S{k}", 0, rng))
         if k == 8:  # tokens of epoch 0's v=3: the resumed trainer (epoch 1) forks at v=2
-            phase2.append(make_group("L3", 3, rng).model_copy(update={"lineage": {0: 3}}))
+            phase2.append(replace(make_group("L3", 3, rng), lineage={0: 3}))
     for g in phase1:
-        assert buf.put_group(g)
+        assert Groups(buf).put([g]) == [True]
     audit = out / "trained.jsonl"
     log = tmp_path / "trainer.log"
 
@@ -149,7 +159,8 @@ is_correction = "tis"
                  90, "step 3", proc)  # fmt: skip
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         health = httpx.get(f"http://127.0.0.1:{port}/healthz").json()
-        time.sleep(1.0)  # the trainer now waits for data (ranks exchanging heartbeats) holding g06 unacked
+        wait_for(lambda: stats(buf)["pending"]["groups"] == 3 and waiting_heartbeats(port) >= 2, 30,
+                 "the trainer waits for data (ranks exchanging heartbeats) holding g06 unacked", proc)  # fmt: skip
         heartbeats = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         tree = process_tree(proc.pid)
         assert len(tree) >= 3  # torchrun + 2 workers
@@ -164,12 +175,12 @@ is_correction = "tis"
     assert 'asyncrl_trainer_phase_seconds_count{phase="forward_backward"} 3.0' in metrics
     beats = [ln for ln in heartbeats.splitlines() if ln.startswith("asyncrl_trainer_wait_heartbeats_total ")]
     assert beats and float(beats[0].split()[1]) >= 2  # waiting ranks kept exchanging heartbeats
-    pending_at_kill = buf.stats()["pending"]["groups"]
+    pending_at_kill = stats(buf)["pending"]["groups"]
     assert pending_at_kill == 3  # g04, g05 (trained in v=3, not checkpointed) and g06 (taken)
 
     # ---- phase 2: the rest of the data, same config, resume
     for g in phase2:
-        assert buf.put_group(g)
+        assert Groups(buf).put([g]) == [True]
     proc = start_trainer(config, log)
     try:
         assert proc.wait(120) == 0, log.read_text()[-4000:]
@@ -197,16 +208,16 @@ is_correction = "tis"
     assert exits == all_put and len(trained) + len(dropped) + len(discarded) + len(lost) == len(all_put)
     stale_ids = {f[b"gid"].decode() for _, f in buf.r.xrange(buf.keys.stale)}
     assert stale_ids == dropped | lost
-    stats = buf.stats()
-    assert stats["pending"]["groups"] == 0 and stats["depth"]["groups"] == 0
-    assert stats["counters"].get("zero_spread") == 1 and stats["counters"].get("lost") == 1
-    assert buf.get_version() == STEPS
+    numbers = stats(buf)
+    assert numbers["pending"]["groups"] == 0 and numbers["depth"]["groups"] == 0
+    assert numbers["counters"].get("zero_spread") == 1 and numbers["counters"].get("lost") == 1
+    assert Weights(buf).version() == STEPS
     # the resumed run's weights live beside, never over, the killed run's
-    assert buf.lineage().forks == {1: 2}
+    assert Weights(buf).lineage().forks == {1: 2}
     assert sorted(p.name for p in (out / "weights").iterdir()) == [f"v{STEPS - 1:08d}-e1", f"v{STEPS:08d}-e1"]
 
     # ---- published weights reload bit-identically in a fresh process
-    info = buf.latest_weights()
+    info = Weights(buf).latest()
     assert (info.version, info.epoch, info.method) == (STEPS, 1, "disk")
     ckpt = out / "checkpoints" / f"step_{STEPS:08d}" / "state.pt"
     import torch
@@ -256,15 +267,16 @@ heartbeat_s = 0.5
 device = "cpu"
 """)
     rng = np.random.default_rng(1)
-    buf = ReplayBuffer(redis_url, run=run_id, consumer="test-producer")
+    buf = Buffer(redis_url, run_id)
     for k in range(5):  # 2 full steps, then one group that never completes a batch
-        assert buf.put_group(make_group(f"g{k}", 0, rng))
+        assert Groups(buf).put([make_group(f"g{k}", 0, rng)]) == [True]
     audit = out / "trained.jsonl"
     proc = start_trainer(config, tmp_path / "trainer.log")
     try:
         wait_for(lambda: audit.exists() and any(e["event"] == "step" and e["version"] == 2 for e in read_audit(audit)),
                  90, "step 2", proc)  # fmt: skip
-        time.sleep(0.5)  # waiting for a 6th group, holding g4
+        # g0-g3 are acked only at the checkpoint SIGTERM writes: all five are pending once g4 is taken
+        wait_for(lambda: stats(buf)["pending"]["groups"] == 5, 30, "the trainer waits, holding g4", proc)
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(60)
     finally:
@@ -272,8 +284,8 @@ device = "cpu"
     events = read_audit(audit)
     assert [e["version"] for e in events if e["event"] == "checkpoint"] == [2]
     assert (out / "checkpoints" / "step_00000002" / "state.pt").exists()
-    stats = buf.stats()
+    numbers = stats(buf)
     # g0-g3 trained and acked; g4 (taken, not trained) was handed back to the stream's pending
     # list and is reclaimed by the next start
-    assert stats["counters"].get("acked") == 4
-    assert stats["pending"]["groups"] == 1 and stats["depth"]["groups"] == 1
+    assert numbers["counters"].get("trained") == 4
+    assert numbers["pending"]["groups"] == 1 and numbers["depth"]["groups"] == 1

@@ -7,28 +7,11 @@ import os
 import shutil
 import socket
 import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest
-
-SECRET_ENV = "ASYNCRL_SECURITY_PROBE_SECRET"
-UID_BASE = 2_100_000  # sandbox host uids of these tests (slot i = UID_BASE + i)
-SLOTS = 2
-
-
-def sandbox_pids() -> list[int]:
-    """Host processes running as one of this service's sandbox uids."""
-    pids = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            uid_line = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
-        except (OSError, StopIteration):
-            continue
-        if UID_BASE <= int(uid_line.split()[1]) < UID_BASE + SLOTS:
-            pids.append(int(status.parent.name))
-    return pids
+from sandbox_host import SECRET_ENV, SLOTS, UID_BASE
+from waiting import wait_until
 
 
 @pytest.fixture(scope="session")
@@ -49,10 +32,12 @@ def reward_url():
     server = uvicorn.Server(uvicorn.Config(build_app(settings), log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "reward service did not start"
-        time.sleep(0.05)
+
+    def started() -> bool:
+        assert thread.is_alive(), "the reward service thread died"
+        return server.started
+
+    wait_until(started, message="the reward service started")
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     server.should_exit = True
     thread.join(timeout=30)

@@ -11,8 +11,7 @@ import re
 import uuid
 
 import pytest
-
-from tests.security.test_sandbox_attacks import assert_host_clean_and_serving
+from test_sandbox_attacks import assert_host_clean_and_serving
 
 FORCE_IN_SANDBOX = "import sys  # not a supported statement: the asserts run next to the program\n"
 
@@ -263,12 +262,8 @@ def test_correct_solutions_pass_and_wrong_ones_fail_with_each_supported_form(cli
         for r in results
     ]
     right, wrong = got[: len(FORMS)], got[len(FORMS) :]
-    assert dict(zip(FORMS, right, strict=True)) == {
-        form: ("scored", 1.0, "split", "passed") for form in FORMS
-    }
-    assert dict(zip(FORMS, wrong, strict=True)) == {
-        form: ("scored", 0.0, "split", "failed") for form in FORMS
-    }
+    assert dict(zip(FORMS, right, strict=True)) == dict.fromkeys(FORMS, ("scored", 1.0, "split", "passed"))
+    assert dict(zip(FORMS, wrong, strict=True)) == dict.fromkeys(FORMS, ("scored", 0.0, "split", "failed"))
     split_items = re.search(
         r'asyncrl_reward_code_assert_items_total\{mode="split"\} ([0-9.]+)', client.get("/metrics").text
     )

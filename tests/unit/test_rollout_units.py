@@ -3,6 +3,7 @@ all-or-nothing gather. No network, no Redis (the integration tests cover those).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -57,7 +58,7 @@ def test_build_gives_one_group_job_per_prompt_with_stable_ids(intake):
     jobs = intake.build(req, "jX", frozenset({"reverse", "arith"}))
     assert [j.group_id for j in jobs] == ["jX-000000", "jX-000001"]
     assert [j.prompt_id for j in jobs] == ["jX-p0", "jX-p1"]
-    assert jobs[0].prompt_ids.tolist() == [3, 4, 5]  # a b c in the char vocabulary (no BOS, as Qwen2)
+    assert jobs[0].prompt_tokens.tolist() == [3, 4, 5]  # a b c in the char vocabulary (no BOS, as Qwen2)
     assert jobs[0].reward_spec == {"verifier": "reverse"}
     assert jobs[1].reward_spec == {"verifier": "arith", "answer": "3"}
     assert {j.group_size for j in jobs} == {3}
@@ -137,11 +138,89 @@ def test_generation_answers_are_checked():
 
 
 def test_chunk_by_size_keeps_order_and_the_limit():
-    from services.rollout.batching import chunk_by_size
+    from services.common.coalescer import chunk_by_size
 
     # sizes 3,3,2 | 5 | 9 (alone: larger than the limit) | 1 ; limit 8
     assert chunk_by_size([3, 3, 2, 5, 9, 1], lambda n: n, 8) == [[3, 3, 2], [5], [9], [1]]
     assert chunk_by_size([], lambda n: n, 8) == []
+
+
+class Refused(Exception):
+    pass
+
+
+def coalesce(callers: list[tuple[str, list[str]]], *, max_items: int = 1024):
+    """Submit every (key, items) at once to a Coalescer whose send upper-cases the items and
+    refuses any batch holding "bad"; each caller's answer or exception, the sends, the splits."""
+    from services.common.coalescer import Coalescer
+
+    sends, splits = [], []
+
+    async def send(key: str, items: list[str]) -> list[str]:
+        sends.append((key, items))
+        if "bad" in items:
+            raise Refused("bad")
+        if "boom" in items:
+            raise RuntimeError("boom")
+        return [x.upper() for x in items]
+
+    async def go():
+        c = Coalescer(send, split_on=Refused, on_split=lambda: splits.append(1), max_items=max_items)
+        return await asyncio.gather(*(c.submit(k, items) for k, items in callers), return_exceptions=True)
+
+    return asyncio.run(go()), sends, splits
+
+
+def test_coalescer_sends_concurrent_calls_of_a_key_together_and_answers_each_its_own():
+    answers, sends, splits = coalesce([("k", ["a", "b"]), ("j", ["c"]), ("k", ["d"])])
+    assert answers == [["A", "B"], ["C"], ["D"]]
+    assert sorted(sends) == [("j", ["c"]), ("k", ["a", "b", "d"])] and splits == []
+    # at most max_items per call; a caller's items are never split across calls
+    answers, sends, _ = coalesce([("k", ["a", "b"]), ("k", ["c", "d"]), ("k", ["e"])], max_items=3)
+    assert answers == [["A", "B"], ["C", "D"], ["E"]]
+    assert sorted(sends) == [("k", ["a", "b"]), ("k", ["c", "d", "e"])]
+
+
+def test_coalescer_resends_a_refused_merged_call_caller_by_caller():
+    answers, sends, splits = coalesce([("k", ["a"]), ("k", ["bad"]), ("k", ["c"])])
+    assert answers[0] == ["A"] and isinstance(answers[1], Refused) and answers[2] == ["C"]
+    assert len(sends) == 4 and splits == [1]  # the merged call, then one per caller
+    # any other failure goes to every caller of the call, with no resend
+    answers, sends, splits = coalesce([("k", ["a"]), ("k", ["boom"])])
+    assert [type(a) for a in answers] == [RuntimeError, RuntimeError] and len(sends) == 1 and splits == []
+
+
+def test_retries_back_off_and_stop_at_the_first_error_that_is_not_retryable(monkeypatch):
+    from services.common.retry import Retryable, with_retries
+
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+
+    def run(outcomes: list, retries: int, **backoff):
+        tried = []
+
+        async def attempt(n: int) -> str:
+            tried.append(n)
+            if isinstance(outcomes[n], Exception):
+                raise outcomes[n]
+            return outcomes[n]
+
+        slept.clear()
+        return asyncio.run(with_retries(attempt, retries, **backoff)), tried
+
+    fails = [Retryable(str(n)) for n in range(4)]
+    assert run([*fails, "ok"], retries=5, first_s=0.5, max_s=1.5) == ("ok", [0, 1, 2, 3, 4])
+    assert slept == [0.5, 1.0, 1.5, 1.5]  # doubling, capped
+    run([*fails, "ok"], retries=5, first_s=1.0, jitter=0.25)
+    assert all(1.0 <= d / b <= 1.25 for d, b in zip(slept, [1, 2, 4, 8]))
+    with pytest.raises(Retryable, match="1"):  # out of retries: the last problem
+        run([*fails, "ok"], retries=1, first_s=0.5)
+    with pytest.raises(Refused):  # not retryable: ends at once
+        run([Refused(), "ok"], retries=5, first_s=0.5)
 
 
 # --------------------------------------------------------------------------------- submission checks
@@ -227,7 +306,7 @@ def test_builtin_verifier_registry_names_every_verifier_and_its_spec_model():
 
 def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(intake):
     from proto.sglang import REFERENCE_ENGINE_REFUSES, GenerateItem, SamplingParams
-    from services.engine.engine import Engine, InvalidRequest
+    from services.engine.engine import InferenceEngine, InvalidRequest
     from services.rollout.intake import check_engine_support
 
     refused = {
@@ -245,7 +324,7 @@ def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(in
         item = GenerateItem(text="ab", input_ids=None, sampling_params=params, rid=None, return_logprob=True,
                             logprob_start_len=-1, top_logprobs_num=0)  # fmt: skip
         try:
-            Engine._refuse_unsupported(None, item)  # the engine's own list, not a copy of it
+            InferenceEngine._refuse_unsupported(None, item)  # the engine's own list, not a copy of it
         except InvalidRequest:
             return True
         return False

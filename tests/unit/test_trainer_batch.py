@@ -28,7 +28,7 @@ def sample(i, completion, reward, status="scored", truncated=False):
 
 @pytest.fixture
 def group():
-    return Group.build(group_id="g", job_id="j", prompt_ids=np.array([1, 5, 6], np.int32),
+    return Group.build(group_id="g", job_id="j", prompt_tokens=np.array([1, 5, 6], np.int32),
                        reward_spec={"verifier": "reverse"}, submit_version=0,
                        samples=[sample(0, [7, 8], 1.0), sample(1, [9], 0.0, truncated=True),
                                 sample(2, [10, 11, 12], None, "timeout")])  # fmt: skip
@@ -84,7 +84,7 @@ def _rows_of_lengths(lengths, seed=0):
     for g in range(len(lengths) // 4):
         prompt = np.array([1, *rng.integers(3, 40, 2 + g)], np.int32)
         samples = [sample(i, rng.integers(3, 40, n).tolist(), float(i % 2)) for i, n in enumerate(lengths[4 * g : 4 * g + 4])]
-        groups.append(Group.build(group_id=f"g{g}", job_id="j", prompt_ids=prompt, reward_spec={"verifier": "reverse"},
+        groups.append(Group.build(group_id=f"g{g}", job_id="j", prompt_tokens=prompt, reward_spec={"verifier": "reverse"},
                                   samples=samples, submit_version=0))  # fmt: skip
     return build_rows(groups, "grpo").rows
 

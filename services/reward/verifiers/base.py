@@ -90,10 +90,10 @@ class Verifier(abc.ABC):
         """Whether the verdict depends on the prompt (then the prompt joins the cache key)."""
         return False
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 — optional: most verifiers hold nothing
         """Acquire processes or connections; called once before the first `verify`."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 — optional, as `start`
         """Release what `start` acquired."""
 
     def health(self) -> str:

@@ -9,20 +9,20 @@ not retried. An unparseable, out-of-range or failed judgment is `error`, never a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import random
 import re
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from proto.records import RewardStatus
+from services.common.retry import Retryable, with_retries
 from services.reward.metrics import JUDGE_CALLS
 from services.reward.verifiers.base import Verdict, Verifier
 
 RAW_CHARS = 500  # judge output echoed in details
+RETRY_JITTER = 0.25  # each retry delay lengthened by up to this fraction, so judges' retries spread out
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 NUMBER = r"[-+]?\d+(?:\.\d+)?"
 SCORE_LINE = re.compile(
@@ -189,23 +189,19 @@ class JudgeVerifier(Verifier):
     async def _complete(self, body: dict) -> tuple[str, int]:
         """POST with retries; the assistant message text and the number of attempts made."""
         assert self.client is not None, "JudgeVerifier.start() was not called"
-        url = f"{self.base_url}/chat/completions"
-        last_error = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
+        client, url = self.client, f"{self.base_url}/chat/completions"
+
+        async def attempt(n: int) -> tuple[str, int]:
+            if n:
                 JUDGE_CALLS.labels("retried").inc()
-                delay = self.backoff_s * 2 ** (attempt - 1)
-                await asyncio.sleep(delay * (1 + 0.25 * random.random()))
             try:
-                reply = await self.client.post(url, json=body)
+                reply = await client.post(url, json=body)
             except httpx.TransportError as exc:  # includes connect/read timeouts
                 JUDGE_CALLS.labels("transport_error").inc()
-                last_error = f"{type(exc).__name__}: {exc}"
-                continue
+                raise Retryable(f"{type(exc).__name__}: {exc}") from None
             if reply.status_code in RETRY_STATUSES:
                 JUDGE_CALLS.labels("http_error").inc()
-                last_error = f"HTTP {reply.status_code}: {reply.text[:200]}"
-                continue
+                raise Retryable(f"HTTP {reply.status_code}: {reply.text[:200]}")
             if reply.status_code != 200:
                 JUDGE_CALLS.labels("http_error").inc()
                 raise JudgeFailure(
@@ -221,5 +217,9 @@ class JudgeVerifier(Verifier):
                     "judge_bad_response", error=str(exc)[:200], body=reply.text[:RAW_CHARS]
                 ) from None
             JUDGE_CALLS.labels("ok").inc()
-            return content, attempt + 1
-        raise JudgeFailure("judge_unavailable", attempts=self.max_retries + 1, last_error=last_error)
+            return content, n + 1
+
+        try:
+            return await with_retries(attempt, self.max_retries, first_s=self.backoff_s, jitter=RETRY_JITTER)
+        except Retryable as exc:
+            raise JudgeFailure("judge_unavailable", attempts=self.max_retries + 1, last_error=str(exc)) from None

@@ -55,7 +55,7 @@ def engine_groups(model_dir, n_groups=3, n=4, seed=0) -> list[Group]:
             samples.append(Sample(prompt_id=f"p{gi}", index=i, completion_ids=comp,
                                   behavior_logprobs=lp[:, 0].numpy().astype(np.float32), versions=np.zeros(len(comp), np.int32),
                                   finish_reason="length", reward=float(rng.integers(0, 3)), reward_status="scored"))  # fmt: skip
-        groups.append(Group.build(group_id=f"g{gi}", job_id="j", prompt_ids=prompt, reward_spec={"verifier": "reverse"},
+        groups.append(Group.build(group_id=f"g{gi}", job_id="j", prompt_tokens=prompt, reward_spec={"verifier": "reverse"},
                                   samples=samples, submit_version=0))  # fmt: skip
     return groups
 

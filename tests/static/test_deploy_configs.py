@@ -301,8 +301,10 @@ def test_dockerfile_pins_cpu_torch_and_installs_bubblewrap(compose):
         text,
         re.MULTILINE,
     )
-    package_at = re.search(r"^RUN pip install \.", text, re.MULTILINE)
+    package_at = re.search(r"^RUN pip install '\.\[engine,rollout,trainer\]'", text, re.MULTILINE)
     assert torch_at and package_at and torch_at.start() < package_at.start(), "torch must be installed first"
+    reward = text[text.index("FROM base AS reward") : text.index("FROM base AS full")]
+    assert re.search(r"^RUN pip install '\.\[reward\]'", reward, re.MULTILINE), "the reward image: its extra only"
 
     assert re.search(r"apt-get install[^\n]*\bbubblewrap\b", text)
     ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
@@ -382,11 +384,11 @@ def test_dashboard_metric_and_label_names_exist_in_the_code(code_metrics):
         assert used, f"{panel['title']}: no asyncrl_/sglang: metric in {target['expr']}"
         unknown = {m for m in used if m not in code_metrics and m not in SGLANG_METRICS}
         assert not unknown, f"panel {panel['title']!r} uses metrics no code registers: {sorted(unknown)}"
-        allowed = {"instance", "job"} | {l for m in used for l in code_metrics.get(m, ())}
+        allowed = {"instance", "job"} | {label for m in used for label in code_metrics.get(m, ())}
         if used & SGLANG_METRICS:
             allowed |= {"le", "model_name"}
-        labels = {l.strip() for g in GROUPING.findall(target["expr"]) for l in g.split(",") if l.strip()}
-        labels |= {l for g in MATCHERS.findall(target["expr"]) for l in MATCHER_LABEL.findall(g)}
+        labels = {s.strip() for g in GROUPING.findall(target["expr"]) for s in g.split(",") if s.strip()}
+        labels |= {label for g in MATCHERS.findall(target["expr"]) for label in MATCHER_LABEL.findall(g)}
         labels |= set(LEGEND_LABEL.findall(target.get("legendFormat", "")))
         assert labels <= allowed, f"panel {panel['title']!r}: labels {sorted(labels - allowed)} do not exist"
 

@@ -1,0 +1,109 @@
+"""Policy versions, weight locations and the run's lineage (docs/architecture.md §5).
+
+The trainer sets `version` (optimizer steps taken) and publishes where each version's weights
+are: the `weights` hash (the newest WEIGHTS_KEEP versions), `weights:latest` and an event on
+the `weights` channel. A trainer that resumes a run opens a new epoch (`begin_epoch`,
+proto/lineage.py) and republishes its checkpoint's version with `rollback`. The rollout
+follows the events (`subscribe`) and polls `latest`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Self
+
+from buffer import metrics as m
+from buffer.connection import Buffer, Script
+from proto import RecordDecodeError, WeightsInfo, decode, encode
+from proto.lineage import Lineage
+
+WEIGHTS_KEEP = 16  # weight locations kept per run
+
+# `latest` only moves forward, except on rollback (a trainer resumed from a checkpoint older than
+# what it had published): then the versions above this one are forgotten with their weights.
+PUBLISH = Script("weights latest", "version data channel keep rollback", """
+local v = tonumber(version)
+redis.call('HSET', weights, version, data)
+if v >= tonumber(redis.call('HGET', latest, 'version') or '-1') or rollback == '1' then
+  redis.call('HSET', latest, 'version', version, 'data', data)
+end
+for _, key in ipairs(redis.call('HKEYS', weights)) do
+  local kv = tonumber(key)
+  if kv <= v - tonumber(keep) or (rollback == '1' and kv > v) then redis.call('HDEL', weights, key) end
+end
+redis.call('PUBLISH', channel, data)
+return 1
+""")
+
+# A resumed trainer's new epoch and the version it forked from.
+BEGIN_EPOCH = Script("epoch forks", "fork_version", """
+local e = redis.call('INCR', epoch)
+redis.call('HSET', forks, e, fork_version)
+return e
+""")
+
+
+class Weights:
+    def __init__(self, buf: Buffer):
+        self.buf, self.keys = buf, buf.keys
+
+    def set_version(self, version: int) -> None:
+        self.buf.r.set(self.keys.version, int(version))
+
+    def version(self) -> int:
+        return int(self.buf.r.get(self.keys.version) or 0)
+
+    def publish(self, info: WeightsInfo, *, rollback: bool = False) -> None:
+        """Record and announce where version `info.version` is. `rollback=True` (a trainer resumed
+        behind what it had published) makes it the latest and forgets every newer version."""
+        k = self.keys
+        self.buf.call(PUBLISH, weights=k.weights, latest=k.latest_weights, version=info.version, data=encode(info),
+                      channel=k.weights_channel, keep=WEIGHTS_KEEP, rollback="1" if rollback else "0")  # fmt: skip
+
+    def latest(self) -> WeightsInfo | None:
+        data = self.buf.r.hget(self.keys.latest_weights, "data")
+        return decode(data, WeightsInfo) if data else None
+
+    def subscribe(self) -> WeightsSubscription:
+        return WeightsSubscription(self.buf)
+
+    def begin_epoch(self, fork_version: int) -> int:
+        """A trainer resumed at `fork_version`: open a new epoch and return it. Versions of older
+        epochs above `fork_version` are from now on a lost history."""
+        return int(self.buf.call(BEGIN_EPOCH, epoch=self.keys.epoch, forks=self.keys.forks, fork_version=int(fork_version)))
+
+    def lineage(self) -> Lineage:
+        epoch, forks = self.buf.r.pipeline(transaction=False).get(self.keys.epoch).hgetall(self.keys.forks).execute()
+        return Lineage(int(epoch or 0), {int(e): int(v) for e, v in forks.items()})
+
+
+class WeightsSubscription:
+    """Pub/sub on the run's `weights` channel; `get(timeout)` returns the next WeightsInfo."""
+
+    def __init__(self, buf: Buffer):
+        self._buf = buf
+        self._pubsub = buf.r.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.subscribe(buf.keys.weights_channel)
+
+    def get(self, timeout: float = 1.0) -> WeightsInfo | None:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            msg = self._pubsub.get_message(timeout=left)
+            if msg is None or msg.get("type") != "message":
+                continue
+            try:
+                return decode(msg["data"], WeightsInfo)
+            except RecordDecodeError:
+                # The authoritative copy is the `weights` hash; a bad broadcast is only counted.
+                m.DEAD_LETTERED.labels("weights").inc()
+                self._buf.r.hincrby(self._buf.keys.stats, "bad_weight_events", 1)
+        return None
+
+    def close(self) -> None:
+        self._pubsub.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
