@@ -59,7 +59,7 @@ def make_groups(n: int) -> list[Group]:
 
 
 def gather_seconds(groups: list[Group]) -> float:
-    """What the producer pays before `put_groups`: building each group from its `Sample`s (as
+    """What the producer pays before `Groups.put`: building each group from its `Sample`s (as
     the rollout service does), which gathers their arrays into the group's columns."""
     rows = [list(g.samples) for g in groups]
     t0 = time.perf_counter()

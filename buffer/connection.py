@@ -22,9 +22,9 @@ before the connection broke (the reply lost). What the buffer sends, and why a s
 changes nothing (docs/architecture.md §4, exactly-once):
 
 * Lua scripts are idempotent by construction: every transition is keyed on the group's (or
-  job's) state in `groups:state` / `jobs:state` and is taken once. PUT_GROUPS answers "seen
+  job's) state in `groups:state` / `jobs:state` and is taken once. PUT answers "seen
   before" the second time (the caller counts a duplicate; `put` stays exact); TRY_ADMIT answers
-  "resumed" (the slot is the group's, keyed by id); EXIT, ENQUEUE, END_JOB, REBUILD and PUBLISH
+  "resumed" (the slot is the group's, keyed by id); EXIT, ENQUEUE, END, REBUILD and PUBLISH
   find their work done (a second PUBLISH announces a version subscribers already have: they
   ignore it); the DEAD_LETTER scripts are guarded by their own `XACK` (an entry already acked
   is not dead-lettered again). BEGIN_EPOCH run twice opens one more epoch with the same fork
@@ -185,6 +185,8 @@ class Script:
         names = [n.lstrip("*") for n in self.keys + self.args]
         if len(set(names)) != len(names) or any(n.startswith("*") for n in (self.keys[:-1] + self.args[:-1])):
             raise ValueError(f"script names must be unique, a `*rest` only last: {names}")
+        if LUA_GLOBALS & set(names):
+            raise ValueError(f"script names would hide Lua's own: {sorted(LUA_GLOBALS & set(names))}")
         self.names = set(names)
         self.source = _locals("KEYS", self.keys) + _locals("ARGV", self.args) + body
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
@@ -193,6 +195,11 @@ class Script:
         if values.keys() != self.names:
             raise TypeError(f"script takes {sorted(self.names)}, got {sorted(values)}")
         return _ordered(self.keys, values), _ordered(self.args, values)
+
+
+# Globals the scripts use: a KEYS/ARGV local of one of these names would hide it.
+LUA_GLOBALS = {"redis", "type", "unpack", "tonumber", "tostring", "pairs", "ipairs", "next", "select", "string",
+               "table", "math", "KEYS", "ARGV"}  # fmt: skip
 
 
 def _locals(table: str, names: list[str]) -> str:

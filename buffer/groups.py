@@ -99,7 +99,7 @@ for i, gid in ipairs(gids) do
     done[gid] = true
     acks[#acks + 1], payloads[#payloads + 1], left[#left + 1] = entries[i], payload_prefix .. gid, gid
     moved[#moved + 1], moved[#moved + 2] = gid, exit
-    per_job[jobs_of[i]] = (per_job[jobs_of[i]] or 0) + 1
+    if jobs_of[i] then per_job[jobs_of[i]] = (per_job[jobs_of[i]] or 0) + 1 end
   end
 end
 if #left == 0 then return 0 end
@@ -296,12 +296,13 @@ class Groups:
             return decode(data, Group)
         except RecordDecodeError as exc:
             k = self.keys
-            self.buf.call(DEAD_LETTER, groups=k.groups, deadletter=k.deadletter, stats=k.stats, state=k.group_state,
+            moved = self.buf.call(DEAD_LETTER, groups=k.groups, deadletter=k.deadletter, stats=k.stats, state=k.group_state,
                           entry=k.group_entry, job=k.group_job, admission=k.admission, payload=k.payload_prefix + gid,
                           consumer_group=TRAINER_GROUP, eid=eid, gid=gid, reason=exc.reason, data=data or b"",
                           maxlen=DEADLETTER_MAXLEN)  # fmt: skip
-            m.DEAD_LETTERED.labels("groups").inc()
-            out.dead_lettered += 1
+            if moved:  # (0: a re-sent call found it done: counted the first time)
+                m.DEAD_LETTERED.labels("groups").inc()
+                out.dead_lettered += 1
             return None
 
     def _exit(self, group_ids: list[str], exit: GroupState) -> int:

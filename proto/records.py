@@ -21,7 +21,7 @@ import contextvars
 import math
 import operator
 import typing
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -45,7 +45,7 @@ Float32Array = Annotated[memoryview, np.dtype("<f4")]
 FIELDS_CHECKED = contextvars.ContextVar("fields_checked", default=False)
 
 
-class RewardStatus(str, Enum):
+class RewardStatus(StrEnum):
     """Outcome of scoring one sample: only `scored` carries a reward."""
 
     scored = "scored"
@@ -54,7 +54,7 @@ class RewardStatus(str, Enum):
     invalid_input = "invalid_input"
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     stop = "stop"
     length = "length"
     abort = "abort"
@@ -121,14 +121,14 @@ def _equal(a: Any, b: Any) -> bool:
 def _wire_array(value: Any, dtype: np.dtype, name: str) -> memoryview:
     """A token array given in code (a 1-D array or a list of numbers) as its wire bytes."""
     if not isinstance(value, (np.ndarray, list, tuple)):
-        raise TypeError(f"{name}: expected an array or a list, got {type(value).__name__}")
+        raise ValueError(f"{name}: expected an array or a list, got {type(value).__name__}")
     array = np.asarray(value)
     if array.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D array, got shape {array.shape}")
     if array.dtype != dtype:
         integral = dtype.kind == "i"
         if array.size and array.dtype.kind not in ("iu" if integral else "iuf"):  # (an empty list is float64)
-            raise TypeError(f"{name}: expected {'integers' if integral else 'numbers'}, got {array.dtype}")
+            raise ValueError(f"{name}: expected {'integers' if integral else 'numbers'}, got {array.dtype}")
         converted = array.astype(dtype)
         if integral and not np.array_equal(converted, array):
             raise ValueError(f"{name}: values do not fit in {dtype}")
@@ -176,7 +176,7 @@ def _check_tokens(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -
     if not (float(_MIN(logprobs)) > -math.inf and float(_MAX(logprobs)) <= MAX_LOGPROB):
         if not np.all(np.isfinite(logprobs)):
             raise ValueError("behavior_logprobs contain NaN or inf")
-        raise ValueError(f"behavior_logprobs must be <= 0, found {float(logprobs.max())}")
+        raise ValueError(f"behavior_logprobs must be <= {MAX_LOGPROB} (0, up to rounding), found {float(logprobs.max())}")
     if int(_MIN(ids)) < 0:
         raise ValueError("negative token id")
 
@@ -354,10 +354,6 @@ class Group(Record, tag="group"):
     def scored(self) -> bool:
         """True when every sample has been through the reward service (whatever the outcome)."""
         return None not in self.samples.reward_status
-
-    def num_bytes(self) -> int:
-        s = self.samples
-        return self.prompt_tokens.nbytes + s.completion_ids.nbytes + s.behavior_logprobs.nbytes + s.versions.nbytes
 
 
 class GroupJob(Record, tag="job"):

@@ -1,7 +1,7 @@
 """One vocabulary of states for the buffer, the rollout service and the HTTP API.
 
-Each is a str enum, so a member is its own wire value: in Redis hashes and counters, metric
-labels and JSON alike. A group's whole life uses `GroupState` (docs/architecture.md §4):
+Each is a `StrEnum`, so a member is its own wire value (`str()` and f-strings give the value):
+in Redis hashes and counters, metric labels and JSON alike. A group's whole life uses `GroupState` (docs/architecture.md §4):
 
     queued → generating → scoring → buffered → trained | dropped | withheld | lost | zero_spread
                       ↘ failed | cancelled          (and dead_lettered where a record does not decode)
@@ -12,10 +12,10 @@ request to start generating a group.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class GroupState(str, Enum):
+class GroupState(StrEnum):
     queued = "queued"  # its job waits in the jobs stream (or is claimed, not yet generating)
     generating = "generating"
     scoring = "scoring"
@@ -34,7 +34,7 @@ class GroupState(str, Enum):
 JOB_ENDS = (GroupState.buffered, GroupState.failed, GroupState.cancelled)
 
 
-class JobState(str, Enum):
+class JobState(StrEnum):
     """A rollout job: `queued` → `running` → `done` | `failed` (no group gave a scored sample),
     or `cancelling` → `cancelled`."""
 
@@ -46,7 +46,7 @@ class JobState(str, Enum):
     cancelled = "cancelled"
 
 
-class Admission(str, Enum):
+class Admission(StrEnum):
     """The answer to `try_admit(group_id)` (the rule is in buffer/admission.py)."""
 
     admitted = "admitted"  # a new slot taken: generate

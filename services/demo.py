@@ -26,6 +26,8 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from proto.states import GroupState, JobState
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
 
@@ -81,7 +83,7 @@ def scrape_trainer(url: str, t0: float) -> Scrape | None:
         for s in family.samples:
             if s.name == "asyncrl_trainer_group_staleness_bucket":
                 buckets.append((float(s.labels["le"]), s.value))
-            elif s.name == "asyncrl_trainer_groups_total" and s.labels.get("outcome") not in ("trained", None):
+            elif s.name == "asyncrl_trainer_groups_total" and s.labels.get("outcome") not in (GroupState.trained, None):
                 dropped += s.value
             elif not s.labels:
                 values[s.name] = s.value
@@ -151,7 +153,7 @@ class Evals:
             return []
         new = []
         for e in resp.json()["evaluations"]:
-            if e["state"] != "done" or e["version"] in self.rows:
+            if e["state"] != JobState.done or e["version"] in self.rows:
                 continue
             row = {"version": e["version"], "t": round(e["finished_at"] - self.t0_wall, 3), "accuracy": e["accuracy"],
                    "mean_reward": e["mean_reward"], "mean_length": e["mean_length"], "prompts": e["prompts"],

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Self
 from urllib.parse import urlsplit, urlunsplit
 
+from proto.states import JobState
 from services.common.logging import log_event
 from trainer import metrics as tm
 from trainer.config import TrainerSettings
@@ -155,7 +156,7 @@ class Tracker:
             return
         todo: list[dict] = []
         with self._contain("fetch_evaluations"):
-            done = [s for s in fetch() if s.get("state") == "done" and str(s.get("eval_id")) not in self.logged_evals]
+            done = [s for s in fetch() if s.get("state") == JobState.done and str(s.get("eval_id")) not in self.logged_evals]
             names: set[str] = set()
             for s in sorted(done, key=lambda s: s["version"]):
                 if s["name"] not in names:

@@ -38,4 +38,4 @@ async def with_retries(
             if n >= retries:
                 raise
         n += 1
-        await asyncio.sleep(min(first_s * 2 ** (n - 1), max_s) * (1 + jitter * random.random()))
+        await asyncio.sleep(min(first_s * 2.0 ** min(n - 1, 60), max_s) * (1 + jitter * random.random()))  # (2^60: no overflow)

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import uuid
 from dataclasses import dataclass, field
 
@@ -353,8 +354,8 @@ def _check_generation(out: GenerateResponse) -> Generation:
     if len(lps) != len(out.output_ids) or any(t != tok for (_, t, _), tok in zip(lps, out.output_ids)):
         raise ValueError(f"{len(lps)} logprobs do not match {len(out.output_ids)} output ids")
     logprobs = [float(lp) for lp, _, _ in lps]
-    if any(not lp <= MAX_LOGPROB for lp in logprobs):  # NaN fails too
-        raise ValueError("logprobs must be finite and <= 0")
+    if not all(-math.inf < lp <= MAX_LOGPROB for lp in logprobs):  # NaN fails too
+        raise ValueError(f"logprobs must be finite and <= {MAX_LOGPROB}")
     return Generation(list(out.output_ids), logprobs, meta.finish_reason.type, meta.weight_version, out.text)
 
 

@@ -3,12 +3,9 @@ hiredis installed, its C one) and decoded in place, read-only."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
 from factories import make_group
 
 from buffer import Buffer, Groups
-from proto import Group, decode, encode
 
 
 def test_large_groups_come_through_the_buffer_intact(redis_url, run_id):
@@ -24,15 +21,3 @@ def test_large_groups_come_through_the_buffer_intact(redis_url, run_id):
         assert not g.samples.completion_ids.flags.writeable and not g.samples.behavior_logprobs.flags.writeable
     assert consumer.ack([g.group_id for g in got]) == 5
     consumer.buf.close()
-
-
-def test_decode_reads_bytes_in_place_and_copies_a_mutable_payload():
-    data = encode(make_group(n=3, n_tokens=6))
-    viewed = decode(data, Group)  # bytes cannot change: the columns view them
-    assert np.shares_memory(viewed.samples.completion_ids, np.frombuffer(data, np.uint8))
-    with pytest.raises(ValueError, match="read-only"):
-        viewed.samples.versions[0] = 7
-    mutable = bytearray(data)
-    copied = decode(mutable, Group)  # a caller's bytearray may change later: it is copied
-    assert not np.shares_memory(copied.samples.completion_ids, np.frombuffer(mutable, np.uint8))
-    assert viewed == copied == make_group(n=3, n_tokens=6)

@@ -83,12 +83,7 @@ def make_weights(version: int):
 
 
 def _next_weights(sub, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = sub.get(0.5)
-        if info is not None:
-            return info
-    raise AssertionError("no weights event after the restart")
+    return wait_until(lambda: sub.get(0.5), timeout=timeout, interval=0, message="a weights event after the restart")
 
 
 def test_client_gives_up_after_its_budget():

@@ -169,21 +169,29 @@ def test_writing_outside_the_work_dir_fails(client):
 def test_reading_another_concurrent_runs_files_fails(client):
     secret = uuid.uuid4().hex
     victim = f"import time\nopen('/work/secret.txt', 'w').write('{secret}')\ntime.sleep(2.5)\nprint('ok')"
+    # The thief cannot see the victim to wait for its file: it searches again and again for 2 s
+    # of the victim's 2.5 s life, so it has looked after the file was written.
     thief = (
         "import glob, os, time\n"
-        "time.sleep(0.5)\n"  # the victim has written its file by now (the thief cannot see it to wait on it)
-        "candidates = glob.glob('/proc/*/root/work/*') + glob.glob('/proc/*/cwd/*')\n"
-        "for dirpath, dirs, files in os.walk('/'):\n"
-        "    dirs[:] = [d for d in dirs if dirpath != '/' or d not in ('proc', 'sys', 'dev', 'usr')]\n"
-        "    candidates += [os.path.join(dirpath, name) for name in files]\n"
         f"needle = '{secret[::-1]}'[::-1]\n"  # the thief's own source must not contain the secret
-        "found = False\n"
-        "for path in candidates:\n"
-        "    try:\n"
-        "        found = found or needle in open(path, errors='ignore').read(4096)\n"
-        "    except OSError:\n"
-        "        pass\n"
-        "print('PWNED' if found else f'not found in {len(candidates)} files')"
+        "def search():\n"
+        "    candidates = glob.glob('/proc/*/root/work/*') + glob.glob('/proc/*/cwd/*')\n"
+        "    for dirpath, dirs, files in os.walk('/'):\n"
+        "        dirs[:] = [d for d in dirs if dirpath != '/' or d not in ('proc', 'sys', 'dev', 'usr')]\n"
+        "        candidates += [os.path.join(dirpath, name) for name in files]\n"
+        "    found = False\n"
+        "    for path in candidates:\n"
+        "        try:\n"
+        "            found = found or needle in open(path, errors='ignore').read(4096)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    return found, len(candidates)\n"
+        "deadline, searches = time.monotonic() + 2.0, 0\n"
+        "while True:\n"
+        "    found, n = search(); searches += 1\n"
+        "    if found or time.monotonic() > deadline: break\n"
+        "    time.sleep(0.05)\n"
+        "print('PWNED' if found else f'not found in {n} files, {searches} searches')"
     )
     spec = {"verifier": "code", "timeout_s": 4}
     body = {

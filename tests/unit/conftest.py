@@ -16,6 +16,8 @@ PROCESS_STARTS = [
     (subprocess.Popen, "_execute_child"),  # subprocess and asyncio's subprocesses
     (_posixsubprocess, "fork_exec"),  # multiprocessing's spawn and forkserver
     (os, "fork"),
+    (os, "forkpty"),  # and pty.fork
+    (os, "system"),
     (os, "posix_spawn"),
     (os, "posix_spawnp"),
 ]

@@ -137,7 +137,7 @@ def test_records_change_only_through_their_checks():
     assert wide.prompt_tokens.dtype == np.int32 and decode(encode(wide), Group) == wide
     with pytest.raises(ValueError, match="do not fit in int32"):
         replace(g, prompt_tokens=np.array([1, 2**40]))
-    with pytest.raises(TypeError, match="expected integers, got float64"):
+    with pytest.raises(ValueError, match="expected integers, got float64"):
         replace(g, prompt_tokens=[1.0, 2.5])
     with pytest.raises(ValueError, match="timings"):
         replace(make_sample(), timings=None)  # a nested record replaced by something else
@@ -215,7 +215,7 @@ def _tamper(record, path, value) -> bytes:
     "path,value,match",
     [
         (("samples", "behavior_logprobs"), np.array([-1.0] * 9 + [np.nan], "<f4").tobytes(), "NaN"),
-        (("samples", "behavior_logprobs"), np.array([-1.0] * 9 + [0.5], "<f4").tobytes(), "must be <= 0"),
+        (("samples", "behavior_logprobs"), np.array([-1.0] * 9 + [0.5], "<f4").tobytes(), "must be <= 0.001"),
         (("samples", "behavior_logprobs"), np.zeros(9, "<f4").tobytes(), "9 logprobs for 10"),
         (("samples", "versions"), np.zeros(11, "<i4").tobytes(), "11 versions for 10"),
         (("samples", "versions"), np.full(10, -1, "<i4").tobytes(), "negative policy version"),
@@ -440,3 +440,15 @@ def test_every_single_field_edit_decodes_to_a_record_or_a_typed_error():
                 target[path[-1]] = value
             accepted += _record_or_typed_error(_pack(wire))
     assert accepted > 50  # the edits include many valid ones (other texts, rewards, timings…)
+
+
+def test_decode_reads_bytes_in_place_and_copies_a_mutable_payload():
+    data = encode(make_group(n=3, n_tokens=6))
+    viewed = decode(data, Group)  # bytes cannot change: the columns view them
+    assert np.shares_memory(viewed.samples.completion_ids, np.frombuffer(data, np.uint8))
+    with pytest.raises(ValueError, match="read-only"):
+        viewed.samples.versions[0] = 7
+    mutable = bytearray(data)
+    copied = decode(mutable, Group)  # a caller's bytearray may change later: it is copied
+    assert not np.shares_memory(copied.samples.completion_ids, np.frombuffer(mutable, np.uint8))
+    assert viewed == copied == make_group(n=3, n_tokens=6)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
 
-from proto.records import RewardStatus
+from proto.records import RewardStatus, check_reward
 
 
 @dataclass
@@ -22,6 +22,9 @@ class Verdict:
     reward: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_reward(self.reward, self.status)  # a NaN score is refused here, as an error of this item
+
     @classmethod
     def scored(cls, reward: float, **details: Any) -> Verdict:
         return cls(RewardStatus.scored, float(reward), details)
@@ -29,7 +32,6 @@ class Verdict:
     @classmethod
     def failed(cls, status: RewardStatus, reason: str, **details: Any) -> Verdict:
         """A non-scored verdict; `reason` is a short bounded token (it becomes a metric label)."""
-        assert status is not RewardStatus.scored
         return cls(status, None, {"reason": reason, **details})
 
 

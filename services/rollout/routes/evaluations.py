@@ -13,6 +13,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from proto.evals import EVAL_NAME_PATTERN, EvalAccepted, EvalList, EvalRequest, EvalResult, EvalSummary
 from proto.sglang import SamplingParams
+from proto.states import JobState
 from services.rollout import metrics as m
 from services.rollout.deps import ServiceDep
 from services.rollout.evaluations import body_hash, build_task, eval_id_for, new_summary, sampling_params
@@ -47,7 +48,7 @@ async def submit(body: EvalRequest, service: ServiceDep) -> EvalAccepted:
     if not await run_in_threadpool(store.create, summary, task):  # the same key, submitted concurrently
         return _duplicate(await run_in_threadpool(store.summary, eval_id), digest, body)
     m.EVALS_SUBMITTED.labels("api").inc()
-    return EvalAccepted(eval_id=eval_id, name=body.name, state="queued")
+    return EvalAccepted(eval_id=eval_id, name=body.name, state=JobState.queued)
 
 
 def _duplicate(known: EvalSummary | None, digest: str, body: EvalRequest) -> EvalAccepted:
