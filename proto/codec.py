@@ -11,6 +11,7 @@ byte string gives a record or raises `RecordDecodeError`.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -36,10 +37,16 @@ class RecordEncodeError(ValueError):
     """A record that cannot be put on the wire (e.g. a non-msgpack value in a free-form map)."""
 
 
+# The token arrays of the record being encoded (by id): the only arrays that go on the wire. An
+# array anywhere else (a free-form map) would come back as bytes.
+_TOKEN_ARRAYS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("token_arrays", default=frozenset())
+
+
 def _enc_hook(value: Any) -> Any:
-    """What msgspec cannot write itself: token arrays as little-endian bytes (read in place),
-    numpy scalars (in free-form maps) as the Python number they hold; anything else is refused."""
-    if isinstance(value, np.ndarray) and value.dtype.kind in "if" and value.dtype.itemsize == 4:
+    """What msgspec cannot write itself: the record's token arrays as little-endian bytes (read in
+    place), numpy scalars (in free-form maps) as the Python number they hold; anything else is
+    refused."""
+    if isinstance(value, np.ndarray) and id(value) in _TOKEN_ARRAYS.get():
         return memoryview(np.ascontiguousarray(value, value.dtype.newbyteorder("<")))
     if isinstance(value, np.generic) and value.dtype.kind in "biuf":
         return value.item()
@@ -54,10 +61,14 @@ def encode(record: Record) -> bytes:
     """Serialise a buffer record to msgpack bytes."""
     if not isinstance(record, Record):
         raise RecordEncodeError(f"not a buffer record: {type(record).__name__}")
+    parts = (record, record.samples) if isinstance(record, Group) else (record,)
+    token = _TOKEN_ARRAYS.set(frozenset(id(getattr(part, name)) for part in parts for name in part._arrays))
     try:
         return _ENCODER.encode((SCHEMA_VERSION, record))
     except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError) as exc:
         raise RecordEncodeError(f"{type(record).__name__} is not msgpack-serialisable: {exc}") from exc
+    finally:
+        _TOKEN_ARRAYS.reset(token)
 
 
 def decode(data: bytes | bytearray | memoryview, expected: type[R] | None = None) -> R:

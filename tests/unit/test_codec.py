@@ -146,8 +146,11 @@ def test_records_change_only_through_their_checks():
 def test_encode_refuses_arrays_in_free_form_maps():
     """Free-form maps hold plain values: an array has no place there; numpy scalars go out as
     their Python values."""
+    for array in (np.array([1.5]), np.array([1], np.int32), np.array([0.5], np.float32)):  # (int32/float32: token dtypes)
+        with pytest.raises(RecordEncodeError, match="ndarray"):
+            encode(replace(make_sample(), reward_details={"a": array}))
     with pytest.raises(RecordEncodeError, match="ndarray"):
-        encode(replace(make_sample(), reward_details={"a": np.array([1.5])}))
+        encode(replace(make_group(), reward_spec={"verifier": "x", "ids": np.array([1], np.int32)}))
     s = replace(make_sample(), reward_details={"a": np.float64(0.5), "n": np.int64(3)})
     assert decode(encode(s), Sample).reward_details == {"a": 0.5, "n": 3}
 
