@@ -29,3 +29,14 @@ def redis_url(redis_server) -> str:
 def run_id() -> str:
     """A fresh run id per test: keys of different tests never collide on the shared server."""
     return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny model directory (services/common/tinymodel.py), built once per test module; a
+    module that needs other weights defines its own `tiny` (test_parity.py)."""
+    from services.common.tinymodel import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(path, seed=2)
+    return path

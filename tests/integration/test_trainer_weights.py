@@ -17,15 +17,6 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from services.common.tinymodel import build_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(path, seed=2)
-    return path
-
-
-@pytest.fixture(scope="module")
 def dist1():
     import torch.distributed as dist
 

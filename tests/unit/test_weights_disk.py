@@ -3,21 +3,11 @@ trainer's older version replacing the lost newer ones, and a tied model that rel
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from trainer.weights import DiskPublisher
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from services.common.tinymodel import build_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(path, seed=2)
-    return path
 
 
 def perturbed(state: dict[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:
