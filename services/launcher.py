@@ -8,6 +8,12 @@ before the next; streams every log line with a `[name]` prefix (and into `run_di
 stops in the reverse order on Ctrl-C, on SIGTERM, or when the trainer exits with 0 (it
 reached `max_steps`, or was told to stop).
 
+GPU placement (services/placement.py, `Launcher.placement`): on a machine with GPUs every process
+gets CUDA_VISIBLE_DEVICES: started engines GPUs 0..k-1 (`engine_tp` each, SGLang's --tp-size),
+the trainer the next `trainer_nproc_per_node`, every other process none; `engine_gpus` /
+`trainer_gpus` choose others. A GPU given to two processes is refused before anything starts
+unless `allow_shared_gpus`; the placement is logged. Without GPUs nothing changes.
+
 Supervision (`Launcher.supervise`): a service that exits, or stops answering its health check
 for `liveness_failures` probes in a row, is restarted with the same command after an
 exponential backoff (`restart_backoff_s`, doubling per restart of that service, at most
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -39,17 +46,24 @@ import tomllib
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common import auth
+from services.placement import Placement, PlacementError, place, visible_gpus
 
 STOP_GRACE_S = 15.0
 PROBE_TIMEOUT_S = 2.0  # one liveness probe; a service too busy to answer this fast is failing one
 STARTING_PROBE_TIMEOUT_S = 0.5  # health polls of a restarted service, once per supervision round
+# SGLang flags that pick GPUs or multiply them: the launcher sets the GPUs from [launch] (engine_tp,
+# engine_gpus; one engine per data-parallel replica), so engine_args may not (`--tp` and `--dp` are
+# argparse's abbreviations of --tp-size and --dp-size).
+SGLANG_PLACEMENT_FLAGS = frozenset({"--tp", "--tp-size", "--tensor-parallel-size", "--base-gpu-id",
+                                    "--dp", "--dp-size", "--data-parallel-size"})  # fmt: skip
+GpuIndex = Annotated[int, Field(ge=0, le=1023)]
 
 
 class RunSection(BaseModel):
@@ -103,6 +117,30 @@ class LaunchSection(BaseModel):
                                      "before it gives up (ASYNCRL_REDIS_RECONNECT_S)")
     metrics_port: int = Field(8004, ge=0, lt=65536, description="the launcher's /metrics on 127.0.0.1 "
                               "(restarts per service, up); 0: not served")
+    # GPU placement (services/placement.py): engines on GPUs 0..k-1, the trainer on the next ones
+    gpus: int | None = Field(None, ge=0, le=1024, description="GPUs the run may use; unset: those the "
+                             "launcher's CUDA_VISIBLE_DEVICES lists, else `nvidia-smi -L`'s; 0: CPU, no placement")  # fmt: skip
+    engine_tp: int = Field(1, ge=1, le=64, description="GPUs per started SGLang engine, passed as its "
+                           "--tp-size (the reference engine uses one)")  # fmt: skip
+    engine_gpus: list[GpuIndex] | None = Field(None, max_length=1024, description="GPU indices of the started "
+                                               "engines, engine i on entries [i*engine_tp, (i+1)*engine_tp); "
+                                               "unset: the first engines*engine_tp GPUs")  # fmt: skip
+    trainer_gpus: list[GpuIndex] | None = Field(None, max_length=1024, description="GPU indices of the "
+                                                "trainer, one per rank (as many as trainer_nproc_per_node); "
+                                                "unset: the GPUs after the engines'")  # fmt: skip
+    allow_shared_gpus: bool = Field(False, description="let engines and the trainer share GPUs (models small "
+                                    "enough for one GPU's memory together); otherwise a shared GPU is refused")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _one_tp_setting(self) -> LaunchSection:
+        if self.engine_tp > 1 and self.engine_kind != "sglang":
+            raise ValueError('engine_tp > 1 needs engine_kind = "sglang" (the reference engine uses one GPU)')
+        for arg in self.engine_args:
+            if arg.split("=")[0] in SGLANG_PLACEMENT_FLAGS:
+                raise ValueError(f"engine_args may not set {arg.split('=')[0]}: the launcher places engines on "
+                                 "GPUs itself; set [launch] engine_tp for tensor parallelism, engines for "
+                                 "data parallelism, engine_gpus to choose the GPUs")  # fmt: skip
+        return self
 
 
 class SubmitSection(BaseModel):
@@ -116,12 +154,27 @@ class SubmitSection(BaseModel):
     idempotency_key: str | None = None
 
 
+class DeviceField(BaseModel):
+    """The one field of a service's own table (`[engine]`, `[trainer]`) the launcher reads: whether
+    that service runs on a GPU, so that only GPU processes are given GPUs. The TOML value only: an
+    ASYNCRL_<SERVICE>_DEVICE override is not seen here."""
+
+    model_config = ConfigDict(extra="ignore")  # the rest of the table is the service's
+    device: str = Field("auto", description="the service's own `device`: 'cpu' uses no GPU")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device != "cpu"
+
+
 class UpConfig(BaseModel):
     model_config = ConfigDict(extra="ignore")  # the services' own tables are theirs
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection
     launch: LaunchSection = Field(default_factory=LaunchSection)
     submit: SubmitSection | None = None
+    engine: DeviceField = Field(default_factory=DeviceField)
+    trainer: DeviceField = Field(default_factory=DeviceField)
 
     @classmethod
     def load(cls, path: Path) -> UpConfig:
@@ -199,13 +252,33 @@ class Launcher:
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "services.cli", *args, "--config", str(self.config_path)]
 
+    @functools.cached_property
+    def placement(self) -> Placement:
+        """GPUs per process (services/placement.py), worked out once, before anything starts:
+        started engines on GPUs 0..k-1 unless [engine] device = "cpu" (SGLang always uses GPUs),
+        the trainer on the next trainer_nproc_per_node unless [trainer] device = "cpu"."""
+        ln, cfg = self.cfg.launch, self.cfg
+        engines_on_gpu = not ln.engine_urls and (ln.engine_kind == "sglang" or cfg.engine.on_gpu)
+        devices = visible_gpus(ln.gpus, os.environ)
+        pinned = ln.engine_kind == "reference" and cfg.engine.device not in ("auto", "cuda", "cuda:0")
+        if devices and engines_on_gpu and pinned:
+            raise PlacementError(f"[engine] device = {cfg.engine.device!r}: each engine sees only its own GPU, "
+                                 "as cuda:0; choose the GPUs with [launch] engine_gpus")  # fmt: skip
+        return place(devices, engines=ln.engines if engines_on_gpu else 0, engine_tp=ln.engine_tp,
+                     trainer_nproc=ln.trainer_nproc_per_node if ln.trainer and cfg.trainer.on_gpu else 0,
+                     engine_gpus=ln.engine_gpus, trainer_gpus=ln.trainer_gpus,
+                     allow_shared=ln.allow_shared_gpus)  # fmt: skip
+
     def plan(self) -> list[list[Proc]]:
         """Stages of processes, each stage healthy before the next starts."""
         ln, model, run = self.cfg.launch, str(Path(self.cfg.model.path).resolve()), self.cfg.run
-        rewards = [Proc(f"reward-{i}", self._cli("reward", "--port", str(ln.reward_port + i)), f"{url}/healthz")
-                   for i, url in enumerate(self.reward_urls)]  # fmt: skip
+        gpus = self.placement
+        no_gpu = gpus.env(())  # on a GPU machine, a process that uses none sees none
+        rewards = [Proc(f"reward-{i}", self._cli("reward", "--port", str(ln.reward_port + i)), f"{url}/healthz",
+                        env=no_gpu) for i, url in enumerate(self.reward_urls)]  # fmt: skip
         engines = [] if ln.engine_urls else [
-            Proc(f"engine-{i}", self._engine_cmd(model, ln.engine_port + i), f"{url}/health")
+            Proc(f"engine-{i}", self._engine_cmd(model, ln.engine_port + i), f"{url}/health",
+                 env=gpus.env(gpus.engines[i]) if gpus.engines else no_gpu)
             for i, url in enumerate(self.engine_urls)
         ]  # fmt: skip
         rollouts = [
@@ -213,7 +286,7 @@ class Launcher:
                 "rollout", "--port", str(ln.rollout_port + i), "--redis-url", self.redis_url, "--run", run.id,
                 "--replica", f"rollout-{i}", "--engine-urls", ",".join(self.engine_urls),
                 "--reward-url", self.reward_urls[i % len(self.reward_urls)], "--tokenizer", model,
-                "--run-dir", str(self.run_dir)), f"{url}/healthz")
+                "--run-dir", str(self.run_dir)), f"{url}/healthz", env=no_gpu)
             for i, url in enumerate(self.rollout_urls())
         ]  # fmt: skip
         stages = [rewards, engines, rollouts]
@@ -223,7 +296,8 @@ class Launcher:
                 "--max-restarts", str(ln.trainer_max_restarts),
                 "--config", str(self.config_path), "--redis-url", self.redis_url, "--run", run.id,
                 "--model-path", model, "--output-dir", str(self.run_dir / "trainer"),
-                "--metrics-port", str(ln.trainer_metrics_port)], f"{self.trainer_url}/healthz")  # fmt: skip
+                "--metrics-port", str(ln.trainer_metrics_port)], f"{self.trainer_url}/healthz",
+                env=gpus.env(gpus.trainer))  # fmt: skip
             stages.append([trainer])
         return [s for s in stages if s]
 
@@ -234,7 +308,7 @@ class Launcher:
             # who can reach its loopback port anyway); it leaves /health and /metrics open too.
             return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
                     "--port", str(port), "--enable-metrics", "--api-key", self.engine_token,
-                    *ln.engine_args]  # fmt: skip
+                    "--tp-size", str(ln.engine_tp), *ln.engine_args]  # fmt: skip
         # The token goes by env (not argv); disk updates are confined to the trainer's weights.
         weights = str(self.run_dir / "trainer" / "weights")
         return [*self._cli("engine", "--model", model, "--port", str(port), "--weights-root", weights),
@@ -287,7 +361,9 @@ class Launcher:
         except auth.WeakToken as exc:
             raise RuntimeError(str(exc)) from None
         self.prepare()
-        self._env = {**os.environ, auth.ENGINE_TOKEN_ENV: self.engine_token,
+        self._say("launcher", self.placement.describe())
+        # GPU indices as nvidia-smi numbers them (CUDA's own default orders by speed), unless set
+        self._env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", **os.environ, auth.ENGINE_TOKEN_ENV: self.engine_token,
                      "REDIS_URL": self.redis_url, "ASYNCRL_RUN": self.cfg.run.id,
                      "ASYNCRL_RUN_DIR": str(self.run_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                      "ASYNCRL_REDIS_RECONNECT_S": str(ln.redis_reconnect_s)}  # fmt: skip

@@ -1,8 +1,10 @@
-"""From buffer groups to padded tensors, and from a model to per-token logprobs.
+"""From buffer groups to micro-batches, and from a model to per-token logprobs.
 
-A row is one sample: prompt + completion laid out left-aligned and right-padded. Logits at
-position `len(prompt) − 1 + t` predict completion token t, so logprobs come out aligned with
-the engine's behaviour logprobs ([N, T], T = longest completion of the micro-batch).
+A sample is prompt + completion; the hidden state at position `len(prompt) − 1 + t` of its
+sequence predicts completion token t, so logprobs come out aligned with the engine's behaviour
+logprobs ([N, T], T = longest completion of the micro-batch). Micro-batches are padded (one
+right-padded row per sample) or packed (samples back to back, `max_tokens_per_micro_batch`):
+the same [N, T] tensors either way, so the loss cannot tell them apart.
 Samples whose reward status is not `scored` stay in the batch with mask 0 (they carry no
 advantage) and are counted by the caller; padding rows that even out the ranks are all-mask-0.
 """
@@ -14,10 +16,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from proto import Group, RewardStatus
 from trainer.advantages import AdvantageKind, group_advantages, overlong_penalty, zero_spread
+from trainer.logprobs import model_logprobs
 
 
 @dataclass
@@ -104,65 +108,140 @@ def shard_rows(rows: list[Row], rank: int, world: int, multiple: int = 1) -> lis
 
 @dataclass
 class Batch:
-    """Padded tensors of a micro-batch. N rows, L = longest prompt+completion, T = longest completion."""
+    """The tensors of one micro-batch: N samples laid out in R rows of L positions, padded
+    (R = N, right padding, `attention_mask`) or packed (R = 1, the samples back to back with
+    `position_ids` restarting at 0 at each, no padding at all). The per-token tensors are
+    [N, T], T = the longest completion; `token_index` says which of the R·L positions' hidden
+    state predicts completion token t, `present` which (sample, t) exist."""
 
-    input_ids: torch.Tensor  # [N, L] long
-    attention_mask: torch.Tensor  # [N, L] long
-    logit_pos: torch.Tensor  # [N, T] long: position whose logits predict completion token t
+    input_ids: torch.Tensor  # [R, L] long
+    attention_mask: torch.Tensor | None  # [R, L] long (padded layout) or None (packed)
+    position_ids: torch.Tensor | None  # [R, L] long (packed layout) or None (padded: 0..L-1)
+    token_index: torch.Tensor  # [N, T] long: flat position (row · L + column) predicting token t
+    present: torch.Tensor  # [N, T] bool: completion token t exists
     targets: torch.Tensor  # [N, T] long
-    mask: torch.Tensor  # [N, T] float
+    mask: torch.Tensor  # [N, T] float: 1 where the token counts in the loss
     behavior_logprobs: torch.Tensor  # [N, T] float
     advantages: torch.Tensor  # [N, T] float
-    real_rows: int  # rows that are samples (not rank padding)
-    first_logit: int = 0  # earliest position whose logits any row needs (positions before it are prompt)
+    real_rows: int  # samples (not rank padding)
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
 
     def to(self, device: torch.device) -> Batch:
         return Batch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
 
 
+class _Tokens:
+    """[N, T] per-token tensors of a micro-batch, filled sample by sample."""
+
+    def __init__(self, n: int, t_max: int):
+        self.token_index = torch.zeros((n, t_max), dtype=torch.long)
+        self.present = torch.zeros((n, t_max), dtype=torch.bool)
+        self.targets = torch.zeros((n, t_max), dtype=torch.long)
+        self.mask = torch.zeros((n, t_max), dtype=torch.float32)
+        self.behavior = torch.zeros((n, t_max), dtype=torch.float32)
+        self.adv = torch.zeros((n, t_max), dtype=torch.float32)
+
+    def fill(self, i: int, row: Row, first: int) -> None:
+        """Sample i, whose completion token t is predicted by flat position first + t."""
+        c = len(row.completion_ids)
+        self.token_index[i, :c] = torch.arange(first, first + c)
+        self.present[i, :c] = True
+        self.targets[i, :c] = torch.from_numpy(row.completion_ids.astype(np.int64))
+        self.behavior[i, :c] = torch.tensor(row.behavior_logprobs)  # a copy: record arrays are read-only views
+        if row.valid:
+            self.mask[i, :c] = 1.0
+            self.adv[i, :c] = row.advantage
+
+    def batch(self, input_ids, attention_mask, position_ids, real_rows: int) -> Batch:
+        return Batch(input_ids, attention_mask, position_ids, self.token_index, self.present, self.targets, self.mask,
+                     self.behavior, self.adv, real_rows)  # fmt: skip
+
+
+def _sequence(row: Row) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate([row.prompt_tokens, row.completion_ids]).astype(np.int64))
+
+
 def collate(rows: list[Row | None], pad_id: int) -> Batch:
+    """Padded layout: one right-padded row per sample; a rank's filler row (None) is one
+    attended padding token with no completion."""
     n = len(rows)
     lengths = [(len(r.prompt_tokens), len(r.completion_ids)) if r is not None else (1, 0) for r in rows]
     seq_len = max(p + c for p, c in lengths)
-    t_max = max(1, max(c for _, c in lengths))
+    tokens = _Tokens(n, max(1, max(c for _, c in lengths)))
     input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
     attention = torch.zeros((n, seq_len), dtype=torch.long)
-    logit_pos = torch.zeros((n, t_max), dtype=torch.long)
-    targets = torch.zeros((n, t_max), dtype=torch.long)
-    mask = torch.zeros((n, t_max), dtype=torch.float32)
-    behavior = torch.zeros((n, t_max), dtype=torch.float32)
-    adv = torch.zeros((n, t_max), dtype=torch.float32)
     for i, (row, (p, c)) in enumerate(zip(rows, lengths)):
         attention[i, : p + c] = 1
-        if row is None:
-            continue
-        input_ids[i, :p] = torch.from_numpy(row.prompt_tokens.astype(np.int64))
-        input_ids[i, p : p + c] = torch.from_numpy(row.completion_ids.astype(np.int64))
-        logit_pos[i, :c] = torch.arange(p - 1, p - 1 + c)
-        targets[i, :c] = input_ids[i, p : p + c]
-        behavior[i, :c] = torch.tensor(row.behavior_logprobs)  # a copy: record arrays are read-only views
-        if row.valid:
-            mask[i, :c] = 1.0
-            adv[i, :c] = row.advantage
-    real = sum(r is not None for r in rows)
-    first = min((p - 1 for p, c in lengths if c > 0), default=0)
-    return Batch(input_ids, attention, logit_pos, targets, mask, behavior, adv, real, first)
+        if row is not None:
+            input_ids[i, : p + c] = _sequence(row)
+            tokens.fill(i, row, i * seq_len + p - 1)
+    return tokens.batch(input_ids, attention, None, sum(r is not None for r in rows))
+
+
+def collate_packed(rows: list[Row | None], pad_id: int) -> Batch:
+    """Packed layout: the samples back to back in one row, position ids restarting at 0 at
+    each (the model's attention then never crosses samples: tests/unit/test_packing.py).
+    Filler rows (None) are left out; a bin of fillers only is one padding token."""
+    real = [r for r in rows if r is not None]
+    if not real:
+        return _Tokens(1, 1).batch(torch.full((1, 1), pad_id, dtype=torch.long), None,
+                                   torch.zeros((1, 1), dtype=torch.long), 0)  # fmt: skip
+    tokens = _Tokens(len(real), max(1, max(len(r.completion_ids) for r in real)))
+    seqs, positions, offset = [], [], 0
+    for i, row in enumerate(real):
+        seq = _sequence(row)
+        seqs.append(seq)
+        positions.append(torch.arange(len(seq)))
+        tokens.fill(i, row, offset + len(row.prompt_tokens) - 1)
+        offset += len(seq)
+    return tokens.batch(torch.cat(seqs)[None], None, torch.cat(positions)[None], len(real))
+
+
+def pack(rows: list[Row], max_tokens: int) -> list[list[Row]]:
+    """First-fit decreasing into bins of at most `max_tokens` prompt + completion tokens; a
+    sample longer than the budget gets a bin of its own (a sample is never split)."""
+    bins: list[list[Row]] = []
+    room: list[int] = []
+    for row in sorted(rows, key=_row_length, reverse=True):
+        n = _row_length(row)
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(row)
+                room[b] -= n
+                break
+        else:
+            bins.append([row])
+            room.append(max_tokens - n)
+    return bins
 
 
 def micro_batches(rows: list[Row], rank: int, world: int, minibatches: int, micro_batch_size: int, pad_id: int,
-                  device: torch.device) -> list[Batch]:  # fmt: skip
-    """This rank's share of the rows as padded micro-batches on `device`, minibatch by minibatch:
-    every minibatch has the same number of rows and of micro-batches, on every rank.
+                  device: torch.device, max_tokens: int = 0) -> list[Batch]:  # fmt: skip
+    """This rank's share of the rows as micro-batches on `device`, minibatch by minibatch: every
+    minibatch has the same number of micro-batches on every rank (FSDP needs every rank to run
+    the same number of forwards).
 
-    Within a minibatch the rows go into micro-batches longest first, so each micro-batch pads to
-    rows of similar length (answers of 40 and 200 tokens in one batch would otherwise compute a
-    long tail of padding). The loss is unchanged: its denominators are the whole minibatch's."""
+    `max_tokens` = 0: padded micro-batches of `micro_batch_size` rows, longest first, so each
+    pads to rows of similar length. `max_tokens` > 0: packed micro-batches of at most that many
+    tokens (`pack`), no padding; ranks with fewer bins run empty ones. The loss is the same
+    either way: its denominators are the whole minibatch's."""
     mine = shard_rows(rows, rank, world, multiple=minibatches)
     per_mb = len(mine) // minibatches
+    chunks = [sorted(mine[m * per_mb : (m + 1) * per_mb], key=_row_length, reverse=True) for m in range(minibatches)]
+    if max_tokens <= 0:
+        return [collate(c[i : i + micro_batch_size], pad_id).to(device)
+                for c in chunks for i in range(0, len(c), micro_batch_size)]  # fmt: skip
+    bins = [pack([r for r in c if r is not None], max_tokens) for c in chunks]
+    counts = torch.tensor([len(b) for b in bins], dtype=torch.long)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        counts = counts.to(device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     out = []
-    for m in range(minibatches):
-        chunk = sorted(mine[m * per_mb : (m + 1) * per_mb], key=_row_length, reverse=True)
-        out += [collate(chunk[i : i + micro_batch_size], pad_id).to(device) for i in range(0, len(chunk), micro_batch_size)]
+    for b, n in zip(bins, counts.tolist()):
+        out += [collate_packed(rows_, pad_id).to(device) for rows_ in b + [[None]] * (n - len(b))]
     return out
 
 
@@ -171,20 +250,13 @@ def _row_length(row: Row | None) -> int:
     return -1 if row is None else len(row.prompt_tokens) + len(row.completion_ids)
 
 
-def token_logprobs(
-    model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(target_t) [N, T] at the sampling temperature (fp32), and the entropy [N, T] if asked.
-
-    Only the completion positions' logits are normalised, so memory is N·T·V, not N·L·V."""
-    # Only positions from the earliest completion logit on go through the LM head: with a 49k
-    # vocabulary the head and its softmax are a large share of the step, and prompts are long.
-    keep = batch.input_ids.shape[1] - batch.first_logit
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
-    vocab = logits.shape[-1]
-    pos = batch.logit_pos - (batch.input_ids.shape[1] - logits.shape[1])  # a model that ignores it keeps all
-    sel = logits.gather(1, pos.clamp(min=0).unsqueeze(-1).expand(-1, -1, vocab)).float() / temperature
-    logp = torch.log_softmax(sel, dim=-1)
-    lp = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
-    return lp, entropy
+def token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
+                   chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """log π(target_t) [N, T] at the sampling temperature (fp32, 0 where no token), and the
+    entropy [N, T] if asked. Only the hidden states that predict a completion token go through
+    the LM head, `chunk_tokens` of them at a time when > 0 (trainer/logprobs.py)."""
+    lp, ent = model_logprobs(model, batch.input_ids, batch.attention_mask, batch.position_ids,
+                             batch.token_index[batch.present], batch.targets[batch.present], temperature,
+                             chunk_tokens, with_entropy)  # fmt: skip
+    zeros = torch.zeros(batch.targets.shape, dtype=lp.dtype, device=lp.device)
+    return zeros.masked_scatter(batch.present, lp), (zeros.masked_scatter(batch.present, ent) if with_entropy else None)

@@ -1,15 +1,31 @@
-"""Durable trainer checkpoints: model + optimizer + version + RNG + the groups they cover.
+"""Durable, sharded trainer checkpoints: model + optimizer + LR schedule + version + RNG + the
+groups they cover.
 
-Layout: `<root>/step_<version:08d>/{state.pt, meta.json}`. Rank 0 writes full (unsharded)
-state dicts with `torch.save` (tensors and plain containers only: `torch.load(weights_only=True)`
-reads them back) into `<root>/.tmp-…`, fsyncs every file and the directory, then renames it
-into place and fsyncs `<root>`: a checkpoint directory that exists is complete. `meta.json`
-lists the ids of the groups trained since the previous checkpoint; the caller acks them in the
-buffer only after `save` returns (exactly-once, docs/architecture.md §4).
+Layout of `<root>/step_<version:08d>/`:
+* `__<rank>_0.distcp`, `.metadata`: torch.distributed.checkpoint (DCP). Every rank writes its own
+  FSDP shards of the model and of the optimizer state (`exp_avg`, `exp_avg_sq`, `step`); no rank
+  gathers the full state.
+* `extra.pt` (rank 0): every rank's torch RNG state (and CUDA's), rank 0's Python RNG, the
+  optimizer's param groups (lr, betas, …) and the LR scheduler's state; tensors and plain
+  containers only, so `torch.load(weights_only=True)` reads it.
+* `meta.json` (rank 0): version, `consumed_ids`, the world size that wrote it, `saved_at`.
 
-Limits: full state dicts pass through rank 0's CPU memory (fine to a few billion parameters;
-use DCP sharded checkpoints beyond). Only rank 0 touches `<root>`: loading reads there and
-broadcasts, so the directory need not be on a shared filesystem.
+All ranks write into `<root>/.tmp-step_<version:08d>`; once `dcp.save` has returned (its
+coordinator writes `.metadata` only after every rank reported its files written), rank 0 writes
+`extra.pt` and `meta.json`, fsyncs every file and the directory, renames it into place and
+fsyncs `<root>`: a checkpoint directory that exists is complete. `meta.json` lists the ids of
+the groups trained since the previous checkpoint; the caller acks them in the buffer only after
+`save` returns (exactly-once, docs/architecture.md §4).
+
+Loading: every rank reads the latest checkpoint into a state dict sharded for the current
+world (DCP reshards), so a run resumes on a different number of ranks; rank r then takes the
+RNG state the saved rank r mod (saved world) had.
+
+Limits: `<root>` must be one directory every rank sees (a shared filesystem across nodes; any
+directory on one node). The DCP part holds tensors only, but DCP's own `.metadata` index is a
+pickle of DCP's types: a checkpoint directory is trusted input, like the model directory. DCP
+does not promise to read checkpoints across torch versions. Weights published to engines are
+separate (trainer/weights.py: an HF safetensors directory, or the broadcast).
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from trainer.model import Dist, broadcast_from_main
 
@@ -72,41 +89,45 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
 
     def _complete(self) -> list[Path]:
-        dirs = [p for p in self.root.glob(PREFIX + "*") if (p / "meta.json").exists() and (p / "state.pt").exists()]
-        return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
+        dirs = [p for p in self.root.glob(PREFIX + "*") if (p / "meta.json").exists()]
+        return sorted(dirs, key=lambda p: int(p.name[len(PREFIX) :]))
 
     def latest(self) -> Path | None:
         done = self._complete()
         return done[-1] if done else None
 
-    def _rng_states(self) -> torch.Tensor:
-        """[world, n] uint8: every rank's torch CPU RNG state, gathered (collective)."""
-        mine = torch.get_rng_state()
+    def _gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """[world, n]: every rank's `mine` (the same shape on every rank). Collective."""
         dev = self.d.device if self.d.backend == "nccl" else torch.device("cpu")
         out = [torch.empty_like(mine, device=dev) for _ in range(self.d.world)]
         dist.all_gather(out, mine.to(dev))
         return torch.stack([t.cpu() for t in out])
 
-    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, version: int, consumed_ids: list[str],
-             extra: dict | None = None) -> Path | None:  # fmt: skip
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler, version: int,
+             consumed_ids: list[str]) -> Path | None:  # fmt: skip
         """Collective. Returns the durable directory on rank 0 (None elsewhere)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(
-            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        rng = self._rng_states()
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no gather
+        cuda = self.d.device.type == "cuda"
+        python_rng = random.getstate()
+        extra = {"rng": self._gather(torch.get_rng_state()),
+                 "cuda_rng": self._gather(torch.cuda.get_rng_state(self.d.device)) if cuda else None,
+                 "python_rng": list(python_rng[1]), "python_rng_gauss": python_rng[2],
+                 "param_groups": optim_sd["param_groups"], "scheduler": scheduler.state_dict()}  # fmt: skip
+        final = self.root / f"{PREFIX}{version:08d}"
+        tmp = self.root / f".tmp-{final.name}"  # one name on every rank: they all write into it
+        if self.d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving this version
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        dcp.save({"model": model_sd, "optim": optim_sd["state"]}, checkpoint_id=tmp)
         path = None
         if self.d.is_main:
-            final = self.root / f"{PREFIX}{version:08d}"
-            tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            state = {"model": model_sd, "optim": optim_sd, "rng": rng, "python_rng": list(random.getstate()[1]),
-                     "python_rng_pos": random.getstate()[2], "cuda_rng": self._cuda_rng()}  # fmt: skip
-            torch.save(state, tmp / "state.pt")
-            meta = {"version": version, "consumed_ids": list(consumed_ids), "saved_at": time.time(),
-                    "world": self.d.world, **(extra or {})}  # fmt: skip
+            torch.save(extra, tmp / "extra.pt")
+            meta = {"version": version, "consumed_ids": list(consumed_ids), "world": self.d.world,
+                    "saved_at": time.time()}  # fmt: skip
             (tmp / "meta.json").write_text(json.dumps(meta))
             atomic_publish_dir(tmp, final)
             self._prune()
@@ -114,46 +135,44 @@ class Checkpointer:
         dist.barrier()
         return path
 
-    def _cuda_rng(self) -> torch.Tensor | None:
-        return torch.cuda.get_rng_state(self.d.device) if self.d.device.type == "cuda" else None
-
     def _prune(self) -> None:
         for old in self._complete()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         for stale_tmp in self.root.glob(".tmp-*"):
             shutil.rmtree(stale_tmp, ignore_errors=True)
 
-    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointMeta | None:
-        """Collective: restore the latest durable checkpoint into model and optimizer, or None."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+    def load(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler
+    ) -> CheckpointMeta | None:
+        """Collective: restore the latest durable checkpoint into model, optimizer and scheduler
+        (and the RNG), resharded for this world; None when there is none."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        path = self.latest() if self.d.is_main else None
-        version = torch.tensor([-1 if path is None else int(path.name[len(PREFIX):])], dtype=torch.long)
+        latest = self.latest() if self.d.is_main else None  # rank 0 decides: all ranks load the same one
+        version = torch.tensor([-1 if latest is None else int(latest.name[len(PREFIX) :])], dtype=torch.long)
         broadcast_from_main(self.d, version)
         if int(version) < 0:
             return None
-        state, meta = {}, {}
-        if self.d.is_main:
-            state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-            meta = json.loads((path / "meta.json").read_text())
-        # Model and optimizer separately: `set_state_dict` with the empty dicts of ranks ≠ 0
-        # takes an optimizer-only path there and the ranks' collectives no longer match.
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, state.get("model", {}), options=options)
-        set_optimizer_state_dict(model, optimizer, state.get("optim", {}), options=options)
-        rng = state["rng"] if self.d.is_main else torch.empty(0, dtype=torch.uint8)
-        shape = torch.tensor(list(rng.shape) if self.d.is_main else [0, 0], dtype=torch.long)
-        broadcast_from_main(self.d, shape)
-        if not self.d.is_main:
-            rng = torch.empty(tuple(shape.tolist()), dtype=torch.uint8)
-        broadcast_from_main(self.d, rng)
+        path = self.root / f"{PREFIX}{int(version):08d}"
+        seen = self._gather(torch.tensor([(path / ".metadata").is_file()], dtype=torch.uint8))[:, 0]
+        if not bool(seen.all()):  # every rank raises, rather than the others waiting in dcp.load
+            blind = [r for r, ok in enumerate(seen.tolist()) if not ok]
+            raise RuntimeError(f"ranks {blind} find no {path / '.metadata'}: checkpoints need a directory every "
+                               "rank sees, written in this (sharded) format")  # fmt: skip
+        # Freshly made state dicts of this world's shards (the optimizer's state is initialised by
+        # a zero-lr step if empty); dcp.load fills them in place from whatever world saved them.
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.load({"model": model_sd, "optim": optim_sd["state"]}, checkpoint_id=path)
+        extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
+        set_state_dict(model, optimizer, model_state_dict=model_sd,
+                       optim_state_dict={"state": optim_sd["state"], "param_groups": extra["param_groups"]})  # fmt: skip
+        scheduler.load_state_dict(extra["scheduler"])
+        rng = extra["rng"]
         torch.set_rng_state(rng[self.d.rank % rng.shape[0]].clone())
+        if extra["cuda_rng"] is not None and self.d.device.type == "cuda":
+            torch.cuda.set_rng_state(extra["cuda_rng"][self.d.rank % rng.shape[0]].clone(), self.d.device)
         if self.d.is_main:
-            random.setstate((3, tuple(state["python_rng"]), state["python_rng_pos"]))
-            if state.get("cuda_rng") is not None and self.d.device.type == "cuda":
-                torch.cuda.set_rng_state(state["cuda_rng"], self.d.device)
-        return CheckpointMeta(int(version), list(meta.get("consumed_ids", [])), path)
+            random.setstate((3, tuple(extra["python_rng"]), extra["python_rng_gauss"]))
+        meta = json.loads((path / "meta.json").read_text())
+        return CheckpointMeta(int(version), list(meta["consumed_ids"]), path)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from proto import WeightsInfo
 from services.common.auth import engine_token
@@ -27,6 +28,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.config import TrainerSettings
 from trainer.data import GroupSource
 from trainer.model import DTYPES, Dist, build_model, full_state_dict, resolve_mixed_precision
+from trainer.schedule import build_scheduler
 from trainer.step import StepConfig
 from trainer.tracking import Tracker, build_tracker
 from trainer.weights import BroadcastPublisher, DiskPublisher, cast_state
@@ -44,6 +46,7 @@ class Parts:
     model: nn.Module
     ref_model: nn.Module | None
     optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler  # steps once per version (trainer/schedule.py)
     step_cfg: StepConfig
     source: GroupSource
     ckpt: Checkpointer
@@ -108,17 +111,21 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
     compute_dtype = resolve_mixed_precision(cfg.mixed_precision, d.device)
     if d.is_main:
         log_event(log, "compute dtype", setting=cfg.mixed_precision, dtype=compute_dtype, device=d.device.type)
-    model = build_model(cfg.model_path, d, random_init=cfg.random_init, seed=cfg.seed,
-                        mixed_precision=compute_dtype)  # fmt: skip
+    model = build_model(cfg.model_path, d, random_init=cfg.random_init, seed=cfg.seed, mixed_precision=compute_dtype,
+                        activation_checkpointing=cfg.activation_checkpointing,
+                        packing=cfg.max_tokens_per_micro_batch > 0)  # fmt: skip
     ref_model = None
     if cfg.kl_coef > 0:
         ref_model = build_model(cfg.model_path, d, random_init=cfg.random_init, seed=cfg.seed,
-                                mixed_precision=compute_dtype, trainable=False)  # fmt: skip
+                                mixed_precision=compute_dtype, trainable=False,
+                                packing=cfg.max_tokens_per_micro_batch > 0)  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)  # fmt: skip
+    scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.lr_warmup_steps, cfg.lr_decay_steps or cfg.max_steps,
+                                cfg.lr_min_ratio)  # fmt: skip
     step_cfg = StepConfig(loss=cfg.loss, temperature=cfg.temperature, grad_clip=cfg.grad_clip,
                           minibatches=cfg.minibatches, kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind,
-                          entropy_coef=cfg.entropy_coef)  # fmt: skip
+                          entropy_coef=cfg.entropy_coef, chunk_tokens=cfg.logprob_chunk_tokens)  # fmt: skip
     shaping = Shaping(cfg.overlong_max_len, cfg.overlong_cache_len, cfg.overlong_factor)
     groups = weights = admission = disk = broadcast = None
     health = tm.Health()
@@ -153,6 +160,6 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
         def fetch() -> list[dict]:
             return [e.model_dump() for e in evals.list()]
 
-    return Parts(cfg, d, model, ref_model, optimizer, step_cfg, source,
+    return Parts(cfg, d, model, ref_model, optimizer, scheduler, step_cfg, source,
                  Checkpointer(out / "checkpoints", d, cfg.keep_checkpoints), groups, weights, admission, disk, broadcast,
                  health, int(pad_id), out / "trained.jsonl" if cfg.audit_log else None, tracker, fetch)  # fmt: skip

@@ -67,14 +67,25 @@ class TrainerSettings(ServiceSettings):
     overlong_factor: float = Field(1.0, ge=0.0, description="DAPO overlong shaping: maximum penalty")
 
     # optimisation
-    lr: float = Field(1e-6, ge=0.0, description="AdamW learning rate (constant)")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    lr: float = Field(1e-6, ge=0.0, description="AdamW peak learning rate (trainer/schedule.py shapes it)")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="after warmup: constant or cosine")
+    lr_warmup_steps: int = Field(0, ge=0, description="versions of linear warmup: update n ≤ W gets lr·n/W")
+    lr_decay_steps: int | None = Field(None, gt=0, description="cosine: update reaching lr·lr_min_ratio (max_steps)")
+    lr_min_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine: final lr as a fraction of lr")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay, biases and norms included")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW β1")
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW β2")
     adam_eps: float = Field(1e-8, gt=0.0, description="AdamW ε")
     grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (PPO minibatches)")
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward on each rank")
+    max_tokens_per_micro_batch: int = Field(
+        0, ge=0, description="pack samples into micro-batches of at most this many tokens, no padding (0: padded "
+        "micro-batches of micro_batch_size); attention never crosses samples")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=0, description="tokens per chunk of LM-head logits for log-probs and entropy, recomputed in backward "
+        "(0: all logits at once)")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
     max_steps: int = Field(0, ge=0, description="stop after this version (0: run until stopped)")
     seed: int = Field(0, description="seed for random_init and the RNG state")
 
@@ -117,4 +128,8 @@ class TrainerSettings(ServiceSettings):
             raise ValueError("heartbeat_s must be well under dist_timeout_s")
         if self.overlong_max_len is not None and not 0 < self.overlong_cache_len <= self.overlong_max_len:
             raise ValueError("overlong shaping needs 0 < overlong_cache_len <= overlong_max_len")
+        if self.lr_schedule == "cosine" and (self.lr_decay_steps or self.max_steps) <= self.lr_warmup_steps:
+            raise ValueError("lr_schedule=cosine needs lr_decay_steps (or max_steps) > lr_warmup_steps")
+        if self.lr_schedule == "constant" and (self.lr_decay_steps is not None or self.lr_min_ratio != 0.0):
+            raise ValueError("lr_decay_steps and lr_min_ratio apply to lr_schedule=cosine only")
         return self

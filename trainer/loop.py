@@ -48,7 +48,7 @@ def resume(p: Parts) -> int:
     Resuming a run opens a new epoch forked at the checkpoint's version (proto/lineage.py):
     what was published above it came from steps this start will redo differently, and the
     buffer drops every group sampled by those lost weights."""
-    meta = p.ckpt.load(p.model, p.optimizer)
+    meta = p.ckpt.load(p.model, p.optimizer, p.scheduler)
     version = meta.version if meta else 0
     if p.d.is_main:
         if meta is not None or p.weights.latest() is not None or p.weights.version() > 0:
@@ -88,11 +88,14 @@ def train_steps(p: Parts) -> int:
             break
         with timer("recompute"):
             rows = build_rows(taken.groups, cfg.advantage, p.source.shaping)
-            micro = micro_batches(rows.rows, d.rank, d.world, cfg.minibatches, cfg.micro_batch_size, p.pad_id, d.device)
+            micro = micro_batches(rows.rows, d.rank, d.world, cfg.minibatches, cfg.micro_batch_size, p.pad_id, d.device,
+                                  cfg.max_tokens_per_micro_batch)  # fmt: skip
             old = old_logprobs(p, micro)
-            ref = (recompute_logprobs(p.ref_model, micro, cfg.temperature) if p.ref_model is not None
+            ref = (recompute_logprobs(p.ref_model, micro, cfg.temperature, cfg.logprob_chunk_tokens) if p.ref_model is not None
                    else [None] * len(micro))  # fmt: skip
         stats = policy_step(p.model, p.optimizer, micro, old, ref, p.step_cfg, d.device)
+        stats["lr"] = p.scheduler.get_last_lr()[0]  # the lr this version's update used
+        p.scheduler.step()  # once per version (trainer/schedule.py), before a checkpoint saves it
         timer.seconds["forward_backward"] = stats.pop("forward_backward_s")
         timer.seconds["optimizer"] = stats.pop("optimizer_s")
         version += 1
@@ -122,11 +125,11 @@ def old_logprobs(p: Parts, micro) -> list:
         return [mb.behavior_logprobs for mb in micro]
     if p.cfg.minibatches == 1:
         return [None] * len(micro)
-    return recompute_logprobs(p.model, micro, p.cfg.temperature)
+    return recompute_logprobs(p.model, micro, p.cfg.temperature, p.cfg.logprob_chunk_tokens)
 
 
 def checkpoint_and_ack(p: Parts, version: int, consumed: list[str]) -> None:
-    p.ckpt.save(p.model, p.optimizer, version, consumed)
+    p.ckpt.save(p.model, p.optimizer, p.scheduler, version, consumed)
     if p.d.is_main:
         acked = p.groups.ack(consumed)  # only now: the update of these groups is durable
         tm.CHECKPOINTS.inc()
@@ -166,12 +169,14 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
     gauges = {"loss": stats["loss"], "clip_fraction": stats["clip_frac"], "is_weight_mean": stats["is_weight_mean"],
               "is_weight_max": stats["is_weight_max"], "is_masked_fraction": stats["is_masked_frac"],
               "mismatch_kl": stats["mismatch_kl"], "approx_kl": stats["approx_kl"], "entropy": stats["entropy"],
-              "ref_kl": stats["ref_kl"], "grad_norm": stats["grad_norm"], "reward_mean": reward_mean}  # fmt: skip
+              "ref_kl": stats["ref_kl"], "grad_norm": stats["grad_norm"], "reward_mean": reward_mean,
+              "lr": stats["lr"]}  # fmt: skip
     tm.observe_step(gauges)
     tm.VERSION.set(version)  # last: a scrape that sees version v sees step v's figures
     p.health.version, p.health.last_step_at = version, time.time()
     log_event(log, "step", version=version, groups=len(taken.groups), tokens=int(stats["tokens"]),
-              step_s=round(step_s, 4), **{k: round(v, 6) for k, v in gauges.items()},
+              step_s=round(step_s, 4), **{k: round(v, 6) for k, v in gauges.items() if k != "lr"},
+              lr=float(f"{stats['lr']:.6g}"),  # ~1e-6: six decimals would print 0
               **{f"{k}_s": round(v, 4) for k, v in phases.items()})  # fmt: skip
     if p.tracker is not None:
         p.tracker.log_step(version, {

@@ -57,6 +57,7 @@ STEP_GAUGES = {
         "ref_kl": "KL estimate to the reference model",
         "grad_norm": "global gradient norm before clipping",
         "reward_mean": "mean scored reward (trained and withheld groups)",
+        "lr": "learning rate of the last step's update (trainer/schedule.py)",
     }.items()
 }
 

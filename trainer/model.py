@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.logprobs import install as install_logprobs
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with native bf16 matmul
 
@@ -119,8 +121,19 @@ def build_model(
     mixed_precision: str = "float32",
     reshard_after_forward: bool = True,
     trainable: bool = True,
+    activation_checkpointing: bool = False,
+    packing: bool = False,
 ) -> nn.Module:
-    """Meta-init → fully_shard per decoder layer and root → to_empty → broadcast weights from rank 0."""
+    """Meta-init → (activation checkpointing per decoder layer) → fully_shard per decoder layer
+    and root → to_empty → broadcast weights from rank 0 → the log-prob method installed
+    (trainer/logprobs.py: `token_logprobs` runs through it with the root's FSDP hooks).
+
+    Activation checkpointing keeps only each decoder layer's input in forward and recomputes the
+    layer in backward (non-reentrant `torch.utils.checkpoint` through transformers' per-layer
+    hook; under FSDP2 the recompute runs inside the layer's pre-backward all-gather).
+
+    `packing`: micro-batches are packed rows (trainer/batch.py); attention then follows the
+    samples' position ids (`packed_attention`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -129,6 +142,10 @@ def build_model(
     config.use_cache = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if packing:
+        packed_attention(model, d.device)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
     layers = _decoder_layers(model)
     for layer in layers:
@@ -147,7 +164,29 @@ def build_model(
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
+    install_logprobs(model)
     return model
+
+
+def packed_attention(model: nn.Module, device: torch.device) -> str:
+    """Attention that never crosses the samples of a packed row: varlen flash attention on CUDA
+    when flash-attn is installed, else per-sample SDPA segments (trainer/attention.py)."""
+    import importlib.util
+
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        model.set_attn_implementation("flash_attention_2")
+    else:
+        from trainer.attention import use_segment_attention
+
+        use_segment_attention(model)
+    return model.config._attn_implementation
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every decoder layer in backward instead of keeping its activations."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

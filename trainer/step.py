@@ -31,12 +31,14 @@ class StepConfig:
     kl_coef: float = 0.0
     kl_kind: str = "k3"
     entropy_coef: float = 0.0
+    chunk_tokens: int = 0  # LM-head tokens per chunk in log-prob/entropy (trainer/logprobs.py); 0: all at once
 
 
 @torch.no_grad()
-def recompute_logprobs(model: nn.Module, micro: list[Batch], temperature: float) -> list[torch.Tensor]:
-    """log π_old for every micro-batch, with the weights as they are before the update."""
-    return [token_logprobs(model, mb, temperature)[0] for mb in micro]
+def recompute_logprobs(model: nn.Module, micro: list[Batch], temperature: float, chunk_tokens: int = 0) -> list[torch.Tensor]:
+    """log π_old (or the reference model's log π_ref) for every micro-batch, with the weights as
+    they are before the update."""
+    return [token_logprobs(model, mb, temperature, chunk_tokens=chunk_tokens)[0] for mb in micro]
 
 
 def _local_denominator(mb: Batch, cfg: LossConfig) -> float:
@@ -81,7 +83,7 @@ def policy_step(
         mb_loss = 0.0
         for i in idx:
             mb = micro[i]
-            logprobs, entropy = token_logprobs(model, mb, cfg.temperature, with_entropy=True)
+            logprobs, entropy = token_logprobs(model, mb, cfg.temperature, with_entropy=True, chunk_tokens=cfg.chunk_tokens)
             old = logprobs.detach() if old_logprobs[i] is None else old_logprobs[i]  # None: π_old = π_θ now
             loss, stats = policy_loss(logprobs, old, mb.behavior_logprobs, mb.advantages, mb.mask,
                                       cfg.loss, denominator=loss_den)  # fmt: skip

@@ -91,17 +91,22 @@ def fsdp_worker(rank, world, port, model_dir, cases, out_path, micro_batch_size)
     d = init_distributed("cpu", timeout_s=120)
     results = []
     try:
-        for groups, loss_cfg, optimizer, lr, recompute in cases:
-            model = build_model(model_dir, d)
+        for groups, loss_cfg, optimizer, lr, recompute, opts in cases:
+            model = build_model(model_dir, d, mixed_precision=opts.get("mp", "float32"),
+                                activation_checkpointing=opts.get("ac", False),
+                                packing=opts.get("max_tokens", 0) > 0 and not opts.get("dense"))  # fmt: skip
             opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
                    else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))  # fmt: skip
             rows = build_rows(groups, "grpo").rows
-            micro = micro_batches(rows, d.rank, d.world, 1, micro_batch_size, 0, d.device)
-            old = recompute_logprobs(model, micro, 1.0) if recompute else [None] * len(micro)  # None: in-step π_old
-            stats = policy_step(model, opt, micro, old, [None] * len(micro), StepConfig(loss=loss_cfg, grad_clip=CLIP),
-                                d.device)  # fmt: skip
+            micro = micro_batches(rows, d.rank, d.world, 1, micro_batch_size, 0, d.device, opts.get("max_tokens", 0))
+            chunk = opts.get("chunk", 0)
+            old = recompute_logprobs(model, micro, 1.0, chunk) if recompute else [None] * len(micro)  # None: in-step π_old
+            stats = policy_step(model, opt, micro, old, [None] * len(micro),
+                                StepConfig(loss=loss_cfg, grad_clip=CLIP, chunk_tokens=chunk), d.device)  # fmt: skip
             state = full_state_dict(model)
-            results.append({"state": state, "stats": stats})
+            results.append({"state": state, "stats": stats, "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                            "micro": len(micro), "attention": model.config._attn_implementation,
+                            "packed": all(mb.packed for mb in micro)})  # fmt: skip
         if d.is_main:
             torch.save(results, out_path)
     finally:
@@ -114,9 +119,11 @@ def fsdp_results(tiny, tmp_path_factory):
     from buffer.server import free_port
 
     groups, groups_lr0 = engine_groups(tiny), engine_groups(tiny, seed=1)
-    cases = [(groups, LossConfig(agg=agg, max_tokens=8), "sgd", LR, True) for agg in AGGS]
-    cases.append((groups, LossConfig(agg="token_mean"), "sgd", LR, False))  # the loop's one-minibatch path
-    cases.append((groups_lr0, LossConfig(is_correction="tis"), "adamw", 0.0, True))
+    cases = [(groups, LossConfig(agg=agg, max_tokens=8), "sgd", LR, True, {}) for agg in AGGS]
+    cases.append((groups, LossConfig(agg="token_mean"), "sgd", LR, False, {}))  # the loop's one-minibatch path
+    cases += [(groups, LossConfig(agg=VARIANTS[v][0], max_tokens=8), "sgd", LR, True, VARIANTS[v][1]) for v in VARIANTS]
+    cases.append((groups, LossConfig(agg="token_mean"), "sgd", LR, True, {"mp": "bfloat16", "chunk": 3}))
+    cases.append((groups_lr0, LossConfig(is_correction="tis"), "adamw", 0.0, True, {}))
     out = tmp_path_factory.mktemp("fsdp") / "results.pt"
     port, world = free_port(), 2
     ctx = mp.get_context("spawn")
@@ -130,7 +137,16 @@ def fsdp_results(tiny, tmp_path_factory):
     return groups, groups_lr0, torch.load(out, weights_only=True)
 
 
-CASES = [*AGGS, "token_mean-in-step-old"]
+# chunked log-probs, packed micro-batches (a budget of 20 tokens: 2-3 samples a bin, bins per rank
+# differ and are evened out; per-sample SDPA segments, or transformers' dense block-diagonal mask)
+# and activation checkpointing: each the plain step's update too
+VARIANTS = {"token_mean-chunked": ("token_mean", {"chunk": 3}),
+            "token_mean-packed": ("token_mean", {"max_tokens": 20}),
+            "token_mean-packed-dense-mask": ("token_mean", {"max_tokens": 20, "dense": True}),
+            "seq_mean_token_mean-packed": ("seq_mean_token_mean", {"max_tokens": 20}),
+            "seq_mean_token_sum_norm-packed-chunked": ("seq_mean_token_sum_norm", {"max_tokens": 20, "chunk": 5}),
+            "token_mean-checkpointed-packed-chunked": ("token_mean", {"ac": True, "max_tokens": 20, "chunk": 3})}  # fmt: skip
+CASES = [*AGGS, "token_mean-in-step-old", *VARIANTS]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=CASES)
@@ -142,6 +158,9 @@ def test_fsdp_step_equals_plain_synchronous_step(tiny, fsdp_results, case):
     groups, _, results = fsdp_results
     expected, norm, loss = plain_step(tiny, groups, LossConfig(agg=CASES[case].split("-")[0], max_tokens=8))
     got = results[case]
+    assert got["packed"] == ("packed" in CASES[case])
+    # packed rows attend per sample segment (trainer/attention.py), or under transformers' block-diagonal mask
+    assert got["attention"] == ("asyncrl_segments" if "packed" in CASES[case] and "dense" not in CASES[case] else "sdpa")
     initial = load_file(tiny / "model.safetensors")
     assert got["stats"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert norm > CLIP  # clipping was active in both
@@ -167,6 +186,29 @@ def test_lr_zero_gives_unit_is_weights_and_zero_mismatch(tiny, fsdp_results):
     initial = load_file(tiny / "model.safetensors")
     for name, value in state.items():
         assert torch.equal(value, initial[name]), name  # lr 0: AdamW (with weight decay) leaves them as they were
+
+
+def test_bf16_compute_keeps_fp32_master_weights(tiny, fsdp_results):
+    """FSDP2 mixed precision: bf16 forward/backward, fp32 sharded parameters and update. The
+    step lands near the fp32 one (bf16 rounding of activations, fp32 softmax of the log-probs)
+    and the weights keep fp32 precision (not rounded to bf16)."""
+    from safetensors.torch import load_file
+
+    groups, _, results = fsdp_results
+    got = results[-2]
+    assert got["param_dtypes"] == ["torch.float32"]  # the sharded master weights
+    expected, _, loss = plain_step(tiny, groups, LossConfig(agg="token_mean"))
+    initial = load_file(tiny / "model.safetensors")
+    assert got["stats"]["loss"] == pytest.approx(loss, rel=0.05, abs=1e-3)
+    delta_err = delta_norm = 0.0
+    for name, value in got["state"].items():
+        assert value.dtype == torch.float32, name
+        delta_err += float(((value - initial[name]) - (expected[name] - initial[name])).pow(2).sum())
+        delta_norm += float((expected[name] - initial[name]).pow(2).sum())
+    assert delta_err**0.5 < 0.1 * delta_norm**0.5  # the same update to bf16 precision
+    assert delta_err > 0  # it really computed in bf16
+    moved = torch.cat([v.flatten() for v in got["state"].values()])
+    assert (moved != moved.bfloat16().float()).any()  # fp32 master weights, not bf16-rounded ones
 
 
 def test_in_step_old_logprobs_need_a_single_minibatch():

@@ -108,7 +108,8 @@ def test_record_logs_every_step_figure_and_finished_evaluations(tmp_path):
     taken = Taken(groups=[g0, g1], staleness=[0, 2], dropped=["s1"], discarded=["z1"])
     rows = build_rows(taken.groups, "grpo")
     stats = {"loss": 0.5, "clip_frac": 0.125, "is_weight_mean": 1.0, "is_weight_max": 2.0, "is_masked_frac": 0.0,
-             "mismatch_kl": 0.01, "approx_kl": 0.02, "entropy": 1.5, "ref_kl": 0.0, "grad_norm": 3.0, "tokens": 30.0}  # fmt: skip
+             "mismatch_kl": 0.01, "approx_kl": 0.02, "entropy": 1.5, "ref_kl": 0.0, "grad_norm": 3.0, "tokens": 30.0,
+             "lr": 2.5e-7}  # fmt: skip
     evals = [EVAL, {**EVAL, "eval_id": "e-2", "version": 2, "accuracy": 0.75},  # same name: waits a step
              {**EVAL, "eval_id": "e-3", "name": "math", "accuracy": 0.25},
              {**EVAL, "eval_id": "e-4", "name": "math", "state": "running"}]  # fmt: skip
@@ -125,7 +126,7 @@ def test_record_logs_every_step_figure_and_finished_evaluations(tmp_path):
         "train/reward_mean": 2.0 / 6,  # (0 + .25 + .5 + .75 + 0 + .5) / 6 samples
         "train/loss": 0.5, "train/clip_fraction": 0.125, "train/is_weight_mean": 1, "train/is_weight_max": 2,
         "train/is_masked_fraction": 0, "train/mismatch_kl": 0.01, "train/approx_kl": 0.02, "train/entropy": 1.5,
-        "train/ref_kl": 0, "train/grad_norm": 3,
+        "train/ref_kl": 0, "train/grad_norm": 3, "train/lr": 2.5e-7,
         "perf/tokens": 30, "perf/tokens_per_second": 20,  # 30 tokens / (2.0 s - 0.5 s waiting)
         "perf/step_seconds": 2, "perf/wait_seconds": 0.5, "perf/recompute_seconds": 0.25,
         "data/staleness_mean": 1, "data/staleness_max": 2,
@@ -278,6 +279,8 @@ output_dir = "{out}"
 batch_groups = 2
 max_staleness = 4
 max_steps = 2
+lr = 3e-7
+lr_warmup_steps = 4
 micro_batch_size = 4
 publish = "none"
 block_ms = 200
@@ -301,7 +304,7 @@ tags = ["integration"]
 
     audit = [json.loads(line) for line in (out / "trained.jsonl").read_text().splitlines()]
     trained = {e["version"]: e["groups"] for e in audit if e["event"] == "step"}
-    logged = {e["version"]: e["reward_mean"] for e in (json.loads(ln) for ln in res.stderr.splitlines() if ln.startswith("{"))
+    logged = {e["version"]: e for e in (json.loads(ln) for ln in res.stderr.splitlines() if ln.startswith("{"))
               if e.get("msg") == "step"}  # fmt: skip
     records, summary = inspect(out)
     rows = history(records)
@@ -311,7 +314,10 @@ tags = ["integration"]
         # v=2 g2, g3 (3.75 / 8 = 0.46875); the audit log says which groups each version took
         expected = sum(r for g in gids for r in groups[g]) / (4 * len(gids))
         assert rows[v]["train/reward_mean"] == pytest.approx(expected, rel=1e-12)
-        assert logged[v] == pytest.approx(rows[v]["train/reward_mean"], abs=1e-6)  # the trainer's log line, rounded
+        assert logged[v]["reward_mean"] == pytest.approx(rows[v]["train/reward_mean"], abs=1e-6)  # the log line, rounded
+        # warmup over 4 versions: update v uses 3e-7 · v / 4 (trainer/schedule.py)
+        assert rows[v]["train/lr"] == pytest.approx(3e-7 * v / 4, rel=1e-12)
+        assert logged[v]["lr"] == pytest.approx(3e-7 * v / 4, rel=1e-5)
         assert rows[v]["data/groups_trained"] == 2 and rows[v]["data/response_length_mean"] == 4.5
     assert summary["exit_code"] == 0 and summary["state"] == "finished"
     assert summary["config"]["meta"]["run_id"] == run_id and summary["config"]["meta"]["world_size"] == 1

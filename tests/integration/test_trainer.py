@@ -219,10 +219,14 @@ is_correction = "tis"
     # ---- published weights reload bit-identically in a fresh process
     info = Weights(buf).latest()
     assert (info.version, info.epoch, info.method) == (STEPS, 1, "disk")
-    ckpt = out / "checkpoints" / f"step_{STEPS:08d}" / "state.pt"
     import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    trained_state = torch.load(ckpt, weights_only=True)["model"]
+    # the sharded checkpoint: each rank wrote its own file; gathered offline into one state dict
+    final_ckpt = out / "checkpoints" / f"step_{STEPS:08d}"
+    assert {p.name for p in final_ckpt.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    dcp_to_torch_save(final_ckpt, tmp_path / "final.pt")
+    trained_state = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
     script = (
         "import hashlib, json, sys, torch; torch.set_num_threads(1);"
         "from transformers import AutoModelForCausalLM;"
@@ -283,7 +287,7 @@ device = "cpu"
         kill_tree(process_tree(proc.pid))
     events = read_audit(audit)
     assert [e["version"] for e in events if e["event"] == "checkpoint"] == [2]
-    assert (out / "checkpoints" / "step_00000002" / "state.pt").exists()
+    assert (out / "checkpoints" / "step_00000002" / "meta.json").exists()
     numbers = stats(buf)
     # g0-g3 trained and acked; g4 (taken, not trained) was handed back to the stream's pending
     # list and is reclaimed by the next start

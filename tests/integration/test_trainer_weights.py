@@ -11,6 +11,7 @@ import torch
 
 from trainer.checkpoint import Checkpointer
 from trainer.model import build_model, full_state_dict, init_distributed
+from trainer.schedule import build_scheduler
 from trainer.weights import BroadcastPublisher, WeightSyncError, cast_state
 
 torch.set_num_threads(1)
@@ -32,17 +33,19 @@ def perturbed(state: dict[str, torch.Tensor], delta: float) -> dict[str, torch.T
 def test_checkpoint_round_trip_restores_model_optimizer_rng(tiny, tmp_path, dist1):
     model = build_model(tiny, dist1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = build_scheduler(opt, "cosine", warmup_steps=1, decay_steps=4)
     ids = torch.randint(3, 40, (2, 8))
 
     def step():
         model(input_ids=ids).logits.square().mean().backward()
         opt.step()
         opt.zero_grad()
+        sched.step()
 
     step()
     ck = Checkpointer(tmp_path / "ck", dist1, keep=1)
     torch.manual_seed(123)
-    path = ck.save(model, opt, 7, ["g1", "g2"])
+    path = ck.save(model, opt, sched, 7, ["g1", "g2"])
     saved_model = {k: v.clone() for k, v in full_state_dict(model).items()}
     saved_adam = {k: v["exp_avg"].full_tensor().clone() for k, v in _named_optim_state(model, opt).items()}
     after_save = torch.rand(3)
@@ -51,15 +54,29 @@ def test_checkpoint_round_trip_restores_model_optimizer_rng(tiny, tmp_path, dist
     torch.rand(5)
     assert not torch.equal(full_state_dict(model)["model.norm.weight"], saved_model["model.norm.weight"])
 
-    meta = ck.load(model, opt)
+    meta = ck.load(model, opt, sched)
     assert (meta.version, meta.consumed_ids, meta.path) == (7, ["g1", "g2"], path)
     for k, v in full_state_dict(model).items():
         assert torch.equal(v, saved_model[k]), k
     for k, v in _named_optim_state(model, opt).items():
         assert torch.equal(v["exp_avg"].full_tensor(), saved_adam[k]), k
     assert torch.equal(torch.rand(3), after_save)  # RNG continues where the checkpoint was taken
-    ck.save(model, opt, 9, [])
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.75)  # update 2 of 4
+    ck.save(model, opt, sched, 9, [])
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_00000009"]  # keep=1 pruned 7
+
+
+def test_a_checkpoint_without_dcp_metadata_is_refused(tiny, tmp_path, dist1):
+    """A full `state.pt` checkpoint of the format before sharding (or a directory this rank cannot
+    see) is an error, not a silent fresh start that would retrain acked groups."""
+    model = build_model(tiny, dist1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    old = tmp_path / "ck" / "step_00000004"
+    old.mkdir(parents=True)
+    (old / "meta.json").write_text(json.dumps({"version": 4, "consumed_ids": ["g1"]}))
+    torch.save({"model": {}}, old / "state.pt")
+    with pytest.raises(RuntimeError, match=r"ranks \[0\] find no .*step_00000004/.metadata"):
+        Checkpointer(tmp_path / "ck", dist1).load(model, opt, build_scheduler(opt, "constant"))
 
 
 def _named_optim_state(model, opt):

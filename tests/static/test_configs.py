@@ -46,7 +46,7 @@ def test_run_config_validates_for_every_service(path):
 
 def test_launcher_plans_the_topology_in_start_order(tmp_path):
     raw = tomllib.loads((Path(__file__).resolve().parents[2] / "configs" / "math.toml").read_text())
-    raw["launch"].update(engines=2, rollout_replicas=2, reward_replicas=1)
+    raw["launch"].update(engines=2, rollout_replicas=2, reward_replicas=1, gpus=0)  # any machine: no GPU placement
     raw["run"]["redis_url"] = "redis://127.0.0.1:1/0"
     launcher = Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
     stages = [[p.name for p in stage] for stage in launcher.plan()]

@@ -14,7 +14,7 @@ import torch
 from factories import edit_sample
 
 from proto import Group, Sample
-from trainer.batch import Shaping, build_rows, collate, shard_rows, zero_spread_groups
+from trainer.batch import Shaping, build_rows, collate, collate_packed, shard_rows, zero_spread_groups
 
 torch.set_num_threads(1)
 
@@ -69,13 +69,47 @@ def test_shards_and_padded_tensors(group):
     # L = max(3+2, 3+3, 1) = 6, T = 3
     assert b.input_ids.tolist() == [[1, 5, 6, 7, 8, 0], [1, 5, 6, 10, 11, 12], [0, 0, 0, 0, 0, 0]]
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]]
-    # logits at position len(prompt) − 1 + t predict completion token t
-    assert b.logit_pos.tolist() == [[2, 3, 0], [2, 3, 4], [0, 0, 0]]
+    # the hidden state at position len(prompt) − 1 + t (of row i: flat i·L + …) predicts completion token t
+    assert b.token_index.tolist() == [[2, 3, 0], [8, 9, 10], [0, 0, 0]]
+    assert b.present.tolist() == [[True, True, False], [True, True, True], [False, False, False]]
+    assert b.position_ids is None and not b.packed
     assert b.targets.tolist() == [[7, 8, 0], [10, 11, 12], [0, 0, 0]]
     assert b.mask.tolist() == [[1, 1, 0], [0, 0, 0], [0, 0, 0]]  # the timed-out sample is masked
     assert b.behavior_logprobs.tolist() == [[-0.5, -0.5, 0.0], [-0.5, -0.5, -0.5], [0.0, 0.0, 0.0]]
     assert b.advantages[0, :2].tolist() == pytest.approx([0.7071058] * 2, abs=1e-6)
     assert b.real_rows == 2
+
+
+def test_packed_tensors(group):
+    rows = build_rows([group], "grpo").rows
+    b = collate_packed([rows[0], None, rows[2]], pad_id=0)
+    # one row, the two samples back to back (the filler row left out), positions restarting at 0
+    assert b.input_ids.tolist() == [[1, 5, 6, 7, 8, 1, 5, 6, 10, 11, 12]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]]
+    assert b.attention_mask is None and b.packed
+    assert b.token_index.tolist() == [[2, 3, 0], [7, 8, 9]]
+    assert b.present.tolist() == [[True, True, False], [True, True, True]]
+    assert b.targets.tolist() == [[7, 8, 0], [10, 11, 12]]
+    assert b.mask.tolist() == [[1, 1, 0], [0, 0, 0]]
+    assert b.real_rows == 2
+    empty = collate_packed([None, None], pad_id=0)
+    assert empty.input_ids.tolist() == [[0]] and empty.real_rows == 0 and not empty.present.any()
+
+
+def test_pack_first_fit_decreasing_within_budget():
+    from trainer.batch import pack
+
+    lengths = [3, 40, 5, 38, 4, 36, 6, 30, 2, 41, 7, 33, 3, 29, 5, 35]
+    rows = _rows_of_lengths(lengths)
+    total = [len(r.prompt_tokens) + len(r.completion_ids) for r in rows]
+    bins = pack(rows, 64)
+    assert sorted(id(r) for b in bins for r in b) == sorted(id(r) for r in rows)  # every row exactly once
+    sizes = [sum(len(r.prompt_tokens) + len(r.completion_ids) for r in b) for b in bins]
+    assert max(sizes) <= 64
+    assert -(-sum(total) // 64) <= len(bins) <= -(-sum(total) // 64) + 1, sizes  # at most one bin over the bound
+    alone = pack(rows, 20)  # rows longer than the budget get a bin each, never split
+    assert all(len(b) == 1 for b in alone if len(b[0].prompt_tokens) + len(b[0].completion_ids) > 20)
+    assert sum(len(b) for b in alone) == len(rows)
 
 
 def _rows_of_lengths(lengths, seed=0):

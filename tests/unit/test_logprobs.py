@@ -1,0 +1,262 @@
+"""Log-probs and entropy from hidden states (trainer/logprobs.py), packed micro-batches and
+activation checkpointing: each must give today's unchunked, padded, uncheckpointed result.
+
+Single process on plain (unsharded) tiny models; the same equivalences under FSDP2 on 2 gloo
+ranks are in tests/integration/test_parity.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from proto import Group, Sample
+from trainer.batch import build_rows, collate, collate_packed, micro_batches, token_logprobs
+from trainer.logprobs import check_linear_head, head_logprobs
+from trainer.losses import LossConfig, aggregate, entropy_bonus, kl_penalty, policy_loss
+from trainer.step import StepConfig, policy_step
+
+CPU = torch.device("cpu")
+
+
+def _head_case(seed=0, k=37, d=16, v=50, bias=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(k, d, generator=g, dtype=dtype)
+    w = torch.randn(v, d, generator=g, dtype=dtype) / d**0.5
+    b = torch.randn(v, generator=g, dtype=dtype) if bias else None
+    y = torch.randint(0, v, (k,), generator=g)
+    return h, w, b, y
+
+
+def _grads(h, w, b, y, chunk, temperature, weights):
+    leaves = [t.clone().requires_grad_(True) for t in (h, w) + ((b,) if b is not None else ())]
+    lp, ent = head_logprobs(leaves[0], leaves[1], leaves[2] if b is not None else None, y, temperature, chunk, True)
+    loss = (lp * weights[0]).sum() + (ent * weights[1]).sum()
+    loss.backward()
+    return lp.detach(), ent.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 37, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_head_equals_full_logits_values_and_grads(chunk, bias):
+    h, w, b, y = _head_case(bias=bias)
+    g = torch.Generator().manual_seed(1)
+    weights = (torch.randn(37, generator=g), torch.randn(37, generator=g))
+    lp0, ent0, grads0 = _grads(h, w, b, y, 0, 0.7, weights)
+    lp1, ent1, grads1 = _grads(h, w, b, y, chunk, 0.7, weights)
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent1, ent0, rtol=0, atol=1e-5)
+    for a, c in zip(grads1, grads0):
+        assert c.abs().max() > 1e-3  # the gradient is not trivially zero
+        torch.testing.assert_close(a, c, rtol=0, atol=1e-5)
+
+
+def test_chunked_head_matches_a_float64_reference():
+    """Not just self-consistent: the fp32 chunked values and grads are the float64 softmax's."""
+    h, w, _, y = _head_case(seed=3, k=20, v=300)
+    weights = (torch.ones(20), torch.full((20,), 0.3))
+    lp, ent, (gh, gw) = _grads(h, w, None, y, 6, 1.3, weights)
+    h64, w64 = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    logp = torch.log_softmax(h64 @ w64.t() / 1.3, -1)
+    lp64, ent64 = logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    (lp64.sum() + 0.3 * ent64.sum()).backward()
+    torch.testing.assert_close(lp.double(), lp64.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ent64.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(gh.double(), h64.grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(gw.double(), w64.grad, rtol=0, atol=1e-5)
+
+
+def test_chunked_head_entropy_only_or_logprob_only_gradients():
+    h, w, _, y = _head_case(seed=2)
+    for weights in ((torch.ones(37), torch.zeros(37)), (torch.zeros(37), torch.ones(37))):
+        _, _, g0 = _grads(h, w, None, y, 0, 1.0, weights)
+        _, _, g1 = _grads(h, w, None, y, 7, 1.0, weights)
+        for a, c in zip(g1, g0):
+            torch.testing.assert_close(a, c, rtol=0, atol=1e-5)
+    # no entropy asked: None, and the log-prob gradient alone
+    hh = h.clone().requires_grad_(True)
+    lp, ent = head_logprobs(hh, w, None, y, 1.0, 7, False)
+    assert ent is None
+    lp.sum().backward()
+    _, _, (gh, _) = _grads(h, w, None, y, 0, 1.0, (torch.ones(37), torch.zeros(37)))
+    torch.testing.assert_close(hh.grad, gh, rtol=0, atol=1e-5)
+
+
+def test_empty_selection_gives_empty_outputs_and_zero_grads():
+    h, w, _, y = _head_case()
+    hh, ww = h[:0].clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = head_logprobs(hh, ww, None, y[:0], 1.0, 4, True)
+    assert lp.shape == ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert ww.grad is not None and float(ww.grad.abs().max()) == 0.0
+
+
+def test_bf16_compute_keeps_fp32_softmax_and_matches_fp32_within_bf16_error():
+    """The documented numeric path: matmul in the compute dtype, log-softmax and entropy in fp32."""
+    h, w, _, y = _head_case(seed=4, k=24, d=32, v=500)
+    lp32, ent32 = head_logprobs(h, w, None, y, 1.0, 0, True)
+    hb, wb = h.bfloat16(), w.bfloat16()
+    full = head_logprobs(hb, wb, None, y, 1.0, 0, True)
+    chunked = head_logprobs(hb, wb, None, y, 1.0, 5, True)
+    for (lp, ent) in (full, chunked):
+        assert lp.dtype == ent.dtype == torch.float32
+        torch.testing.assert_close(lp, lp32, rtol=0, atol=0.1)  # bf16 logits: ~3 significant digits
+        torch.testing.assert_close(ent, ent32, rtol=0, atol=0.1)
+    torch.testing.assert_close(chunked[0], full[0], rtol=0, atol=1e-5)  # chunking changes nothing
+    assert float((full[0] - lp32).abs().max()) > 0  # it really ran in bf16
+    hb.requires_grad_(True)
+    head_logprobs(hb, wb.requires_grad_(True), None, y, 1.0, 5, True)[0].sum().backward()
+    assert hb.grad.dtype == torch.bfloat16 and wb.grad.dtype == torch.bfloat16
+
+
+def test_models_with_a_non_linear_head_are_refused(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    check_linear_head(model)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        check_linear_head(model)
+
+
+# ---------------------------------------------------------------- whole model: losses, packing, checkpointing
+def _groups(seed=0, n_groups=3, n=4) -> list[Group]:
+    rng = np.random.default_rng(seed)
+    groups = []
+    for gi in range(n_groups):
+        prompt = np.array([1, *rng.integers(3, 40, int(rng.integers(2, 9)))], np.int32)
+        samples = []
+        for i in range(n):
+            m = int(rng.integers(1, 12))
+            samples.append(Sample(prompt_id=f"p{gi}", index=i, completion_ids=rng.integers(3, 40, m).astype(np.int32),
+                                  behavior_logprobs=rng.uniform(-4, -2, m).astype(np.float32),
+                                  versions=np.zeros(m, np.int32), finish_reason="length",
+                                  reward=float(rng.integers(0, 3)), reward_status="scored"))  # fmt: skip
+        groups.append(Group.build(group_id=f"g{gi}", job_id="j", prompt_tokens=prompt, reward_spec={"verifier": "reverse"},
+                                  samples=samples, submit_version=0))  # fmt: skip
+    return groups
+
+
+def _model(path, checkpointing=False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if checkpointing:
+        from trainer.model import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)
+    model.train()
+    return model
+
+
+def _param_grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+LOSSES = [LossConfig(kind="ppo"), LossConfig(kind="gspo", agg="seq_mean_token_mean"), LossConfig(kind="cispo"),
+          LossConfig(kind="ppo", agg="seq_mean_token_sum_norm", max_tokens=16, is_correction="geo_mask")]  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_cfg", LOSSES, ids=lambda c: f"{c.kind}-{c.agg}")
+def test_every_loss_term_has_the_unchunked_gradient(tiny, loss_cfg):
+    """Policy loss + entropy bonus + KL to a reference model, chunked vs all logits at once."""
+    rows = build_rows(_groups(), "grpo").rows
+    batch = collate(rows, pad_id=0)
+    ref_lp, _ = token_logprobs(_model(tiny), batch)  # a "reference model": the same weights, detached
+    ref_lp = ref_lp.detach() - 0.05
+    out = []
+    for chunk in (0, 7):
+        model = _model(tiny)
+        lp, ent = token_logprobs(model, batch, 0.9, with_entropy=True, chunk_tokens=chunk)
+        loss, _ = policy_loss(lp, lp.detach() + 0.1, batch.behavior_logprobs, batch.advantages, batch.mask, loss_cfg)
+        loss = loss + entropy_bonus(ent, batch.mask, 0.01) + 0.1 * aggregate(kl_penalty(lp, ref_lp, batch.mask),
+                                                                               batch.mask, "token_mean")  # fmt: skip
+        loss.backward()
+        out.append((float(loss.detach()), _param_grads(model)))
+    assert out[0][0] == pytest.approx(out[1][0], abs=1e-6)
+    assert out[0][1].keys() == out[1][1].keys()
+    for name, g in out[0][1].items():
+        torch.testing.assert_close(out[1][1][name], g, rtol=0, atol=1e-5, msg=name)
+    assert max(float(g.abs().max()) for g in out[0][1].values()) > 1e-3
+
+
+def _step(path, micro, loss_cfg, checkpointing=False, chunk=0):
+    torch.manual_seed(0)
+    model = _model(path, checkpointing)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    cfg = StepConfig(loss=loss_cfg, grad_clip=1e9, entropy_coef=0.01, chunk_tokens=chunk)
+    stats = policy_step(model, opt, micro, [None] * len(micro), [None] * len(micro), cfg, CPU)
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
+
+
+AGGS = [LossConfig(agg="token_mean"), LossConfig(agg="seq_mean_token_mean"),
+        LossConfig(agg="seq_mean_token_sum_norm", max_tokens=12), LossConfig(kind="gspo")]  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_cfg", AGGS, ids=lambda c: f"{c.kind}-{c.agg}")
+def test_packed_micro_batches_give_the_padded_update(tiny, loss_cfg):
+    rows = build_rows(_groups(seed=5), "grpo").rows
+    padded = micro_batches(rows, 0, 1, 1, 4, 0, CPU)
+    base, stats0 = _step(tiny, padded, loss_cfg)
+    before = torch.cat([p.detach().flatten() for p in _model(tiny).parameters()])
+    assert (base - before).abs().max() > 1e-4  # the step moved the weights
+    for budget in (24, 64, 10_000):
+        packed = micro_batches(rows, 0, 1, 1, 4, 0, CPU, max_tokens=budget)
+        assert all(b.packed and b.input_ids.shape[0] == 1 for b in packed)
+        assert sum(b.real_rows for b in packed) == len(rows)
+        after, stats1 = _step(tiny, packed, loss_cfg)
+        torch.testing.assert_close(after, base, rtol=0, atol=1e-5)
+        assert stats1["loss"] == pytest.approx(stats0["loss"], abs=1e-6)
+        assert stats1["entropy"] == pytest.approx(stats0["entropy"], abs=1e-5)
+    assert len(micro_batches(rows, 0, 1, 1, 4, 0, CPU, max_tokens=24)) > len(padded)  # small budgets: more bins
+
+
+def test_packed_attention_never_crosses_samples(tiny):
+    """A sample's log-probs in a pack are its log-probs alone, whatever is packed before it."""
+    rows = build_rows(_groups(seed=6), "grpo").rows
+    model = _model(tiny)
+    alone = [token_logprobs(model, collate([r], 0))[0][0] for r in rows[:4]]
+    packed, _ = token_logprobs(model, collate_packed(rows[:4], 0))
+    for i, lp in enumerate(alone):
+        torch.testing.assert_close(packed[i, : len(lp)], lp, rtol=0, atol=1e-5)
+    shuffled, _ = token_logprobs(model, collate_packed(rows[:4][::-1], 0))
+    torch.testing.assert_close(shuffled.flip(0), packed, rtol=0, atol=1e-5)
+
+
+def test_activation_checkpointing_gives_the_same_update(tiny):
+    rows = build_rows(_groups(seed=7), "grpo").rows
+    for layout in (micro_batches(rows, 0, 1, 1, 5, 0, CPU), micro_batches(rows, 0, 1, 1, 5, 0, CPU, max_tokens=40)):
+        base, _ = _step(tiny, layout, LossConfig(), chunk=4)
+        after, _ = _step(tiny, layout, LossConfig(), checkpointing=True, chunk=4)
+        torch.testing.assert_close(after, base, rtol=0, atol=1e-6)
+    model = _model(tiny, checkpointing=True)
+    assert all(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers)
+
+
+def test_segment_attention_is_causal_attention_within_each_sample():
+    from trainer.attention import segment_attention, segment_bounds
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert segment_bounds(positions[0]) == [(0, 3), (3, 5), (5, 9)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 9, 8, generator=g) for h in (4, 2, 2))  # GQA: 4 query heads, 2 key/value heads
+    out, _ = segment_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, position_ids=positions)
+    assert out.shape == (1, 9, 4, 8)
+    for s, e in segment_bounds(positions[0]):  # eager reference, one sample at a time
+        kk, vv = k[0, :, s:e].repeat_interleave(2, 0), v[0, :, s:e].repeat_interleave(2, 0)
+        scores = q[0, :, s:e] @ kk.transpose(-1, -2) * 0.3
+        scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
+        want = torch.softmax(scores, -1) @ vv
+        torch.testing.assert_close(out[0, s:e].transpose(0, 1), want, rtol=0, atol=1e-5)
+
+
+def test_segment_attention_model_gives_each_sample_its_own_logprobs(tiny):
+    from trainer.attention import NAME, use_segment_attention
+
+    rows = build_rows(_groups(seed=8), "grpo").rows
+    plain, seg = _model(tiny), _model(tiny)
+    use_segment_attention(seg)
+    assert seg.config._attn_implementation == NAME and plain.config._attn_implementation == "sdpa"
+    want, _ = token_logprobs(plain, collate(rows, 0))
+    torch.testing.assert_close(token_logprobs(seg, collate_packed(rows, 0))[0], want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(token_logprobs(seg, collate(rows, 0))[0], want, rtol=0, atol=1e-5)  # padded: SDPA
