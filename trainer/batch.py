@@ -226,8 +226,9 @@ def micro_batches(rows: list[Row], rank: int, world: int, minibatches: int, micr
 
     `max_tokens` = 0: padded micro-batches of `micro_batch_size` rows, longest first, so each
     pads to rows of similar length. `max_tokens` > 0: packed micro-batches of at most that many
-    tokens (`pack`), no padding; ranks with fewer bins run empty ones. The loss is the same
-    either way: its denominators are the whole minibatch's."""
+    tokens (`pack`), no padding; every minibatch gets as many bins as the fullest one on any rank
+    (the others run empty ones). The loss is the same either way: its denominators are the
+    whole minibatch's."""
     mine = shard_rows(rows, rank, world, multiple=minibatches)
     per_mb = len(mine) // minibatches
     chunks = [sorted(mine[m * per_mb : (m + 1) * per_mb], key=_row_length, reverse=True) for m in range(minibatches)]
@@ -235,14 +236,12 @@ def micro_batches(rows: list[Row], rank: int, world: int, minibatches: int, micr
         return [collate(c[i : i + micro_batch_size], pad_id).to(device)
                 for c in chunks for i in range(0, len(c), micro_batch_size)]  # fmt: skip
     bins = [pack([r for r in c if r is not None], max_tokens) for c in chunks]
-    counts = torch.tensor([len(b) for b in bins], dtype=torch.long)
+    most = torch.tensor([max(len(b) for b in bins)], dtype=torch.long)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        counts = counts.to(device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    out = []
-    for b, n in zip(bins, counts.tolist()):
-        out += [collate_packed(rows_, pad_id).to(device) for rows_ in b + [[None]] * (n - len(b))]
-    return out
+        most = most.to(device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    n = max(int(most), 1)  # every minibatch on every rank: n bins (policy_step splits micro evenly)
+    return [collate_packed(rows_, pad_id).to(device) for b in bins for rows_ in b + [[None]] * (n - len(b))]
 
 
 def _row_length(row: Row | None) -> int:

@@ -81,8 +81,7 @@ class Parts:
             out = self.broadcast.publish(version, state, self.epoch)
             info = WeightsInfo(version=version, epoch=self.epoch, method="distributed", published_at=time.time(),
                                extra={"group_name": self.broadcast.group_name})  # fmt: skip
-        self.weights.publish(info, rollback=rollback)
-        self.weights.set_version(version)
+        self.weights.publish(info, rollback=rollback, set_version=True)  # announced, then `version` set
         seconds = time.perf_counter() - t0
         tm.PUBLISH_SECONDS.labels(info.method).observe(seconds)
         tm.PUBLISH_BYTES.labels(info.method).inc(out.nbytes)

@@ -94,6 +94,13 @@ class GroupSource:
                 self._read(version, taken, time.monotonic() + self.heartbeat_s)
                 if len(taken.groups) < self.batch_groups:
                     state = STOP if self.stop_requested.is_set() else WAIT
+            if self.d.world == 1:  # no other rank to tell: no encoding, no broadcasts
+                if state == WAIT:
+                    self.heartbeats += 1
+                    tm.HEARTBEATS.inc()
+                    continue
+                taken.stop = state == STOP
+                return taken
             payload = msgspec.msgpack.encode([encode(g) for g in taken.groups]) if self.d.is_main and state == READY else b""
             header = torch.tensor([state, len(payload)], dtype=torch.long)
             broadcast_from_main(self.d, header)

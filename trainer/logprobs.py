@@ -12,8 +12,8 @@ entropy). `chunk_tokens=0` is the plain autograd path, kept as the reference.
 
 Numerics (both paths, any compute dtype): the h·Wᵀ matmul runs in the compute dtype (bf16 on GPU
 under FSDP2 mixed precision, whose master weights stay fp32), everything after it in fp32:
-temperature, logsumexp, softmax, entropy. The chunked backward accumulates dW in fp32 and casts
-once at the end.
+temperature, logsumexp, softmax, entropy. The chunked backward runs dW's GEMM per chunk in the compute dtype and sums
+the chunks in an fp32 buffer ([V, d], cast once at the end).
 
 Positions: the model runs over `input_ids` laid out padded ([N, L] with a padding mask) or
 packed ([1, ΣL] with position ids restarting at 0 per sample); `flat_index` [K] picks the K
@@ -35,8 +35,20 @@ def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) 
     """fp32 logits / τ of a chunk of hidden states (matmul in the compute dtype)."""
     z = h @ weight.t()
     if bias is not None:
-        z = z + bias
-    return z.float() / temperature
+        z += bias
+    z = z.float()  # a no-op in fp32
+    if temperature != 1.0:
+        z /= temperature  # in place: no second [c, V] buffer
+    return z
+
+
+def _shifted_softmax(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(z − max z in place, softmax(z), log Σ e^(z − max z)) with two [c, V] buffers, not four."""
+    z -= z.max(dim=-1, keepdim=True).values
+    p = z.exp()
+    total = p.sum(dim=-1)
+    p /= total[:, None]
+    return z, p, total.log()
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -51,13 +63,13 @@ class _ChunkedHead(torch.autograd.Function):
         lp = torch.empty(k, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(k if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for s in range(0, k, chunk):
-            z = _logits(hidden[s : s + chunk], weight, bias, temperature)
-            lse = torch.logsumexp(z, dim=-1)
-            lp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None])[:, 0] - lse
-            if with_entropy:  # H = lse − Σ p·z
-                ent[s : s + chunk] = lse - torch.linalg.vecdot(torch.exp(z - lse[:, None]), z)
+            z, p, log_sum = _shifted_softmax(_logits(hidden[s : s + chunk], weight, bias, temperature))
+            lp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None])[:, 0] - log_sum
+            if with_entropy:  # H = −Σ p·log p = log Σ e^z' − Σ p·z'  (z' = z − max z)
+                ent[s : s + chunk] = log_sum - torch.linalg.vecdot(p, z)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        ctx.set_materialize_grads(False)  # an output the loss does not use comes back as None: no work for it
         return lp, ent
 
     @staticmethod
@@ -65,6 +77,8 @@ class _ChunkedHead(torch.autograd.Function):
         hidden, weight, bias, targets = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
         use_ent = ctx.with_entropy and grad_ent is not None
+        if grad_lp is None and not use_ent:
+            return None, None, None, None, None, None, None
         if grad_lp is None:
             grad_lp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden)
@@ -72,9 +86,8 @@ class _ChunkedHead(torch.autograd.Function):
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
         for s in range(0, hidden.shape[0], chunk):
             h, y, g_lp = hidden[s : s + chunk], targets[s : s + chunk, None], grad_lp[s : s + chunk, None]
-            logp = _logits(h, weight, bias, t)
-            logp -= torch.logsumexp(logp, dim=-1, keepdim=True)
-            p = logp.exp()
+            logp, p, log_sum = _shifted_softmax(_logits(h, weight, bias, t))
+            logp -= log_sum[:, None]
             # dL/dz = g_lp · (onehot(y) − p) + g_H · (−p · (log p + H)), written into logp's memory
             if use_ent:
                 entropy = -torch.linalg.vecdot(p, logp)
@@ -85,7 +98,10 @@ class _ChunkedHead(torch.autograd.Function):
             g.scatter_add_(-1, y, g_lp)
             g /= t  # z = raw / τ
             grad_h[s : s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_w.addmm_(g.t(), h.float())
+            if weight.dtype == torch.float32:
+                grad_w.addmm_(g.t(), h)
+            else:  # the GEMM in the compute dtype (fp32 accumulation inside it), the chunks summed in fp32
+                grad_w += g.to(weight.dtype).t() @ h
             if grad_b is not None:
                 grad_b += g.sum(0)
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
@@ -109,9 +125,10 @@ def check_linear_head(model: nn.Module) -> None:
     """Refuse models whose logits are not `lm_head(h)`: computing them from the hidden state
     here would silently drop their soft-capping or scaling."""
     config = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling"):
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling",
+                 "lm_head_multiplier", "scale_width"):  # fmt: skip
         value = getattr(config, attr, None)
-        if value not in (None, 1, 1.0):
+        if value is True or (value is not None and value is not False and value != 1):  # True == 1 in Python
             raise ValueError(f"{type(model).__name__} sets {attr}={value}: the trainer supports {SUPPORTED_HEAD}")
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):

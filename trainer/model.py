@@ -145,7 +145,7 @@ def build_model(
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     if packing:
-        packed_attention(model, d.device)
+        packed_attention(model, d.device, DTYPES[mixed_precision])
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
     layers = _decoder_layers(model)
     for layer in layers:
@@ -168,12 +168,13 @@ def build_model(
     return model
 
 
-def packed_attention(model: nn.Module, device: torch.device) -> str:
+def packed_attention(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """Attention that never crosses the samples of a packed row: varlen flash attention on CUDA
-    when flash-attn is installed, else per-sample SDPA segments (trainer/attention.py)."""
+    in bf16/fp16 when flash-attn is installed, else per-sample SDPA segments (trainer/attention.py)."""
     import importlib.util
 
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    flash = dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn") is not None
+    if device.type == "cuda" and flash:
         model.set_attn_implementation("flash_attention_2")
     else:
         from trainer.attention import use_segment_attention

@@ -71,6 +71,8 @@ def policy_step(
     if cfg.minibatches > 1 and any(o is None for o in old_logprobs):
         raise ValueError("old_logprobs may be None only with one minibatch (π_θ moves after the first)")
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if len(micro) % cfg.minibatches:
+        raise ValueError(f"{len(micro)} micro-batches do not split into {cfg.minibatches} equal minibatches")
     per_mb = len(micro) // cfg.minibatches  # micro_batches() makes equal minibatches
     sums = dict.fromkeys((*SUM_METRICS, "entropy", "ref_kl", "tokens", "loss", "grad_norm"), 0.0)
     w_max, t_fb, t_opt = 0.0, 0.0, 0.0

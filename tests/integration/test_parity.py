@@ -147,6 +147,7 @@ VARIANTS = {"token_mean-chunked": ("token_mean", {"chunk": 3}),
             "seq_mean_token_sum_norm-packed-chunked": ("seq_mean_token_sum_norm", {"max_tokens": 20, "chunk": 5}),
             "token_mean-checkpointed-packed-chunked": ("token_mean", {"ac": True, "max_tokens": 20, "chunk": 3})}  # fmt: skip
 CASES = [*AGGS, "token_mean-in-step-old", *VARIANTS]
+RUNS = [*CASES, "bf16", "lr0"]  # the order of fsdp_results' cases
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=CASES)
@@ -176,7 +177,7 @@ def test_fsdp_step_equals_plain_synchronous_step(tiny, fsdp_results, case):
 def test_lr_zero_gives_unit_is_weights_and_zero_mismatch(tiny, fsdp_results):
     from safetensors.torch import load_file
 
-    stats, state = fsdp_results[2][-1]["stats"], fsdp_results[2][-1]["state"]
+    stats, state = fsdp_results[2][RUNS.index("lr0")]["stats"], fsdp_results[2][RUNS.index("lr0")]["state"]
     # the trainer's π_old (batched, padded, sharded) and the engine's μ (unpadded, one by one)
     # agree to float rounding, so ρ = 1 and KL(μ‖π_old) = 0
     assert stats["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
@@ -195,7 +196,7 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny, fsdp_results):
     from safetensors.torch import load_file
 
     groups, _, results = fsdp_results
-    got = results[-2]
+    got = results[RUNS.index("bf16")]
     assert got["param_dtypes"] == ["torch.float32"]  # the sharded master weights
     expected, _, loss = plain_step(tiny, groups, LossConfig(agg="token_mean"))
     initial = load_file(tiny / "model.safetensors")
@@ -205,6 +206,7 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny, fsdp_results):
         assert value.dtype == torch.float32, name
         delta_err += float(((value - initial[name]) - (expected[name] - initial[name])).pow(2).sum())
         delta_norm += float((expected[name] - initial[name]).pow(2).sum())
+    assert len(results) == len(RUNS)
     assert delta_err**0.5 < 0.1 * delta_norm**0.5  # the same update to bf16 precision
     assert delta_err > 0  # it really computed in bf16
     moved = torch.cat([v.flatten() for v in got["state"].values()])

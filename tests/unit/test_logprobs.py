@@ -14,7 +14,7 @@ from proto import Group, Sample
 from trainer.batch import build_rows, collate, collate_packed, micro_batches, token_logprobs
 from trainer.logprobs import check_linear_head, head_logprobs
 from trainer.losses import LossConfig, aggregate, entropy_bonus, kl_penalty, policy_loss
-from trainer.step import StepConfig, policy_step
+from trainer.step import StepConfig, policy_step, recompute_logprobs
 
 CPU = torch.device("cpu")
 
@@ -82,6 +82,19 @@ def test_chunked_head_entropy_only_or_logprob_only_gradients():
     torch.testing.assert_close(hh.grad, gh, rtol=0, atol=1e-5)
 
 
+def test_an_unused_entropy_costs_no_backward_and_changes_nothing():
+    """Asked for but not in the loss: its gradient is None (not zeros) and dh, dW are log-prob's."""
+    h, w, _, y = _head_case(seed=5)
+    grads = []
+    for with_entropy in (True, False):
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        lp, _ = head_logprobs(hh, ww, None, y, 1.0, 6, with_entropy)
+        (lp * torch.linspace(-1, 1, 37)).sum().backward()
+        grads.append((hh.grad, ww.grad))
+    for a, c in zip(*grads):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
 def test_empty_selection_gives_empty_outputs_and_zero_grads():
     h, w, _, y = _head_case()
     hh, ww = h[:0].clone().requires_grad_(True), w.clone().requires_grad_(True)
@@ -116,6 +129,10 @@ def test_models_with_a_non_linear_head_are_refused(tiny):
     check_linear_head(model)
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping"):
+        check_linear_head(model)
+    model.config.final_logit_softcapping = None
+    model.config.scale_width = True  # MiniCPM scales the hidden state before its head
+    with pytest.raises(ValueError, match="scale_width"):
         check_linear_head(model)
 
 
@@ -211,6 +228,35 @@ def test_packed_micro_batches_give_the_padded_update(tiny, loss_cfg):
     assert len(micro_batches(rows, 0, 1, 1, 4, 0, CPU, max_tokens=24)) > len(padded)  # small budgets: more bins
 
 
+def test_packed_minibatches_each_hold_their_own_rows(tiny):
+    """minibatches > 1 with uneven bins: every minibatch gets as many (empty-padded) bins, so each
+    optimizer step trains exactly its rows, as the padded layout does."""
+    rows = build_rows(_groups(seed=5), "grpo").rows
+    for budget in (18, 30):
+        packed = micro_batches(rows, 0, 1, 2, 4, 0, CPU, max_tokens=budget)
+        half = len(packed) // 2
+        assert len(packed) % 2 == 0
+        assert sum(b.real_rows for b in packed[:half]) == sum(b.real_rows for b in packed[half:]) == len(rows) // 2
+        for cfg_minibatches in (2,):
+            base, _ = _step_mb(tiny, micro_batches(rows, 0, 1, 2, 4, 0, CPU), cfg_minibatches)
+            after, _ = _step_mb(tiny, packed, cfg_minibatches)
+            torch.testing.assert_close(after, base, rtol=0, atol=1e-5)
+    one = micro_batches(rows[:1], 0, 1, 2, 4, 0, CPU, max_tokens=64)  # one row, two minibatches
+    assert len(one) == 2 and [b.real_rows for b in one] == [1, 0]
+    with pytest.raises(ValueError, match="equal minibatches"):
+        _step_mb(tiny, one[:1] + one, 2)
+
+
+def _step_mb(path, micro, minibatches):
+    torch.manual_seed(0)
+    model = _model(path)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    cfg = StepConfig(loss=LossConfig(), grad_clip=1e9, minibatches=minibatches, chunk_tokens=5)
+    old = recompute_logprobs(model, micro, 1.0, 5)
+    stats = policy_step(model, opt, micro, old, [None] * len(micro), cfg, CPU)
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
+
+
 def test_packed_attention_never_crosses_samples(tiny):
     """A sample's log-probs in a pack are its log-probs alone, whatever is packed before it."""
     rows = build_rows(_groups(seed=6), "grpo").rows
@@ -229,8 +275,20 @@ def test_activation_checkpointing_gives_the_same_update(tiny):
         base, _ = _step(tiny, layout, LossConfig(), chunk=4)
         after, _ = _step(tiny, layout, LossConfig(), checkpointing=True, chunk=4)
         torch.testing.assert_close(after, base, rtol=0, atol=1e-6)
-    model = _model(tiny, checkpointing=True)
-    assert all(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers)
+    calls = {}
+    for checkpointing in (False, True):  # the recompute really runs: a layer's MLP twice per micro-batch
+        model = _model(tiny, checkpointing)
+        mlp, calls[checkpointing] = model.model.layers[0].mlp, 0
+        forward = mlp.forward  # (module hooks do not fire in a checkpoint's recompute: count the calls)
+
+        def counted(*args, _forward=forward, _key=checkpointing, **kwargs):
+            calls[_key] += 1
+            return _forward(*args, **kwargs)
+
+        mlp.forward = counted
+        lp, _ = token_logprobs(model, collate(rows, 0), chunk_tokens=4)
+        lp.sum().backward()
+    assert calls == {False: 1, True: 2}
 
 
 def test_segment_attention_is_causal_attention_within_each_sample():
@@ -260,3 +318,27 @@ def test_segment_attention_model_gives_each_sample_its_own_logprobs(tiny):
     want, _ = token_logprobs(plain, collate(rows, 0))
     torch.testing.assert_close(token_logprobs(seg, collate_packed(rows, 0))[0], want, rtol=0, atol=1e-5)
     torch.testing.assert_close(token_logprobs(seg, collate(rows, 0))[0], want, rtol=0, atol=1e-5)  # padded: SDPA
+
+
+def test_sliding_window_stays_inside_each_packed_sample(tmp_path):
+    """A sliding-window model (Mistral) packed: each sample sees only its own last `window` keys."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from trainer.attention import use_segment_attention
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, sliding_window=3, max_position_embeddings=64)  # fmt: skip
+    MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    plain, seg = _model(tmp_path), _model(tmp_path)
+    use_segment_attention(seg)
+    rows = [r for r in build_rows(_groups(seed=9), "grpo").rows if len(r.prompt_tokens) + len(r.completion_ids) > 6]
+    assert len(rows) >= 3
+    want = torch.cat([token_logprobs(plain, collate([r], 0))[0] for r in rows[:1]])  # alone: transformers' own window
+    got, _ = token_logprobs(seg, collate_packed(rows, 0))
+    torch.testing.assert_close(got[0, : want.shape[1]], want[0], rtol=0, atol=1e-5)
+    for i, r in enumerate(rows):
+        alone, _ = token_logprobs(plain, collate([r], 0))
+        torch.testing.assert_close(got[i, : alone.shape[1]], alone[0], rtol=0, atol=1e-5)
+    seg.config.sliding_window = 10_000  # the window mattered: without it the log-probs differ
+    assert (token_logprobs(seg, collate_packed(rows, 0))[0] - got).abs().max() > 1e-3
