@@ -42,6 +42,11 @@ def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) 
     return z
 
 
+def _rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """Σ_j a_ij · b_ij per row as a batched matmul: no [c, V] product in memory."""
+    return (a[:, None, :] @ b[:, :, None]).flatten()
+
+
 def _shifted_softmax(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(z − max z in place, softmax(z), log Σ e^(z − max z)) with two [c, V] buffers, not four."""
     z -= z.max(dim=-1, keepdim=True).values
@@ -66,7 +71,8 @@ class _ChunkedHead(torch.autograd.Function):
             z, p, log_sum = _shifted_softmax(_logits(hidden[s : s + chunk], weight, bias, temperature))
             lp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None])[:, 0] - log_sum
             if with_entropy:  # H = −Σ p·log p = log Σ e^z' − Σ p·z'  (z' = z − max z)
-                ent[s : s + chunk] = log_sum - torch.linalg.vecdot(p, z)
+                ent[s : s + chunk] = log_sum - _rowdot(p, z)
+            del z, p  # before the next chunk's: never two chunks' logits alive at once
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         ctx.set_materialize_grads(False)  # an output the loss does not use comes back as None: no work for it
@@ -90,7 +96,7 @@ class _ChunkedHead(torch.autograd.Function):
             logp -= log_sum[:, None]
             # dL/dz = g_lp · (onehot(y) − p) + g_H · (−p · (log p + H)), written into logp's memory
             if use_ent:
-                entropy = -torch.linalg.vecdot(p, logp)
+                entropy = -_rowdot(p, logp)
                 g = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_ent[s : s + chunk, None])
                 g.addcmul_(p, g_lp, value=-1.0)
             else:
@@ -104,6 +110,7 @@ class _ChunkedHead(torch.autograd.Function):
                 grad_w += g.to(weight.dtype).t() @ h
             if grad_b is not None:
                 grad_b += g.sum(0)
+            del logp, p, g
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w.to(weight.dtype), grad_b, None, None, None, None
 
