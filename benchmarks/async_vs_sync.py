@@ -1,13 +1,13 @@
 """Async vs sync on the demo workload, one machine, one invocation.
 
 Runs `asyncrl demo` with `max_staleness = 0` (synchronous on-policy) and with
-`max_staleness = 2` (async), same seed and time limit, and reports trainer samples/s, engine
+`max_staleness = η` (async; default: configs/demo.toml's), same seed and time limit, and reports trainer samples/s, engine
 busy ratio, trainer idle ratio, wall time to reward 0.9, the measured async/sync throughput
 ratio, and the ideal overlap bound computed from the sync run's measured generation time G
 (the trainer's wait per step) and training time T per step: sync needs G + T per step, perfect
 overlap max(G, T), so the bound on the ratio is (G + T) / max(G, T).
 
-    .venv/bin/python benchmarks/async_vs_sync.py [--seed 0] [--time-limit 300] [--eta 2]
+    .venv/bin/python benchmarks/async_vs_sync.py [--seed 0] [--time-limit 300] [--eta 1]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-limit", type=float, default=300)
-    ap.add_argument("--eta", type=int, default=2)
+    ap.add_argument("--eta", type=int, default=tomllib.loads((REPO / "configs" / "demo.toml").read_text())["trainer"]["max_staleness"])
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench-async-vs-sync")
     args = ap.parse_args()
 

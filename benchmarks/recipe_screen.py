@@ -42,8 +42,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lag", type=int, default=0, help="sample with the weights of `lag` steps ago")
     ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,7 +100,7 @@ def main() -> int:
             break
     print(json.dumps({"seed": args.seed, "adv": args.adv, "ent": args.ent, "len": args.len, "lag": args.lag,
                       "lr": args.lr, "reached": reached, "final": round(sum(history[-5:]) / 5, 3),
-                      "entropy": round(entropy, 3), "seconds": round(time.time() - t0)}))  # fmt: skip
+                      "entropy": round(entropy, 3), "seconds": round(time.time() - t0, 1), "threads": args.threads}))  # fmt: skip
     return 0
 
 

@@ -15,19 +15,30 @@ from buffer import metrics as m
 from buffer.connection import Buffer, Script
 from proto.states import Admission
 
-# Returns the `Admission` value: `resumed` if the group holds a slot, `duplicate` if it was put.
-TRY_ADMIT = Script("admission running version config state", "group_id now default_eta default_batch_groups", """
-if redis.call('HEXISTS', running, group_id) == 1 then return 'resumed' end
-if redis.call('HEXISTS', state, group_id) == 1 then return 'duplicate' end
+# One `Admission` value per group of `group_ids`, in order: `resumed` if the group holds a slot,
+# `duplicate` if it was put, else `admitted` while the rule allows. The first `full` ends the
+# call: the groups after it are answered `full` unasked, so admission stays first come, first
+# served (a later group never takes the slot an earlier one waits for). One call for a whole
+# queue of waiting groups is one round trip and, on a Redis that fsyncs every write, one fsync.
+TRY_ADMIT = Script("admission running version config state", "now default_eta default_batch_groups *group_ids", """
 local accepted = tonumber(redis.call('HGET', admission, 'accepted') or '0')
 local v = tonumber(redis.call('GET', version) or '0')
 local eta = tonumber(redis.call('HGET', config, 'max_staleness') or default_eta)
 local b = tonumber(redis.call('HGET', config, 'batch_groups') or default_batch_groups)
-if accepted + redis.call('HLEN', running) < (eta + v + 1) * b then
-  redis.call('HSET', running, group_id, now)
-  return 'admitted'
+local used, out = accepted + redis.call('HLEN', running), {}
+for i, group_id in ipairs(group_ids) do
+  if redis.call('HEXISTS', running, group_id) == 1 then out[i] = 'resumed'
+  elseif redis.call('HEXISTS', state, group_id) == 1 then out[i] = 'duplicate'
+  elseif used < (eta + v + 1) * b then
+    redis.call('HSET', running, group_id, now)
+    used = used + 1
+    out[i] = 'admitted'
+  else
+    for j = i, #group_ids do out[j] = 'full' end
+    return out
+  end
 end
-return 'full'
+return out
 """)
 
 # After a trainer restart at `trained_version`: what it trained is v·B groups; what is still in
@@ -57,13 +68,23 @@ class AdmissionControl:
 
     def try_admit(self, group_id: str) -> Admission:
         """Take a slot for `group_id` if the rule allows (or say why not)."""
+        return self.try_admit_many([group_id])[0]
+
+    def try_admit_many(self, group_ids: list[str]) -> list[Admission]:
+        """`try_admit` for a queue of groups in one round trip, first come first served: the
+        first `full` answers every group after it `full` too."""
+        if not group_ids:
+            return []
         k = self.keys
-        result = Admission(self.buf.call(TRY_ADMIT, admission=k.admission, running=k.running, version=k.version,
-                                         config=k.config, state=k.group_state, group_id=group_id, now=time.time(),
-                                         default_eta=self.max_staleness,
-                                         default_batch_groups=self.batch_groups).decode())  # fmt: skip
-        m.ADMISSION.labels(result.value).inc()
-        return result
+        raw = self.buf.call(TRY_ADMIT, admission=k.admission, running=k.running, version=k.version, config=k.config,
+                            state=k.group_state, now=time.time(), default_eta=self.max_staleness,
+                            default_batch_groups=self.batch_groups, group_ids=list(group_ids))  # fmt: skip
+        results = [Admission(r.decode()) for r in raw]
+        for r in results:  # the groups behind the first `full` were not asked: not counted
+            m.ADMISSION.labels(r.value).inc()
+            if r is Admission.full:
+                break
+        return results
 
     def release(self, group_id: str) -> bool:
         """Give back the slot of a group that will not be put (failed or cancelled)."""

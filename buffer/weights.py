@@ -53,12 +53,20 @@ class Weights:
     def version(self) -> int:
         return int(self.buf.r.get(self.keys.version) or 0)
 
-    def publish(self, info: WeightsInfo, *, rollback: bool = False) -> None:
+    def publish(self, info: WeightsInfo, *, rollback: bool = False, set_version: bool = False) -> None:
         """Record and announce where version `info.version` is. `rollback=True` (a trainer resumed
-        behind what it had published) makes it the latest and forgets every newer version."""
+        behind what it had published) makes it the latest and forgets every newer version.
+        `set_version`: then set `version` to it too, in the same round trip (one fsync, not two)."""
         k = self.keys
-        self.buf.call(PUBLISH, weights=k.weights, latest=k.latest_weights, version=info.version, data=encode(info),
-                      channel=k.weights_channel, keep=WEIGHTS_KEEP, rollback="1" if rollback else "0")  # fmt: skip
+
+        def fill(pipe) -> None:
+            self.buf.call(PUBLISH, pipe, weights=k.weights, latest=k.latest_weights, version=info.version,
+                          data=encode(info), channel=k.weights_channel, keep=WEIGHTS_KEEP,
+                          rollback="1" if rollback else "0")  # fmt: skip
+            if set_version:
+                pipe.set(k.version, int(info.version))
+
+        self.buf.pipeline(fill)
 
     def latest(self) -> WeightsInfo | None:
         data = self.buf.r.hget(self.keys.latest_weights, "data")

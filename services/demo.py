@@ -70,8 +70,6 @@ class Scrape:
 
 
 def scrape_trainer(url: str, t0: float) -> Scrape | None:
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
         text = httpx.get(f"{url}/metrics", timeout=2.0).text
     except httpx.HTTPError:
@@ -79,14 +77,13 @@ def scrape_trainer(url: str, t0: float) -> Scrape | None:
     values: dict[str, float] = {}
     buckets: list[tuple[float, float]] = []
     dropped = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "asyncrl_trainer_group_staleness_bucket":
-                buckets.append((float(s.labels["le"]), s.value))
-            elif s.name == "asyncrl_trainer_groups_total" and s.labels.get("outcome") not in (GroupState.trained, None):
-                dropped += s.value
-            elif not s.labels:
-                values[s.name] = s.value
+    for name, labels, value in _samples(text, SCRAPED):
+        if name == "asyncrl_trainer_group_staleness_bucket":
+            buckets.append((float(labels["le"]), value))
+        elif name == "asyncrl_trainer_groups_total" and labels.get("outcome") not in (GroupState.trained, None):
+            dropped += value
+        elif not labels:
+            values[name] = value
     count = values.get("asyncrl_trainer_group_staleness_count", 0.0)
     # the largest staleness seen is the first bucket bound that already holds every observation
     max_bucket = next((le for le, c in sorted(buckets) if c >= count), None) if count else None
@@ -103,6 +100,29 @@ def scrape_trainer(url: str, t0: float) -> Scrape | None:
         staleness_max_bucket=max_bucket,
         dropped=dropped,
     )
+
+
+# The trainer's samples the demo reads: only their lines are parsed (prometheus_client's parser
+# read every family of the page, twice a second: a third of a core-second per minute of demo).
+SCRAPED = frozenset({
+    "asyncrl_trainer_version", "asyncrl_trainer_reward_mean", "asyncrl_trainer_entropy",
+    "asyncrl_trainer_tokens_per_second", "asyncrl_trainer_group_staleness_sum",
+    "asyncrl_trainer_group_staleness_count", "asyncrl_trainer_group_staleness_bucket", "asyncrl_trainer_groups_total",
+})  # fmt: skip
+
+
+def _samples(text: str, names: frozenset[str]):
+    """(name, labels, value) of the samples of `names` in a Prometheus text page (the exposition
+    format prometheus_client writes: `name{k="v",…} value`, label values without `",` inside)."""
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, rest = head.partition("{")
+        if name not in names:
+            continue
+        labels = dict(pair.split("=", 1) for pair in rest.rstrip("}").split(",") if "=" in pair) if rest else {}
+        yield name, {k: v.strip('"') for k, v in labels.items()}, float(value)
 
 
 @dataclass
@@ -125,9 +145,50 @@ class History:
         self.rows.append(row)
         return row
 
-    def windowed_reward(self, window: int) -> float | None:
-        recent = [r["reward"] for r in self.rows[-window:] if r["reward"] is not None]
-        return sum(recent) / len(recent) if len(recent) == window else None
+
+@dataclass
+class StepRewards:
+    """Every trainer step's `reward_mean`, read from its `step` events (trainer/loop.py `record`)
+    in logs/trainer.log as the launcher writes it: the target is the mean over the last
+    `target_window` steps, each step counted once, as the single-process loop
+    (benchmarks/recipe_screen.py) measures it. (Scrapes, twice a second, see one step in two
+    to five; a window of scrapes spans more steps than it says.)"""
+
+    path: Path
+    t0_wall: float  # time.time() at the demo's t0
+    rewards: list[tuple[int, float, float]] = field(default_factory=list)  # (version, t since t0, reward)
+    _offset: int = 0
+
+    def poll(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        self._offset += end
+        for line in data[:end].splitlines():
+            if b'"msg": "step"' not in line:
+                continue
+            try:
+                event = json.loads(line[line.find(b"{") :])
+                self.rewards.append((int(event["version"]), float(event["ts"]) - self.t0_wall,
+                                     float(event["reward_mean"])))  # fmt: skip
+            except (ValueError, KeyError, TypeError):  # not a step event after all
+                continue
+
+    def reached(self, window: int, target: float) -> float | None:
+        """When (s since t0) the mean of `window` consecutive steps first reached `target`."""
+        r = [reward for _, _, reward in self.rewards]
+        for i in range(window, len(r) + 1):
+            if sum(r[i - window : i]) / window >= target:
+                return self.rewards[i - 1][1]
+        return None
+
+    def windowed(self, window: int) -> float | None:
+        last = [reward for _, _, reward in self.rewards[-window:]]
+        return sum(last) / window if len(last) == window else None
 
 
 @dataclass
@@ -425,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"submitted {len(jobs)} job(s), {chunk} prompts x {demo.group_size} samples, more as training "
               "advances; training (Ctrl-C stops)")  # fmt: skip
         t0 = time.monotonic()
+        steps = StepRewards(run_dir / "logs" / "trainer.log", time.time())
         if heldout:
             evals = Evals(rollout_url, EVAL_NAME, time.time(), final_body={
                 "name": EVAL_NAME, "prompts": heldout, "idempotency_key": f"{run_dir.name}-final",
@@ -433,13 +495,13 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             s = scrape_trainer(launcher.trainer_url, t0)
             row = history.add(s) if s else None
+            steps.poll()
+            if reached_at is None and demo.target_reward is not None:
+                reached_at = steps.reached(demo.target_window, demo.target_reward)
             if row:
                 progress.write(json.dumps(row) + "\n")
                 progress.flush()
-                windowed = history.windowed_reward(demo.target_window)
-                if (reached_at is None and windowed is not None and demo.target_reward is not None
-                        and windowed >= demo.target_reward):
-                    reached_at = row["t"]
+                windowed = steps.windowed(demo.target_window)
                 line = _progress_line(row, windowed, demo)
                 if tty:
                     print("\r" + line.ljust(110), end="", flush=True)

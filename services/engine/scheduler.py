@@ -39,7 +39,7 @@ IDLE_WAIT_S = 0.05  # how long the loop blocks on its inbox when there is nothin
 GAUGE_PERIOD_S = 0.1  # gauges are refreshed at most this often while busy, and whenever idle
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `running.index` must not compare every field
 class Request:
     rid: str
     prompt_ids: list[int]
@@ -266,8 +266,8 @@ class Scheduler:
             metrics.GENERATED_TOKENS.inc(len(active))
             self._throughput.add(len(active))
         done = [r for r in reqs if self._check_finished(r)]
-        for r in done:
-            self._release(r)
+        if done:
+            self._release_many(done)
 
     def _check_finished(self, r: Request) -> bool:
         if r.output_ids and r.output_ids[-1] in r.stop_ids:
@@ -280,9 +280,17 @@ class Scheduler:
 
     # --- finishing, aborting, retracting --------------------------------------------------
 
-    def _release(self, r: Request) -> None:
-        """Free the slot of a running request (moving the last slot's request into it)."""
-        i = self.running.index(r)
+    def _release_many(self, reqs: list[Request]) -> None:
+        """`_release` each, highest slot first: a finished request at the tail frees its slot
+        without moving another into it, so a batch that finishes together moves no KV at all."""
+        slots = {id(r): i for i, r in enumerate(self.running)}
+        for r in sorted(reqs, key=lambda r: slots[id(r)], reverse=True):
+            self._release(r, slots[id(r)])
+
+    def _release(self, r: Request, i: int | None = None) -> None:
+        """Free the slot of a running request (moving the last slot's request into it); `i`:
+        its slot, if the caller knows it."""
+        i = self.running.index(r) if i is None else i
         last = len(self.running) - 1
         if i != last:
             moved = self.running[last]

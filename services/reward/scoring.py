@@ -7,8 +7,10 @@ Guarantees:
   listed with its item id) before anything runs: it is a client bug, not a sample outcome.
 * Every accepted item gets exactly one result. An item waits at most `queue_timeout_s` for a
   verifier slot and then at most the verifier's item budget; past either it is `timeout`
-  (so a batch never waits on its slowest item longer than that). A verifier that raises is
-  `error` with the exception in `details` and is counted; nothing becomes a silent 0.
+  (so a batch never waits on its slowest item longer than that). An `inline` verifier (a pure
+  function, verifiers/base.py) is judged at once in the request's task, with no slot or budget
+  (nothing could interrupt it). A verifier that raises is `error` with the exception in
+  `details` and is counted; nothing becomes a silent 0.
 * Only deterministic outcomes are cached (`scored`, `invalid_input`); the key is a SHA-256 of
   (verifier, spec arguments, completion), plus the prompt for verifiers that read it.
   Identical items in flight at the same time are verified once.
@@ -21,8 +23,9 @@ import hashlib
 import json
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -93,8 +96,10 @@ class Scorer:
         await asyncio.gather(*(v.close() for v in self.verifiers.values()), return_exceptions=True)
 
     def prepare(self, request: RewardRequest) -> list[Job]:
-        """Validate every item's spec; raise RequestRejected listing all problems."""
+        """Validate every item's spec; raise RequestRejected listing all problems. Equal specs
+        of one batch (a group's samples share theirs) are parsed once."""
         jobs, problems = [], []
+        parsed: dict[tuple[str, str], tuple[BaseModel, Any] | SpecError] = {}
         for index, item in enumerate(request.items):
             verifier = self.verifiers.get(item.spec.verifier)
             if verifier is None:
@@ -102,57 +107,90 @@ class Scorer:
                 msg = f"unknown or disabled verifier {item.spec.verifier!r}; this server serves: {known}"
                 problems.append({"id": item.id, "loc": ["items", index, "spec", "verifier"], "msg": msg})
                 continue
-            try:
-                spec = verifier.parse_spec(item.spec.args())
-            except SpecError as exc:
-                problems.append(
-                    {"id": item.id, "loc": ["items", index, "spec"], "msg": f"{verifier.name}: {exc}"}
-                )
+            args = item.spec.args()
+            seen = parsed.get(key := (verifier.name, json.dumps(args, sort_keys=True)))
+            if seen is None:
+                try:
+                    spec = verifier.parse_spec(args)
+                    seen = parsed[key] = (spec, spec.model_dump(mode="json"))
+                except SpecError as exc:
+                    seen = parsed[key] = exc
+            if isinstance(seen, SpecError):
+                problems.append({"id": item.id, "loc": ["items", index, "spec"], "msg": f"{verifier.name}: {seen}"})
                 continue
-            jobs.append(Job(item, verifier, spec, self._key(verifier, spec, item)))
+            spec, dumped = seen
+            jobs.append(Job(item, verifier, spec, self._key(verifier, spec, dumped, item)))
         if problems:
             raise RequestRejected(problems)
         return jobs
 
     @staticmethod
-    def _key(verifier: Verifier, spec: BaseModel, item: RewardItem) -> str:
+    def _key(verifier: Verifier, spec: BaseModel, dumped: Any, item: RewardItem) -> str:
+        """`dumped`: `spec.model_dump(mode="json")`."""
         prompt = item.prompt if verifier.uses_prompt(spec) else None
-        payload = [verifier.name, spec.model_dump(mode="json"), prompt, item.completion]
+        payload = [verifier.name, dumped, prompt, item.completion]
         return hashlib.sha256(json.dumps(payload, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
     async def score(self, jobs: list[Job]) -> RewardResponse:
-        verdicts = await asyncio.gather(*(self._score_one(job) for job in jobs))
-        return RewardResponse(
+        verdicts: list[tuple[Verdict, bool] | None] = [self._score_inline(job) if job.verifier.inline else None
+                                                       for job in jobs]  # fmt: skip
+        others = [i for i, v in enumerate(verdicts) if v is None]
+        for i, verdict in zip(others, await asyncio.gather(*(self._score_one(jobs[i]) for i in others))):
+            verdicts[i] = verdict
+        # Counted per batch, one labelled child per (verifier, outcome): per item, the label
+        # lookups cost more than a toy verifier's verdict.
+        hits, outcomes = Counter(), Counter()
+        for job, (v, cached) in zip(jobs, verdicts):
+            hits[job.verifier.name, cached] += 1
+            outcomes[job.verifier.name, v.status.value, v.details.get("reason", "unknown")] += 1
+        for (name, cached), n in hits.items():
+            (CACHE_HITS if cached else CACHE_MISSES).labels(name).inc(n)
+        for (name, status, reason), n in outcomes.items():
+            ITEMS.labels(name, status).inc(n)
+            if status in (RewardStatus.timeout, RewardStatus.error):
+                VERIFIER_FAILURES.labels(name, str(reason)).inc(n)
+        # Built from checked verdicts: `model_construct` skips re-validating each result.
+        return RewardResponse.model_construct(
             results=[
-                RewardResult(id=job.item.id, status=v.status, reward=v.reward, details=v.details)
-                for job, v in zip(jobs, verdicts)
+                RewardResult.model_construct(id=job.item.id, status=v.status, reward=v.reward, details=v.details)
+                for job, (v, _) in zip(jobs, verdicts)
             ]
         )
 
-    async def _score_one(self, job: Job) -> Verdict:
-        name = job.verifier.name
+    def _score_inline(self, job: Job) -> tuple[Verdict, bool]:
+        """`_score_one` for an `inline` verifier: judged at once, in the request's task (no item of
+        it is ever in flight for another request to share)."""
+        verdict = self.cache.get(job.key)
+        if verdict is not None:
+            return Verdict(verdict.status, verdict.reward, {**verdict.details, "cached": True}), True
+        started = time.monotonic()
+        try:
+            verdict = job.verifier.judge(job.spec, job.item.prompt, job.item.completion)
+        except Exception as exc:  # noqa: BLE001 -- a verifier bug must not sink the batch
+            verdict = self._crashed(job, exc)
+        LATENCY.labels(job.verifier.name).observe(time.monotonic() - started)
+        if verdict.status in CACHEABLE:
+            self.cache.put(job.key, verdict)
+        return verdict, False
+
+    async def _score_one(self, job: Job) -> tuple[Verdict, bool]:
+        """The item's verdict, and whether it came from the cache or an identical item in flight."""
         verdict = self.cache.get(job.key) or await self._shared(job.key)
         if verdict is not None:
-            CACHE_HITS.labels(name).inc()
-            verdict = Verdict(verdict.status, verdict.reward, {**verdict.details, "cached": True})
-        else:
-            CACHE_MISSES.labels(name).inc()
-            future = asyncio.get_running_loop().create_future()
-            self._inflight[job.key] = future
-            try:
-                verdict = await self._verify(job)
-                future.set_result(verdict)
-            finally:
-                if self._inflight.get(job.key) is future:
-                    del self._inflight[job.key]
-                if not future.done():  # we were cancelled: waiters verify the item themselves
-                    future.cancel()
-            if verdict.status in CACHEABLE:
-                self.cache.put(job.key, verdict)
-        ITEMS.labels(name, verdict.status.value).inc()
-        if verdict.status in (RewardStatus.timeout, RewardStatus.error):
-            VERIFIER_FAILURES.labels(name, str(verdict.details.get("reason", "unknown"))).inc()
-        return verdict
+            return Verdict(verdict.status, verdict.reward, {**verdict.details, "cached": True}), True
+        future = asyncio.get_running_loop().create_future()
+        self._inflight[job.key] = future
+        try:
+            verdict = await self._verify(job)
+            future.set_result(verdict)
+        finally:
+            if self._inflight.get(job.key) is future:
+                del self._inflight[job.key]
+            if not future.done():  # we were cancelled: waiters verify the item themselves
+                future.cancel()
+        if verdict.status in CACHEABLE:
+            self.cache.put(job.key, verdict)
+        return verdict, False
 
     async def _shared(self, key: str) -> Verdict | None:
         """The verdict of an identical item being verified right now, if any (and it finishes)."""
@@ -169,29 +207,28 @@ class Scorer:
     async def _verify(self, job: Job) -> Verdict:
         verifier, slots = job.verifier, self._slots[job.verifier.name]
         started = time.monotonic()
+        # `asyncio.timeout` bounds the current task; `wait_for` would start a task per item.
         try:
-            await asyncio.wait_for(slots.acquire(), self.queue_timeout_s)
+            if slots.locked():
+                async with asyncio.timeout(self.queue_timeout_s):
+                    await slots.acquire()
+            else:
+                await slots.acquire()  # a free slot: taken without waiting
         except TimeoutError:
             return Verdict.failed(RewardStatus.timeout, "queue_timeout", waited_s=self.queue_timeout_s)
         budget = verifier.item_timeout_s(job.spec)
         try:
-            return await asyncio.wait_for(
-                verifier.verify(job.spec, job.item.prompt, job.item.completion), budget
-            )
+            async with asyncio.timeout(budget):
+                return await verifier.verify(job.spec, job.item.prompt, job.item.completion)
         except TimeoutError:
             return Verdict.failed(RewardStatus.timeout, "item_timeout", timeout_s=budget)
         except Exception as exc:  # noqa: BLE001 -- a verifier bug must not sink the batch
-            log_event(
-                log,
-                "verifier crashed",
-                logging.ERROR,
-                verifier=verifier.name,
-                item=job.item.id,
-                error=repr(exc),
-            )
-            return Verdict.failed(
-                RewardStatus.error, "verifier_crashed", error=f"{type(exc).__name__}: {exc}"[:500]
-            )
+            return self._crashed(job, exc)
         finally:
             slots.release()
             LATENCY.labels(verifier.name).observe(time.monotonic() - started)
+
+    @staticmethod
+    def _crashed(job: Job, exc: Exception) -> Verdict:
+        log_event(log, "verifier crashed", logging.ERROR, verifier=job.verifier.name, item=job.item.id, error=repr(exc))
+        return Verdict.failed(RewardStatus.error, "verifier_crashed", error=f"{type(exc).__name__}: {exc}"[:500])

@@ -103,6 +103,12 @@ class RolloutSettings(ServiceSettings):
     )
 
     weight_update_timeout_s: float = Field(600.0, gt=0, description="timeout of one engine weight update")
+    weight_update_abort: bool = Field(
+        True,
+        description="a disk weight update aborts the requests in flight, whose samples go on under the new "
+        "weights (partial rollouts, docs/architecture.md §5); false: the engine finishes them under the old "
+        "weights first (SGLang's default), cheaper than a resubmission when completions are a few tokens",
+    )
     weights_poll_s: float = Field(
         5.0, gt=0, description="fallback poll of the latest weights (pub/sub may drop)"
     )

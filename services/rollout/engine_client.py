@@ -101,13 +101,14 @@ class EngineClient:
         unhealthy_after: int,
         probe_s: float,
         update_timeout_s: float,
+        update_abort: bool = True,
         headers: dict[str, str] | None = None,
     ):
         self.engines = [EngineEndpoint(i, u) for i, u in enumerate(urls)]
         self.admins = [EngineEndpoint(i, u) for i, u in enumerate(admin_urls)]
         self.retries, self.backoff_s = retries, backoff_s
         self.unhealthy_after, self.probe_s = unhealthy_after, probe_s
-        self.update_timeout_s = update_timeout_s
+        self.update_timeout_s, self.update_abort = update_timeout_s, update_abort
         # Generation requests can sit in a paused engine for as long as a weight update takes;
         # they get a pool sized for them, and control calls (pause, update, flush, continue,
         # abort, probes) get their own, so an update is never queued behind the requests it
@@ -268,8 +269,8 @@ class EngineClient:
     async def update_all_from_disk(self, path: str, version: int | str, only: list[int] | None = None) -> list[str]:
         """Load `path` as `version` (a policy version, or its `weight_version` name with its
         epoch, proto/lineage.py) on every admin engine (or the admin indices in `only`) at
-        once, aborting their in-flight requests (which come back with their partial tokens).
-        Returns the errors (empty on success). The caller holds back new `/generate` calls
+        once, aborting their in-flight requests (which come back with their partial tokens), or
+        with `update_abort` false letting them finish under the old weights first. Returns the errors (empty on success). The caller holds back new `/generate` calls
         until this returns."""
         admins = self.admins if only is None else [self.admins[i] for i in only]
         results = await asyncio.gather(*(self._update_one(e, path, version) for e in admins))
@@ -277,7 +278,7 @@ class EngineClient:
 
     async def _update_one(self, e: EngineEndpoint, path: str, version: int | str) -> str | None:
         """SGLang's `/update_weights_from_disk` with `abort_all_requests` aborts what is in
-        flight, loads the weights under `weight_version` and, with `flush_cache`, drops every
+        flight (without: waits for it to finish), loads the weights under `weight_version` and, with `flush_cache`, drops every
         prefix computed under the old ones. Then `/continue_generation` goes out in the
         background, so an engine someone paused runs again; generation does not wait for it
         (an engine queues requests while paused). A separate pause before the update and a
@@ -287,7 +288,7 @@ class EngineClient:
             resp = await self._control_http.post(
                 f"{e.url}/update_weights_from_disk",
                 json={"model_path": path, "weight_version": str(version), "flush_cache": True,
-                      "abort_all_requests": True},
+                      "abort_all_requests": self.update_abort},
                 timeout=self.update_timeout_s,
             )  # fmt: skip
         except httpx.HTTPError as exc:

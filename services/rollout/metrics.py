@@ -71,6 +71,10 @@ COALESCED_CALLS = Histogram(
 COALESCED_SPLITS = Counter(
     "asyncrl_rollout_coalesced_splits_total", "Coalesced requests refused (4xx) and retried per caller"
 )
+BUFFER_WRITE_GROUPS = Histogram(
+    "asyncrl_rollout_buffer_write_groups", "Scored groups put (and their jobs ended) by one buffer write",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
 ENGINE_IN_FLIGHT = Gauge("asyncrl_rollout_engine_in_flight", "Generate calls in flight", ["engine"])
 
 REWARD_SECONDS = Histogram(

@@ -18,7 +18,7 @@ import httpx
 from pydantic import ValidationError
 
 from proto.records import RewardStatus
-from proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, VerifierList
+from proto.rewards import RewardItem, RewardResponse, RewardResult, VerifierList
 from services.common.coalescer import Coalescer
 from services.common.logging import log_event
 from services.common.retry import Retryable, with_retries
@@ -79,8 +79,13 @@ class RewardClient:
     async def _post_batch(self, _: None, items: list[RewardItem]) -> list[RewardResult]:
         """Score a merged batch, with retries: its items go under ids unique by position and
         their results come back under the callers' ids."""
-        sent = [item.model_copy(update={"id": f"{j}/{item.id}"}) for j, item in enumerate(items)]
-        body = RewardRequest(items=sent).model_dump(mode="json")
+        # The body is written directly, not through a copy of each item's model: the items were
+        # checked when they were built (one spec object is usually shared by a group's items).
+        specs: dict[int, dict] = {}
+        sent = [f"{j}/{item.id}" for j, item in enumerate(items)]
+        body = {"items": [{"id": sid, "prompt": item.prompt, "completion": item.completion,
+                           "spec": specs.get(id(item.spec)) or specs.setdefault(id(item.spec), item.spec.model_dump(mode="json"))}
+                          for sid, item in zip(sent, items)]}  # fmt: skip
 
         async def attempt(_: int) -> list[RewardResult]:
             try:
@@ -116,7 +121,9 @@ class RewardClient:
                 raise _BatchFailed(RewardStatus.error, str(exc)) from None
             finally:
                 m.REWARD_SECONDS.observe(time.perf_counter() - t0)
-        return [r.model_copy(update={"id": i.id}) for i, r in zip(items, results)]
+        for item, result in zip(items, results):  # (parsed for this call alone: ours to relabel)
+            result.id = item.id
+        return results
 
     async def verifiers(self) -> dict[str, dict]:
         """Verifiers served by the reward service, name → JSON schema of its spec arguments
@@ -137,7 +144,7 @@ class RewardClient:
         return served
 
 
-def _match(items: list[RewardItem], results: list[RewardResult]) -> list[RewardResult]:
+def _match(ids: list[str], results: list[RewardResult]) -> list[RewardResult]:
     by_id = {r.id: r for r in results}
     lost = {"error": "item missing from the reward service's answer"}
-    return [by_id.get(i.id) or RewardResult(id=i.id, status=RewardStatus.error, details=lost) for i in items]
+    return [by_id.get(i) or RewardResult(id=i, status=RewardStatus.error, details=lost) for i in ids]

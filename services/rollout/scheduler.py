@@ -24,9 +24,11 @@ is ended that was not finished.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -38,6 +40,7 @@ from proto import Group, GroupJob, RewardStatus, Sample, Timings
 from proto.lineage import parse_weight_version
 from proto.rewards import RewardItem, RewardSpec
 from proto.states import Admission, GroupState
+from services.common.coalescer import GroupCommit
 from services.common.logging import log_event
 from services.common.retry import Retryable, with_retries
 from services.rollout import metrics as m
@@ -103,7 +106,14 @@ class Scheduler:
         self.active: dict[str, Active] = {}
         self._redis = ThreadPoolExecutor(1, thread_name_prefix="rollout-buffer")
         self._wake = asyncio.Event()
-        self._admission_queue = asyncio.Lock()
+        # Groups waiting for admission, in claim order; `_admissions` asks for all of them at once.
+        self._admission_queue: deque[tuple[GroupJob, asyncio.Future]] = deque()
+        self._admission_wake = asyncio.Event()
+        weights.listeners.append(self._on_version)  # a new version may open admission: ask at once
+        # Scored groups are put, and their jobs ended, together with every group that finished
+        # while the previous write ran: one fsync per batch on a Redis that fsyncs every write.
+        self._writes = GroupCommit(partial(self._db, self._put_many), split_on=ValueError,
+                                   on_batch=m.BUFFER_WRITE_GROUPS.observe)  # fmt: skip
         self._stopping = False
         self._phases: dict[str, GroupReport] = {}  # group_id -> its state, not yet written
 
@@ -117,6 +127,7 @@ class Scheduler:
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self.engines.probe_unhealthy()),
             asyncio.create_task(self._write_phases()),
+            asyncio.create_task(self._admissions()),
         ]
         try:
             for c in await self._db(self.jobs.resume_own):
@@ -148,7 +159,7 @@ class Scheduler:
             tasks = [a.task for a in self.active.values() if a.task]
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, *background, return_exceptions=True)
+            await asyncio.gather(*tasks, *background, self._writes.aclose(), return_exceptions=True)
             try:
                 if self._phases:  # the last `generating` / `scoring` records
                     await self._db(self.jobs.report, list(self._phases.values()))
@@ -198,7 +209,7 @@ class Scheduler:
                 submit_version=submit_version,
                 lineage=lineage,
             )
-            new, version = await self._db(self._put, group, self._buffered_phase(job, samples))
+            new, version = await self._writes.submit((group, self._buffered_phase(job, samples)))
             m.STALENESS_AT_WRITE.observe(max(version - group.min_version, 0))
             await self._close(a, GroupState.buffered, settled=True, duplicate=not new)
         except (EngineRejected, ValueError) as exc:
@@ -234,32 +245,73 @@ class Scheduler:
 
     async def _admit(self, job: GroupJob) -> tuple[Admission | None, int]:
         """(admission, policy version at admission); None for a cancelled job. Groups queue
-        for admission in claim order and only the head asks Redis, so a full buffer costs one
-        `try_admit` per poll interval, not one per waiting group."""
+        for admission in claim order and `_admissions` asks for the whole queue in one call, so
+        a batch of claimed groups costs one round trip, and a full buffer one per poll interval."""
         t0 = time.monotonic()
-        async with self._admission_queue:  # asyncio locks wake their waiters first in, first out
-            while (entry := await self._db(self._try_enter, job))[0] is Admission.full:
-                m.ADMISSION_WAITS.inc()
-                await asyncio.sleep(self.s.admission_poll_s)
+        answer: asyncio.Future[tuple[Admission | None, int]] = asyncio.get_running_loop().create_future()
+        self._admission_queue.append((job, answer))
+        self._admission_wake.set()
+        entry = await answer  # (a cancelled caller's entry is skipped by `_admissions`)
         m.ADMISSION_WAIT_SECONDS.observe(time.monotonic() - t0)
         if entry[0] is not None and entry[0].go:
             m.GROUPS_ADMITTED.inc()
         return entry
 
-    # The buffer calls a group makes at one point run together on the Redis thread: one hop
-    # there and back instead of one per call (the rollout's CPU went mostly to those hops).
-    def _try_enter(self, job: GroupJob) -> tuple[Admission | None, int]:
-        if self.jobs.cancelled(job.job_id):
-            return None, 0
-        admission = self.admission.try_admit(job.group_id)
-        return admission, self.versions.version() if admission.go else 0
+    async def _admissions(self) -> None:
+        """Run forever: answer the queued groups in order until the first `full`; while the
+        head is `full`, ask again every `admission_poll_s` or as soon as a new version is served."""
+        while True:
+            await self._admission_wake.wait()
+            self._admission_wake.clear()
+            while self._admission_queue:
+                queued = [(job, answer) for job, answer in self._admission_queue if not answer.done()]
+                self._admission_queue = deque(queued)
+                if not queued:
+                    break
+                try:
+                    answers, version = await self._db(self._try_enter, [job for job, _ in queued])
+                except Exception as exc:  # noqa: BLE001 — handed to the waiting groups: `_group` owns the policy
+                    for _, answer in queued:
+                        if not answer.done():
+                            answer.set_exception(exc)
+                    self._admission_queue.clear()  # (every entry here was in `queued`, or came later)
+                    break
+                full = False
+                for (_, answer), admission in zip(queued, answers):
+                    if admission is Admission.full:
+                        full = True
+                        break
+                    self._admission_queue.popleft()  # the queue's head is this entry (others were appended)
+                    if not answer.done():
+                        answer.set_result((admission, version if admission is not None and admission.go else 0))
+                if full:
+                    m.ADMISSION_WAITS.inc()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._admission_wake.wait(), self.s.admission_poll_s)
+                    self._admission_wake.clear()
 
-    # A group's last state is reported when its job ends, in the same round trip, and after the
-    # put: a crash between put and end re-runs the job, which finds its group put (`duplicate`).
-    def _put(self, group: Group, final: GroupReport) -> tuple[bool, int]:
-        new = self.groups.put([group])[0]
-        self.jobs.end(final)
-        return new, self.versions.version()
+    async def _on_version(self, version: int) -> None:
+        self._admission_wake.set()
+
+    # The buffer calls a group makes at one point run together on the Redis thread, for every
+    # group at that point at once: one hop there and back, one round trip per kind of call.
+    def _try_enter(self, jobs: list[GroupJob]) -> tuple[list[Admission | None], int]:
+        """Each job's admission (None: its job was cancelled), and the policy version."""
+        job_ids = list(dict.fromkeys(job.job_id for job in jobs))
+        flags = self.jobs.buf.pipeline(lambda pipe: [pipe.sismember(self.jobs.keys.cancelled, j) for j in job_ids])
+        cancelled = {j for j, flag in zip(job_ids, flags) if flag}
+        asking = [job for job in jobs if job.job_id not in cancelled]
+        answers = iter(self.admission.try_admit_many([job.group_id for job in asking]))
+        out = [None if job.job_id in cancelled else next(answers) for job in jobs]
+        return out, self.versions.version() if any(a is not None and a.go for a in out) else 0
+
+    # A group's last state is reported when its job ends, in the same call, and after the put: a
+    # crash between put and end re-runs the job, which finds its group put (`duplicate`).
+    def _put_many(self, items: list[tuple[Group, GroupReport]]) -> list[tuple[bool, int]]:
+        new = self.groups.put([group for group, _ in items])
+        self.jobs.end_many([final for _, final in items])
+        version = self.versions.version()
+        return [(n, version) for n in new]
 
     def _settle(self, final: GroupReport) -> None:
         if final.state in (GroupState.failed, GroupState.cancelled):

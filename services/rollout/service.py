@@ -87,6 +87,7 @@ class RolloutService:
             unhealthy_after=s.engine_unhealthy_after,
             probe_s=s.engine_probe_s,
             update_timeout_s=s.weight_update_timeout_s,
+            update_abort=s.weight_update_abort,
             headers=self._headers(),
         )
         self.rewards = RewardClient(

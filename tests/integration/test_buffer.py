@@ -249,6 +249,41 @@ def test_admission_bound_holds_across_8_concurrent_processes(redis_url, run_id, 
     assert buf.admission.try_admit("after-release").go
 
 
+def test_a_queue_of_groups_is_admitted_in_one_call_first_come_first_served(buf):
+    """`try_admit_many` answers each group as `try_admit` would in turn, and the first `full`
+    answers every group behind it `full`, even one a freed slot would fit: no overtaking."""
+    buf.admission.configure(batch_groups=1, max_staleness=0)  # capacity (0 + 0 + 1) * 1 = 1
+    buf.groups.put([make_group("put-before")])  # accepted = 1: no slot left
+    assert buf.admission.try_admit("held") is Admission.full
+    buf.admission.configure(batch_groups=3, max_staleness=0)  # capacity 3: two slots left
+    assert buf.admission.try_admit("held") is Admission.admitted
+    answers = buf.admission.try_admit_many(["held", "put-before", "a", "b", "held", "put-before"])
+    assert answers == [Admission.resumed, Admission.duplicate, Admission.admitted, Admission.full,
+                       Admission.full, Admission.full]  # fmt: skip
+    assert buf.admission.snapshot()["running"] == 2  # held, a
+    assert buf.admission.release("a")
+    assert buf.admission.try_admit_many(["b", "c"]) == [Admission.admitted, Admission.full]
+    assert buf.admission.try_admit_many([]) == []
+
+
+def test_jobs_end_together_in_one_call(redis_url, run_id):
+    jobs = Jobs(Buffer(redis_url, run_id), "rollout-a")
+    jobs.describe("j0", 3, "hash")
+    jobs.enqueue([make_job(f"g{i}") for i in range(3)])
+    claimed = jobs.claim(3, block_ms=50)
+    assert len(claimed) == 3
+    ends = [GroupReport("j0", "g0", GroupState.buffered), GroupReport("j0", "g1", GroupState.failed, error="boom"),
+            GroupReport("j0", "g0", GroupState.buffered)]  # fmt: skip
+    assert jobs.end_many(ends) == [True, True, False]  # the repeated g0 found its job ended
+    assert jobs.end_many([]) == []
+    progress = jobs.progress("j0")
+    assert progress.states == {"g0": GroupState.buffered, "g1": GroupState.failed}
+    assert progress.errors == {"g1": "boom"}
+    assert stats(jobs.buf)["pending"]["jobs"] == 1  # g2 only
+    with pytest.raises(ValueError):
+        jobs.end_many([GroupReport("j0", "g2", GroupState.scoring)])
+
+
 def test_rebuild_admission_after_trainer_restart(buf):
     buf.admission.configure(batch_groups=2, max_staleness=1)
     for i in range(6):

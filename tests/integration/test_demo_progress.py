@@ -94,3 +94,55 @@ def test_evaluations_are_read_once_per_version_and_summarised(tmp_path):
         history.rows.append({"t": 10.0 * v, "version": v, "reward": reward, "staleness": 1.0})
     plot(history, tmp_path / "demo.png", None, 1, evals.sorted())
     assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def test_the_scrape_reads_what_prometheus_client_writes():
+    """The demo's own line parser against prometheus_client's exposition of the trainer's real
+    metrics (labelled outcomes, histogram buckets), value for value."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.demo import SCRAPED, _samples
+
+    reg = CollectorRegistry()
+    Gauge("asyncrl_trainer_version", "v", registry=reg).set(7)
+    Gauge("asyncrl_trainer_reward_mean", "r", registry=reg).set(0.625)
+    groups = Counter("asyncrl_trainer_groups_total", "g", ["outcome"], registry=reg)
+    groups.labels("trained").inc(64)
+    groups.labels("dropped").inc(3)
+    hist = Histogram("asyncrl_trainer_group_staleness", "s", buckets=(0, 1, 2), registry=reg)
+    for x in (0, 1, 1, 2):
+        hist.observe(x)
+    Gauge("asyncrl_trainer_other", "not read", ["phase"], registry=reg).labels('a "quoted" phase').set(1)
+    text = generate_latest(reg).decode()
+    expected = sorted((s.name, tuple(sorted(s.labels.items())), s.value) for f in text_string_to_metric_families(text)
+                      for s in f.samples if s.name in SCRAPED)  # fmt: skip
+    got = sorted((name, tuple(sorted(labels.items())), value) for name, labels, value in _samples(text, SCRAPED))
+    assert got == expected
+    assert ("asyncrl_trainer_groups_total", (("outcome", "dropped"),), 3.0) in got
+    assert ("asyncrl_trainer_group_staleness_bucket", (("le", "1.0"),), 3.0) in got
+
+
+def test_the_target_is_the_mean_of_the_last_steps_each_counted_once(tmp_path):
+    """The demo's target window is over trainer steps (its log's `step` events), not over its
+    scrapes: 5 steps at 1.0 after rewards of 0.5 reach 0.9 at the 5th step's time, whether or
+    not a scrape saw them; a line still being written is read at the next poll."""
+    import json
+
+    from services.demo import StepRewards
+
+    log = tmp_path / "trainer.log"
+    lines = ['{"ts": 100.5, "level": "info", "msg": "compute dtype"}']
+    lines += [json.dumps({"ts": 100.0 + v, "msg": "step", "version": v, "reward_mean": 0.5 if v < 3 else 1.0})
+              for v in range(1, 8)]  # fmt: skip
+    log.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])
+    steps = StepRewards(log, t0_wall=100.0)
+    steps.poll()
+    assert [v for v, _, _ in steps.rewards] == [1, 2, 3, 4]
+    assert steps.windowed(5) is None and steps.reached(5, 0.9) is None
+    log.write_text("\n".join(lines) + "\n")
+    steps.poll()
+    assert [v for v, _, _ in steps.rewards] == [1, 2, 3, 4, 5, 6, 7]
+    # windows: v1-5 = (0.5*2 + 1*3)/5 = 0.8; v2-6 = (0.5 + 4)/5 = 0.9 -> reached at v6, t = 106 - 100
+    assert steps.reached(5, 0.9) == 6.0
+    assert steps.windowed(5) == 1.0

@@ -42,10 +42,10 @@ def recording_engine(calls: list, *, update_ok: bool = True, continue_status: in
     return app
 
 
-def update(url: str, path: str, version: int, timeout_s: float = 10) -> list[str]:
+def update(url: str, path: str, version: int, timeout_s: float = 10, abort: bool = True) -> list[str]:
     async def go() -> list[str]:
         client = EngineClient([url], [url], timeout_s=10, retries=0, backoff_s=0.1, unhealthy_after=3,
-                              probe_s=1.0, update_timeout_s=timeout_s)  # fmt: skip
+                              probe_s=1.0, update_timeout_s=timeout_s, update_abort=abort)  # fmt: skip
         try:
             errors = await client.update_all_from_disk(path, version)
             await asyncio.wait_for(asyncio.gather(*client._continues), 30)  # the continue goes out in the background
@@ -73,6 +73,19 @@ def test_an_update_is_one_aborting_load_then_a_continue():
     assert calls[0][1] == {"model_path": "/ckpt/v7", "weight_version": "7", "flush_cache": True,
                            "abort_all_requests": True}  # fmt: skip
     assert calls[0][2] <= calls[1][2]
+
+
+def test_an_update_without_abort_lets_the_requests_in_flight_finish_first():
+    """`weight_update_abort = false` (the demo's): the same single call, asking the engine to let
+    its running requests finish under the old weights (SGLang's default) instead of aborting them."""
+    calls: list = []
+    server = serve_app_in_thread(recording_engine(calls), free_port(), "fake-engine")
+    try:
+        assert update(server.url, "/ckpt/v7", 7, abort=False) == []
+    finally:
+        server.stop()
+    assert [op for op, _, _ in calls] == ["update", "continue"]
+    assert calls[0][1]["abort_all_requests"] is False
 
 
 def test_a_failed_continue_is_counted_and_the_update_still_stands():

@@ -76,3 +76,33 @@ def test_continuous_decode_steps_spaces_admissions(runner):
     assert [r.rid for r in s.running] == ["a"]  # two more decode steps before the next admission
     step(s)
     assert [r.rid for r in s.running] == ["a", "b"]
+
+
+def test_requests_finishing_together_free_their_slots_without_moving_kv(runner, monkeypatch):
+    """Four requests finish at the same step: their slots are freed from the last one down, so
+    no cache row is moved; a request that keeps running is moved into a freed slot with its KV,
+    and its tokens are those it gets alone."""
+    moves: list[tuple[int, int]] = []
+    real_move = runner.cache.move
+    monkeypatch.setattr(runner.cache, "move", lambda src, dst, n: (moves.append((src, dst)), real_move(src, dst, n)))
+    done: list[Request] = []
+    s = Scheduler(runner, max_running=4, max_prefill_tokens=4096, weight_version="0")
+    for i in range(4):
+        s.waiting.append(request(f"r{i}", [1, 5 + i, 6], 3, done))
+    run(s)
+    assert sorted(r.rid for r in done) == ["r0", "r1", "r2", "r3"] and moves == []
+    alone: list[Request] = []
+    s.waiting.append(request("long", [1, 9, 9, 9], 6, alone))
+    run(s)
+    done.clear()
+    # slots 0, 2, 3 finish together: 3 and 2 are the tail (no move), then the long request in
+    # slot 1 moves into slot 0 with its KV
+    s.waiting.append(request("s0", [1, 5, 6], 2, done))
+    s.waiting.append(request("long", [1, 9, 9, 9], 6, done))
+    s.waiting.append(request("s1", [1, 6, 6], 2, done))
+    s.waiting.append(request("s2", [1, 7, 6], 2, done))
+    run(s)
+    assert moves == [(1, 0)]
+    (long,) = [r for r in done if r.rid == "long"]
+    assert long.output_ids == alone[0].output_ids
+    assert long.output_logprobs == pytest.approx(alone[0].output_logprobs, abs=1e-5)

@@ -190,6 +190,44 @@ def test_coalescer_resends_a_refused_merged_call_caller_by_caller():
     assert [type(a) for a in answers] == [RuntimeError, RuntimeError] and len(sends) == 1 and splits == []
 
 
+def test_group_commit_sends_at_once_when_idle_and_batches_what_arrives_meanwhile():
+    """The first item goes out alone, at once; the four that arrive while that call runs go out
+    together in the next; each caller gets its own answer; one call at a time."""
+    from services.common.coalescer import GroupCommit
+
+    sends, running, batches = [], [], []
+
+    async def send(items: list[str]) -> list[str]:
+        running.append(1)
+        assert len(running) == 1, "one call at a time"
+        sends.append(list(items))
+        await asyncio.sleep(0.01)
+        running.pop()
+        if "bad" in items:
+            raise Refused("bad")
+        if "boom" in items:
+            raise RuntimeError("boom")
+        return [x.upper() for x in items]
+
+    async def go(later: list[str]):
+        c = GroupCommit(send, split_on=Refused, on_batch=batches.append)
+        first = asyncio.ensure_future(c.submit("a"))
+        await asyncio.sleep(0)  # the first call is under way
+        rest = [asyncio.ensure_future(c.submit(x)) for x in later]
+        return await asyncio.gather(first, *rest, return_exceptions=True)
+
+    assert asyncio.run(go(["b", "c", "d", "e"])) == ["A", "B", "C", "D", "E"]
+    assert sends == [["a"], ["b", "c", "d", "e"]] and batches == [1, 4]
+    sends.clear()
+    answers = asyncio.run(go(["b", "bad", "c"]))  # refused batch: each item again alone
+    assert answers[:2] == ["A", "B"] and isinstance(answers[2], Refused) and answers[3] == "C"
+    assert sends == [["a"], ["b", "bad", "c"], ["b"], ["bad"], ["c"]]
+    sends.clear()
+    answers = asyncio.run(go(["b", "boom"]))  # any other failure: every item of that batch
+    assert answers[0] == "A" and [type(a) for a in answers[1:]] == [RuntimeError, RuntimeError]
+    assert sends == [["a"], ["b", "boom"]]
+
+
 def test_retries_back_off_and_stop_at_the_first_error_that_is_not_retryable(monkeypatch):
     from services.common.retry import Retryable, with_retries
 

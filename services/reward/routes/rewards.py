@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException
+from fastapi.responses import Response
 
 from proto.rewards import RewardRequest, RewardResponse, VerifierInfo, VerifierList
 from services.reward.deps import ScorerDep
@@ -19,14 +20,16 @@ router = APIRouter(prefix="/v1")
         422: {"description": "malformed body, unknown verifier or invalid spec (whole batch rejected)"}
     },
 )
-async def score_batch(request: RewardRequest, scorer: ScorerDep) -> RewardResponse:
+async def score_batch(request: RewardRequest, scorer: ScorerDep) -> Response:
     try:
         jobs = scorer.prepare(request)
     except RequestRejected as exc:
         REQUESTS.labels("rejected").inc()
         raise HTTPException(status_code=422, detail=exc.problems) from None
     REQUESTS.labels("accepted").inc()
-    return await scorer.score(jobs)
+    # The results are built from checked verdicts (`Scorer.score`): written out as they are, not
+    # validated again field by field, as FastAPI does with a returned model.
+    return Response((await scorer.score(jobs)).model_dump_json(), media_type="application/json")
 
 
 @router.get("/verifiers", response_model=VerifierList)

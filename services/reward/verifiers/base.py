@@ -75,6 +75,10 @@ class Verifier(abc.ABC):
     name: ClassVar[str]
     description: ClassVar[str]
     Spec: ClassVar[type[BaseModel]]  # verifier arguments (the spec minus `verifier`), extra="forbid"
+    # A pure function of its inputs (toy verifiers) implements `judge` instead of `verify`: it is
+    # scored in the request's own task, without a slot, a budget or a task per item (nothing
+    # could interrupt it before it returns anyway).
+    inline: ClassVar[bool] = False
 
     def __init__(self, *, concurrency: int, timeout_s: float):
         self.concurrency = concurrency
@@ -101,5 +105,12 @@ class Verifier(abc.ABC):
     def health(self) -> str:
         return "ok"
 
-    @abc.abstractmethod
-    async def verify(self, spec: BaseModel, prompt: str, completion: str) -> Verdict: ...
+    async def verify(self, spec: BaseModel, prompt: str, completion: str) -> Verdict:
+        """The verdict on one completion; an `inline` verifier's is `judge`'s."""
+        if not self.inline:
+            raise NotImplementedError(f"{type(self).__name__} implements neither verify nor judge")
+        return self.judge(spec, prompt, completion)
+
+    def judge(self, spec: BaseModel, prompt: str, completion: str) -> Verdict:
+        """An `inline` verifier's verdict, computed at once (no I/O, no awaiting)."""
+        raise NotImplementedError(f"{type(self).__name__} is not inline")

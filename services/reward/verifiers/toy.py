@@ -1,6 +1,6 @@
 """Toy verifiers of the CPU demo: `reverse` (dense per-character reward) and `arith` (exact match).
 
-Both are pure string functions, cheap enough to run on the event loop.
+Both are pure string functions, cheap enough to run on the event loop: `inline` verifiers.
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ class ReverseVerifier(Verifier):
         "stripped and reversed."
     )
     Spec = ReverseSpec
+    inline = True
 
     def uses_prompt(self, spec: ReverseSpec) -> bool:
         return spec.target is None
 
-    async def verify(self, spec: ReverseSpec, prompt: str, completion: str) -> Verdict:
+    def judge(self, spec: ReverseSpec, prompt: str, completion: str) -> Verdict:
         target = spec.target if spec.target is not None else target_from_prompt(prompt)
         if not target:
             return Verdict.failed(
@@ -89,8 +90,9 @@ class ArithVerifier(Verifier):
         "`format_credit` if it is some other integer, 0 otherwise."
     )
     Spec = ArithSpec
+    inline = True
 
-    async def verify(self, spec: ArithSpec, prompt: str, completion: str) -> Verdict:
+    def judge(self, spec: ArithSpec, prompt: str, completion: str) -> Verdict:
         text = completion.strip()
         if not INTEGER.fullmatch(text):
             return Verdict.scored(0.0, well_formed=False)

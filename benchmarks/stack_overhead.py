@@ -1,0 +1,419 @@
+"""Step overhead of the stack against the work itself (issue 17), every ratio paired in one run.
+
+(a) Generation per step: B = 32 prompts x 8 samples of the demo's task through the whole
+    generation side (embedded Redis, reference engine, reward and rollout services started by
+    the launcher, no trainer), against the same sampling done in-process by the engine's own
+    scheduler and model runner. The stack arm is driven like a synchronous trainer (η = 0): take
+    B groups, publish a weights directory of version v + 1 (the same tensors) and set the
+    version, take the next B groups; the figure is the time from the version bump to the B-th
+    group taken, so it holds admission, the engine's weight reload, generation, scoring and the
+    buffer. The in-process arm submits the 256 requests to a `Scheduler` at once and waits.
+(b) Trainer busy time per step (a step's time minus its wait for data) against a plain step on a
+    batch of the demo's shape: one forward with entropy, the policy loss, backward, clipping and
+    AdamW on the model as transformers loads it, batch tensors built once. Two trainer figures:
+    standalone (the trainer's own parts and loop, `trainer.components.build` +
+    `trainer.loop.train_steps`, world of one, reading groups put beforehand, publishing to disk
+    every step as the demo does) and in the demo runs of (c) (median over their steps after the
+    first 20, sharing the 2 cores with generation).
+(c) Time to mean reward 0.9 of `asyncrl demo` against `benchmarks/recipe_screen.py` (the
+    synchronous single-process loop on the same task, model, batch and seed, run with each of
+    `--screen-threads`, the faster run being the baseline), paired per seed, one after the other.
+
+    .venv/bin/python benchmarks/stack_overhead.py                      # (a), (b) and (c) for seeds 0-4
+    .venv/bin/python benchmarks/stack_overhead.py --seeds 0 --steps 20 # quicker
+    .venv/bin/python benchmarks/stack_overhead.py --skip-demo          # (a) and (b) only (~2 min)
+
+The services listen on ports 18001-18004 and 31000 (`--port-base`), so a demo another user runs
+on the default ports is not in the way. Prints a JSON object and a table; figures go to
+benchmarks/RESULTS.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np
+import torch
+
+DEMO_CONFIG = ROOT / "configs" / "demo.toml"
+SETTLE_STEPS = 20  # demo steps left out of the trainer's busy time (start-up, first publishes)
+
+
+def demo_config(port_base: int, **launch) -> dict:
+    raw = tomllib.loads(DEMO_CONFIG.read_text())
+    raw["launch"].update(engine_port=port_base + 13000, rollout_port=port_base + 1, reward_port=port_base + 2,
+                         trainer_metrics_port=port_base + 3, metrics_port=port_base + 4, **launch)  # fmt: skip
+    return raw
+
+
+def write_config(raw: dict, path: Path) -> Path:
+    from services.demo import _to_toml
+
+    path.write_text(_to_toml(raw))
+    return path
+
+
+def med_ms(xs: list[float]) -> float:
+    return round(statistics.median(xs) * 1000, 1)
+
+
+# ----------------------------------------------------------------------------- (a) generation
+def inproc_generation(model_dir: str, prompts: list[list[int]], group: int, steps: int) -> list[float]:
+    """Seconds per step: every sample of the step submitted to the engine's scheduler at once."""
+    from services.engine.model_runner import ModelRunner
+    from services.engine.sampling import RowSampling, draw_uniforms
+    from services.engine.scheduler import Request, Scheduler
+
+    n = len(prompts) * group
+    runner = ModelRunner(model_dir, slots=n, context_length=None, device="cpu", dtype="float32")
+    sched = Scheduler(runner, max_running=n, max_prefill_tokens=4096, weight_version="0")
+    sched.start()
+    rng = random.Random(0)
+    times = []
+    try:
+        for i in range(steps + 2):  # two warm-up steps
+            done, left, lock = threading.Event(), [n], threading.Lock()
+
+            def finished(_, left=left, lock=lock, done=done):
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+
+            t0 = time.perf_counter()
+            for p in prompts:
+                for _ in range(group):
+                    sched.submit(Request(rid=f"{i}-{rng.getrandbits(48)}", prompt_ids=p, max_new_tokens=3,
+                                         stop_ids=frozenset(), sampling=RowSampling(1.0, 1.0, -1, 0.0),
+                                         uniforms=draw_uniforms(3, rng.getrandbits(63)), on_finish=finished,
+                                         return_logprob=True))  # fmt: skip
+            done.wait()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    finally:
+        sched.stop()
+    return times
+
+
+def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dict:
+    """Seconds per step of the generation side driven by a trainer stand-in that takes B groups
+    and publishes a weights directory (the same tensors) as the next version, without training:
+    with η = 0 (synchronous: the figure is the latency from the version bump to the B-th group
+    taken) and then with η = `eta` (the demo's admission: the figure is the time per B groups
+    with generation running ahead, i.e. its throughput)."""
+    from buffer import AdmissionControl, Buffer, Groups, Weights
+    from proto import WeightsInfo
+    from services.demo import DemoSection, submit
+    from services.launcher import Launcher, UpConfig
+    from trainer.weights import DiskPublisher
+
+    raw = demo_config(port_base, trainer=False)
+    raw["model"].update(path=str(run_dir / "base"), seed=0)
+    raw["run"].update(id="overhead", dir=str(run_dir))
+    demo = DemoSection.model_validate(raw["demo"])
+    b = demo.prompts_per_step
+    launcher = Launcher(UpConfig.model_validate(raw), write_config(raw, run_dir / "config.toml"), echo=False)
+    out: dict = {}
+    try:
+        launcher.start()
+        buf = Buffer(launcher.redis_url, run="overhead")
+        admission = AdmissionControl(buf)
+        groups, weights = Groups(buf, consumer="bench-trainer"), Weights(buf)
+        publisher = DiskPublisher(run_dir / "trainer" / "weights", run_dir / "base", keep=3)
+        from safetensors.torch import load_file
+
+        state = load_file(str(run_dir / "base" / "model.safetensors"))
+        submit(launcher.rollout_urls()[0], demo, (2 * steps + 20) * b * (eta + 2), random.Random(0))
+        v = 0
+        for name, max_staleness in (("sync", 0), ("async", eta)):
+            admission.configure(batch_groups=b, max_staleness=max_staleness)
+            times, dropped = [], 0
+            for i in range(steps + 3):  # three warm-up steps
+                t0 = time.perf_counter()
+                taken = 0
+                while taken < b:
+                    res = groups.take(b - taken, v, max_staleness, 5000)
+                    taken += len(res.groups)
+                    dropped += len(res.dropped)
+                if max_staleness == 0 and i >= 3:
+                    times.append(time.perf_counter() - t0)
+                v += 1
+                published = publisher.write(v, state)
+                info = WeightsInfo(
+                    version=v, epoch=0, method="disk", path=published.path, published_at=time.time()
+                )
+                if "set_version" in inspect.signature(weights.publish).parameters:  # one round trip
+                    weights.publish(info, set_version=True)
+                else:  # (the code before #17: two)
+                    weights.publish(info)
+                    weights.set_version(v)
+                if max_staleness and i >= 3:
+                    times.append(time.perf_counter() - t0)  # a whole step: take and publish
+            out[name] = {"step_s": times, "dropped_stale": dropped}
+    finally:
+        launcher.stop()
+    return out
+
+
+# ----------------------------------------------------------------------------- (b) trainer
+def demo_groups(n_groups: int, group: int, prompt_len: int, vocab: range, seed: int, bos: int):
+    from proto import Group, Sample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(n_groups):
+        prompt = np.array([bos, *rng.integers(vocab.start, vocab.stop, prompt_len), vocab.stop], np.int32)
+        samples = [Sample(prompt_id=f"p{g}", index=i, completion_ids=rng.integers(vocab.start, vocab.stop, prompt_len).astype(np.int32),
+                          behavior_logprobs=np.full(prompt_len, -2.0, np.float32), versions=np.zeros(prompt_len, np.int32),
+                          finish_reason="length", truncated=True, reward=float(rng.integers(0, prompt_len + 1)) / prompt_len,
+                          reward_status="scored") for i in range(group)]  # fmt: skip
+        out.append(Group.build(group_id=f"bench-{seed}-{g}", job_id="bench", prompt_tokens=prompt,
+                               reward_spec={"verifier": "reverse"}, samples=samples, submit_version=0))  # fmt: skip
+    return out
+
+
+def plain_step(model_dir: str, groups, steps: int, lr: float, entropy_coef: float) -> list[float]:
+    """Forward (with entropy), policy loss, backward, clip, AdamW: the work of a step, nothing else."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.batch import build_rows, collate, token_logprobs
+    from trainer.losses import LossConfig, entropy_bonus, policy_loss
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    batch = collate(build_rows(groups, "dr_grpo").rows, 0)
+    times = []
+    for i in range(steps + 3):
+        t0 = time.perf_counter()
+        lp, ent = token_logprobs(model, batch, with_entropy=True)
+        loss, _ = policy_loss(
+            lp, lp.detach(), batch.behavior_logprobs, batch.advantages, batch.mask, LossConfig()
+        )
+        loss = loss + entropy_bonus(ent, batch.mask, entropy_coef)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+class StepLog(logging.Handler):
+    """The trainer's `step` log events (trainer/loop.py `record`), as dicts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage() == "step":
+            self.steps.append(getattr(record, "fields", {}))
+
+
+def trainer_standalone(run_dir: Path, model_dir: str, steps: int) -> list[dict]:
+    """The trainer's loop for `steps` versions over groups put beforehand (none stale)."""
+    from buffer import Buffer, Groups
+    from buffer.server import RedisServer
+    from trainer.components import build
+    from trainer.config import TrainerSettings
+    from trainer.loop import train_steps
+    from trainer.model import init_distributed
+
+    raw = tomllib.loads(DEMO_CONFIG.read_text())["trainer"]
+    b = raw["batch_groups"]
+    with RedisServer(run_dir / "redis", fsync="always") as server:
+        groups = demo_groups(b * (steps + 1), 8, 3, range(3, 13), seed=1, bos=1)
+        Groups(Buffer(server.url, run="bench")).put(groups)
+        cfg = TrainerSettings(**{**raw, "redis_url": server.url, "run": "bench", "model_path": model_dir,
+                                 "output_dir": str(run_dir / "trainer"), "max_steps": steps, "max_staleness": 10**6,
+                                 "checkpoint_every": 10**6, "metrics_port": 0, "device": "cpu"})  # fmt: skip
+        handler = StepLog()
+        logging.getLogger("asyncrl.trainer").addHandler(handler)
+        logging.getLogger("asyncrl.trainer").setLevel(logging.INFO)
+        try:
+            d = init_distributed("cpu")
+            train_steps(build(cfg, d))
+        finally:
+            logging.getLogger("asyncrl.trainer").removeHandler(handler)
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+    return handler.steps[:-1]  # the last step also writes the final checkpoint
+
+
+def busy_s(step: dict) -> float:
+    return step["step_s"] - step.get("wait_s", 0.0)
+
+
+def phase_medians(steps: list[dict]) -> dict[str, float]:
+    keys = sorted({k for s in steps for k in s if k.endswith("_s")})
+    return {k: med_ms([s.get(k, 0.0) for s in steps]) for k in keys}
+
+
+# ----------------------------------------------------------------------------- (c) time to 0.9
+def demo_run(seed: int, port_base: int, time_limit: float, run_dir: Path) -> dict:
+    raw = demo_config(port_base)
+    config = write_config(raw, run_dir.parent / f"demo-config-{seed}.toml")
+    cmd = [sys.executable, "-m", "services.cli", "demo", "--config", str(config), "--seed", str(seed),
+           "--time-limit", str(time_limit), "--run-dir", str(run_dir)]  # fmt: skip
+    subprocess.run(cmd, cwd=ROOT, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = []
+    for line in (run_dir / "logs" / "trainer.log").read_text().splitlines():
+        start = line.find("{")
+        try:
+            event = json.loads(line[start:]) if start >= 0 else {}
+        except ValueError:
+            continue
+        if event.get("msg") == "step":
+            steps.append(event)
+    return {"time_to_target_s": summary["time_to_target_s"], "steps": summary["steps"], "wall_s": summary["wall_s"],
+            "mean_staleness": summary["mean_staleness"], "dropped": summary["dropped"],
+            "trainer_steps": steps[SETTLE_STEPS:]}  # fmt: skip
+
+
+def screen_run(seed: int, threads: int) -> dict:
+    """The single-process loop's steps and seconds to 0.9 (None if not reached in its 700 steps).
+    On a shared 2-core machine its 2-thread runs slow down badly while anything else runs (the
+    second thread waits on a busy core), so (c) runs it with 1 and 2 threads and takes the faster."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "recipe_screen.py"),
+        "--seed",
+        str(seed),
+        "--threads",
+        str(threads),
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"steps": result["reached"], "time_to_target_s": result["seconds"] if result["reached"] else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per arm of (a) and (b)")
+    ap.add_argument("--time-limit", type=float, default=150, help="seconds per demo run of (c)")
+    ap.add_argument("--screen-threads", type=int, nargs="+", default=[1, 2],
+                    help="torch threads of the single-process loop: one run each, the faster is the baseline")  # fmt: skip
+    ap.add_argument("--port-base", type=int, default=18000)
+    ap.add_argument(
+        "--eta", type=int, help="η of the generation arm run ahead (default: configs/demo.toml's)"
+    )
+    ap.add_argument("--skip-demo", action="store_true", help="only (a) and (b)")
+    ap.add_argument("--skip-generation", action="store_true")
+    ap.add_argument("--skip-trainer", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    result: dict = {"machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start"}
+    with tempfile.TemporaryDirectory(prefix="stack-overhead-") as tmp:
+        tmp = Path(tmp)
+        from services.common.tinymodel import build_tiny_model
+
+        model_cfg = tomllib.loads(DEMO_CONFIG.read_text())["model"]
+        base = tmp / "gen" / "base"
+        build_tiny_model(base, chars=model_cfg["tiny_chars"], hidden_size=model_cfg["tiny_hidden_size"],
+                         num_layers=model_cfg["tiny_layers"], tie_word_embeddings=model_cfg["tiny_tie_embeddings"],
+                         seed=0)  # fmt: skip
+        if not args.skip_generation:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(base)
+            rng = random.Random(0)
+            prompts = [tok(f"<bos>{''.join(rng.choice('abcdefghij') for _ in range(3))}>", add_special_tokens=False)
+                       ["input_ids"] for _ in range(32)]  # fmt: skip
+            inproc = inproc_generation(str(base), prompts, 8, args.steps)
+            eta = (
+                args.eta
+                if args.eta is not None
+                else tomllib.loads(DEMO_CONFIG.read_text())["trainer"]["max_staleness"]
+            )
+            stack = stack_generation(tmp / "gen", args.port_base, args.steps, eta)
+            result["generation"] = {"inproc_ms": med_ms(inproc), "eta": eta, **{
+                f"{arm}_{k}": v for arm, r in stack.items() for k, v in (
+                    ("ms", med_ms(r["step_s"])), ("ratio", statistics.median(r["step_s"]) / statistics.median(inproc)),
+                    ("dropped_stale", r["dropped_stale"]))}}  # fmt: skip
+        if not args.skip_trainer:
+            trainer_cfg = tomllib.loads(DEMO_CONFIG.read_text())["trainer"]
+            plain = plain_step(str(base), demo_groups(32, 8, 3, range(3, 13), seed=2, bos=1), args.steps,
+                               trainer_cfg["lr"], trainer_cfg["entropy_coef"])  # fmt: skip
+            alone = trainer_standalone(tmp / "trainer", str(base), args.steps + 3)[3:]
+            result["trainer"] = {"plain_ms": med_ms(plain), "standalone_busy_ms": med_ms([busy_s(s) for s in alone]),
+                                 "standalone_ratio": statistics.median(busy_s(s) for s in alone) / statistics.median(plain),
+                                 "standalone_phases_ms": phase_medians(alone)}  # fmt: skip
+        if not args.skip_demo:
+            rows = []
+            for seed in args.seeds:
+                demo = demo_run(seed, args.port_base, args.time_limit, tmp / f"demo-{seed}")
+                screens = {t: screen_run(seed, t) for t in args.screen_threads}
+                reached = [r for r in screens.values() if r["time_to_target_s"]]
+                screen = (
+                    min(reached, key=lambda r: r["time_to_target_s"])
+                    if reached
+                    else {"steps": None, "time_to_target_s": None}
+                )
+                screen = {**screen, "by_threads": screens}
+                steps = demo.pop("trainer_steps")
+                demo["trainer_busy_ms"] = med_ms([busy_s(s) for s in steps]) if steps else None
+                demo["trainer_phases_ms"] = phase_medians(steps) if steps else {}
+                d, s = demo["time_to_target_s"], screen["time_to_target_s"]
+                rows.append(
+                    {"seed": seed, "demo": demo, "screen": screen, "ratio": d / s if d and s else None}
+                )
+                print(json.dumps(rows[-1]), flush=True)
+            result["time_to_target"] = rows
+            if "trainer" in result:
+                busy = [r["demo"]["trainer_busy_ms"] for r in rows if r["demo"]["trainer_busy_ms"]]
+                result["trainer"]["demo_busy_ms"] = statistics.median(busy) if busy else None
+                result["trainer"]["demo_ratio"] = (
+                    statistics.median(busy) / result["trainer"]["plain_ms"] if busy else None
+                )
+    print(json.dumps(result, indent=2))
+    print_table(result)
+    return 0
+
+
+def print_table(r: dict) -> None:
+    if "generation" in r:
+        g = r["generation"]
+        print(f"\n(a) generation per step, in-process {g['inproc_ms']} ms; through the stack: synchronous "
+              f"{g['sync_ms']} ms = {g['sync_ratio']:.2f}x, η = {g['eta']} (throughput) {g['async_ms']} ms = "
+              f"{g['async_ratio']:.2f}x (target <= 1.5x)")  # fmt: skip
+    if "trainer" in r:
+        t = r["trainer"]
+        line = f"(b) trainer busy per step: standalone {t['standalone_busy_ms']} ms = {t['standalone_ratio']:.2f}x"
+        if t.get("demo_ratio"):
+            line += f", in the demo {t['demo_busy_ms']} ms = {t['demo_ratio']:.2f}x"
+        print(line + f" a plain step's {t['plain_ms']} ms (target <= 1.3x)")
+    if "time_to_target" in r:
+        print(
+            "(c) | seed | demo: time to 0.9, steps | single process: time, steps | ratio (target <= 1.0 on >= 4 of 5) |"
+        )
+        for row in r["time_to_target"]:
+            d, s = row["demo"], row["screen"]
+            fmt = lambda x: "not reached" if x is None else f"{x:.1f} s"  # noqa: E731
+            ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
+            each = ", ".join(f"{t} thr {fmt(x['time_to_target_s'])}" for t, x in s["by_threads"].items())
+            print(f"    | {row['seed']} | {fmt(d['time_to_target_s'])}, {d['steps']} | {fmt(s['time_to_target_s'])}, "
+                  f"{s['steps']} ({each}) | {ratio} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
