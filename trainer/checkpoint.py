@@ -68,11 +68,12 @@ def fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def atomic_publish_dir(tmp: Path, final: Path) -> None:
-    """fsync every file in `tmp` and `tmp` itself, rename it to `final`, fsync the parent."""
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            fsync_file(f)
+def atomic_publish_dir(tmp: Path, final: Path, written: list[Path] | None = None) -> None:
+    """fsync every file in `tmp` (or only those `written`: a hard link to a file fsynced before
+    needs none, the fsync of `tmp` makes its entry durable) and `tmp` itself, rename it to
+    `final`, fsync the parent."""
+    for f in written if written is not None else (f for f in tmp.rglob("*") if f.is_file()):
+        fsync_file(f)
     fsync_dir(tmp)
     if final.exists():  # a re-run of the same version after a crash: replace it whole
         shutil.rmtree(final)

@@ -125,7 +125,9 @@ def build_model(
     packing: bool = False,
 ) -> nn.Module:
     """Meta-init → (activation checkpointing per decoder layer) → fully_shard per decoder layer
-    and root → to_empty → broadcast weights from rank 0 → the log-prob method installed
+    and root (not on a world of one in fp32: nothing to shard or cast, and FSDP2's hooks and
+    DTensor optimizer steps cost ~10% of a small model's step; checkpoints reshard either way)
+    → to_empty → broadcast weights from rank 0 → the log-prob method installed
     (trainer/logprobs.py: `token_logprobs` runs through it with the root's FSDP hooks).
 
     Activation checkpointing keeps only each decoder layer's input in forward and recomputes the
@@ -148,10 +150,14 @@ def build_model(
         packed_attention(model, d.device, DTYPES[mixed_precision])
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
     layers = _decoder_layers(model)
-    for layer in layers:
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    sharded = d.world > 1 or mixed_precision != "float32"
+    if sharded:
+        for layer in layers:
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=d.device)
+    if not sharded and getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # to_empty made the tied head a parameter of its own
     _rebuild_nonpersistent_buffers(model, d.device)
     full = load_full_state_dict(model_path, random_init, seed) if d.is_main else {}
     for alias, canonical in tied_aliases(model).items():

@@ -33,7 +33,7 @@ import httpx
 import torch
 
 from proto.lineage import weight_version_name
-from trainer.checkpoint import fsync_dir, fsync_file
+from trainer.checkpoint import atomic_publish_dir
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 WEIGHT_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -97,7 +97,7 @@ class DiskPublisher:
                 self._synced.add(f.name)
         save_file(state, str(tmp / "model.safetensors"),
                   metadata={"format": "pt", "asyncrl_version": str(version), "asyncrl_epoch": str(epoch)})  # fmt: skip
-        _publish_dir(tmp, final, written)
+        atomic_publish_dir(tmp, final, written)  # at one publish per step every fsync counts (~2-3 ms each)
         self._prune()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         return Published(version, nbytes, time.perf_counter() - t0, str(final))
@@ -140,21 +140,6 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
             pass
     shutil.copy2(src, dst)
     return False
-
-
-def _publish_dir(tmp: Path, final: Path, written: list[Path]) -> None:
-    """`trainer.checkpoint.atomic_publish_dir` with fewer fsyncs: the files in `written`, then
-    `tmp` itself, rename to `final`, fsync the parent. A link to a source file fsynced before
-    (the same inode, unchanged since) needs none: the fsync of `tmp` makes its entry durable.
-    At one publish per step every fsync counts (~2-3 ms each on a VM disk, nine of them were
-    most of a tiny model's publish)."""
-    for f in written:
-        fsync_file(f)
-    fsync_dir(tmp)
-    if final.exists():  # a re-run of the same version after a crash: replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
 
 
 class BroadcastPublisher:
