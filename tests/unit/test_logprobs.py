@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from factories import make_sample
 
-from proto import Group, Sample
+from proto import Group
 from trainer.batch import build_rows, collate, collate_packed, micro_batches, token_logprobs
 from trainer.logprobs import check_linear_head, head_logprobs
 from trainer.losses import LossConfig, aggregate, entropy_bonus, kl_penalty, policy_loss
@@ -138,17 +139,13 @@ def test_models_with_a_non_linear_head_are_refused(tiny):
 
 # ---------------------------------------------------------------- whole model: losses, packing, checkpointing
 def _groups(seed=0, n_groups=3, n=4) -> list[Group]:
+    """Groups of varied prompt and answer lengths (what packing and padding must agree on)."""
     rng = np.random.default_rng(seed)
     groups = []
     for gi in range(n_groups):
         prompt = np.array([1, *rng.integers(3, 40, int(rng.integers(2, 9)))], np.int32)
-        samples = []
-        for i in range(n):
-            m = int(rng.integers(1, 12))
-            samples.append(Sample(prompt_id=f"p{gi}", index=i, completion_ids=rng.integers(3, 40, m).astype(np.int32),
-                                  behavior_logprobs=rng.uniform(-4, -2, m).astype(np.float32),
-                                  versions=np.zeros(m, np.int32), finish_reason="length",
-                                  reward=float(rng.integers(0, 3)), reward_status="scored"))  # fmt: skip
+        samples = [make_sample(f"p{gi}", i, n_tokens=int(rng.integers(1, 12)), reward=float(rng.integers(0, 3)),
+                               seed=seed * 100 + gi * 10 + i) for i in range(n)]  # fmt: skip
         groups.append(Group.build(group_id=f"g{gi}", job_id="j", prompt_tokens=prompt, reward_spec={"verifier": "reverse"},
                                   samples=samples, submit_version=0))  # fmt: skip
     return groups
