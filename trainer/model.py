@@ -148,11 +148,10 @@ def build_model(
         enable_activation_checkpointing(model)
     if packing:
         packed_attention(model, d.device, DTYPES[mixed_precision])
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
-    layers = _decoder_layers(model)
     sharded = d.world > 1 or mixed_precision != "float32"
     if sharded:
-        for layer in layers:
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
+        for layer in _decoder_layers(model):
             fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=d.device)
