@@ -50,6 +50,18 @@ class _Caller(Generic[Item, Result]):
     answer: asyncio.Future[list[Result]]
 
 
+def _settle(callers: list[_Caller[Item, Result]], results: list[Result] | None, exc: Exception | None = None) -> None:
+    """Give each caller its slice of `results` (or `exc`), skipping callers cancelled meanwhile."""
+    offset = 0
+    for c in callers:
+        if not c.answer.done():
+            if exc is not None:
+                c.answer.set_exception(exc)
+            else:
+                c.answer.set_result(results[offset : offset + len(c.items)])
+        offset += len(c.items)
+
+
 class Coalescer(Generic[Key, Item, Result]):
     def __init__(
         self,
@@ -98,15 +110,9 @@ class Coalescer(Generic[Key, Item, Result]):
                 self.on_split()  # one caller's items may be what was refused: send each alone
                 await asyncio.gather(*(self._send(key, [c]) for c in callers))
                 return
-            for c in callers:
-                if not c.answer.done():  # its caller was cancelled meanwhile
-                    c.answer.set_exception(exc)
+            _settle(callers, None, exc)
             return
-        offset = 0
-        for c in callers:
-            if not c.answer.done():
-                c.answer.set_result(results[offset : offset + len(c.items)])
-            offset += len(c.items)
+        _settle(callers, results)
 
 
 class GroupCommit(Generic[Item, Result]):
@@ -121,15 +127,15 @@ class GroupCommit(Generic[Item, Result]):
     def __init__(self, send: Callable[[list[Item]], Awaitable[list[Result]]], *, split_on: type[Exception],
                  on_batch: Callable[[int], object] = lambda items: None):  # fmt: skip
         self.send, self.split_on, self.on_batch = send, split_on, on_batch
-        self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
+        self._pending: list[_Caller[Item, Result]] = []
         self._task: asyncio.Task | None = None
 
     async def submit(self, item: Item) -> Result:
-        answer: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        self._pending.append((item, answer))
+        caller = _Caller([item], asyncio.get_running_loop().create_future())
+        self._pending.append(caller)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._drain())
-        return await answer
+        return (await caller.answer)[0]
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -138,23 +144,19 @@ class GroupCommit(Generic[Item, Result]):
 
     async def _drain(self) -> None:
         while self._pending:
-            batch, self._pending = [(i, a) for i, a in self._pending if not a.done()], []
+            batch, self._pending = [c for c in self._pending if not c.answer.done()], []
             if batch:
                 self.on_batch(len(batch))
                 await self._send(batch)
 
-    async def _send(self, batch: list[tuple[Item, asyncio.Future[Result]]]) -> None:
+    async def _send(self, batch: list[_Caller[Item, Result]]) -> None:
         try:
-            results = await self.send([item for item, _ in batch])
+            results = await self.send([c.items[0] for c in batch])
         except Exception as exc:  # noqa: BLE001 — handed to the callers, who own the policy
             if isinstance(exc, self.split_on) and len(batch) > 1:
-                for one in batch:
+                for one in batch:  # one at a time, as every call of a group commit goes
                     await self._send([one])
                 return
-            for _, answer in batch:
-                if not answer.done():
-                    answer.set_exception(exc)
+            _settle(batch, None, exc)
             return
-        for (_, answer), result in zip(batch, results):
-            if not answer.done():
-                answer.set_result(result)
+        _settle(batch, results)
