@@ -46,6 +46,14 @@ class EngineSettings(ServiceSettings):
         default=64 << 20, ge=1024, description="largest accepted request body (413 above)"
     )
     seed: int = Field(default=0, ge=0, description="seeds requests that bring no sampling_seed")
+    logit_noise_std: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=100.0,
+        description="FOR STUDIES ONLY (benchmarks/mismatch_study.py): Gaussian noise of this std added "
+        "to every sampling logit, a controlled engine/trainer mismatch (the reported logprobs are the "
+        "perturbed distribution's, as with real numeric mismatch); 0: off",
+    )
     device: str = Field(default="auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
     dtype: str = Field(default="auto", description="'float32', 'bfloat16', 'float16' or 'auto' (fp32 on CPU)")
     num_threads: int = Field(default=1, gt=0, le=256, description="torch intra-op threads on CPU")

@@ -101,6 +101,8 @@ class InferenceEngine:
             max_prefill_tokens=settings.max_prefill_tokens,
             weight_version=settings.weight_version,
             continuous_decode_steps=settings.num_continuous_decode_steps,
+            logit_noise_std=settings.logit_noise_std,
+            seed=settings.seed,
         )
         self.groups: dict[str, object] = {}  # group_name → process group
         self.updates = WeightUpdates()

@@ -74,8 +74,14 @@ class Scheduler:
         max_prefill_tokens: int,
         weight_version: str,
         continuous_decode_steps: int = 1,
+        logit_noise_std: float = 0.0,
+        seed: int = 0,
     ):
         self.runner = runner
+        # A controlled mismatch for studies (EngineSettings.logit_noise_std): noise on the
+        # sampling logits, from a generator of its own (the requests' uniforms stay as they are).
+        self.logit_noise_std = logit_noise_std
+        self._noise = torch.Generator().manual_seed(seed) if logit_noise_std > 0 else None
         self.continuous_decode_steps = continuous_decode_steps
         self._steps_since_admit = 0
         self.max_running = max_running
@@ -250,8 +256,12 @@ class Scheduler:
         active = [i for i, r in enumerate(reqs) if r.max_new_tokens > len(r.output_ids)]
         now = time.monotonic()
         if active:
+            logits = logits[active]
+            if self._noise is not None:
+                noise = torch.randn(logits.shape, generator=self._noise, dtype=torch.float32)
+                logits = logits.float() + self.logit_noise_std * noise.to(logits.device)
             tokens, logprobs = sample_next(
-                logits[active],
+                logits,
                 [reqs[i].sampling for i in active],
                 [reqs[i].uniforms[len(reqs[i].output_ids)] for i in active],
             )

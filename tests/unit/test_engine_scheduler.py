@@ -106,3 +106,38 @@ def test_requests_finishing_together_free_their_slots_without_moving_kv(runner, 
     (long,) = [r for r in done if r.rid == "long"]
     assert long.output_ids == alone[0].output_ids
     assert long.output_logprobs == pytest.approx(alone[0].output_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("std", [0.0, 0.5, 2.0])
+def test_injected_logit_noise_changes_logprobs_by_the_configured_amount(runner, std):
+    """`logit_noise_std` (a study's controlled mismatch, off by default): each sampled token's
+    reported logprob is exactly that of the model's logits plus std × the noise the engine's
+    seeded generator drew, step by step; with 0 it is the model's own."""
+    from transformers import AutoModelForCausalLM
+
+    from services.engine.config import EngineSettings
+    from services.engine.sampling import draw_uniforms
+
+    assert EngineSettings(model="m").logit_noise_std == 0.0  # off by default
+    prompt, n = [1, 5, 6, 7], 12
+    done: list[Request] = []
+    s = Scheduler(runner, max_running=4, max_prefill_tokens=4096, weight_version="0", logit_noise_std=std, seed=3)
+    s.waiting.append(Request("r", prompt, n, frozenset(), RowSampling(1.0, 1.0, -1, 0.0), draw_uniforms(n, 11),
+                             on_finish=done.append))  # fmt: skip
+    run(s)
+    out = done[0]
+    model = AutoModelForCausalLM.from_pretrained(runner.model_path).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.output_ids])).logits[0, len(prompt) - 1 : -1].float()
+    noise = torch.Generator().manual_seed(3)
+    want, shift = [], []
+    for t, tok in enumerate(out.output_ids):
+        z = torch.randn((1, logits.shape[-1]), generator=noise, dtype=torch.float32)[0] if std else 0.0
+        lp = torch.log_softmax(logits[t] + std * z, -1)
+        want.append(float(lp[tok]))
+        shift.append(float(lp[tok] - torch.log_softmax(logits[t], -1)[tok]))
+    assert out.output_logprobs == pytest.approx(want, abs=1e-4)
+    if std == 0.0:
+        assert max(abs(x) for x in shift) < 1e-4
+    else:  # the reported logprobs differ from the model's by about the noise's size
+        assert 0.2 * std < (sum(x * x for x in shift) / n) ** 0.5 < 3 * std

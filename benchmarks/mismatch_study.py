@@ -1,0 +1,211 @@
+"""Do the corrections correct? Policy lag and engine/trainer mismatch, with and without importance
+sampling, on the CPU demo's full topology (issue 19).
+
+    .venv/bin/python benchmarks/mismatch_study.py                          # every slice, seeds 0-2 (hours)
+    .venv/bin/python benchmarks/mismatch_study.py --slices mismatch --seeds 0 --budget 60   # one slice, quick
+
+Every cell is `asyncrl demo` (embedded Redis, engine, reward, rollout and trainer services: the
+real stack, not a loop in one process) on `configs/demo.toml`'s task, with the cell's
+overrides, until reward 0.9 or `--budget` seconds. Three slices, each a grid of corrections:
+
+* `lag`: η ∈ {0, 2, 8, 32} (`--max-staleness`; the demo's generation outruns its trainer, so
+  the buffer fills to η: the measured staleness is reported, not only η), fp32 weights;
+* `mismatch`: η = 1 with the engine sampling from fp32 weights (no mismatch), from bf16 weights
+  while the trainer keeps fp32 (`publish_dtype = "bfloat16"`: real rounding mismatch), or with
+  Gaussian noise of std `--noise` on its sampling logits (`[engine] logit_noise_std`, a study-only
+  option: a mismatch of known size);
+* `pi_old`: bypass (π_old := μ, the engine's logprobs) against decoupled (π_old recomputed by
+  the trainer) at η = 8 with the noise.
+
+Corrections: `none`, `tis` (truncated IS, the default), `icepop` (token IS, masked outside
+[is_low, is_high]), `token_mask`, `seq_tis` (sequence-level truncated IS) and `geo_mask`
+(geometric-mean sequence mask). Per cell and seed, from the trainer's step log: time and steps
+to 0.9 (or the reward reached in the budget), the final entropy, the mean / max IS weight, the
+masked fraction, the mismatch KL (k3 of μ against π_old), the measured staleness, and
+`collapsed` (the entropy-collapse signature of docs/architecture.md §10: entropy below
+`COLLAPSE_ENTROPY` while the reward is below 0.5). Writes `<out>/cells.jsonl` (one line per run,
+appended as runs finish, so a long study can be stopped and resumed with `--resume`),
+`<out>/table.md` (means over seeds) and `<out>/figure.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BASE = ROOT / "configs" / "demo.toml"
+CORRECTIONS = ("none", "tis", "icepop", "token_mask", "seq_tis", "geo_mask")
+COLLAPSE_ENTROPY = 0.05
+TARGET = 0.9
+
+
+def cells(slices: list[str], corrections: list[str], noise: float) -> list[dict]:
+    """The grid: one dict of overrides per cell."""
+    out = []
+    if "lag" in slices:
+        out += [{"slice": "lag", "eta": eta, "mismatch": "fp32", "correction": c, "bypass": False}
+                for eta, c in itertools.product((0, 2, 8, 32), corrections)]  # fmt: skip
+    if "mismatch" in slices:
+        out += [{"slice": "mismatch", "eta": 1, "mismatch": m, "correction": c, "bypass": False}
+                for m, c in itertools.product(("fp32", "bf16", f"noise{noise:g}"), corrections)]  # fmt: skip
+    if "pi_old" in slices:
+        out += [{"slice": "pi_old", "eta": 8, "mismatch": f"noise{noise:g}", "correction": c, "bypass": bypass}
+                for bypass, c in itertools.product((True, False), ("none", "tis"))]  # fmt: skip
+    return out
+
+
+def config_for(cell: dict, seed: int, budget: float) -> dict:
+    raw = tomllib.loads(BASE.read_text())
+    trainer, engine = raw["trainer"], raw.setdefault("engine", {})
+    trainer["bypass"] = cell["bypass"]
+    trainer.setdefault("loss", {})["is_correction"] = cell["correction"]
+    trainer["publish_dtype"] = "bfloat16" if cell["mismatch"] == "bf16" else "float32"
+    if cell["mismatch"].startswith("noise"):
+        engine["logit_noise_std"] = float(cell["mismatch"][len("noise") :])
+    raw["demo"].update(seed=seed, time_limit_s=budget, target_reward=TARGET)
+    return raw
+
+
+def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
+    from services.demo import _to_toml
+
+    name = f"{cell['slice']}-eta{cell['eta']}-{cell['mismatch']}-{cell['correction']}-{'bypass' if cell['bypass'] else 'decoupled'}-s{seed}"
+    config, run_dir = tmp / f"{name}.toml", tmp / name
+    config.write_text(_to_toml(config_for(cell, seed, budget)))
+    t0 = time.time()
+    subprocess.run([str(ROOT / ".venv" / "bin" / "asyncrl"), "demo", "--config", str(config), "--run-dir", str(run_dir),
+                    "--max-staleness", str(cell["eta"])], cwd=ROOT, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, check=False)  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    steps = trainer_steps(run_dir / "logs" / "trainer.log")
+    last = steps[-5:] or [{}]
+
+    def mean(key: str) -> float | None:
+        values = [s[key] for s in steps if s.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    final_reward = statistics.fmean(s.get("reward_mean", 0.0) for s in last) if steps else None
+    final_entropy = statistics.fmean(s.get("entropy", 0.0) for s in last) if steps else None
+    return {**cell, "seed": seed, "wall_s": round(time.time() - t0, 1), "steps": len(steps),
+            "time_to_target_s": summary.get("time_to_target_s"), "final_reward": final_reward,
+            "final_entropy": final_entropy, "is_weight_mean": mean("is_weight_mean"),
+            "is_weight_max": max((s.get("is_weight_max", 0.0) for s in steps), default=None),
+            "masked_fraction": mean("is_masked_fraction"), "mismatch_kl": mean("mismatch_kl"),
+            "staleness_mean": summary.get("mean_staleness"), "staleness_max": summary.get("max_staleness"),
+            "collapsed": bool(steps) and final_entropy < COLLAPSE_ENTROPY and final_reward < 0.5}  # fmt: skip
+
+
+def trainer_steps(log: Path) -> list[dict]:
+    """The trainer's `step` events (one JSON line each), in order."""
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("msg") == "step":
+            out.append(event)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """Means over seeds per cell, one markdown row each."""
+    keys = ("slice", "eta", "mismatch", "correction", "bypass")
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+
+    def avg(rs: list[dict], key: str, fmt: str) -> str:
+        values = [r[key] for r in rs if r.get(key) is not None]
+        return format(statistics.fmean(values), fmt) if values else "–"
+
+    lines = ["| slice | η | mismatch | correction | π_old | seeds | reached 0.9 | time to 0.9 (s) | final reward | "
+             "final entropy | IS mean / max | masked | mismatch KL | staleness | collapsed |", "|" + "---|" * 15]  # fmt: skip
+    for key, rs in groups.items():
+        reached = [r for r in rs if r.get("time_to_target_s") is not None]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {'bypass' if key[4] else 'decoupled'} | {len(rs)} | "
+            f"{len(reached)} | {avg(reached, 'time_to_target_s', '.0f')} | {avg(rs, 'final_reward', '.3f')} | "
+            f"{avg(rs, 'final_entropy', '.2f')} | {avg(rs, 'is_weight_mean', '.3f')} / {avg(rs, 'is_weight_max', '.2f')} | "
+            f"{avg(rs, 'masked_fraction', '.3f')} | {avg(rs, 'mismatch_kl', '.2e')} | {avg(rs, 'staleness_mean', '.2f')} | "
+            f"{sum(r['collapsed'] for r in rs)} |"
+        )
+    return "\n".join(lines)
+
+
+def figure(rows: list[dict], out: Path) -> None:
+    """Final reward per cell (mean and each seed), one panel per slice."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slices = sorted({r["slice"] for r in rows})
+    fig, axes = plt.subplots(len(slices), 1, figsize=(10, 3.2 * len(slices)), squeeze=False)
+    for ax, name in zip(axes[:, 0], slices):
+        rs = [r for r in rows if r["slice"] == name]
+        labels = sorted({(r["eta"], r["mismatch"], r["correction"], r["bypass"]) for r in rs}, key=str)
+        for x, label in enumerate(labels):
+            ys = [r["final_reward"] or 0.0 for r in rs if (r["eta"], r["mismatch"], r["correction"], r["bypass"]) == label]
+            ax.scatter([x] * len(ys), ys, s=12, color="gray")
+            ax.bar(x, statistics.fmean(ys), alpha=0.5)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels([f"η{e} {m}\n{c}{' byp' if b else ''}" for e, m, c, b in labels], fontsize=6, rotation=90)
+        ax.axhline(TARGET, color="red", lw=0.8)
+        ax.set_ylabel("final reward")
+        ax.set_title(name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slices", nargs="+", default=["lag", "mismatch", "pi_old"], choices=["lag", "mismatch", "pi_old"])
+    ap.add_argument("--corrections", nargs="+", default=list(CORRECTIONS), choices=list(CORRECTIONS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--budget", type=float, default=150, help="seconds of training per run")
+    ap.add_argument("--noise", type=float, default=1.0, help="std of the injected logit noise")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "mismatch-study")
+    ap.add_argument("--resume", action="store_true", help="skip the runs cells.jsonl already has")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "cells.jsonl"
+    done = [json.loads(line) for line in log.read_text().splitlines()] if args.resume and log.exists() else []
+    if not args.resume:
+        log.write_text("")
+    seen = {json.dumps({k: r[k] for k in ("slice", "eta", "mismatch", "correction", "bypass", "seed")}) for r in done}
+    rows = list(done)
+    grid = cells(args.slices, args.corrections, args.noise)
+    print(f"{len(grid)} cells x {len(args.seeds)} seeds, {args.budget:.0f} s each at most; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="mismatch-study-") as tmp:
+        for cell, seed in itertools.product(grid, args.seeds):
+            if json.dumps({**{k: cell[k] for k in ("slice", "eta", "mismatch", "correction", "bypass")}, "seed": seed}) in seen:
+                continue
+            row = run_cell(cell, seed, args.budget, Path(tmp))
+            rows.append(row)
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+    (args.out / "table.md").write_text(table(rows) + "\n")
+    figure(rows, args.out / "figure.png")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
