@@ -1,6 +1,6 @@
 """msgpack codec for buffer records. Never pickle.
 
-A payload is the msgpack array `[4, {"type": "<group|sample|job|weights>", <fields>}]`: the
+A payload is the msgpack array `[5, {"type": "<group|sample|job|weights>", <fields>}]`: the
 schema version, then the record's map, in which token ids and versions are little-endian int32
 `bin` and logprobs little-endian float32 `bin`. A group's `samples` map holds its `Samples`
 columns: the three token columns and one list per other field. Encoding writes each column

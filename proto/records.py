@@ -11,6 +11,21 @@ in code they may be given as lists or arrays of another numeric dtype whose valu
 must agree, logprobs must be finite and ≤ `MAX_LOGPROB`, ids and versions non-negative; a
 `scored` sample carries a finite reward and any other status none (`check_reward`).
 
+Episodes (several turns with an environment between them, or a gateway session) put the
+environment's tokens in the completion too: `loss_mask` (uint8, one per completion token) is 1
+for a token the policy sampled and 0 for one it did not (an observation, a chat template's
+glue). Environment tokens carry behaviour logprob 0 and, as version, that of the policy token
+before them; they never count in a loss, an entropy, an importance weight or a staleness
+(`min_version` is over policy tokens). An empty `loss_mask` means every token was sampled (one
+turn). `turn_starts` are the offsets of the policy's turns in the completion and `turn_rewards`
+what the environment said after each (empty when not an episode).
+
+An episode whose chat template rewrote its history (a gateway session, `services/rollout/
+gateway.py`) is stored as several samples, one per stretch of calls that extend each other:
+each such piece has its own `prompt_ids` (empty: the group's `prompt_tokens`) and names the
+first piece of its episode in `episode` (None: the sample is a whole episode). The pieces of an
+episode carry its reward; advantages are computed per episode (`trainer/batch.py`).
+
 A group holds its samples column-wise (`Samples`): the trainer and the codec work on whole
 columns, and a `Sample` is built only when one is read.
 """
@@ -31,7 +46,7 @@ from msgspec.structs import force_setattr
 
 from proto.limits import MAX_GROUP_SIZE, MAX_LOGPROB
 
-SCHEMA_VERSION = 4  # 4: msgspec records, `prompt_tokens`; a payload is `[schema, record]`
+SCHEMA_VERSION = 5  # 5: episodes (`loss_mask`, turns, pieces); a payload is `[schema, record]`
 
 Id = Annotated[str, Meta(min_length=1, max_length=256)]
 Count = Annotated[int, Meta(ge=0)]
@@ -39,6 +54,7 @@ Count = Annotated[int, Meta(ge=0)]
 # payload; `__post_init__` replaces it with a numpy array of this dtype reading it in place.
 Int32Array = Annotated[memoryview, np.dtype("<i4")]
 Float32Array = Annotated[memoryview, np.dtype("<f4")]
+UInt8Array = Annotated[memoryview, np.dtype("u1")]
 
 # True while msgspec builds records from fields it has checked (decoding, or `_check_fields`):
 # they then only read their arrays and run `_check`.
@@ -126,7 +142,7 @@ def _wire_array(value: Any, dtype: np.dtype, name: str) -> memoryview:
     if array.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D array, got shape {array.shape}")
     if array.dtype != dtype:
-        integral = dtype.kind == "i"
+        integral = dtype.kind in "iu"
         if array.size and array.dtype.kind not in ("iu" if integral else "iuf"):  # (an empty list is float64)
             raise ValueError(f"{name}: expected {'integers' if integral else 'numbers'}, got {array.dtype}")
         converted = array.astype(dtype)
@@ -136,10 +152,12 @@ def _wire_array(value: Any, dtype: np.dtype, name: str) -> memoryview:
     return memoryview(np.ascontiguousarray(array)).cast("B")
 
 
-def _read_array(raw: memoryview | np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
+def _read_array(raw: memoryview | np.ndarray | list, dtype: np.dtype, name: str) -> np.ndarray:
     """Wire bytes as a read-only native-order array viewing them (an array: already one)."""
     if isinstance(raw, np.ndarray):  # a slice of a group's column, read as a `Sample`
         return raw
+    if isinstance(raw, list):  # an optional array's default (empty)
+        raw = memoryview(bytes(raw))
     if raw.nbytes % dtype.itemsize:
         raise ValueError(f"{name}: {raw.nbytes} bytes is not a whole number of {dtype}")
     array = np.frombuffer(raw, dtype)
@@ -153,12 +171,36 @@ def _read_array(raw: memoryview | np.ndarray, dtype: np.dtype, name: str) -> np.
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # (`ndarray.min` adds a Python-level wrapper per call)
 
 
-def _oldest(versions: np.ndarray) -> int | None:
-    """The oldest of token versions (None for no tokens); a negative one is refused."""
-    oldest = int(_MIN(versions)) if len(versions) else None
-    if oldest is not None and oldest < 0:
+def _oldest(versions: np.ndarray, loss_mask: np.ndarray | None = None) -> int | None:
+    """The oldest version of the policy's tokens (`loss_mask` 1, or all when it is empty; None
+    for no such token); a negative version anywhere is refused."""
+    if len(versions) and int(_MIN(versions)) < 0:
         raise ValueError("negative policy version")
-    return oldest
+    if loss_mask is not None and len(loss_mask):
+        versions = versions[loss_mask.view(bool)]
+    return int(_MIN(versions)) if len(versions) else None
+
+
+def _check_episode(loss_mask: np.ndarray, tokens: int, behavior_logprobs: np.ndarray) -> None:
+    """`loss_mask` is empty or one 0/1 per token, with behaviour logprob 0 where it is 0."""
+    if not len(loss_mask):
+        return
+    if len(loss_mask) != tokens:
+        raise ValueError(f"{len(loss_mask)} loss_mask entries for {tokens} completion tokens")
+    if int(_MAX(loss_mask)) > 1:
+        raise ValueError("loss_mask entries must be 0 or 1")
+    if np.any(behavior_logprobs[loss_mask == 0]):
+        raise ValueError("tokens the policy did not sample (loss_mask 0) must have behaviour logprob 0")
+
+
+def _check_turns(turn_starts: list[int], turn_rewards: list[float], tokens: int, where: str = "") -> None:
+    """Turn offsets ascending inside the completion; a finite reward per turn, or none at all."""
+    if any(b <= a for a, b in zip(turn_starts, turn_starts[1:])) or (turn_starts and turn_starts[-1] >= max(tokens, 1)):
+        raise ValueError(f"{where}turn_starts must ascend within the {tokens} completion tokens, got {turn_starts[:8]}")
+    if turn_rewards and len(turn_rewards) != len(turn_starts):
+        raise ValueError(f"{where}{len(turn_rewards)} turn_rewards for {len(turn_starts)} turns")
+    if not all(math.isfinite(r) for r in turn_rewards):
+        raise ValueError(f"{where}turn_rewards must be finite")
 
 
 def _check_tokens(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> None:
@@ -209,15 +251,29 @@ class Sample(Record, tag="sample"):
     reward_status: RewardStatus | None = None
     reward_details: dict[str, Any] = {}
     timings: Timings = msgspec.field(default_factory=Timings)
+    loss_mask: UInt8Array = msgspec.field(default_factory=list)  # 1: sampled by the policy; empty: all
+    turn_starts: list[Count] = []  # offset of each policy turn in the completion (episodes)
+    turn_rewards: list[float] = []  # the environment's reward after each turn (episodes)
+    prompt_ids: Int32Array = msgspec.field(default_factory=list)  # this piece's prompt; empty: the group's
+    episode: Count | None = None  # index of the first piece of this sample's episode; None: itself
 
     def _check(self) -> None:
         _check_tokens(self.completion_ids, self.behavior_logprobs, self.versions)
+        if len(self.prompt_ids) and int(_MIN(self.prompt_ids)) < 0:
+            raise ValueError("negative token id in prompt_ids")
+        _check_episode(self.loss_mask, len(self.completion_ids), self.behavior_logprobs)
+        _check_turns(self.turn_starts, self.turn_rewards, len(self.completion_ids))
         _oldest(self.versions)  # refuses a negative version
         check_reward(self.reward, self.reward_status)
 
     @property
     def min_version(self) -> int | None:
-        return _oldest(self.versions)
+        return _oldest(self.versions, self.loss_mask)
+
+    @property
+    def policy_mask(self) -> np.ndarray:
+        """1 for each completion token the policy sampled (all of them outside episodes)."""
+        return self.loss_mask if len(self.loss_mask) else np.ones(len(self.completion_ids), dtype=np.uint8)
 
 
 class Samples(_Struct):
@@ -246,17 +302,42 @@ class Samples(_Struct):
     first_token: list[float | None]
     finished: list[float | None]
     scored: list[float | None]
+    # Episodes (see the module's docstring); each empty when no sample of the group has any.
+    loss_mask: UInt8Array = msgspec.field(default_factory=list)  # one per token of the columns
+    turn_starts: list[list[Count]] = []  # one list per sample
+    turn_rewards: list[list[float]] = []  # one list per sample
+    prompt_ids: Int32Array = msgspec.field(default_factory=list)  # the pieces' own prompts, back to back
+    prompt_lengths: list[Count] = []  # tokens of each sample's own prompt (0: the group's)
+    episode: list[Count | None] = []  # one per sample
 
     def _check(self) -> None:
         n, tokens = len(self.lengths), len(self.completion_ids)
         for name in PER_SAMPLE:
-            if len(getattr(self, name)) != n:
+            if len(getattr(self, name)) != n and not (name in EPISODE and not getattr(self, name)):
                 raise ValueError(f"{len(getattr(self, name))} {name} entries for {n} samples")
         if sum(self.lengths) != tokens:
             raise ValueError(f"lengths add up to {sum(self.lengths)}, the columns hold {tokens} tokens")
         _check_tokens(self.completion_ids, self.behavior_logprobs, self.versions)  # (versions: by the group)
+        _check_episode(self.loss_mask, tokens, self.behavior_logprobs)
+        if self.turn_starts or self.turn_rewards:
+            for i, length in enumerate(self.lengths):
+                _check_turns(self.turn_starts[i] if self.turn_starts else [],
+                             self.turn_rewards[i] if self.turn_rewards else [], length, f"sample {i}: ")  # fmt: skip
         for i, (reward, status) in enumerate(zip(self.reward, self.reward_status)):
             check_reward(reward, status, i)
+        if self.prompt_lengths and len(self.prompt_lengths) != n:
+            raise ValueError(f"{len(self.prompt_lengths)} prompt_lengths entries for {n} samples")
+        if sum(self.prompt_lengths) != len(self.prompt_ids):
+            raise ValueError(f"prompt_lengths add up to {sum(self.prompt_lengths)}, prompt_ids holds {len(self.prompt_ids)}")
+        if len(self.prompt_ids) and int(_MIN(self.prompt_ids)) < 0:
+            raise ValueError("negative token id in prompt_ids")
+        for i, first in enumerate(self.episode):
+            if first is None:
+                continue
+            if first > i or self.episode[first] not in (None, first):
+                raise ValueError(f"sample {i}: episode {first} is not the first piece of an episode before it")
+            if (self.reward[i], self.reward_status[i]) != (self.reward[first], self.reward_status[first]):
+                raise ValueError(f"sample {i}: the pieces of an episode carry its reward (sample {first}'s)")
 
     @classmethod
     def of(cls, samples: typing.Iterable[Sample]) -> Samples:
@@ -268,7 +349,15 @@ class Samples(_Struct):
             raise ValueError(f"sample indices must be 0..{len(rows) - 1}, got {[s.index for s in rows]}")
         columns = {name: [getattr(s, name) for s in rows] for name in PER_SAMPLE if name not in TIMINGS}
         columns |= {name: [getattr(s.timings, name) for s in rows] for name in TIMINGS}
+        for name, default in EPISODE.items():
+            if all(v == default for v in columns[name]):
+                columns[name] = []
         tokens = {name: np.concatenate([getattr(s, name) for s in rows]) for name in TOKEN_COLUMNS}
+        if any(len(s.loss_mask) for s in rows):
+            tokens["loss_mask"] = np.concatenate([s.policy_mask for s in rows])
+        if any(len(s.prompt_ids) for s in rows):
+            tokens["prompt_ids"] = np.concatenate([s.prompt_ids for s in rows])
+            columns["prompt_lengths"] = [len(s.prompt_ids) for s in rows]
         return cls(lengths=[len(s.completion_ids) for s in rows], **tokens, **columns)
 
     def __len__(self) -> int:
@@ -296,8 +385,14 @@ class Samples(_Struct):
 
     def _view(self, i: int, start: int, end: int) -> Sample:
         """Sample i: its arrays view the columns and its `reward_details` is the group's own dict."""
-        values = {name: getattr(self, name)[i] for name in PER_SAMPLE if name not in TIMINGS}
+        values = {name: getattr(self, name)[i] for name in PER_SAMPLE if name not in TIMINGS and name not in EPISODE}
+        values |= {name: getattr(self, name)[i] for name in EPISODE if getattr(self, name)}
         tokens = {name: getattr(self, name)[start:end] for name in TOKEN_COLUMNS}
+        if len(self.loss_mask):
+            tokens["loss_mask"] = self.loss_mask[start:end]
+        if self.prompt_lengths:
+            p = sum(self.prompt_lengths[:i])
+            tokens["prompt_ids"] = self.prompt_ids[p : p + self.prompt_lengths[i]]
         token = FIELDS_CHECKED.set(True)  # the columns were checked
         try:
             timings = Timings(**{name: getattr(self, name)[i] for name in TIMINGS})
@@ -307,13 +402,21 @@ class Samples(_Struct):
 
     @property
     def min_version(self) -> int | None:
-        return _oldest(self.versions)
+        return _oldest(self.versions, self.loss_mask)
+
+    @property
+    def policy_mask(self) -> np.ndarray:
+        """1 for each token of the columns the policy sampled (all of them outside episodes)."""
+        return self.loss_mask if len(self.loss_mask) else np.ones(len(self.completion_ids), dtype=np.uint8)
 
 
 TOKEN_COLUMNS = ("completion_ids", "behavior_logprobs", "versions")
-PER_SAMPLE = tuple(name for name in Samples.__struct_fields__ if name not in TOKEN_COLUMNS and name != "lengths")
+# per-sample columns that may be empty (no episode in the group), and their samples' defaults
+EPISODE = {"turn_starts": [], "turn_rewards": [], "episode": None}
+PER_SAMPLE = tuple(name for name in Samples.__struct_fields__
+                   if name not in TOKEN_COLUMNS and name not in ("lengths", "loss_mask", "prompt_ids", "prompt_lengths"))  # fmt: skip
 TIMINGS = Timings.__struct_fields__
-assert {*PER_SAMPLE, *TOKEN_COLUMNS} - set(TIMINGS) == set(Sample.__struct_fields__) - {"index", "timings"}
+assert {*PER_SAMPLE, *TOKEN_COLUMNS, "loss_mask", "prompt_ids"} - set(TIMINGS) == set(Sample.__struct_fields__) - {"index", "timings"}
 
 
 class Group(Record, tag="group"):
@@ -368,6 +471,7 @@ class GroupJob(Record, tag="job"):
     prompt_text: str = ""
     sampling_params: dict[str, Any] = {}
     submitted_at: float = 0.0
+    episode: dict[str, Any] = {}  # a `proto.rollout.EpisodeSpec` (empty: one turn), checked at submission
 
     def _check(self) -> None:
         if not len(self.prompt_tokens):

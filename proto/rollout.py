@@ -12,10 +12,11 @@ the verifier's own spec model refuses (`services/rollout/intake.py`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from proto.environments import MAX_TURNS
 from proto.limits import MAX_GROUP_SIZE
 from proto.rewards import RewardSpec
 from proto.sglang import SamplingParams
@@ -62,6 +63,45 @@ class RolloutPrompt(BaseModel):
         return self
 
 
+class EpisodeSpec(BaseModel):
+    """A job's episodes (issue 18): each sample is an episode of up to `max_turns` policy turns
+    with `environment` (served at the reward service, `proto/environments.py`) answering the
+    tool calls in between. A turn ends at EOS, at its `max_new_tokens` or, in the `tagged`
+    format, at a one-token `tool_close` marker; its text is parsed for a tool call:
+
+    * `hermes` (chat models, Qwen/Hermes style): `<tool_call>{"name": …, "arguments": {…}}</tool_call>`;
+      the environment's answer enters the context as a `tool` message of the chat template;
+    * `tagged` (any model, e.g. the CPU demo's character model): `{tool_open}NAME ARGS{tool_close}`
+      (`tool_close` empty: to the end of the turn; NAME empty: `default_tool`); the answer enters
+      as `observation_template` with `{observation}` filled in.
+
+    A turn without a tool call is the final answer. The episode's reward is the environment's
+    (the sum of its turn rewards) when it judges, else the job's `reward_spec` verifier's on the
+    final answer. `tools = false` runs the same task with no tool call parsed (one turn): the
+    baseline that shows what the tool is worth."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    environment: str = Field(min_length=1, max_length=64)
+    max_turns: int = Field(default=4, ge=1, le=MAX_TURNS)
+    tool_format: Literal["hermes", "tagged"] = "hermes"
+    tool_open: str = Field(default="", max_length=64, description="default: <tool_call> (hermes), <tool> (tagged)")
+    tool_close: str | None = Field(default=None, max_length=64, description="default: </tool_call>, </tool>")
+    default_tool: str = Field(default="", max_length=128)
+    observation_template: str = Field(default="{observation}", max_length=4096)
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    max_episode_tokens: int | None = Field(default=None, ge=1, description="completion + observations; default: the context")
+    retries: int = Field(default=2, ge=0, le=10, description="times a failed episode starts again before its group fails")
+    tools: bool = True
+
+    @field_validator("observation_template")
+    @classmethod
+    def _has_slot(cls, value: str) -> str:
+        if "{observation}" not in value:
+            raise ValueError("observation_template needs an {observation} slot")
+        return value
+
+
 class RolloutRequest(BaseModel):
     """Body of `POST /v1/rollouts`."""
 
@@ -74,6 +114,7 @@ class RolloutRequest(BaseModel):
     sampling_params: SamplingParams | None = None
     reward_spec: RewardSpec | None = Field(default=None, description="for prompts without their own")
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
+    episode: EpisodeSpec | None = Field(default=None, description="multi-turn episodes with an environment")
 
     @field_validator("sampling_params")
     @classmethod
@@ -84,7 +125,7 @@ class RolloutRequest(BaseModel):
 
     @model_validator(mode="after")
     def _every_prompt_has_a_spec(self) -> RolloutRequest:
-        if self.reward_spec is None:
+        if self.reward_spec is None and self.episode is None:  # (an episode may be judged by its environment)
             missing = [i for i, p in enumerate(self.prompts) if p.reward_spec is None]
             if missing:
                 raise ValueError(f"prompts {missing[:10]} have no reward_spec and the job gives none")

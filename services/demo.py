@@ -33,11 +33,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
 class DemoSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    task: Literal["reverse", "math"] = Field("reverse", description="what to train on (services/tasks.py)")
+    task: Literal["reverse", "math", "secret"] = Field(
+        "reverse", description="what to train on (services/tasks.py; secret: a tool-use episode, configs/demo-tools.toml)"
+    )
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=2)
     letters: str = Field("abcdefghij", min_length=2, description="reverse: the alphabet")
-    prompt_len: int = Field(3, ge=1, le=32, description="reverse: letters per prompt (= answer tokens)")
+    prompt_len: int = Field(3, ge=1, le=32, description="reverse: letters per prompt (= answer tokens); secret: letters of the word")
+    tools: bool = Field(True, description="secret: the policy may call the lookup tool (false: the no-tool baseline)")
+    max_turns: int = Field(2, ge=1, le=8, description="secret: policy turns per episode")
     max_new_tokens: int = Field(256, ge=1, description="math: answer budget (EOS-terminated)")
     temperature: float = Field(1.0, gt=0, description="math: sampling temperature of training rollouts")
     word_fraction: float = Field(0.4, ge=0, le=1, description="math: share of word problems")
@@ -254,7 +258,21 @@ def make_prompts(n: int, cfg: DemoSection, rng: random.Random) -> list[dict]:
 
     if cfg.task == "math":
         return math_task(cfg).train_prompts(n, rng)
+    if cfg.task == "secret":  # the word is the environment's (one per episode), not the prompt's
+        return [{"text": "<bos>>"} for _ in range(n)]
     return reverse_prompts(n, cfg.letters, cfg.prompt_len, rng)
+
+
+def episode(cfg: DemoSection) -> dict:
+    """secret: each sample is an episode with the `secret` environment, whose one tool (`lookup`,
+    called by sampling `?`) answers the episode's word; the answer is the word. Without the
+    tool the word is a guess (expected reward 1/len(letters))."""
+    if cfg.task != "secret":
+        return {}
+    return {"episode": {"environment": "secret", "max_turns": cfg.max_turns, "tool_format": "tagged",
+                        "tool_open": "?", "tool_close": "", "default_tool": "lookup",
+                        "observation_template": "{observation}", "tools": cfg.tools,
+                        "env_args": {"letters": cfg.letters, "length": cfg.prompt_len}}}  # fmt: skip
 
 
 def math_task(cfg: DemoSection):
@@ -290,6 +308,7 @@ def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Rando
             "group_size": cfg.group_size,
             "sampling_params": sampling_params(cfg),
             "idempotency_key": f"demo-{cfg.seed}-{k}",
+            **episode(cfg),
         }
         resp = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=120)
         if resp.status_code != 202:
@@ -324,7 +343,8 @@ def utilisation(launcher, wall_s: float) -> dict[str, float | None]:
     }  # fmt: skip
 
 
-def plot(history: History, out: Path, target: float | None, eta: int, evals: list[dict] | None = None) -> None:
+def plot(history: History, out: Path, target: float | None, eta: int, evals: list[dict] | None = None,
+         task: str = "reverse") -> None:  # fmt: skip
     """Reward and staleness against wall time; with evaluations, a second panel of training reward
     and held-out accuracy against the policy version, and the accuracy on the first panel too."""
     import matplotlib
@@ -376,7 +396,7 @@ def plot(history: History, out: Path, target: float | None, eta: int, evals: lis
         axv.legend(loc="upper left", fontsize=8)
         fig.suptitle("asyncrl CPU demo: async GRPO on a pretrained model")
     else:
-        ax.set_title("asyncrl CPU demo: reverse, async GRPO")
+        ax.set_title(f"asyncrl CPU demo: {'tool use (secret)' if task == 'secret' else task}, async GRPO")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -571,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         if evals is not None:
             summary.update(eval_summary(evals.sorted()))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot(history, run_dir / "demo.png", demo.target_reward, eta, evals.sorted() if evals else [])
+        plot(history, run_dir / "demo.png", demo.target_reward, eta, evals.sorted() if evals else [], demo.task)
         print(summary_table(summary))
         if reached_at is None and code == 0 and demo.target_reward is not None:
             code = 1

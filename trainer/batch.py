@@ -7,6 +7,8 @@ right-padded row per sample) or packed (samples back to back, `max_tokens_per_mi
 the same [N, T] tensors either way, so the loss cannot tell them apart.
 Samples whose reward status is not `scored` stay in the batch with mask 0 (they carry no
 advantage) and are counted by the caller; padding rows that even out the ranks are all-mask-0.
+In an episode the environment's tokens (a sample's `loss_mask` 0) are in the sequence, as
+context, with mask 0: no loss, entropy or importance weight ever counts them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Row:
     behavior_logprobs: np.ndarray
     advantage: float
     valid: bool  # reward scored: counts in the loss
+    loss_mask: np.ndarray | None = None  # 1 per token the policy sampled (episodes); None: all
 
 
 @dataclass
@@ -61,6 +64,8 @@ def rewards_matrix(groups: list[Group], shaping: Shaping | None = None) -> tuple
     for gi, g in enumerate(groups):
         s = g.samples  # column-wise: sample i is entry i of each column
         for i, (reward, status, length) in enumerate(zip(s.reward, s.reward_status, s.lengths)):
+            if s.episode and s.episode[i] not in (None, i):
+                continue  # a later piece of an episode: the episode counts once (its first piece)
             if status is RewardStatus.scored:
                 r = float(reward)
                 if shaping is not None and shaping.max_len is not None:
@@ -84,13 +89,19 @@ def build_rows(groups: list[Group], kind: AdvantageKind, shaping: Shaping | None
     adv = group_advantages(rewards, kind, valid)
     out = GroupBatch(rows=[], rewards=rewards[valid].tolist())
     for gi, g in enumerate(groups):
-        s, start = g.samples, 0  # sample i's tokens: the next lengths[i] of each token column
+        s, start, p = g.samples, 0, 0  # sample i's tokens: the next lengths[i] of each token column
+        masks = s.loss_mask if len(s.loss_mask) else None
         for i, (length, status, truncated) in enumerate(zip(s.lengths, s.reward_status, s.truncated)):
-            ok, end = bool(valid[gi, i]), start + length
+            first = s.episode[i] if s.episode and s.episode[i] is not None else i  # pieces share their episode's advantage
+            ok, end = bool(valid[gi, first]), start + length
+            prompt = g.prompt_tokens
+            if s.prompt_lengths and s.prompt_lengths[i]:
+                prompt, p = s.prompt_ids[p : p + s.prompt_lengths[i]], p + s.prompt_lengths[i]
             if not ok:
                 out.masked[status.value if status else "unscored"] += 1
-            out.rows.append(Row(g.prompt_tokens, s.completion_ids[start:end], s.behavior_logprobs[start:end],
-                                float(adv[gi, i]) if ok else 0.0, ok))  # fmt: skip
+            out.rows.append(Row(prompt, s.completion_ids[start:end], s.behavior_logprobs[start:end],
+                                float(adv[gi, first]) if ok else 0.0, ok,
+                                masks[start:end] if masks is not None else None))  # fmt: skip
             out.lengths.append(length)
             out.truncated += int(truncated)
             start = end
@@ -153,7 +164,7 @@ class _Tokens:
         self.targets[i, :c] = row.completion_ids
         self.behavior[i, :c] = row.behavior_logprobs  # a copy: record arrays are read-only views
         if row.valid:
-            self.mask[i, :c] = 1.0
+            self.mask[i, :c] = 1.0 if row.loss_mask is None else row.loss_mask
             self.adv[i, :c] = row.advantage
 
     def batch(self, input_ids: np.ndarray, attention_mask: np.ndarray | None, position_ids: np.ndarray | None,

@@ -25,6 +25,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -47,6 +48,8 @@ from services.common.metrics import router as metrics_router
 from services.engine import metrics
 from services.engine.config import is_loopback
 from services.engine.engine import InferenceEngine, InvalidRequest
+
+_JSON = msgspec.json.Encoder()
 
 # The data plane: generation and read-only info (everything else is control).
 DATA_PATHS = frozenset(
@@ -111,9 +114,10 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
     # --- generation -----------------------------------------------------------------------
 
     @app.post("/generate")
-    async def generate(body: GenerateReqInput) -> JSONResponse:
-        # Already plain JSON types: skip FastAPI's element-by-element encoder (slow on logprob lists).
-        return JSONResponse(await engine.generate(body))
+    async def generate(body: GenerateReqInput) -> Response:
+        # Already plain JSON types: skip FastAPI's element-by-element encoder (slow on logprob
+        # lists) and encode with msgspec (several times faster than the json module).
+        return Response(_JSON.encode(await engine.generate(body)), media_type="application/json")
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest) -> ChatCompletionResponse:

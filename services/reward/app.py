@@ -2,13 +2,16 @@
 
 `build_verifiers` decides what this server serves: `reverse`, `arith` and `math` always,
 `code` unless disabled (it refuses to start without a working bubblewrap unless
-`allow_unsandboxed`), `judge` when `judge_base_url` is set. Nothing here imports torch.
+`allow_unsandboxed`), `judge` when `judge_base_url` is set. `build_environments` likewise:
+`secret` and `calculator` always, `python` under the same rule as `code`, in a sandbox of its
+own (its host uids follow the code verifier's). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
@@ -17,12 +20,35 @@ from services.common.limits import BodyLimit, install_validation_handler
 from services.common.logging import log_event
 from services.common.metrics import router as metrics_router
 from services.reward.config import RewardSettings
-from services.reward.metrics import REQUESTS
+from services.reward.environments.base import Environment
+from services.reward.metrics import ENV_REJECTED, REQUESTS
+from services.reward.routes import environments as environment_routes
 from services.reward.routes import health, rewards
 from services.reward.scoring import Scorer
 from services.reward.verifiers.base import Verifier
 
+if TYPE_CHECKING:
+    from services.reward.sandbox import Sandbox
+
 log = logging.getLogger(__name__)
+
+
+def build_sandbox(settings: RewardSettings, *, slots: int, uid_base: int) -> Sandbox:
+    """A `Sandbox` that passed its self-test (SandboxUnavailable otherwise), or an unsandboxed
+    runner when bubblewrap is missing and `allow_unsandboxed` says so (warned)."""
+    from services.reward.sandbox import Sandbox
+
+    sandbox = Sandbox(
+        python=settings.code_python,
+        slots=slots,
+        uid_base=uid_base,
+        bwrap=settings.bwrap,
+        allow_unsandboxed=settings.allow_unsandboxed,
+    )
+    sandbox.self_test()
+    if not sandbox.sandboxed:
+        log_event(log, "code runs WITHOUT a sandbox (allow_unsandboxed)", logging.WARNING)
+    return sandbox
 
 
 def build_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
@@ -41,22 +67,11 @@ def build_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
         ),
     ]
     if settings.code_enabled:
-        from services.reward.sandbox import Sandbox
         from services.reward.verifiers.code import CodeVerifier
 
-        sandbox = Sandbox(
-            python=settings.code_python,
-            slots=settings.code_concurrency,
-            uid_base=settings.code_uid_base,
-            bwrap=settings.bwrap,
-            allow_unsandboxed=settings.allow_unsandboxed,
-        )
-        sandbox.self_test()
-        if not sandbox.sandboxed:
-            log_event(log, "code verifier runs WITHOUT a sandbox (allow_unsandboxed)", logging.WARNING)
         verifiers.append(
             CodeVerifier(
-                sandbox,
+                build_sandbox(settings, slots=settings.code_concurrency, uid_base=settings.code_uid_base),
                 concurrency=settings.code_concurrency,
                 item_timeout_s=settings.code_item_timeout_s,
                 max_test_timeout_s=settings.code_max_test_timeout_s,
@@ -89,9 +104,39 @@ def build_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
     return {v.name: v for v in verifiers}
 
 
-def build_app(settings: RewardSettings, verifiers: dict[str, Verifier] | None = None) -> FastAPI:
+def build_environments(settings: RewardSettings) -> dict[str, Environment]:
+    from services.reward.environments.calculator import CalculatorEnvironment
+    from services.reward.environments.secret import SecretEnvironment
+
+    environments: list[Environment] = [SecretEnvironment(), CalculatorEnvironment()]
+    if settings.code_enabled:
+        from services.reward.environments.python import PythonEnvironment
+
+        slots, uid_base = settings.env_python_concurrency, settings.code_uid_base + settings.code_concurrency
+        environments.append(
+            PythonEnvironment(
+                build_sandbox(settings, slots=slots, uid_base=uid_base),
+                timeout_s=settings.env_python_timeout_s,
+                memory_mb=settings.env_python_memory_mb,
+                output_chars=settings.env_python_output_chars,
+                queue_timeout_s=settings.queue_timeout_s,
+                output_bytes=settings.code_output_bytes,
+                tmpfs_mb=settings.code_tmpfs_mb,
+                max_procs=settings.code_max_procs,
+                max_files=settings.code_max_files,
+            )
+        )
+    return {e.name: e for e in environments}
+
+
+def build_app(
+    settings: RewardSettings,
+    verifiers: dict[str, Verifier] | None = None,
+    environments: dict[str, Environment] | None = None,
+) -> FastAPI:
     """The app; verifiers start in its lifespan (math workers spawn, judge client opens)."""
     verifiers = build_verifiers(settings) if verifiers is None else verifiers
+    environments = build_environments(settings) if environments is None else environments
     scorer = Scorer(verifiers, cache_entries=settings.cache_entries, queue_timeout_s=settings.queue_timeout_s)
 
     @asynccontextmanager
@@ -106,6 +151,7 @@ def build_app(settings: RewardSettings, verifiers: dict[str, Verifier] | None = 
     app = FastAPI(title="asyncrl reward", version="1", lifespan=lifespan)
     app.state.scorer = scorer
     app.state.settings = settings
+    app.state.environments = environments
     install_auth(app)
     app.add_middleware(
         BodyLimit, max_bytes=settings.max_body_bytes, on_refused=REQUESTS.labels("rejected").inc
@@ -114,10 +160,13 @@ def build_app(settings: RewardSettings, verifiers: dict[str, Verifier] | None = 
     def count_invalid(request: Request, malformed_json: bool) -> None:
         if request.url.path == "/v1/rewards":
             REQUESTS.labels("rejected").inc()
+        elif request.url.path.startswith("/v1/environments/"):
+            ENV_REJECTED.labels("invalid_body").inc()
 
     install_validation_handler(app, count_invalid)
 
     app.include_router(health.router)
     app.include_router(rewards.router)
+    app.include_router(environment_routes.router)
     app.include_router(metrics_router)
     return app

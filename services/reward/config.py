@@ -52,6 +52,22 @@ class RewardSettings(ServiceSettings):
         False, description="DEVELOPMENT ONLY: run code without bubblewrap if missing"
     )
 
+    env_python_concurrency: int = Field(
+        2,
+        ge=1,
+        le=1024,
+        description="`python` environment sandboxes at once (host uids after the code verifier's)",
+    )
+    env_python_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="wall-clock limit of one `python` tool call (CPU limit: ceil of it)"
+    )
+    env_python_memory_mb: int = Field(
+        512, ge=64, le=1 << 20, description="address-space limit of a `python` tool call"
+    )
+    env_python_output_chars: int = Field(
+        4096, ge=64, le=32_768, description="stdout and stderr characters (each) shown to the policy"
+    )
+
     judge_base_url: str | None = Field(
         None, description="OpenAI-compatible base URL (…/v1); unset disables judge"
     )

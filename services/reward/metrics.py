@@ -46,3 +46,29 @@ JUDGE_CALLS = Counter(
     "Judge HTTP attempts by outcome (ok, retried, http_error, transport_error, bad_response)",
     ["outcome"],
 )
+ENV_RESETS = Counter(
+    "asyncrl_reward_env_resets_total", "Episodes started (reset answered) by environment", ["environment"]
+)
+ENV_STEPS = Counter(
+    "asyncrl_reward_env_steps_total",
+    "Environment steps answered, by environment and step status",
+    ["environment", "status"],
+)
+ENV_FAILURES = Counter(
+    "asyncrl_reward_env_failures_total",
+    "Environment infrastructure failures by environment and kind: a masked episode's failure_kind "
+    "(sandbox, queue_timeout), or crash (a 500)",
+    ["environment", "kind"],
+)
+ENV_REJECTED = Counter(
+    "asyncrl_reward_env_requests_rejected_total",
+    "Environment requests refused with a 4xx, by reason (unknown_environment, invalid_body: "
+    "a body or task arguments that do not validate)",
+    ["reason"],
+)
+ENV_STEP_LATENCY = Histogram(
+    "asyncrl_reward_env_step_seconds",
+    "Time to answer one environment step (tool runs and sandbox queueing included)",
+    ["environment"],
+    buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)

@@ -1,4 +1,5 @@
-"""FastAPI app of the rollout service: `/v1/rollouts`, `/v1/evaluations`, `/healthz`, `/metrics`.
+"""FastAPI app of the rollout service: `/v1/rollouts`, `/v1/evaluations`, the OpenAI-compatible
+gateway (`/v1/sessions`, `/v1/chat/completions`), `/healthz`, `/metrics`.
 
 Body errors answer 400 (malformed JSON) or 422 (wrong types, out-of-range values) with a
 one-line `message` naming the fields, plus a bounded `detail` list (`services/common/limits.py`);
@@ -16,7 +17,7 @@ from services.common.auth import install_auth
 from services.common.limits import BodyLimit, InflightLimit, install_validation_handler
 from services.common.metrics import router as metrics_router
 from services.rollout import metrics as m
-from services.rollout.routes import evaluations, health, rollouts
+from services.rollout.routes import evaluations, gateway, health, rollouts
 from services.rollout.service import RolloutService
 
 
@@ -41,12 +42,20 @@ def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI
         InflightLimit,
         max_inflight=service.settings.max_inflight_submissions,
         on_refused=m.REQUESTS_REJECTED.labels("overloaded").inc,
-        prefixes=("/v1/",),
+        prefixes=("/v1/rollouts", "/v1/evaluations"),
+    )
+    # Gateway calls last as long as a generation: they get their own, larger, bound.
+    app.add_middleware(
+        InflightLimit,
+        max_inflight=service.settings.gateway_max_inflight,
+        on_refused=m.GATEWAY_ERRORS.labels("any", "overloaded").inc,
+        prefixes=("/v1/sessions", "/v1/chat/"),
     )
     app.include_router(metrics_router)
     app.include_router(health.router)
     app.include_router(rollouts.router)
     app.include_router(evaluations.router)
+    app.include_router(gateway.router)
 
     def count_invalid(request: Request, malformed_json: bool) -> None:
         m.REQUESTS_REJECTED.labels("malformed_json" if malformed_json else "invalid_body").inc()

@@ -104,8 +104,9 @@ class Intake:
             raise BadRequest("max_new_tokens must be at least 1")
         return out
 
-    def tokenize(self, prompt: RolloutPrompt) -> tuple[list[int], str]:
-        """Prompt token ids and the prompt text the reward service sees."""
+    def tokenize(self, prompt: RolloutPrompt, tools: list[dict] | None = None) -> tuple[list[int], str]:
+        """Prompt token ids and the prompt text the reward service sees. `tools` (OpenAI
+        function schemas, an episode's environment's) go to the chat template with `messages`."""
         tok = self.tokenizer
         if prompt.input_ids is not None:
             bad = [t for t in prompt.input_ids if t >= self.vocab_size]
@@ -117,9 +118,8 @@ class Intake:
         if prompt.messages is not None:
             if not getattr(tok, "chat_template", None):
                 raise BadRequest("the model's tokenizer has no chat template; send text or input_ids")
-            text = tok.apply_chat_template(
-                [t.model_dump() for t in prompt.messages], add_generation_prompt=True, tokenize=False
-            )
+            text = tok.apply_chat_template([t.model_dump() for t in prompt.messages], tools=tools or None,
+                                           add_generation_prompt=True, tokenize=False)  # fmt: skip
             return list(tok(text, add_special_tokens=False)["input_ids"]), text
         assert prompt.text is not None
         return list(tok(prompt.text)["input_ids"]), prompt.text
@@ -130,6 +130,7 @@ class Intake:
         job_id: str,
         verifiers: Mapping[str, dict | None] | Collection[str],
         engine_kind: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[GroupJob]:
         """The job's group jobs. `verifiers`: what the reward service serves, name → JSON schema
         of its spec arguments (a bare collection of names: names are checked, not arguments);
@@ -140,13 +141,14 @@ class Intake:
         now = time.time()
         jobs, too_long = [], []
         for i, prompt in enumerate(request.prompts):
-            ids, text = self.tokenize(prompt)
+            ids, text = self.tokenize(prompt, tools)
             if not ids:
                 raise BadRequest(f"prompt {i} is empty after tokenization")
             if len(ids) >= self.context_length:
                 too_long.append(f"prompt {i} has {len(ids)} tokens")
                 continue
-            spec = (prompt.reward_spec or request.reward_spec).model_dump()  # type: ignore[union-attr]
+            spec = prompt.reward_spec or request.reward_spec
+            spec = spec.model_dump() if spec is not None else {}  # (none: an environment judges the episodes)
             jobs.append(
                 GroupJob(
                     job_id=job_id,
@@ -158,6 +160,7 @@ class Intake:
                     sampling_params=params,
                     reward_spec=spec,
                     submitted_at=now,
+                    episode=request.episode.model_dump() if request.episode is not None else {},
                 )
             )
         if too_long:

@@ -104,6 +104,28 @@ POLICY_VERSION = Gauge(
     "asyncrl_rollout_engine_weight_version", "Weight version the engines were last updated to"
 )
 
+GATEWAY_REQUESTS = Counter(
+    "asyncrl_rollout_gateway_requests_total", "Gateway requests answered, by route and HTTP status", ["route", "code"]
+)
+GATEWAY_ERRORS = Counter(
+    "asyncrl_rollout_gateway_errors_total",
+    "Gateway requests refused or failed (and reaper passes that failed), by route and reason",
+    ["route", "reason"],
+)
+GATEWAY_COMPLETIONS = Counter(
+    "asyncrl_rollout_gateway_completions_total", "Chat completions generated: in a session, or proxied", ["mode"]
+)
+GATEWAY_SESSIONS = Counter(
+    "asyncrl_rollout_gateway_sessions_total",
+    "Gateway sessions opened, closed, split (into several samples) and expired (never closed)",
+    ["event"],
+)
+GATEWAY_GROUPS = Counter(
+    "asyncrl_rollout_gateway_groups_total",
+    "Gateway groups put in the buffer, put before (duplicate), expired, or failed to build",
+    ["result"],
+)
+
 EVAL_SERIES_KEPT = 256  # (name, version) series of the eval gauges; older ones are removed
 EVAL_ACCURACY = Gauge(
     "asyncrl_eval_accuracy", "Fraction of items scored with reward >= 1 (unscored items are wrong)",
@@ -131,4 +153,18 @@ EVAL_SECONDS = Histogram(
 AUTO_EVALS = Counter(
     "asyncrl_eval_auto_total", "Automatic evaluations due at a version: created, exists (another "
     "replica's), error (not created)", ["result"],
+)
+
+# Episodes (issue 18): multi-turn rollouts with an environment.
+EPISODES = Counter(
+    "asyncrl_rollout_episodes_total", "Episodes finished, by how (answered, turns, length, failed)", ["result"]
+)
+EPISODE_RETRIES = Counter(
+    "asyncrl_rollout_episode_retries_total", "Episodes started again after their environment failed, by kind", ["kind"]
+)
+ENV_STEPS = Counter(
+    "asyncrl_rollout_env_steps_total", "Environment steps, by environment and the tool's status", ["environment", "status"]
+)
+TOOL_CALLS = Counter(
+    "asyncrl_rollout_tool_calls_total", "Tool calls the policy made, by outcome (called, unparsable)", ["result"]
 )

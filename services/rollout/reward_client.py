@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 
 import httpx
+import msgspec
 from pydantic import ValidationError
 
 from proto.records import RewardStatus
@@ -23,10 +25,12 @@ from services.common.coalescer import Coalescer
 from services.common.logging import log_event
 from services.common.retry import Retryable, with_retries
 from services.rollout import metrics as m
+from services.rollout.engine_client import JSON_HEADERS
 
 log = logging.getLogger(__name__)
 
 RETRY_DELAY_S = 0.5  # first delay between reward retries; doubles
+_JSON = msgspec.json.Encoder()
 
 
 class _BatchFailed(Exception):
@@ -72,8 +76,8 @@ class RewardClient:
             results = await self._batches.submit(None, items)
         except _BatchFailed as exc:
             results = [RewardResult(id=i.id, status=exc.status, details={"error": str(exc)}) for i in items]
-        for r in results:
-            m.REWARD_RESULTS.labels(r.status.value).inc()
+        for status, n in Counter(r.status for r in results).items():
+            m.REWARD_RESULTS.labels(status.value).inc(n)
         return results
 
     async def _post_batch(self, _: None, items: list[RewardItem]) -> list[RewardResult]:
@@ -89,7 +93,7 @@ class RewardClient:
 
         async def attempt(_: int) -> list[RewardResult]:
             try:
-                resp = await self._http.post(f"{self.url}/v1/rewards", json=body)
+                resp = await self._http.post(f"{self.url}/v1/rewards", content=_JSON.encode(body), headers=JSON_HEADERS)
             except httpx.TimeoutException:
                 m.REWARD_CALLS.labels("timeout").inc()
                 late = f"reward service did not answer within {self.timeout_s} s"

@@ -36,9 +36,9 @@ from functools import partial
 import redis
 
 from buffer import AdmissionControl, Buffer, ClaimedJob, GroupReport, Groups, Jobs, Weights
-from proto import Group, GroupJob, RewardStatus, Sample, Timings
+from proto import Group, GroupJob, RewardStatus, Samples
 from proto.lineage import parse_weight_version
-from proto.rewards import RewardItem, RewardSpec
+from proto.rewards import RewardItem, RewardResult, RewardSpec
 from proto.states import Admission, GroupState
 from services.common.coalescer import GroupCommit
 from services.common.logging import log_event
@@ -46,6 +46,8 @@ from services.common.retry import Retryable, with_retries
 from services.rollout import metrics as m
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_client import EngineClient, EngineEndpoint, EngineFailure, EngineRejected
+from services.rollout.env_client import EnvClient, EnvironmentFailed
+from services.rollout.episodes import run_episodes
 from services.rollout.reward_client import RewardClient
 from services.rollout.weights import WeightSync
 
@@ -68,7 +70,14 @@ class Draft:
     versions: list[int] = field(default_factory=list)
     lineage: dict[int, int] = field(default_factory=dict)  # epoch -> newest version (proto/lineage.py)
     finish_reason: str = "length"
-    text: str = ""
+    text: str = ""  # of all the tokens (the engine's, when one segment made them)
+    segments: int = 0  # engine answers the tokens came in (more than one after a weight-update abort)
+    # Episodes (services/rollout/episodes.py): which tokens the policy sampled, turns, rewards.
+    loss_mask: list[int] | None = None
+    turn_starts: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    env_reward: float | None = None  # the environment judged the episode (no verifier)
+    details: dict = field(default_factory=dict)
     submitted: float = 0.0
     first_token: float | None = None
     finished: float | None = None
@@ -94,13 +103,14 @@ class Scheduler:
         weights: WeightSync,
         tokenizer,
         context_length: int,
+        envs: EnvClient | None = None,
     ):
         self.s = settings
         # The buffer's parts, on the process's one connection; used only on the `_redis` thread
         # (`jobs` holds this replica's claims).
         self.jobs = Jobs(buf, consumer=f"rollout-{settings.replica}")
         self.groups, self.admission, self.versions = Groups(buf), AdmissionControl(buf), Weights(buf)
-        self.engines, self.rewards, self.weights = engines, rewards, weights
+        self.engines, self.rewards, self.weights, self.envs = engines, rewards, weights, envs
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.active: dict[str, Active] = {}
@@ -191,7 +201,7 @@ class Scheduler:
                 return await self._close(a, GroupState.buffered, duplicate=True)
             a.stage = "generating"
             self._phase(job, GroupState.generating)
-            drafts = await self._generate(a)
+            drafts = await self._generate(a, episodes=bool(job.episode))
             a.stage = "scoring"
             self._phase(job, GroupState.scoring)
             samples = await self._score(job, drafts)
@@ -218,7 +228,7 @@ class Scheduler:
             # the job (`GET /v1/rollouts/{id}` shows the reason), slot given back.
             log_event(log, "group failed", logging.ERROR, group_id=job.group_id, error=str(exc)[:2000])
             await self._close(a, GroupState.failed, error=f"{type(exc).__name__}: {exc}")
-        except (EngineFailure, OSError, redis.RedisError) as exc:
+        except (EngineFailure, EnvironmentFailed, OSError, redis.RedisError) as exc:
             # Not the group's fault (an engine aborting forever, a Redis hiccup): keep the
             # claim and the admission slot and start the group again.
             m.GROUPS_REQUEUED.labels("internal").inc()
@@ -337,21 +347,21 @@ class Scheduler:
         self._phases.pop(job.group_id, None)
         return GroupReport(job.job_id, job.group_id, state, error)
 
-    def _buffered_phase(self, job: GroupJob, samples: list[Sample]) -> GroupReport:
+    def _buffered_phase(self, job: GroupJob, samples: Samples) -> GroupReport:
         """`_final_phase` of a scored group, with what its rewards say: its samples by reward
         status when any was not `scored`, and for a group with no scored sample at all (it
         teaches the trainer nothing) an error, counted; `GET /v1/rollouts/{id}` reads a job
         whose every group is such as `failed`."""
         counts: dict[str, int] = {}
-        for sample in samples:
-            status = sample.reward_status.value if sample.reward_status is not None else "none"
-            counts[status] = counts.get(status, 0) + 1
+        for status in samples.reward_status:
+            key = status.value if status is not None else "none"
+            counts[key] = counts.get(key, 0) + 1
         if set(counts) <= {RewardStatus.scored.value}:
             return self._final_phase(job, GroupState.buffered)
         error = ""
         if RewardStatus.scored.value not in counts:
             m.GROUPS_UNSCORED.inc()
-            first = samples[0].reward_details if samples else {}
+            first = samples.reward_details[0]
             why = str(first.get("error") or first.get("reason") or "")[:UNSCORED_DETAIL_CHARS]
             error = f"no sample scored ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))})"
             error += f": {why}" if why else ""
@@ -388,16 +398,17 @@ class Scheduler:
 
     # --- generation -----------------------------------------------------------------------
 
-    async def _generate(self, a: Active) -> list[Draft]:
-        """All samples of the group on one engine; on engine failure, the whole group again on
-        the least-loaded healthy engine after a backoff, for as long as it takes."""
+    async def _generate(self, a: Active, episodes: bool = False) -> list[Draft]:
+        """All samples of the group on one engine (as episodes with an environment when the job
+        asks); on engine failure, the whole group again on the least-loaded healthy engine
+        after a backoff, for as long as it takes."""
         job = a.claimed.job
 
         async def on_an_engine(attempt: int) -> list[Draft]:
             a.engine = await self.engines.pick()
             t0 = time.monotonic()
             try:
-                drafts = await self._samples(a)
+                drafts = await (run_episodes(self, a) if episodes else self._samples(a))
             except EngineFailure as exc:
                 m.GROUPS_REQUEUED.labels("engine").inc()
                 log_event(log, "group requeued after an engine failure", logging.WARNING, group_id=job.group_id,
@@ -444,10 +455,32 @@ class Scheduler:
             raise EngineFailure(f"samples of {job.group_id} were aborted {self.s.max_resubmits + 1} times")
         for d in drafts:
             d.finished = d.finished or time.time()
+            if d.segments == 1:  # the engine's own text of these tokens (SGLang's rules: stop trim, specials)
+                continue
             stop_trim = d.finish_reason == "stop" and not params.get("no_stop_trim")
             d.text = self.tokenizer.decode(d.tokens[:-1] if stop_trim else d.tokens,
                                            skip_special_tokens=params.get("skip_special_tokens", True))  # fmt: skip
         return drafts
+
+    async def _turn(self, a: Active, prompt: list[int], d: Draft, budget: int, params: dict, turn: int,
+                    stop_ids: list[int]) -> str:  # fmt: skip
+        """One policy turn of an episode: up to `budget` tokens appended to `d` (loss mask 1),
+        resubmitting prompt + tokens so far after a weight-update abort; its finish reason."""
+        base = dict(params)
+        if stop_ids:
+            base["stop_token_ids"] = sorted({*params.get("stop_token_ids", ()), *stop_ids})
+        start = len(d.tokens)
+        for segment in range(self.s.max_resubmits + 1):
+            await self.weights.ready.wait()
+            seg = self._segment_params(base, start + budget, d, segment + 1000 * turn)
+            gen = (await self.engines.generate(a.engine, [prompt + d.tokens], [seg], a.rids))[0]
+            n = len(gen.output_ids)
+            aborted = self._extend(d, gen, start + budget, len(prompt))
+            d.loss_mask += [1] * n
+            if not aborted:
+                return d.finish_reason
+            m.RESUBMITS.inc()
+        raise EngineFailure(f"a turn of {a.claimed.job.group_id} was aborted {self.s.max_resubmits + 1} times")
 
     def _segment_params(self, params: dict, budget: int, d: Draft, segment: int) -> dict:
         seg = {**params, "max_new_tokens": budget - len(d.tokens)}
@@ -459,6 +492,8 @@ class Scheduler:
         """Append one segment's tokens (each with the version that sampled it); True when the
         sample was aborted with budget left and must be resubmitted."""
         version, epoch = self._version(gen.weight_version)
+        d.segments += 1
+        d.text = gen.text
         d.tokens += gen.output_ids
         d.logprobs += gen.logprobs
         d.versions += [version] * len(gen.output_ids)
@@ -481,29 +516,40 @@ class Scheduler:
 
     # --- scoring --------------------------------------------------------------------------
 
-    async def _score(self, job: GroupJob, drafts: list[Draft]) -> list[Sample]:
-        spec = RewardSpec.model_construct(**job.reward_spec)  # checked at submission (intake)
-        items = [
-            RewardItem(id=str(d.index), prompt=job.prompt_text, completion=d.text, spec=spec) for d in drafts
-        ]
-        results = await self.rewards.score(items)
+    async def _score(self, job: GroupJob, drafts: list[Draft]) -> Samples:
+        """The group's samples, scored, built column-wise (`Samples`) in one checked record:
+        no `Sample` per draft."""
+        judged = [d for d in drafts if d.env_reward is not None]  # an environment gave the reward
+        results = {d.index: RewardResult(id=str(d.index), reward=d.env_reward, status=RewardStatus.scored,
+                                         details=d.details) for d in judged}  # fmt: skip
+        if len(judged) < len(drafts):
+            spec = RewardSpec.model_construct(**job.reward_spec)  # checked at submission (intake)
+            items = [RewardItem(id=str(d.index), prompt=job.prompt_text, completion=d.text, spec=spec)
+                     for d in drafts if d.env_reward is None]  # fmt: skip
+            for item, r in zip(items, await self.rewards.score(items)):
+                results[int(item.id)] = r
+        results = [results[d.index] for d in drafts]
         scored_at = time.time()
-        return [
-            Sample(
-                prompt_id=job.prompt_id,
-                index=d.index,
-                completion_ids=d.tokens,
-                behavior_logprobs=d.logprobs,
-                versions=d.versions,
-                finish_reason=d.finish_reason,
-                truncated=d.finish_reason == "length",
-                text=d.text,
-                reward=r.reward,
-                reward_status=r.status,
-                reward_details=r.details,
-                timings=Timings(
-                    submitted=d.submitted, first_token=d.first_token, finished=d.finished, scored=scored_at
-                ),
-            )
-            for d, r in zip(drafts, results)
-        ]
+        n = len(drafts)
+        episodes = any(d.loss_mask is not None for d in drafts)
+        return Samples(
+            lengths=[len(d.tokens) for d in drafts],
+            completion_ids=[t for d in drafts for t in d.tokens],
+            behavior_logprobs=[lp for d in drafts for lp in d.logprobs],
+            versions=[v for d in drafts for v in d.versions],
+            prompt_id=[job.prompt_id] * n,
+            finish_reason=[d.finish_reason for d in drafts],
+            truncated=[d.finish_reason == "length" for d in drafts],
+            text=[d.text for d in drafts],
+            reward=[r.reward for r in results],
+            reward_status=[r.status for r in results],
+            reward_details=[r.details for r in results],
+            submitted=[d.submitted for d in drafts],
+            first_token=[d.first_token for d in drafts],
+            finished=[d.finished for d in drafts],
+            scored=[scored_at] * n,
+            loss_mask=[x for d in drafts for x in (d.loss_mask if d.loss_mask is not None else [1] * len(d.tokens))]
+            if episodes else [],
+            turn_starts=[d.turn_starts for d in drafts] if episodes else [],
+            turn_rewards=[d.turn_rewards for d in drafts] if episodes and any(d.turn_rewards for d in drafts) else [],
+        )

@@ -15,7 +15,9 @@ from services.common.logging import log_event
 from services.rollout import metrics as m
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_client import EngineClient
+from services.rollout.env_client import EnvClient
 from services.rollout.evaluations import Evaluator, build_task, load_eval_file, sampling_params
+from services.rollout.gateway import Gateway
 from services.rollout.intake import (
     REFERENCE_ENGINE,
     SGLANG_ENGINE,
@@ -58,6 +60,8 @@ class RolloutService:
         self.owned_redis = None
         self.engines: EngineClient | None = None
         self.rewards: RewardClient | None = None
+        self.gateway: Gateway | None = None  # the OpenAI-compatible gateway (services/rollout/gateway.py)
+        self.envs: EnvClient | None = None
         self._engine_kind: tuple[float, str | None] = (float("-inf"), None)  # (probed at, kind)
         self._engine_probe = asyncio.Lock()
 
@@ -98,6 +102,9 @@ class RolloutService:
             verifiers_ttl_s=s.verifiers_ttl_s,
             headers=self._headers(),
         )
+        self.envs = EnvClient(s.environments_url or s.reward_url, timeout_s=s.env_timeout_s,
+                              retries=s.env_retries, headers=self._headers())  # fmt: skip
+        self.gateway = Gateway(s, self.buf, self.engines, self.rewards, self.tokenizer, self.context_length)
         if not run_scheduler:
             return
         weights = WeightSync(
@@ -117,8 +124,11 @@ class RolloutService:
             weights,
             self.tokenizer,
             self.context_length,
+            self.envs,
         )
+        self.gateway.weights = weights
         self._tasks = [
+            asyncio.create_task(_logged(self.gateway.reap(), "gateway"), name="gateway"),
             asyncio.create_task(_logged(weights.run(), "weights"), name="weights"),
             asyncio.create_task(_logged(scheduler.run(), "scheduler"), name="scheduler"),
             asyncio.create_task(_logged(evaluator.run(), "evaluations"), name="evaluations"),
@@ -163,7 +173,7 @@ class RolloutService:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for client in (self.engines, self.rewards):
+        for client in (self.engines, self.rewards, self.envs):
             if client is not None:
                 await client.aclose()
         self.buf.close()

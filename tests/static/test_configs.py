@@ -31,8 +31,13 @@ def test_run_config_validates_for_every_service(path):
     reward = load_settings(RewardSettings, ["--config", str(path)], prog="r", section="reward")
     load_settings(RolloutSettings, ["--config", str(path), "--tokenizer", up.model.path], prog="r", section="rollout")
     assert trainer.batch_groups >= 1 and trainer.max_staleness >= 0
-    if path.name == "demo.toml":
+    if path.name in ("demo.toml", "demo-tools.toml"):  # the CPU demos
         assert up.launch.engine_kind == "reference" and up.model.build_tiny and not reward.code_enabled
+        if path.name == "demo-tools.toml":
+            from services.demo import DemoSection
+
+            demo = DemoSection.model_validate(tomllib.loads(path.read_text())["demo"])
+            assert demo.task == "secret" and demo.tools and demo.max_turns >= 2
     elif path.name == "smollm2-math.toml":  # the pretrained model on the CPU, through `asyncrl demo`
         from services.demo import DemoSection
 

@@ -23,6 +23,7 @@ from proto.rollout import RolloutAccepted, RolloutProgress, RolloutRequest
 from proto.states import JOB_ENDS, GroupState, JobState
 from services.rollout import metrics as m
 from services.rollout.deps import ServiceDep
+from services.rollout.env_client import EnvironmentFailed
 from services.rollout.intake import BadRequest, body_hash, job_id_for
 from services.rollout.reward_client import VerifiersUnavailable
 from services.rollout.routes.errors import ERRORS
@@ -55,8 +56,9 @@ async def submit(body: RolloutRequest, service: ServiceDep) -> RolloutAccepted:
     except VerifiersUnavailable as exc:
         raise _refuse(503, str(exc), "reward_unavailable") from exc
     engine_kind = await service.engine_kind()
+    tools = await _check_episode(service, body) if body.episode is not None else None
     try:
-        group_jobs = await run_in_threadpool(service.intake.build, body, job_id, verifiers, engine_kind)
+        group_jobs = await run_in_threadpool(service.intake.build, body, job_id, verifiers, engine_kind, tools)
     except BadRequest as exc:
         raise _refuse(exc.status, str(exc), exc.reason) from exc
 
@@ -72,6 +74,24 @@ async def submit(body: RolloutRequest, service: ServiceDep) -> RolloutAccepted:
         m.JOBS_SUBMITTED.inc()
     m.GROUPS_SUBMITTED.inc(new)
     return RolloutAccepted(job_id=job_id, groups=len(group_jobs), duplicate=duplicate)
+
+
+async def _check_episode(service: RolloutService, body: RolloutRequest) -> list[dict] | None:
+    """The job's environment is served, and something judges its episodes (the environment,
+    or a reward_spec for every prompt); its tools for the chat template (none without tools)."""
+    episode = body.episode
+    try:
+        listing = await service.envs.environments()
+    except EnvironmentFailed as exc:
+        raise _refuse(503, str(exc), "environments_unavailable") from exc
+    info = listing.environments.get(episode.environment)
+    if info is None:
+        raise _refuse(400, f"unknown environment {episode.environment!r}; served: {sorted(listing.environments)}",
+                      "unknown_environment")  # fmt: skip
+    if not info.judges and body.reward_spec is None and any(p.reward_spec is None for p in body.prompts):
+        raise _refuse(400, f"environment {episode.environment!r} does not judge answers: give a reward_spec",
+                      "invalid_input")  # fmt: skip
+    return info.tools if episode.tools else None
 
 
 @router.get("/{job_id}", response_model=RolloutProgress, responses=ERRORS)

@@ -1,0 +1,168 @@
+"""Episodes: a group's samples as multi-turn, tool-using episodes with an environment (issue 18).
+
+    reset the environment → [its first observation, loss mask 0]
+    for each turn (at most `max_turns`, the whole episode within `max_episode_tokens`):
+        generate until EOS, the turn's max_new_tokens or a one-token call marker
+            (tokens kept exactly as sampled, each with its behaviour logprob and policy
+            version; a weight update mid-turn aborts → the prefix is resubmitted, as in
+            one-turn partial rollouts)
+        a tool call in the turn's text → environment step → its observation appended as
+            tokens with loss mask 0 (a call that does not parse: an `invalid_call`
+            observation, no step); no tool call → the final answer (a judging environment
+            steps it and gives the reward) → done
+
+The G episodes of a group run concurrently (their generate calls coalesce into batches). An
+environment failure (`EnvironmentFailed`: unreachable after retries, refused, garbage,
+`mask_sample`) starts the episode again, at most `retries` times, each counted by kind; then
+the group fails whole (`EpisodeFailed`), counted. The environment keeps nothing: a rollout
+replica that dies restarts its groups' episodes whole when another recovers the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from typing import TYPE_CHECKING
+
+from proto.environments import Action, ResetRequest, StepRequest, StepStatus
+from proto.rollout import EpisodeSpec
+from services.rollout import metrics as m
+from services.rollout.env_client import EnvironmentFailed
+from services.rollout.toolcalls import BadToolCall, ToolFormat, observation_ids, parse_tool_call
+
+if TYPE_CHECKING:
+    from services.rollout.scheduler import Active, Draft, Scheduler
+
+
+class EpisodeFailed(ValueError):
+    """An episode's environment kept failing: its group fails."""
+
+
+def turn_stop_ids(tokenizer, fmt: ToolFormat) -> list[int]:
+    """Tokens that end a turn besides EOS: the call's closing marker (its opening one when the
+    call has no closing marker) when it is a single token."""
+    marker = fmt.close or fmt.open
+    ids = tokenizer(marker, add_special_tokens=False)["input_ids"] if marker else []
+    return list(ids) if len(ids) == 1 else []
+
+
+async def run_episodes(sched: Scheduler, a: Active) -> list[Draft]:
+    job = a.claimed.job
+    spec = EpisodeSpec.model_validate(job.episode)
+    fmt = ToolFormat.of(spec)
+    stops = turn_stop_ids(sched.tokenizer, fmt) if spec.tools else []
+    info = (await sched.envs.environments()).environments.get(spec.environment)
+    if info is None:
+        raise EnvironmentFailed("unavailable", f"environment {spec.environment!r} is no longer served")
+    tasks = [asyncio.ensure_future(_with_retries(sched, a, spec, fmt, stops, info.judges, i))
+             for i in range(job.group_size)]  # fmt: skip
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:  # one episode failing its group (or a cancel) ends the others
+        for t in tasks:
+            t.cancel()
+
+
+async def _with_retries(sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int], judges: bool,
+                        index: int) -> Draft:  # fmt: skip
+    from services.rollout.scheduler import Draft
+
+    last: EnvironmentFailed | None = None
+    for attempt in range(spec.retries + 1):
+        d = Draft(index, submitted=time.time(), loss_mask=[])
+        try:
+            await _episode(sched, a, spec, fmt, stops, judges, d, attempt)
+            return d
+        except EnvironmentFailed as exc:
+            m.EPISODES.labels("failed").inc()
+            m.EPISODE_RETRIES.labels(exc.kind).inc()
+            last = exc
+    raise EpisodeFailed(f"episode {index}: environment {spec.environment!r} failed {spec.retries + 1} times; last: {last}")
+
+
+async def _episode(sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int], judges: bool, d: Draft,
+                   attempt: int) -> None:  # fmt: skip
+    job = a.claimed.job
+    env, envs, tok = spec.environment, sched.envs, sched.tokenizer
+    params = dict(job.sampling_params)
+    turn_budget = int(params.get("max_new_tokens", sched.s.default_max_new_tokens))
+    prompt = job.prompt_tokens.tolist()
+    room = sched.context_length - len(prompt)
+    if spec.max_episode_tokens is not None:
+        room = min(room, spec.max_episode_tokens)
+    episode_id = f"{job.group_id}/{d.index}"
+    # One task per sample, the same after a restart (a crash, an environment retry): its reward
+    # does not depend on which replica ran it.
+    seed = zlib.crc32(episode_id.encode()) + params.get("sampling_seed", 0) % 2**31
+    reset = await envs.reset(env, ResetRequest(episode_id=episode_id, seed=seed, prompt=job.prompt_text,
+                                               args=spec.env_args))  # fmt: skip
+    state = reset.state
+    if reset.observation:
+        _observe(d, tok(reset.observation, add_special_tokens=False)["input_ids"], sched.s.initial_weight_version)
+    eos = {tok.eos_token_id}
+    finish, answer = "length", ""
+    for turn in range(spec.max_turns):
+        left = room - len(d.tokens)
+        if left <= 0:
+            break
+        start = len(d.tokens)
+        d.turn_starts.append(start)
+        finish = await sched._turn(a, prompt, d, min(turn_budget, left), params, turn, stops)
+        text = tok.decode(d.tokens[start:], skip_special_tokens=params.get("skip_special_tokens", True))
+        try:
+            call = parse_tool_call(text, fmt) if spec.tools else None
+            problem = None
+        except BadToolCall as exc:
+            call, problem = None, str(exc)
+        if call is None and problem is None:  # the final answer
+            answer = _answer(tok, d.tokens[start:], finish, params)
+            reward = 0.0  # (an environment that does not judge: a verifier scores the answer)
+            if judges:
+                out = await envs.step(env, StepRequest(episode_id=episode_id, seed=seed, turn=turn, args=spec.env_args,
+                                                       state=state, action=Action(text=answer)))  # fmt: skip
+                reward = out.reward or 0.0
+            d.turn_rewards.append(reward)
+            break
+        if turn == spec.max_turns - 1:  # a call on the last turn: nothing may answer it
+            finish = "length"
+            d.turn_rewards.append(0.0)
+            break
+        if problem is not None:
+            m.TOOL_CALLS.labels("unparsable").inc()
+            m.ENV_STEPS.labels(env, StepStatus.invalid_call.value).inc()
+            observation, reward = f"[invalid_call] {problem}", 0.0
+        else:
+            m.TOOL_CALLS.labels("called").inc()
+            out = await envs.step(env, StepRequest(episode_id=episode_id, seed=seed, turn=turn, args=spec.env_args,
+                                                   state=state, action=Action(tool_call=call)))  # fmt: skip
+            state, reward = out.state, out.reward or 0.0
+            observation = out.observation if out.status is StepStatus.ok else f"[{out.status.value}] {out.observation}"
+            if out.done:
+                d.turn_rewards.append(reward)
+                break
+        d.turn_rewards.append(reward)
+        after_eos = bool(d.tokens) and d.tokens[-1] in eos
+        _observe(d, observation_ids(tok, fmt, observation, after_eos)[:max(room - len(d.tokens), 0)],
+                 d.versions[-1] if d.versions else sched.s.initial_weight_version)  # fmt: skip
+    d.finish_reason, d.text, d.segments = finish, answer, 0
+    d.finished = time.time()
+    if judges:
+        d.env_reward = sum(d.turn_rewards)
+    d.details = {"environment": env, "turns": len(d.turn_starts), "attempt": attempt}
+    m.EPISODES.labels("answered" if answer else finish).inc()
+
+
+def _observe(d: Draft, ids: list[int], version: int) -> None:
+    """Tokens the policy did not sample: loss mask 0, logprob 0, the version before them."""
+    d.tokens += ids
+    d.logprobs += [0.0] * len(ids)
+    d.versions += [version] * len(ids)
+    d.loss_mask += [0] * len(ids)
+
+
+def _answer(tok, ids: list[int], finish: str, params: dict) -> str:
+    """The final turn's text as SGLang gives it (a matched stop token trimmed)."""
+    if finish == "stop" and not params.get("no_stop_trim"):
+        ids = ids[:-1]
+    return tok.decode(ids, skip_special_tokens=params.get("skip_special_tokens", True))

@@ -1,0 +1,610 @@
+"""The OpenAI-compatible gateway (issue 18): any agent that speaks the OpenAI chat API can be
+trained, unmodified, by pointing its client at the rollout service.
+
+    POST /v1/sessions                  {group_id?, group_size, prompt_id?, reward_spec?} → session
+    POST /v1/chat/completions          OpenAI body; session from `X-Session-Id` or `session_id`
+    POST /v1/sessions/{id}/reward      {reward} (or the session's reward_spec scores it) → closed
+
+A chat call renders the messages with the policy's chat template, generates on an engine
+through the rollout's `EngineClient` (partial rollouts across weight updates, as the scheduler's
+groups) and answers a `chat.completion` (hermes `<tool_call>` text becomes `tool_calls`). With a
+session, the call is recorded exactly as sampled: prompt ids, completion ids, behaviour
+logprobs, the policy version of every token. Without one the gateway is a plain proxy.
+
+When every session of a group is closed, the group is built (`build_group`) and put in
+the buffer under the same rules as the scheduler's groups: a new group takes an admission slot
+when its first session is created (its `submit_version` is the trainer version then), the put
+moves the slot to `accepted`, `min_version` comes from the policy's tokens. A session whose
+calls extend each other exactly (each prompt = the previous prompt + completion + new tokens)
+is one sample: the new tokens (template glue, tool results, user turns) have `loss_mask` 0,
+behaviour logprob 0 and the version of the policy token before them, and `turn_starts` marks
+where each call's completion begins. A call whose prompt is not such an extension (a template
+that rewrites history, e.g. drops earlier reasoning) starts a new piece with its own
+`prompt_ids`; the later pieces name the first in `episode`, and all carry the session's reward.
+
+State lives in Redis (buffer/sessions.py: the keys, the scripts that move a group from open to
+put), so any replica serves any session and a replica that dies loses nothing: a group it
+closed but did not put is put by another replica's reaper after `gateway_put_lease_s`. A group
+with no activity for `gateway_session_ttl_s` expires: its admission slot is given back and its
+calls dropped (counted). The HTTP bodies and the stored `Call` are in proto/gateway.py.
+
+Not guaranteed: a session's calls are recorded in the order they finish, so concurrent calls
+in one session may split it; a complete group whose keys expire before any reaper runs (every
+replica down for `KEY_TTL_FACTOR` × the TTL, buffer/sessions.py) is lost, its admission slot
+given back when a reaper next runs.
+Not a security boundary: a session id is a bearer of its session (random, 128 bits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import redis
+
+from buffer import AdmissionControl, Buffer, ClosedSession, Groups, SessionStore, Weights
+from proto import FinishReason, Group, RewardStatus, Sample, Timings
+from proto.gateway import (
+    ID_PATTERN,
+    SEED_MOD,
+    AssistantMessage,
+    Call,
+    ChatCompletion,
+    ChatRequest,
+    Choice,
+    ChoiceLogprobs,
+    FunctionCall,
+    Message,
+    RewardRequest,
+    SessionClosed,
+    SessionCreated,
+    SessionRequest,
+    TokenLogprob,
+    ToolCallOut,
+)
+from proto.lineage import parse_weight_version
+from proto.rewards import RewardItem, RewardSpec
+from proto.sglang import ChatCompletionUsage
+from proto.states import Admission
+from services.common.logging import log_event
+from services.rollout import metrics as m
+from services.rollout.config import RolloutSettings
+from services.rollout.engine_client import EngineClient, EngineFailure, EngineRejected
+from services.rollout.intake import BadRequest, check_reward_specs
+from services.rollout.reward_client import RewardClient, VerifiersUnavailable
+from services.rollout.toolcalls import HERMES_CLOSE, HERMES_OPEN, BadToolCall, ToolFormat, parse_tool_call
+
+log = logging.getLogger(__name__)
+
+GATEWAY_JOB_ID = "gateway"  # the job id of every gateway group (the buffer counts their exits under it)
+REAP_BATCH = 100  # groups one reaper pass handles
+SEED_STRIDE = 1_000_003  # a resubmitted segment's sampling seed moves by this (a prime)
+_ID = re.compile(ID_PATTERN)
+HERMES = ToolFormat("hermes", HERMES_OPEN, HERMES_CLOSE)
+# OpenAI request fields that do not change what is generated (anything else must be unset).
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                             "safety_identifier"})  # fmt: skip
+
+
+class GatewayError(Exception):
+    """A refused or failed gateway request: HTTP `status`, a message, and the `reason` it is
+    counted under (`asyncrl_rollout_gateway_errors_total`)."""
+
+    def __init__(self, status: int, message: str, reason: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.reason, self.retry_after = status, reason, retry_after
+
+
+# --- how a session's calls become samples -------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """A stretch of a session's calls that extend each other: one sample."""
+
+    prompt: list[int]
+    completion: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1: sampled by the policy
+    turn_starts: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.stop  # of its last call
+    text: str = ""  # its last call's reply
+    started: float = 0.0
+    finished: float = 0.0
+
+    def add(self, call: Call, prompt: list[int], tokens: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append a call whose prompt extends this piece: the new prompt tokens as the
+        environment's (mask 0, logprob 0, the version of the policy token before them), then
+        the completion as the policy's."""
+        glue = prompt[len(self.prompt) + len(self.completion) :]
+        before = self.versions[-1] if self.versions else (versions[0] if versions else 0)
+        self.completion += glue
+        self.logprobs += [0.0] * len(glue)
+        self.versions += [before] * len(glue)
+        self.mask += [0] * len(glue)
+        if tokens:  # (a turn with no token has no start inside the completion)
+            self.turn_starts.append(len(self.completion))
+        self.completion += tokens
+        self.logprobs += logprobs
+        self.versions += versions
+        self.mask += [1] * len(tokens)
+        self.finish_reason, self.text, self.finished = call.finish_reason, call.text, call.finished
+
+    def extended_by(self, prompt: list[int]) -> bool:
+        n = len(self.prompt)
+        return prompt[:n] == self.prompt and prompt[n : n + len(self.completion)] == self.completion
+
+
+def sessions_to_pieces(calls: list[Call]) -> list[Piece]:
+    """One session's calls (in order) as the pieces of its episode: a call whose prompt extends
+    the current piece's prompt + completion joins it, any other starts a new piece."""
+    pieces: list[Piece] = []
+    for call in calls:
+        prompt, tokens, logprobs, versions = call.arrays()
+        if not pieces or not pieces[-1].extended_by(prompt):
+            pieces.append(Piece(prompt=prompt, started=call.started))
+        pieces[-1].add(call, prompt, tokens, logprobs, versions)
+    return pieces
+
+
+
+def build_group(group_id: str, meta: dict[str, str], sessions: list[ClosedSession]) -> tuple[Group, int]:
+    """The group of closed sessions (ordered by their index) and how many of them split. The
+    group's prompt is the first piece of the first session; a piece with another prompt
+    carries it in `prompt_ids`; a split session's pieces name its first in `episode`. A
+    sample's text and finish reason are its last call's (the reply its reward judged)."""
+    samples: list[Sample] = []
+    prompt_tokens: list[int] | None = None
+    splits = 0
+    for session in sorted(sessions, key=lambda s: s.index):
+        pieces = sessions_to_pieces(session.calls)
+        if prompt_tokens is None:
+            prompt_tokens = pieces[0].prompt
+        first = len(samples)
+        splits += len(pieces) > 1
+        reward, status = session.result.get("reward"), RewardStatus(session.result["status"])
+        for piece in pieces:
+            samples.append(Sample(
+                prompt_id=meta["prompt_id"], index=len(samples), completion_ids=piece.completion,
+                behavior_logprobs=piece.logprobs, versions=piece.versions, finish_reason=piece.finish_reason,
+                truncated=piece.finish_reason is FinishReason.length, text=piece.text, reward=reward,
+                reward_status=status, reward_details=session.result.get("details") or {},
+                timings=Timings(submitted=piece.started, finished=piece.finished, scored=session.closed_at),
+                loss_mask=piece.mask, turn_starts=piece.turn_starts,
+                prompt_ids=piece.prompt if piece.prompt != prompt_tokens else [],
+                episode=first if len(pieces) > 1 else None,
+            ))  # fmt: skip
+    lineage: dict[int, int] = {}
+    for session in sessions:
+        for call in session.calls:
+            for epoch, version in call.lineage.items():
+                lineage[epoch] = max(version, lineage.get(epoch, version))
+    group = Group.build(group_id=group_id, job_id=GATEWAY_JOB_ID, prompt_tokens=prompt_tokens,
+                        reward_spec=json.loads(meta.get("spec") or "{}"), samples=samples,
+                        submit_version=int(meta["submit_version"]), lineage=lineage)  # fmt: skip
+    return group, splits
+
+
+# --- the gateway ------------------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    """A generated answer: what the engine said, and what it means in OpenAI's terms."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    lineage: dict[int, int]
+    finish_reason: str  # stop | length (the engine's)
+    text: str
+    engine: int
+    started: float
+    finished: float
+
+
+class Gateway:
+    """Sessions, chat calls and groups of the gateway; one per rollout replica (state in Redis)."""
+
+    def __init__(self, settings: RolloutSettings, buf: Buffer, engines: EngineClient, rewards: RewardClient,
+                 tokenizer, context_length: int):  # fmt: skip
+        self.s = settings
+        self.store = SessionStore(buf, settings.gateway_session_ttl_s, settings.gateway_put_lease_s)
+        self.groups, self.admission, self.versions = Groups(buf), AdmissionControl(buf), Weights(buf)
+        self.engines, self.rewards = engines, rewards
+        self.tokenizer, self.context_length = tokenizer, context_length
+        self.weights = None  # the replica's WeightSync, when it follows weights: no call starts mid-update
+        self.model_name = settings.tokenizer.rstrip("/").rsplit("/", 1)[-1]
+
+    # --- sessions -----------------------------------------------------------------------------
+
+    async def open_session(self, body: SessionRequest, verifiers) -> SessionCreated:
+        """A new session in `body.group_id` (a new group: after it is admitted). `verifiers`:
+        an awaitable of the reward service's verifiers, asked only for a reward spec."""
+        spec = ""
+        if body.reward_spec is not None:
+            try:
+                served = await verifiers()
+            except VerifiersUnavailable as exc:
+                raise GatewayError(503, str(exc), "reward_unavailable") from exc
+            try:  # a session's spec is checked as a job's own (the message names `reward_spec`)
+                check_reward_specs([_UsesDefault()], body.reward_spec, served)  # type: ignore[list-item]
+            except BadRequest as exc:
+                raise GatewayError(400, str(exc), exc.reason) from exc
+            spec = json.dumps(body.reward_spec.model_dump(), sort_keys=True)
+        gid = body.group_id or f"g{uuid.uuid4().hex}"
+        sid = f"s{uuid.uuid4().hex}"
+        submit_version = 0
+        if not await asyncio.to_thread(self.store.group_exists, gid):
+            submit_version = await self._admit(gid)
+        answer = await asyncio.to_thread(self.store.open, sid, gid, body.group_size, body.prompt_id or "", spec,
+                                         submit_version)  # fmt: skip
+        outcome = answer[0]
+        if outcome != "ok":
+            messages = {
+                "complete": f"group {gid!r} is {answer[-1]}: it has all its sessions closed",
+                "size": f"group {gid!r} has group_size {answer[-1]}, not {body.group_size}",
+                "prompt_id": f"group {gid!r} has prompt_id {answer[-1]!r}",
+                "spec": f"group {gid!r} has another reward_spec: {answer[-1] or 'none'}",
+                "full": f"group {gid!r} has its {answer[-1]} sessions already",
+            }
+            raise GatewayError(409, messages[outcome], f"group_{outcome}")
+        m.GATEWAY_SESSIONS.labels("opened").inc()
+        return SessionCreated(session_id=sid, group_id=gid, index=int(answer[1]))
+
+    async def _admit(self, gid: str) -> int:
+        """Take the new group's admission slot (buffer/admission.py, the scheduler's rule),
+        waiting up to `gateway_admission_wait_s`; the trainer version at admission."""
+        deadline = time.monotonic() + self.s.gateway_admission_wait_s
+        while True:
+            admission = await asyncio.to_thread(self.admission.try_admit, gid)
+            if admission.go:
+                m.GROUPS_ADMITTED.inc()
+                return await asyncio.to_thread(self.versions.version)
+            if admission is Admission.duplicate:
+                raise GatewayError(409, f"group {gid!r} is in the buffer already", "group_complete")
+            m.ADMISSION_WAITS.inc()
+            if time.monotonic() >= deadline:
+                raise GatewayError(429, "the buffer is full (admission): the trainer is behind; retry later",
+                                   "admission_full", retry_after=max(1.0, self.s.admission_poll_s))  # fmt: skip
+            await asyncio.sleep(self.s.admission_poll_s)
+
+    async def close_session(self, sid: str, body: RewardRequest) -> SessionClosed:
+        """Close with the reward given, or the one the session's verifier gives its last answer;
+        the close that completes the group puts it in the buffer."""
+        info = await self._session(sid)
+        gid = info["group_id"]
+        if body.reward is not None:
+            result = {"reward": body.reward, "status": RewardStatus.scored.value, "details": {"source": "client"}}
+        else:
+            meta = await asyncio.to_thread(self.store.spec, gid)
+            if not meta:
+                raise GatewayError(400, "give a reward: the session was created without a reward_spec", "no_reward")
+            last = await asyncio.to_thread(self.store.last_call, sid)
+            if last is None:
+                raise GatewayError(400, f"session {sid} made no chat call: nothing to score", "empty_session")
+            spec = RewardSpec.model_validate_json(meta)
+            prompt = await asyncio.to_thread(self.tokenizer.decode, last.arrays()[0])
+            [scored] = await self.rewards.score([RewardItem(id=sid, prompt=prompt, completion=last.text, spec=spec)])
+            result = {"reward": scored.reward, "status": scored.status.value, "details": scored.details}
+        answer = await asyncio.to_thread(self.store.close, sid, result)
+        self._refuse_session(sid, answer[0], allow=("complete", "open"))
+        m.GATEWAY_SESSIONS.labels("closed").inc()
+        group = "open"
+        if answer[0] == "complete":
+            group = await self.put_group(gid)
+        return SessionClosed(session_id=sid, group_id=gid, reward=result["reward"],
+                             reward_status=RewardStatus(result["status"]), group=group)  # fmt: skip
+
+    async def _session(self, sid: str) -> dict[str, str]:
+        """An open session's hash; 404 / 409 otherwise."""
+        info = await asyncio.to_thread(self.store.session, sid) if _ID.match(sid) else {}
+        self._refuse_session(sid, info.get("state", "unknown"), allow=("open",))
+        return info
+
+    @staticmethod
+    def _refuse_session(sid: str, state: str, allow: tuple[str, ...]) -> None:
+        if state in allow:
+            return
+        if state == "unknown":
+            raise GatewayError(404, f"no session {sid[:128]!r} (never created, or expired)", "unknown_session")
+        if state == "empty":
+            raise GatewayError(400, f"session {sid} made no chat call: nothing to train on", "empty_session")
+        raise GatewayError(409, f"session {sid} is {state}", "session_closed")
+
+    async def put_group(self, gid: str) -> Literal["buffered", "duplicate", "failed"]:
+        """Build the complete group and put it (idempotent); a group that cannot be built (a bug:
+        the records refuse it) is dropped, its slot given back, counted."""
+        try:
+            meta, sessions = await asyncio.to_thread(self.store.group, gid)
+            group, splits = build_group(gid, meta, sessions)
+        except (ValueError, KeyError, msgspec.DecodeError) as exc:
+            log_event(log, "gateway group could not be built", logging.ERROR, group_id=gid, error=f"{type(exc).__name__}: {exc}")
+            lease = self.store.new_lease()
+            await asyncio.to_thread(self.store.lease, gid, lease)
+            await asyncio.to_thread(self.store.drop, gid, lease)
+            m.GATEWAY_GROUPS.labels("failed").inc()
+            return "failed"
+        [new] = await asyncio.to_thread(self.groups.put, [group])
+        version = await asyncio.to_thread(self.versions.version)
+        await asyncio.to_thread(self.store.finish, gid)
+        m.STALENESS_AT_WRITE.observe(max(version - group.min_version, 0))
+        m.GATEWAY_SESSIONS.labels("split").inc(splits)
+        m.GATEWAY_GROUPS.labels("put" if new else "duplicate").inc()
+        log_event(log, "gateway group buffered", group_id=gid, samples=len(group.samples), new=new)
+        return "buffered" if new else "duplicate"
+
+    async def reap(self) -> None:
+        """Run forever: expire groups idle past the TTL; put complete groups whose putter died."""
+        while True:
+            await asyncio.sleep(self.s.gateway_reap_interval_s)
+            try:
+                await self.reap_once()
+            except redis.RedisError as exc:
+                m.GATEWAY_ERRORS.labels("reaper", "redis").inc()
+                log_event(log, "gateway reaper pass failed", logging.WARNING, error=str(exc))
+
+    async def reap_once(self) -> int:
+        """One pass; returns how many groups it handled."""
+        claimed, lease = await asyncio.to_thread(self.store.claim, REAP_BATCH)
+        for gid, state in claimed:
+            if state == "complete":
+                await self.put_group(gid)
+                continue
+            dropped = await asyncio.to_thread(self.store.drop, gid, lease)
+            if dropped is None:
+                continue  # a call or close moved its deadline since the claim
+            opened, closed = dropped
+            m.GATEWAY_SESSIONS.labels("expired").inc(opened - closed)
+            m.GATEWAY_GROUPS.labels("expired").inc()
+            log_event(log, "gateway group expired", group_id=gid, sessions_open=opened - closed, closed=closed)
+        return len(claimed)
+
+    # --- chat calls ---------------------------------------------------------------------------
+
+    async def complete(self, body: ChatRequest, session_id: str | None) -> tuple[ChatCompletion, bool]:
+        """Answer one chat call; with a session, record it. Returns (answer, recorded)."""
+        info = await self._session(session_id) if session_id is not None else None
+        tools = body.tools if body.tool_choice != "none" else None
+        messages = _template_messages(body.messages)
+        prompt = await asyncio.to_thread(self._render, messages, [t.model_dump(exclude_none=True) for t in tools or []])
+        room = self.context_length - len(prompt)
+        if room <= 0:
+            raise GatewayError(400, f"the rendered prompt has {len(prompt)} tokens: no room left in the context "
+                               f"length {self.context_length}", "context_length")  # fmt: skip
+        asked = body.max_completion_tokens or body.max_tokens
+        if asked is not None and asked > self.s.max_new_tokens_cap:
+            raise GatewayError(400, f"max_tokens {asked} exceeds the cap {self.s.max_new_tokens_cap}", "max_tokens")
+        params: dict[str, Any] = {"max_new_tokens": min(asked or self.s.max_new_tokens_cap, room),
+                                  "temperature": body.temperature, "top_p": body.top_p}  # fmt: skip
+        if body.seed is not None:
+            params["sampling_seed"] = body.seed
+        if body.stop:
+            params["stop"] = body.stop
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(body, name):
+                params[name] = getattr(body, name)
+        preferred = int(info["engine"]) if info and info.get("engine") else None
+        done = await self._generate(prompt, params, preferred)
+        m.GATEWAY_COMPLETIONS.labels("session" if info else "proxy").inc()
+        m.GENERATED_TOKENS.inc(len(done.tokens))
+        if info is not None:
+            assert session_id is not None
+            call = Call.of(done.prompt, done.tokens, done.logprobs, done.versions, lineage=done.lineage,
+                           finish_reason=FinishReason(done.finish_reason), text=done.text, started=done.started,
+                           finished=done.finished)  # fmt: skip
+            state = await asyncio.to_thread(self.store.record, session_id, call, done.engine)
+            self._refuse_session(session_id, state, allow=("ok",))
+        return await asyncio.to_thread(self._answer, body, done, tools is not None), info is not None
+
+    def _render(self, messages: list[dict], tools: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise GatewayError(400, "the model's tokenizer has no chat template", "no_chat_template")
+        try:
+            text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 — a template refusing the conversation (jinja's raise_exception, a TypeError on odd content) is the client's error
+            raise GatewayError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}"[:500],
+                               "chat_template") from None  # fmt: skip
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise GatewayError(400, "the messages render to an empty prompt", "empty_prompt")
+        return ids
+
+    async def _generate(self, prompt: list[int], params: dict, preferred: int | None) -> Completion:
+        """The completion of `prompt` on one engine (the session's last, while it is healthy);
+        a sample aborted by a weight update goes on as prompt + tokens so far (its tokens keep
+        the version that sampled each)."""
+        engines = self.engines.engines
+        if preferred is not None and preferred < len(engines) and engines[preferred].healthy:
+            engine = engines[preferred]
+        else:
+            try:
+                engine = await asyncio.wait_for(self.engines.pick(), self.s.gateway_engine_wait_s)
+            except TimeoutError:
+                raise GatewayError(503, f"no healthy engine within {self.s.gateway_engine_wait_s} s", "no_engine",
+                                   retry_after=self.s.engine_probe_s) from None  # fmt: skip
+        started = time.time()
+        budget = params["max_new_tokens"]
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        lineage: dict[int, int] = {}
+        rids: set[str] = set()
+        try:
+            for segment in range(self.s.max_resubmits + 1):
+                if self.weights is not None:
+                    await self.weights.ready.wait()  # never start a segment while the weights change
+                seg = {**params, "max_new_tokens": budget - len(tokens)}
+                if "sampling_seed" in params and segment:
+                    seg["sampling_seed"] = (params["sampling_seed"] + SEED_STRIDE * segment) % SEED_MOD
+                [gen] = await self.engines.generate(engine, [prompt + tokens], [seg], rids)
+                version, epoch = parse_weight_version(gen.weight_version) or (self.s.initial_weight_version, 0)
+                tokens += gen.output_ids
+                logprobs += gen.logprobs
+                versions += [version] * len(gen.output_ids)
+                if gen.output_ids:
+                    lineage[epoch] = max(version, lineage.get(epoch, version))
+                finish = gen.finish_reason
+                if finish == "abort":
+                    m.ABORTS.inc()
+                    if len(tokens) >= budget or len(prompt) + len(tokens) >= self.context_length:
+                        finish = "length"
+                if finish != "abort":
+                    break
+                m.RESUBMITS.inc()
+            else:
+                raise GatewayError(502, f"the call was aborted {self.s.max_resubmits + 1} times", "aborted")
+        except EngineRejected as exc:
+            raise GatewayError(400, f"the engine refused the request: {exc}", "engine_rejected") from None
+        except EngineFailure as exc:
+            raise GatewayError(502, f"engine failure: {exc}", "engine_failure") from None
+        except asyncio.CancelledError:  # the client went away: stop what still runs for it
+            await asyncio.gather(*(self.engines.abort(engine, rid) for rid in rids))
+            raise
+        text = gen.text
+        if segment:  # several engine answers: the text of all the tokens (SGLang's rules: stop trimmed)
+            shown = tokens[:-1] if finish == "stop" else tokens
+            text = await asyncio.to_thread(self.tokenizer.decode, shown, skip_special_tokens=True)
+        return Completion(prompt, tokens, logprobs, versions, lineage, finish, text, engine.index, started, time.time())
+
+    def _answer(self, body: ChatRequest, done: Completion, tools: bool) -> ChatCompletion:
+        content, calls = _tool_calls(done.text) if tools else (done.text, [])
+        finish = "length" if done.finish_reason == "length" else ("tool_calls" if calls else "stop")
+        logprobs = None
+        if body.logprobs:
+            texts = self.tokenizer.batch_decode([[t] for t in done.tokens], skip_special_tokens=False)
+            logprobs = ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8", "replace")))
+                                               for t, lp in zip(texts, done.logprobs)])  # fmt: skip
+        return ChatCompletion(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(done.started),
+            model=body.model or self.model_name,
+            choices=[Choice(message=AssistantMessage(content=content, tool_calls=calls or None),
+                            finish_reason=finish, logprobs=logprobs)],  # fmt: skip
+            usage=ChatCompletionUsage(prompt_tokens=len(done.prompt), completion_tokens=len(done.tokens),
+                                      total_tokens=len(done.prompt) + len(done.tokens)),  # fmt: skip
+        )
+
+
+class _UsesDefault:
+    """A prompt without its own spec, so `check_reward_specs` checks the default it is given."""
+
+    reward_spec = None
+
+
+def check_request(body: ChatRequest) -> None:
+    """What the models cannot say: unsupported fields set, text that is not Unicode."""
+    extra = {k: v for k, v in (body.model_extra or {}).items()
+             if k not in HARMLESS_FIELDS and v not in (None, 0, 0.0, False, [], {}, "", {"type": "text"})}  # fmt: skip
+    if extra:
+        raise GatewayError(400, f"not supported by the gateway: {sorted(extra)[:10]}", "unsupported_field")
+    _check_unicode(body.model_dump(exclude_unset=True))
+
+
+def _check_unicode(value: Any) -> None:
+    """Refuse a lone UTF-16 surrogate (a JSON "\\ud800" escape): the tokenizer cannot take it."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise GatewayError(400, "the body contains a lone UTF-16 surrogate, which is not valid Unicode",
+                                   "invalid_unicode") from None  # fmt: skip
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k)
+            _check_unicode(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_unicode(v)
+
+
+def _template_messages(messages: list[Message]) -> list[dict]:
+    """OpenAI messages as chat templates read them (Hugging Face's conventions): content as one
+    string (text parts joined by newlines), `developer` as `system`, tool call arguments as
+    objects when they are JSON."""
+    out = []
+    for msg in messages:
+        d: dict[str, Any] = {**(msg.model_extra or {}), "role": "system" if msg.role == "developer" else msg.role}
+        content = msg.content
+        d["content"] = "\n".join(p.text for p in content) if isinstance(content, list) else (content or "")
+        if msg.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in msg.tool_calls]  # fmt: skip
+        if msg.tool_call_id is not None:
+            d["tool_call_id"] = msg.tool_call_id
+        if msg.name is not None:
+            d["name"] = msg.name
+        out.append(d)
+    return out
+
+
+def _arguments(raw: str) -> Any:
+    try:
+        return json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        return raw
+
+
+def _tool_calls(text: str) -> tuple[str | None, list[ToolCallOut]]:
+    """The hermes tool calls in `text` and the content around them (None when only calls). A
+    block that does not parse stays in the content, as the model wrote it."""
+    calls: list[ToolCallOut] = []
+    content, pos = [], 0
+    while (start := text.find(HERMES_OPEN, pos)) >= 0:
+        end = text.find(HERMES_CLOSE, start)
+        if end < 0:
+            break
+        end += len(HERMES_CLOSE)
+        try:
+            call = parse_tool_call(text[start:end], HERMES)
+        except BadToolCall:
+            call = None
+        if call is not None:
+            args = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments, ensure_ascii=False)
+            calls.append(ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=call.name, arguments=args)))
+            content.append(text[pos:start])
+        else:
+            content.append(text[pos:end])
+        pos = end
+    content.append(text[pos:])
+    joined = "".join(content)
+    if not calls:
+        return text, []
+    return (joined.strip() or None), calls
+
+
+def sse_chunks(answer: ChatCompletion, include_usage: bool) -> list[str]:
+    """A finished answer as OpenAI's stream: the role, the content (with its logprobs), each
+    tool call, the finish reason, the usage when asked, then `[DONE]` (the engine does not
+    stream: the chunks come once the answer is complete)."""
+    choice = answer.choices[0]
+    head = {"id": answer.id, "object": "chat.completion.chunk", "created": answer.created, "model": answer.model}
+
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
+        body = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if choice.message.content or choice.logprobs:
+        out.append(chunk({"content": choice.message.content or ""},
+                         logprobs=choice.logprobs.model_dump() if choice.logprobs else None))  # fmt: skip
+    for i, call in enumerate(choice.message.tool_calls or []):
+        out.append(chunk({"tool_calls": [{"index": i, **call.model_dump()}]}))
+    out.append(chunk({}, choice.finish_reason))
+    if include_usage:
+        usage = {**head, "choices": [], "usage": answer.usage.model_dump()}
+        out.append(f"data: {json.dumps(usage)}\n\n")
+    out.append("data: [DONE]\n\n")
+    return out

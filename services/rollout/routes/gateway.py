@@ -1,0 +1,134 @@
+"""The OpenAI-compatible gateway's routes (`services/rollout/gateway.py` says what they do).
+
+Every refusal is OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}` (the
+`openai` client raises it as the matching `APIStatusError`): 400 for a body that does not
+validate or asks what the gateway does not do, 404 an unknown or expired session, 409 a closed
+session or a group that does not take this session, 429 a full buffer (admission), 502 an
+engine that failed, 503 no engine or no Redis. Each answer is counted by route and status
+(`asyncrl_rollout_gateway_requests_total`), each refusal by reason
+(`asyncrl_rollout_gateway_errors_total`).
+
+`POST /v1/chat/completions` reads its body itself, so that every refusal has that shape; the
+body is OpenAI's (`proto.gateway.ChatRequest`) and is not described in `/openapi.json`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import redis
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from proto.gateway import (
+    ChatCompletion,
+    ChatRequest,
+    RewardRequest,
+    SessionClosed,
+    SessionCreated,
+    SessionRequest,
+)
+from services.rollout import metrics as m
+from services.rollout.deps import ServiceDep
+from services.rollout.gateway import GatewayError, check_request, sse_chunks
+
+log = logging.getLogger(__name__)
+
+MAX_SUMMARY_ERRORS = 5  # validation errors named in one message
+MAX_TEXT_CHARS = 200  # of one error's location or message (they may quote the client)
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}
+
+
+def error_response(status: int, message: str, reason: str, retry_after: float | None = None) -> JSONResponse:
+    text = message.encode("utf-8", "backslashreplace").decode("utf-8")  # (a lone surrogate quoted back)
+    body = {"error": {"message": text, "type": ERROR_TYPES.get(status, "server_error"), "param": None, "code": reason}}
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _summary(exc: ValidationError | RequestValidationError) -> str:
+    errors = exc.errors()
+    parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))[:MAX_TEXT_CHARS]}: {str(e.get('msg', ''))[:MAX_TEXT_CHARS]}"
+             for e in errors[:MAX_SUMMARY_ERRORS]]  # fmt: skip
+    more = f" (and {len(errors) - len(parts)} more)" if len(errors) > len(parts) else ""
+    return "invalid request body: " + "; ".join(parts) + more
+
+
+class GatewayRoute(APIRoute):
+    """Answers `GatewayError`, a body that does not validate, a Redis failure and a bug in
+    OpenAI's error shape, and counts every answer."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+        route = self.name
+
+        async def answer(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except GatewayError as exc:
+                response = _refused(route, exc)
+            except RequestValidationError as exc:
+                response = _refused(route, GatewayError(400, _summary(exc), "invalid_body"))
+            except HTTPException as exc:  # FastAPI's own (a body it cannot decode), the body limit's 413
+                reason = "invalid_body" if exc.status_code == 400 else f"http_{exc.status_code}"
+                response = _refused(route, GatewayError(exc.status_code, str(exc.detail), reason))
+            except redis.RedisError as exc:
+                response = _refused(route, GatewayError(503, f"the buffer is unavailable: {exc}", "redis", 1.0))
+            except Exception as exc:  # a bug: answered (500) and counted like every failure, and logged
+                log.exception("gateway %s failed", route)
+                response = _refused(route, GatewayError(500, f"internal error: {type(exc).__name__}", "internal"))
+            m.GATEWAY_REQUESTS.labels(route, str(response.status_code)).inc()
+            return response
+
+        return answer
+
+
+def _refused(route: str, exc: GatewayError) -> JSONResponse:
+    m.GATEWAY_ERRORS.labels(route, exc.reason).inc()
+    return error_response(exc.status, str(exc), exc.reason, exc.retry_after)
+
+
+router = APIRouter(tags=["gateway"], route_class=GatewayRoute)
+ERRORS = {code: {"description": kind} for code, kind in
+          {400: "bad request", 404: "unknown session", 409: "conflict", 429: "buffer full", 503: "unavailable"}.items()}  # fmt: skip
+
+
+@router.post("/v1/sessions", name="sessions", response_model=SessionCreated, responses=ERRORS)
+async def create_session(body: SessionRequest, service: ServiceDep) -> SessionCreated:
+    """Open a session (in `group_id`'s group, or a new group); its chat calls are recorded."""
+    return await service.gateway.open_session(body, service.rewards.verifiers)
+
+
+@router.post("/v1/sessions/{session_id}/reward", name="reward", response_model=SessionClosed, responses=ERRORS)
+async def close_session(session_id: str, body: RewardRequest, service: ServiceDep) -> SessionClosed:
+    """Close a session with its reward; closing the group's last session puts the group in the buffer."""
+    return await service.gateway.close_session(session_id, body)
+
+
+@router.post("/v1/chat/completions", name="chat", response_model=ChatCompletion, responses=ERRORS)
+async def chat_completions(request: Request, service: ServiceDep):
+    """OpenAI's chat completions; the session is `X-Session-Id` or the body's `session_id`
+    (none: answered, not recorded)."""
+    try:
+        body = ChatRequest.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise GatewayError(400, _summary(exc), "invalid_body") from None
+    check_request(body)
+    header = request.headers.get("x-session-id")
+    if header is not None and body.session_id is not None and header != body.session_id:
+        raise GatewayError(400, "X-Session-Id and session_id name different sessions", "session_mismatch")
+    answer, _ = await service.gateway.complete(body, header or body.session_id)
+    if not body.stream:
+        return answer
+    chunks = sse_chunks(answer, bool(body.stream_options and body.stream_options.include_usage))
+
+    async def events() -> AsyncIterator[str]:
+        for chunk in chunks:
+            yield chunk
+
+    return StreamingResponse(events(), media_type="text/event-stream")
