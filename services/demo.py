@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-staleness", type=int, help="η (0 = synchronous)")
     args = parser.parse_args(argv)
 
-    from services.launcher import Launcher, UpConfig
+    from services.launcher import Launcher, UpConfig, stop_on_first_signal
 
     raw = tomllib.loads(args.config.read_text())
     demo = DemoSection.model_validate(raw.get("demo", {}))
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
 
     launcher = Launcher(UpConfig.model_validate(raw), config_path, echo=False)
     topups = ThreadPoolExecutor(1, thread_name_prefix="demo-submit")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C
+    stop_on_first_signal()
     history, progress = History(), (run_dir / "progress.jsonl").open("w")
     evals: Evals | None = None
     tty = sys.stdout.isatty()

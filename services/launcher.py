@@ -584,13 +584,27 @@ def _check_port_free(proc: Proc) -> None:
                                "is another run still up? stop it or choose other ports in [launch]") from None  # fmt: skip
 
 
+def stop_on_first_signal() -> None:
+    """SIGINT and SIGTERM stop the run like Ctrl-C (KeyboardInterrupt), once: the first one
+    ignores both from then on, so a second one (`timeout` and `pkill` both signalling, a
+    double Ctrl-C) cannot cut the shutdown short and leave services running."""
+
+    def interrupt(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncrl up", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, required=True, help="run config (TOML), e.g. configs/demo.toml")
     args = parser.parse_args(argv)
     cfg = UpConfig.load(args.config)
     launcher = Launcher(cfg, args.config)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C
+    stop_on_first_signal()
     code = 0
     try:
         launcher.start()
@@ -606,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         launcher._say("launcher", f"error: {exc}")
         code = 1
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the shutdown short
+        for sig in (signal.SIGINT, signal.SIGTERM):  # (no signal was received: none may cut the shutdown short)
             signal.signal(sig, signal.SIG_IGN)
         launcher.stop()
     return code

@@ -291,3 +291,30 @@ def test_a_service_that_stops_answering_is_restarted(tmp_path):
         assert "rollout-0 failed 3 health checks in a row" in log and "restart 1/2" in log
     finally:
         launcher.stop()
+
+
+def test_a_second_signal_does_not_cut_the_shutdown_short():
+    """`asyncrl up` / `asyncrl demo` stop on the first SIGTERM or SIGINT like Ctrl-C, and ignore
+    the ones after it (`timeout` and `pkill` both signalling left services running when the
+    second landed in the shutdown)."""
+    program = (
+        "import os, signal, time\n"
+        "from services.launcher import stop_on_first_signal\n"
+        "stop_on_first_signal()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "    print('not interrupted')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "finally:\n"
+        "    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):\n"
+        "        os.kill(os.getpid(), sig)\n"
+        "        time.sleep(0.05)\n"
+        "    print('shutdown finished', flush=True)\n"
+    )
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["interrupted", "shutdown", "finished"]
