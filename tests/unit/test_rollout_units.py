@@ -229,6 +229,9 @@ def test_group_commit_sends_at_once_when_idle_and_batches_what_arrives_meanwhile
 
 
 def test_retries_back_off_and_stop_at_the_first_error_that_is_not_retryable(monkeypatch):
+    import types
+
+    from services.common import retry
     from services.common.retry import Retryable, with_retries
 
     slept: list[float] = []
@@ -236,7 +239,10 @@ def test_retries_back_off_and_stop_at_the_first_error_that_is_not_retryable(monk
     async def sleep(seconds: float) -> None:
         slept.append(seconds)
 
-    monkeypatch.setattr(asyncio, "sleep", sleep)
+    # Only the retry module's sleep: servers other tests left running in this process (session
+    # fixtures) sleep through the same asyncio module, and a global patch turned their 0.1 s ticks
+    # into a busy loop appending to `slept`.
+    monkeypatch.setattr(retry, "asyncio", types.SimpleNamespace(sleep=sleep))
 
     def run(outcomes: list, retries: int, **backoff):
         tried = []
