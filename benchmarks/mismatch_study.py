@@ -47,27 +47,48 @@ sys.path.insert(0, str(ROOT))
 
 BASE = ROOT / "configs" / "demo.toml"
 CORRECTIONS = ("none", "tis", "icepop", "token_mask", "seq_tis", "geo_mask")
+STUDY_CORRECTIONS = ("none", "tis", "icepop", "geo_mask")  # one of each family: truncated, token mask, sequence mask
 COLLAPSE_ENTROPY = 0.05
 TARGET = 0.9
 
 
-def cells(slices: list[str], corrections: list[str], noise: float) -> list[dict]:
-    """The grid: one dict of overrides per cell."""
-    out = []
+def cells(slices: list[str], corrections: list[str], noise: float, full: bool = False) -> list[dict]:
+    """The grid: one dict of overrides per cell. `full`: every slice crossed with every correction
+    (46 cells, ~7 h at 3 seeds); otherwise the study's grid (21 cells, ~2 h), which drops the
+    cells that repeat another: at η = 0 and with fp32 or bf16 weights every correction sees
+    ρ ≈ 1 (π_old is μ up to rounding), so only `none` and `tis` run there, the mask and sequence
+    corrections where ρ is far from 1 (η = 32, the injected noise); and under bypass
+    π_old := μ makes ρ = 1 for every correction, so one of them stands for all."""
+
+    def cell(slice_: str, eta: int, mismatch: str, correction: str, bypass: bool = False) -> dict:
+        return {"slice": slice_, "eta": eta, "mismatch": mismatch, "correction": correction, "bypass": bypass}
+
+    noisy, out = f"noise{noise:g}", []
+    if full:
+        if "lag" in slices:
+            out += [cell("lag", eta, "fp32", c) for eta, c in itertools.product((0, 2, 8, 32), corrections)]
+        if "mismatch" in slices:
+            out += [cell("mismatch", 1, m, c) for m, c in itertools.product(("fp32", "bf16", noisy), corrections)]
+        if "pi_old" in slices:
+            out += [cell("pi_old", 8, noisy, c, b) for b, c in itertools.product((True, False), ("none", "tis"))]
+        return out
+    few = [c for c in ("none", "tis") if c in corrections]
     if "lag" in slices:
-        out += [{"slice": "lag", "eta": eta, "mismatch": "fp32", "correction": c, "bypass": False}
-                for eta, c in itertools.product((0, 2, 8, 32), corrections)]  # fmt: skip
+        out += [cell("lag", eta, "fp32", c) for eta in (0, 2, 8) for c in few]
+        out += [cell("lag", 32, "fp32", c) for c in corrections]
     if "mismatch" in slices:
-        out += [{"slice": "mismatch", "eta": 1, "mismatch": m, "correction": c, "bypass": False}
-                for m, c in itertools.product(("fp32", "bf16", f"noise{noise:g}"), corrections)]  # fmt: skip
+        out += [cell("mismatch", 1, m, c) for m in ("fp32", "bf16") for c in few]
+        out += [cell("mismatch", 1, noisy, c) for c in corrections]
     if "pi_old" in slices:
-        out += [{"slice": "pi_old", "eta": 8, "mismatch": f"noise{noise:g}", "correction": c, "bypass": bypass}
-                for bypass, c in itertools.product((True, False), ("none", "tis"))]  # fmt: skip
+        out += [cell("pi_old", 8, noisy, c) for c in few]
+        out += [cell("pi_old", 8, noisy, corrections[0], bypass=True)]
     return out
 
 
-def config_for(cell: dict, seed: int, budget: float) -> dict:
+def config_for(cell: dict, seed: int, budget: float, base: Path | None = None) -> dict:
     raw = tomllib.loads(BASE.read_text())
+    if base is not None:  # the seed's tiny model, built once for all its cells (the demo would rebuild it)
+        raw["model"].update(path=str(base), build_tiny=False)
     trainer, engine = raw["trainer"], raw.setdefault("engine", {})
     trainer["bypass"] = cell["bypass"]
     trainer.setdefault("loss", {})["is_correction"] = cell["correction"]
@@ -83,7 +104,7 @@ def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
 
     name = f"{cell['slice']}-eta{cell['eta']}-{cell['mismatch']}-{cell['correction']}-{'bypass' if cell['bypass'] else 'decoupled'}-s{seed}"
     config, run_dir = tmp / f"{name}.toml", tmp / name
-    config.write_text(_to_toml(config_for(cell, seed, budget)))
+    config.write_text(_to_toml(config_for(cell, seed, budget, tiny_model(tmp / f"base-s{seed}", seed))))
     t0 = time.time()
     subprocess.run([str(ROOT / ".venv" / "bin" / "asyncrl"), "demo", "--config", str(config), "--run-dir", str(run_dir),
                     "--max-staleness", str(cell["eta"])], cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -104,7 +125,19 @@ def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
             "is_weight_max": max((s.get("is_weight_max", 0.0) for s in steps), default=None),
             "masked_fraction": mean("is_masked_fraction"), "mismatch_kl": mean("mismatch_kl"),
             "staleness_mean": summary.get("mean_staleness"), "staleness_max": summary.get("max_staleness"),
+            "staleness_histogram": summary.get("staleness_histogram"),
             "collapsed": bool(steps) and final_entropy < COLLAPSE_ENTROPY and final_reward < 0.5}  # fmt: skip
+
+
+def tiny_model(path: Path, seed: int) -> Path:
+    """`configs/demo.toml`'s tiny model for `seed`, as `asyncrl demo` builds it, built once."""
+    if not (path / "config.json").exists():
+        from services.common.tinymodel import build_tiny_model
+
+        m = tomllib.loads(BASE.read_text())["model"]
+        build_tiny_model(path, chars=m["tiny_chars"], hidden_size=m["tiny_hidden_size"], num_layers=m["tiny_layers"],
+                         tie_word_embeddings=m["tiny_tie_embeddings"], seed=seed)  # fmt: skip
+    return path
 
 
 def trainer_steps(log: Path) -> list[dict]:
@@ -134,17 +167,30 @@ def table(rows: list[dict]) -> str:
         return format(statistics.fmean(values), fmt) if values else "–"
 
     lines = ["| slice | η | mismatch | correction | π_old | seeds | reached 0.9 | time to 0.9 (s) | final reward | "
-             "final entropy | IS mean / max | masked | mismatch KL | staleness | collapsed |", "|" + "---|" * 15]  # fmt: skip
+             "final entropy | IS mean / max | masked | mismatch KL | staleness: mean (max; groups by age) | collapsed |", "|" + "---|" * 15]  # fmt: skip
     for key, rs in groups.items():
         reached = [r for r in rs if r.get("time_to_target_s") is not None]
         lines.append(
             f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {'bypass' if key[4] else 'decoupled'} | {len(rs)} | "
             f"{len(reached)} | {avg(reached, 'time_to_target_s', '.0f')} | {avg(rs, 'final_reward', '.3f')} | "
             f"{avg(rs, 'final_entropy', '.2f')} | {avg(rs, 'is_weight_mean', '.3f')} / {avg(rs, 'is_weight_max', '.2f')} | "
-            f"{avg(rs, 'masked_fraction', '.3f')} | {avg(rs, 'mismatch_kl', '.2e')} | {avg(rs, 'staleness_mean', '.2f')} | "
+            f"{avg(rs, 'masked_fraction', '.3f')} | {avg(rs, 'mismatch_kl', '.2e')} | {avg(rs, 'staleness_mean', '.2f')} "
+            f"({max((r['staleness_max'] or 0) for r in rs)}; {shares(rs)}) | "
             f"{sum(r['collapsed'] for r in rs)} |"
         )
     return "\n".join(lines)
+
+
+def shares(rows: list[dict]) -> str:
+    """The trained groups' staleness distribution over the cell's seeds: "≤0 40%, ≤1 60%"
+    (the trainer's histogram buckets; a bucket under 1% is left out)."""
+    total: dict[str, int] = {}
+    for r in rows:
+        for bucket, n in (r.get("staleness_histogram") or {}).items():
+            total[bucket] = total.get(bucket, 0) + n
+    n = sum(total.values())
+    ordered = sorted(total.items(), key=lambda kv: float(kv[0][2:]))
+    return ", ".join(f"{b.replace('<=', '≤')} {c / n:.0%}" for b, c in ordered if c >= 0.01 * n) or "–"
 
 
 def figure(rows: list[dict], out: Path) -> None:
@@ -175,9 +221,10 @@ def figure(rows: list[dict], out: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--slices", nargs="+", default=["lag", "mismatch", "pi_old"], choices=["lag", "mismatch", "pi_old"])
-    ap.add_argument("--corrections", nargs="+", default=list(CORRECTIONS), choices=list(CORRECTIONS))
+    ap.add_argument("--corrections", nargs="+", default=list(STUDY_CORRECTIONS), choices=list(CORRECTIONS))
+    ap.add_argument("--full", action="store_true", help="every slice x every correction (46 cells with all six)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--budget", type=float, default=150, help="seconds of training per run")
+    ap.add_argument("--budget", type=float, default=60, help="seconds of training per run")
     ap.add_argument("--noise", type=float, default=1.0, help="std of the injected logit noise")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "mismatch-study")
     ap.add_argument("--resume", action="store_true", help="skip the runs cells.jsonl already has")
@@ -189,7 +236,7 @@ def main() -> int:
         log.write_text("")
     seen = {json.dumps({k: r[k] for k in ("slice", "eta", "mismatch", "correction", "bypass", "seed")}) for r in done}
     rows = list(done)
-    grid = cells(args.slices, args.corrections, args.noise)
+    grid = cells(args.slices, args.corrections, args.noise, args.full)
     print(f"{len(grid)} cells x {len(args.seeds)} seeds, {args.budget:.0f} s each at most; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="mismatch-study-") as tmp:

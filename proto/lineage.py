@@ -38,6 +38,14 @@ def parse_weight_version(name: str | None) -> tuple[int, int] | None:
     return int(version), int(epoch) if sep else 0
 
 
+def merge(into: dict[int, int], sampled: dict[int, int]) -> dict[int, int]:
+    """Fold `sampled` (epoch -> newest version) into `into`, each epoch keeping its newest
+    version: a group's lineage from its samples', a sample's from its segments'. Returns `into`."""
+    for epoch, version in sampled.items():
+        into[epoch] = max(version, into.get(epoch, version))
+    return into
+
+
 @dataclass
 class Lineage:
     """The run's epochs: `forks[e]` is the version epoch `e` resumed from (epoch 0 has none)."""

@@ -71,6 +71,7 @@ class Scrape:
     staleness_count: float
     staleness_max_bucket: float | None
     dropped: float
+    staleness_buckets: list[tuple[float, float]] = field(default_factory=list)  # (le, cumulative groups)
 
 
 def scrape_trainer(url: str, t0: float) -> Scrape | None:
@@ -103,6 +104,7 @@ def scrape_trainer(url: str, t0: float) -> Scrape | None:
         staleness_count=count,
         staleness_max_bucket=max_bucket,
         dropped=dropped,
+        staleness_buckets=sorted(buckets),
     )
 
 
@@ -135,6 +137,17 @@ class History:
 
     rows: list[dict] = field(default_factory=list)
     _last: Scrape | None = None
+
+    @property
+    def staleness_histogram(self) -> dict[str, int]:
+        """Trained groups by staleness bucket ("≤0", "≤1", … as the trainer's histogram bounds
+        them; not cumulative), from the last scrape."""
+        out, below = {}, 0.0
+        for le, count in self._last.staleness_buckets if self._last else []:
+            if count > below:
+                out[f"<={le:g}"] = int(count - below)
+            below = count
+        return out
 
     def add(self, s: Scrape) -> dict | None:
         if self._last is not None and s.version == self._last.version:
@@ -618,7 +631,8 @@ def _summary(history: History, demo: DemoSection, eta: int, reached_at: float | 
         "steps": rows[-1]["version"], "wall_s": rows[-1]["t"], "target": demo.target_reward,
         "first_reward": rewards[0] if rewards else float("nan"), "final_reward": rewards[-1] if rewards else float("nan"),
         "time_to_target_s": reached_at, "mean_staleness": sum(st) / len(st) if st else 0.0,
-        "max_staleness": int(max(maxes)) if maxes else 0, "eta": eta, "dropped": rows[-1]["dropped"],
+        "max_staleness": int(max(maxes)) if maxes else 0, "staleness_histogram": history.staleness_histogram,
+        "eta": eta, "dropped": rows[-1]["dropped"],
         "tokens_per_s": rows[-1]["tokens_per_s"], "seed": demo.seed, "plot": str(run_dir / "demo.png"),
     }  # fmt: skip
 

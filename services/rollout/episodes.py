@@ -29,10 +29,11 @@ from proto.environments import Action, ResetRequest, StepRequest, StepStatus
 from proto.rollout import EpisodeSpec
 from services.rollout import metrics as m
 from services.rollout.env_client import EnvironmentFailed
+from services.rollout.segments import Draft
 from services.rollout.toolcalls import BadToolCall, ToolFormat, observation_ids, parse_tool_call
 
 if TYPE_CHECKING:
-    from services.rollout.scheduler import Active, Draft, Scheduler
+    from services.rollout.scheduler import Active, Scheduler
 
 
 class EpisodeFailed(ValueError):
@@ -66,8 +67,6 @@ async def run_episodes(sched: Scheduler, a: Active) -> list[Draft]:
 
 async def _with_retries(sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int], judges: bool,
                         index: int) -> Draft:  # fmt: skip
-    from services.rollout.scheduler import Draft
-
     last: EnvironmentFailed | None = None
     for attempt in range(spec.retries + 1):
         d = Draft(index, submitted=time.time(), loss_mask=[])
@@ -145,7 +144,7 @@ async def _episode(sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int
         after_eos = bool(d.tokens) and d.tokens[-1] in eos
         _observe(d, observation_ids(tok, fmt, observation, after_eos)[:max(room - len(d.tokens), 0)],
                  d.versions[-1] if d.versions else sched.s.initial_weight_version)  # fmt: skip
-    d.finish_reason, d.text, d.segments = finish, answer, 0
+    d.finish_reason, d.text = finish, answer
     d.finished = time.time()
     if judges:
         d.env_reward = sum(d.turn_rewards)

@@ -53,7 +53,6 @@ from buffer import AdmissionControl, Buffer, ClosedSession, Groups, SessionStore
 from proto import FinishReason, Group, RewardStatus, Sample, Timings
 from proto.gateway import (
     ID_PATTERN,
-    SEED_MOD,
     AssistantMessage,
     Call,
     ChatCompletion,
@@ -69,7 +68,7 @@ from proto.gateway import (
     TokenLogprob,
     ToolCallOut,
 )
-from proto.lineage import parse_weight_version
+from proto.lineage import merge
 from proto.rewards import RewardItem, RewardSpec
 from proto.sglang import ChatCompletionUsage
 from proto.states import Admission
@@ -79,13 +78,13 @@ from services.rollout.config import RolloutSettings
 from services.rollout.engine_client import EngineClient, EngineFailure, EngineRejected
 from services.rollout.intake import BadRequest, check_reward_specs
 from services.rollout.reward_client import RewardClient, VerifiersUnavailable
+from services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
 from services.rollout.toolcalls import HERMES_CLOSE, HERMES_OPEN, BadToolCall, ToolFormat, parse_tool_call
 
 log = logging.getLogger(__name__)
 
 GATEWAY_JOB_ID = "gateway"  # the job id of every gateway group (the buffer counts their exits under it)
 REAP_BATCH = 100  # groups one reaper pass handles
-SEED_STRIDE = 1_000_003  # a resubmitted segment's sampling seed moves by this (a prime)
 _ID = re.compile(ID_PATTERN)
 HERMES = ToolFormat("hermes", HERMES_OPEN, HERMES_CLOSE)
 # OpenAI request fields that do not change what is generated (anything else must be unset).
@@ -185,8 +184,7 @@ def build_group(group_id: str, meta: dict[str, str], sessions: list[ClosedSessio
     lineage: dict[int, int] = {}
     for session in sessions:
         for call in session.calls:
-            for epoch, version in call.lineage.items():
-                lineage[epoch] = max(version, lineage.get(epoch, version))
+            merge(lineage, call.lineage)
     group = Group.build(group_id=group_id, job_id=GATEWAY_JOB_ID, prompt_tokens=prompt_tokens,
                         reward_spec=json.loads(meta.get("spec") or "{}"), samples=samples,
                         submit_version=int(meta["submit_version"]), lineage=lineage)  # fmt: skip
@@ -434,36 +432,21 @@ class Gateway:
                 raise GatewayError(503, f"no healthy engine within {self.s.gateway_engine_wait_s} s", "no_engine",
                                    retry_after=self.s.engine_probe_s) from None  # fmt: skip
         started = time.time()
-        budget = params["max_new_tokens"]
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        lineage: dict[int, int] = {}
+        d = Draft(0, submitted=started)
         rids: set[str] = set()
+
+        def params_for(_: Draft, segment: int) -> dict:
+            if "sampling_seed" not in params or not segment:
+                return params
+            return {**params, "sampling_seed": moved_seed(params["sampling_seed"], segment)}
+
         try:
-            for segment in range(self.s.max_resubmits + 1):
-                if self.weights is not None:
-                    await self.weights.ready.wait()  # never start a segment while the weights change
-                seg = {**params, "max_new_tokens": budget - len(tokens)}
-                if "sampling_seed" in params and segment:
-                    seg["sampling_seed"] = (params["sampling_seed"] + SEED_STRIDE * segment) % SEED_MOD
-                [gen] = await self.engines.generate(engine, [prompt + tokens], [seg], rids)
-                version, epoch = parse_weight_version(gen.weight_version) or (self.s.initial_weight_version, 0)
-                tokens += gen.output_ids
-                logprobs += gen.logprobs
-                versions += [version] * len(gen.output_ids)
-                if gen.output_ids:
-                    lineage[epoch] = max(version, lineage.get(epoch, version))
-                finish = gen.finish_reason
-                if finish == "abort":
-                    m.ABORTS.inc()
-                    if len(tokens) >= budget or len(prompt) + len(tokens) >= self.context_length:
-                        finish = "length"
-                if finish != "abort":
-                    break
-                m.RESUBMITS.inc()
-            else:
-                raise GatewayError(502, f"the call was aborted {self.s.max_resubmits + 1} times", "aborted")
+            await generate_resuming(self.engines, engine, self.weights, [prompt], [d], [params["max_new_tokens"]],
+                                    params_for, rids=rids, max_resubmits=self.s.max_resubmits,
+                                    context_length=self.context_length,
+                                    initial_version=self.s.initial_weight_version)  # fmt: skip
+        except TooManyAborts:
+            raise GatewayError(502, f"the call was aborted {self.s.max_resubmits + 1} times", "aborted") from None
         except EngineRejected as exc:
             raise GatewayError(400, f"the engine refused the request: {exc}", "engine_rejected") from None
         except EngineFailure as exc:
@@ -471,11 +454,12 @@ class Gateway:
         except asyncio.CancelledError:  # the client went away: stop what still runs for it
             await asyncio.gather(*(self.engines.abort(engine, rid) for rid in rids))
             raise
-        text = gen.text
-        if segment:  # several engine answers: the text of all the tokens (SGLang's rules: stop trimmed)
-            shown = tokens[:-1] if finish == "stop" else tokens
+        text = d.text
+        if d.segments > 1:  # several engine answers: the text of all the tokens (SGLang's rules: stop trimmed)
+            shown = d.tokens[:-1] if d.finish_reason == "stop" else d.tokens
             text = await asyncio.to_thread(self.tokenizer.decode, shown, skip_special_tokens=True)
-        return Completion(prompt, tokens, logprobs, versions, lineage, finish, text, engine.index, started, time.time())
+        return Completion(prompt, d.tokens, d.logprobs, d.versions, d.lineage, d.finish_reason, text, engine.index,
+                          started, time.time())  # fmt: skip
 
     def _answer(self, body: ChatRequest, done: Completion, tools: bool) -> ChatCompletion:
         content, calls = _tool_calls(done.text) if tools else (done.text, [])

@@ -37,7 +37,7 @@ import redis
 
 from buffer import AdmissionControl, Buffer, ClaimedJob, GroupReport, Groups, Jobs, Weights
 from proto import Group, GroupJob, RewardStatus, Samples
-from proto.lineage import parse_weight_version
+from proto.lineage import merge
 from proto.rewards import RewardItem, RewardResult, RewardSpec
 from proto.states import Admission, GroupState
 from services.common.coalescer import GroupCommit
@@ -49,38 +49,14 @@ from services.rollout.engine_client import EngineClient, EngineEndpoint, EngineF
 from services.rollout.env_client import EnvClient, EnvironmentFailed
 from services.rollout.episodes import run_episodes
 from services.rollout.reward_client import RewardClient
+from services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
 from services.rollout.weights import WeightSync
 
 log = logging.getLogger(__name__)
 
-SEED_STRIDE = 1_000_003  # spreads a job's sampling_seed over samples and segments (a prime)
-SEED_MOD = 2**63
 INTERNAL_RETRY_S = 5.0  # pause before a group that hit an internal error starts again
 PHASE_FLUSH_S = 0.05  # phase records are written in one pipeline per this interval
 UNSCORED_DETAIL_CHARS = 300  # of the reward error quoted in an unscored group's job record
-
-
-@dataclass
-class Draft:
-    """A generated sample before scoring."""
-
-    index: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    lineage: dict[int, int] = field(default_factory=dict)  # epoch -> newest version (proto/lineage.py)
-    finish_reason: str = "length"
-    text: str = ""  # of all the tokens (the engine's, when one segment made them)
-    segments: int = 0  # engine answers the tokens came in (more than one after a weight-update abort)
-    # Episodes (services/rollout/episodes.py): which tokens the policy sampled, turns, rewards.
-    loss_mask: list[int] | None = None
-    turn_starts: list[int] = field(default_factory=list)
-    turn_rewards: list[float] = field(default_factory=list)
-    env_reward: float | None = None  # the environment judged the episode (no verifier)
-    details: dict = field(default_factory=dict)
-    submitted: float = 0.0
-    first_token: float | None = None
-    finished: float | None = None
 
 
 @dataclass
@@ -208,8 +184,7 @@ class Scheduler:
             a.stage = "writing"
             lineage: dict[int, int] = {}
             for d in drafts:
-                for epoch, version in d.lineage.items():
-                    lineage[epoch] = max(version, lineage.get(epoch, version))
+                merge(lineage, d.lineage)
             group = Group.build(
                 group_id=job.group_id,
                 job_id=job.job_id,
@@ -427,34 +402,14 @@ class Scheduler:
     async def _samples(self, a: Active) -> list[Draft]:
         """The group's completions in one batched request; after a weight-update abort, the
         aborted samples' remainders (prompt + their tokens so far) go again as one batch."""
-        job, engine = a.claimed.job, a.engine
-        assert engine is not None
+        job = a.claimed.job
         params = dict(job.sampling_params)
         budget = int(params.get("max_new_tokens", self.s.default_max_new_tokens))
         prompt = job.prompt_tokens.tolist()
         now = time.time()
         drafts = [Draft(i, submitted=now) for i in range(job.group_size)]
-        pending = list(range(job.group_size))
-        for segment in range(self.s.max_resubmits + 1):
-            await self.weights.ready.wait()  # never start a segment while the weights change
-            gens = await self.engines.generate(
-                engine,
-                [prompt + drafts[i].tokens for i in pending],
-                [self._segment_params(params, budget, drafts[i], segment) for i in pending],
-                a.rids,
-            )
-            still = []
-            for i, gen in zip(pending, gens):
-                if self._extend(drafts[i], gen, budget, len(prompt)):
-                    still.append(i)
-            if not still:
-                break
-            m.RESUBMITS.inc(len(still))
-            pending = still
-        else:
-            raise EngineFailure(f"samples of {job.group_id} were aborted {self.s.max_resubmits + 1} times")
+        await self._resuming(a, [prompt] * len(drafts), drafts, [budget] * len(drafts), params, 0)
         for d in drafts:
-            d.finished = d.finished or time.time()
             if d.segments == 1:  # the engine's own text of these tokens (SGLang's rules: stop trim, specials)
                 continue
             stop_trim = d.finish_reason == "stop" and not params.get("no_stop_trim")
@@ -469,50 +424,27 @@ class Scheduler:
         base = dict(params)
         if stop_ids:
             base["stop_token_ids"] = sorted({*params.get("stop_token_ids", ()), *stop_ids})
-        start = len(d.tokens)
-        for segment in range(self.s.max_resubmits + 1):
-            await self.weights.ready.wait()
-            seg = self._segment_params(base, start + budget, d, segment + 1000 * turn)
-            gen = (await self.engines.generate(a.engine, [prompt + d.tokens], [seg], a.rids))[0]
-            n = len(gen.output_ids)
-            aborted = self._extend(d, gen, start + budget, len(prompt))
-            d.loss_mask += [1] * n
-            if not aborted:
-                return d.finish_reason
-            m.RESUBMITS.inc()
-        raise EngineFailure(f"a turn of {a.claimed.job.group_id} was aborted {self.s.max_resubmits + 1} times")
+        await self._resuming(a, [prompt], [d], [len(d.tokens) + budget], base, 1000 * turn)
+        return d.finish_reason
 
-    def _segment_params(self, params: dict, budget: int, d: Draft, segment: int) -> dict:
-        seg = {**params, "max_new_tokens": budget - len(d.tokens)}
-        if "sampling_seed" in params:  # distinct, reproducible streams per sample and segment
-            seg["sampling_seed"] = (params["sampling_seed"] + SEED_STRIDE * (d.index + 1) + segment) % SEED_MOD
-        return seg
+    async def _resuming(self, a: Active, prompts: list[list[int]], drafts: list[Draft], budgets: list[int],
+                        params: dict, first_segment: int) -> None:  # fmt: skip
+        """`segments.generate_resuming` on the group's engine; a job's sampling_seed moves per
+        sample and segment (segment numbers from `first_segment`: an episode's turns apart)."""
+        assert a.engine is not None
 
-    def _extend(self, d: Draft, gen, budget: int, prompt_len: int) -> bool:
-        """Append one segment's tokens (each with the version that sampled it); True when the
-        sample was aborted with budget left and must be resubmitted."""
-        version, epoch = self._version(gen.weight_version)
-        d.segments += 1
-        d.text = gen.text
-        d.tokens += gen.output_ids
-        d.logprobs += gen.logprobs
-        d.versions += [version] * len(gen.output_ids)
-        if gen.output_ids:
-            d.lineage[epoch] = max(version, d.lineage.get(epoch, version))
-        if gen.output_ids and d.first_token is None:
-            d.first_token = time.time()
-        if gen.finish_reason != "abort":
-            d.finish_reason, d.finished = gen.finish_reason, time.time()
-            return False
-        m.ABORTS.inc()
-        if len(d.tokens) >= budget or prompt_len + len(d.tokens) >= self.context_length:
-            d.finish_reason, d.finished = "length", time.time()
-            return False
-        return True
+        def params_for(d: Draft, segment: int) -> dict:
+            if "sampling_seed" not in params:
+                return params
+            return {**params, "sampling_seed": moved_seed(params["sampling_seed"] + first_segment + segment, d.index + 1)}
 
-    def _version(self, weight_version: str | None) -> tuple[int, int]:
-        """The engine's `weight_version` as (policy version, epoch) (SGLang starts at "default")."""
-        return parse_weight_version(weight_version) or (self.s.initial_weight_version, 0)
+        try:
+            await generate_resuming(self.engines, a.engine, self.weights, prompts, drafts, budgets, params_for,
+                                    rids=a.rids, max_resubmits=self.s.max_resubmits,
+                                    context_length=self.context_length,
+                                    initial_version=self.s.initial_weight_version)  # fmt: skip
+        except TooManyAborts as exc:
+            raise EngineFailure(f"samples of {a.claimed.job.group_id} were {exc}") from None
 
     # --- scoring --------------------------------------------------------------------------
 

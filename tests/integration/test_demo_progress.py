@@ -17,7 +17,7 @@ asyncrl_trainer_reward_mean {reward}
 # TYPE asyncrl_trainer_entropy gauge
 asyncrl_trainer_entropy {entropy}
 # TYPE asyncrl_trainer_group_staleness histogram
-asyncrl_trainer_group_staleness_bucket{{le="0.0"}} 0.0
+asyncrl_trainer_group_staleness_bucket{{le="0.0"}} {fresh}
 asyncrl_trainer_group_staleness_bucket{{le="1.0"}} {count}
 asyncrl_trainer_group_staleness_bucket{{le="2.0"}} {count}
 asyncrl_trainer_group_staleness_bucket{{le="+Inf"}} {count}
@@ -27,7 +27,7 @@ asyncrl_trainer_group_staleness_sum {total}
 
 
 def test_before_the_first_step_there_is_no_reward_and_after_it_there_is():
-    state = {"version": 0, "reward": 0.0, "entropy": 0.0, "count": 0.0, "total": 0.0}
+    state = {"version": 0, "reward": 0.0, "entropy": 0.0, "fresh": 0.0, "count": 0.0, "total": 0.0}
     app = FastAPI()
 
     @app.get("/metrics")
@@ -39,7 +39,7 @@ def test_before_the_first_step_there_is_no_reward_and_after_it_there_is():
     try:
         start = scrape_trainer(server.url, 0.0)
         history.add(start)
-        state.update(version=3, reward=0.25, entropy=1.5, count=64.0, total=40.0)
+        state.update(version=3, reward=0.25, entropy=1.5, fresh=24.0, count=64.0, total=40.0)
         later = scrape_trainer(server.url, 0.0)
         history.add(later)
     finally:
@@ -50,6 +50,8 @@ def test_before_the_first_step_there_is_no_reward_and_after_it_there_is():
     assert later.staleness_max_bucket == 1.0  # the first bucket that holds every observation
     assert [r["reward"] for r in history.rows] == [None, 0.25]
     assert history.rows[1]["staleness"] == 40.0 / 64.0
+    # groups per staleness, from the cumulative buckets: 24 fresh, 40 one version old
+    assert history.staleness_histogram == {"<=0": 24, "<=1": 40}
 
 
 def test_evaluations_are_read_once_per_version_and_summarised(tmp_path):

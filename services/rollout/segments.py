@@ -1,0 +1,108 @@
+"""Generation that survives weight updates, for every caller of the engines (the scheduler's
+groups, an episode's turns, the gateway's calls).
+
+A weight update may abort the requests in flight (`weight_update_abort`). An aborted sample with
+budget left goes again as prompt + its tokens so far, with the budget that is left: a new
+**segment**. Every token keeps the `weight_version` of the segment that sampled it, and the
+sample's lineage the newest version per epoch (proto/lineage.py). `generate_resuming` runs the
+segments of any number of samples on one engine, the aborted ones of each round together as one
+batch; the callers differ only in each segment's sampling parameters (`params_for`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from proto.gateway import SEED_MOD
+from proto.lineage import merge, parse_weight_version
+from services.rollout import metrics as m
+from services.rollout.engine_client import EngineFailure
+
+SEED_STRIDE = 1_000_003  # spreads a sampling_seed over samples and segments (a prime)
+
+
+class TooManyAborts(EngineFailure):
+    """A sample was aborted by weight updates more times than `max_resubmits` allows."""
+
+
+@dataclass
+class Draft:
+    """A generated sample before scoring."""
+
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    lineage: dict[int, int] = field(default_factory=dict)  # epoch -> newest version (proto/lineage.py)
+    finish_reason: str = "length"
+    text: str = ""  # of all the tokens (the engine's, when one segment made them)
+    segments: int = 0  # engine answers the tokens came in (more than one after a weight-update abort)
+    # Episodes (services/rollout/episodes.py): which tokens the policy sampled, turns, rewards.
+    loss_mask: list[int] | None = None
+    turn_starts: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    env_reward: float | None = None  # the environment judged the episode (no verifier)
+    details: dict = field(default_factory=dict)
+    submitted: float = 0.0
+    first_token: float | None = None
+    finished: float | None = None
+
+
+def moved_seed(seed: int, offset: int) -> int:
+    """A sampling seed moved by `offset` strides: distinct, reproducible streams per sample and segment."""
+    return (seed + SEED_STRIDE * offset) % SEED_MOD
+
+
+async def generate_resuming(
+    engines, engine, weights, prompts: list[list[int]], drafts: list[Draft], budgets: list[int],
+    params_for: Callable[[Draft, int], dict], *, rids: set[str], max_resubmits: int, context_length: int,
+    initial_version: int,
+) -> None:  # fmt: skip
+    """Generate `drafts[i]` from `prompts[i] + drafts[i].tokens` on `engine` until each stops or
+    holds `budgets[i]` tokens (counted from the draft's start, so an episode's turn passes the
+    tokens before it plus its own budget). `params_for(draft, segment)` gives a segment's
+    sampling parameters; `max_new_tokens` is set here. Raises `TooManyAborts` after
+    `max_resubmits` resubmissions of the same samples; engine errors pass through.
+    `weights` (a `WeightSync`, or None) holds every segment while the weights change."""
+    pending = list(range(len(drafts)))
+    for segment in range(max_resubmits + 1):
+        if weights is not None:
+            await weights.ready.wait()  # never start a segment while the weights change
+        bodies = [prompts[i] + drafts[i].tokens for i in pending]
+        params = [{**params_for(drafts[i], segment), "max_new_tokens": budgets[i] - len(drafts[i].tokens)}
+                  for i in pending]  # fmt: skip
+        gens = await engines.generate(engine, bodies, params, rids)
+        pending = [i for i, gen in zip(pending, gens)
+                   if _extend(drafts[i], gen, budgets[i], len(prompts[i]), context_length, initial_version)]  # fmt: skip
+        if not pending:
+            return
+        m.RESUBMITS.inc(len(pending))
+    raise TooManyAborts(f"aborted by weight updates {max_resubmits + 1} times")
+
+
+def _extend(d: Draft, gen, budget: int, prompt_len: int, context_length: int, initial_version: int) -> bool:
+    """Append one segment's tokens (each with the version that sampled it); True when the
+    sample was aborted with budget left and must be resubmitted."""
+    version, epoch = parse_weight_version(gen.weight_version) or (initial_version, 0)  # (SGLang starts at "default")
+    n = len(gen.output_ids)
+    d.segments += 1
+    d.text = gen.text
+    d.tokens += gen.output_ids
+    d.logprobs += gen.logprobs
+    d.versions += [version] * n
+    if d.loss_mask is not None:  # an episode's turn: the policy sampled these
+        d.loss_mask += [1] * n
+    if n:
+        merge(d.lineage, {epoch: version})
+        if d.first_token is None:
+            d.first_token = time.time()
+    if gen.finish_reason != "abort":
+        d.finish_reason, d.finished = gen.finish_reason, time.time()
+        return False
+    m.ABORTS.inc()
+    if len(d.tokens) >= budget or prompt_len + len(d.tokens) >= context_length:
+        d.finish_reason, d.finished = "length", time.time()
+        return False
+    return True
