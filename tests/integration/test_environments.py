@@ -186,6 +186,75 @@ def test_calculator_errors_are_tool_errors(service):
         assert time.monotonic() - started < 5  # 9**9**9 computed would take hours: it is refused before
 
 
+def test_step_batch_answers_a_crashing_step_in_band_and_the_others_as_alone():
+    """One item of a batch whose step raises is masked (`crash`, counted once); the rest of the
+    batch is answered as each item is alone. The crash is a user's environment with a bug (the
+    built-ins answer every input they are given), served by the real service over HTTP."""
+    from proto.environments import StepResponse
+    from services.reward.app import build_app
+    from services.reward.config import RewardSettings
+    from services.reward.environments.base import Environment, function, reply, text_argument
+
+    class Halver(Environment):
+        name = "halver"
+        description = "Halves a number; its author forgot odd ones."
+        tools = [function("halve", "Half of `n`.", {"n": {"type": "string"}})]
+
+        async def call(self, args, req, call) -> StepResponse:
+            n = int(text_argument(call, "n") or "0")
+            if n % 2:
+                raise ArithmeticError(f"{n} is odd")  # the bug: not a tool error, the environment fails
+            return reply(str(n // 2))
+
+    http = serve_app_in_thread(build_app(RewardSettings(code_enabled=False, math_workers=1),
+                                         environments={"halver": Halver()}), free_port(), "reward")  # fmt: skip
+    try:
+        with httpx.Client(base_url=http.url, timeout=60) as client:
+            actions = {
+                "value": tool("halve", {"n": "14"}),
+                "crash": tool("halve", {"n": "7"}),
+                "another": tool("halve", {"n": "100"}),
+                "unknown_tool": tool("python", {"code": "print(1)"}),
+                "answer": {"text": "The answer is 7."},
+            }
+            items = {name: {"episode_id": name, "turn": 0, "action": action} for name, action in actions.items()}
+            alone = {}
+            for name, body in items.items():
+                if name != "crash":
+                    single = client.post("/v1/environments/halver/step", json=body)
+                    assert single.status_code == 200, single.text
+                    alone[name] = single.json()
+            assert (alone["value"]["observation"], alone["another"]["observation"]) == ("7", "50")
+            assert alone["unknown_tool"]["status"] == "invalid_call" and alone["answer"]["done"]
+
+            crash_kind = {"environment": "halver", "kind": "crash"}
+            crashes = metric(client, "asyncrl_reward_env_failures_total", **crash_kind)
+            reply_ = client.post("/v1/environments/halver/step_batch", json={"items": list(items.values())})
+            assert reply_.status_code == 200, reply_.text
+            results = dict(zip(items, reply_.json()["results"], strict=True))
+            assert results.pop("crash") == {
+                "observation": "environment error: ArithmeticError", "reward": None, "done": True,
+                "status": "tool_error", "state": {}, "info": {}, "mask_sample": True, "failure_kind": "crash",
+            }  # fmt: skip
+            assert results == alone
+            assert metric(client, "asyncrl_reward_env_failures_total", **crash_kind) == crashes + 1
+    finally:
+        http.stop()
+
+
+def test_calculator_refuses_a_power_tower_without_overflowing(service):
+    """`3**2**1024`: the exponent is a 1025-bit int; the size check must not multiply it by a
+    float (OverflowError, which once escaped the environment as a 500)."""
+    from services.reward.environments.calculator import CalculatorError, evaluate
+
+    for expression in ("3**2**1024", "(-3)**2**1024", "2**2**2**2**2"):
+        with pytest.raises(CalculatorError, match="too large"):
+            evaluate(expression)
+    assert evaluate("2**2**2**2") == 65536
+    answer = step(service, "calculator", tool("calculator", {"expression": "3**2**1024"}))
+    assert (answer["status"], answer["mask_sample"]) == ("tool_error", False) and "too large" in answer["observation"]
+
+
 def test_calculator_wrong_arguments_are_invalid_calls_and_text_ends_the_episode(service):
     for arguments in [{}, {"expr": "1"}, {"expression": 1}, {"expression": "1", "extra": 2}]:
         reply = step(service, "calculator", tool("calculator", arguments))

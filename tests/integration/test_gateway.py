@@ -27,7 +27,8 @@ from proto.gateway import Call
 from proto.lineage import parse_weight_version
 from services.common.tinymodel import EOS_ID, build_tiny_model
 from services.engine.testing import serve_in_thread as serve_engine
-from services.rollout.gateway import _tool_calls, build_group, sessions_to_pieces
+from services.rollout.gateway import _tool_calls
+from services.rollout.gateway_groups import build_group, sessions_to_pieces
 from services.rollout.testing import serve_in_thread, start_reward_service
 
 torch.set_num_threads(1)

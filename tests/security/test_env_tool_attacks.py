@@ -2,7 +2,7 @@
 environment endpoint (`POST /v1/environments/python/step`) of the same real service (HTTP,
 bubblewrap; `conftest.py`).
 
-Same pattern: an attack prints PWNED only if it worked, so "contained" reads as an observation
+Same pattern and the same programs (`attacks.py`): an attack prints PWNED only if it worked, so "contained" reads as an observation
 without PWNED and the status the limit gives; each test also checks the host directly, and
 that the service then answers both a normal tool call and a normal code item right. The tool's
 sandbox has host uids of its own, right after the code verifier's (`build_environments`).
@@ -19,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+import attacks
 import pytest
 from sandbox_host import SECRET_ENV, SLOTS, UID_BASE
 from test_sandbox_attacks import _read, assert_host_clean_and_serving
@@ -87,7 +88,7 @@ def test_tool_runs_as_its_own_unprivileged_host_uid(client):
 
 def test_infinite_loop_is_killed_at_the_deadline(client):
     started = time.monotonic()
-    result = run_tool(client, "while True:\n    pass")
+    result = run_tool(client, attacks.infinite_loop())
     assert_contained(result, "timeout")
     assert result["observation"] == f"[killed: time limit of {TOOL_TIMEOUT_S:g} s]"
     assert time.monotonic() - started < TOOL_TIMEOUT_S + 10
@@ -95,33 +96,21 @@ def test_infinite_loop_is_killed_at_the_deadline(client):
 
 
 def test_fork_bomb_is_capped_by_the_process_limit(client):
-    program = (
-        "import os\n"
-        "n = 0\n"
-        "for _ in range(100000):\n"
-        "    try:\n"
-        "        if os.fork() == 0:\n"
-        "            import time; time.sleep(30); os._exit(0)\n"
-        "        n += 1\n"
-        "    except OSError:\n"
-        "        break\n"
-        "print('PWNED' if n >= 1000 else f'capped at {n}')"
-    )
-    result = run_tool(client, program)
+    result = run_tool(client, attacks.fork_bomb())
     assert_contained(result, "ok", "timeout")
     assert subprocess.run(["true"], check=False).returncode == 0  # the host can still fork
     assert_clean_and_serving(client)
 
 
 def test_memory_bomb_hits_the_address_space_limit(client):
-    result = run_tool(client, "blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))\nprint('PWNED')")
+    result = run_tool(client, attacks.memory_bomb())
     assert_contained(result, "tool_error")
     assert "MemoryError" in result["observation"]
     assert_clean_and_serving(client)
 
 
 def test_output_bomb_is_cut_at_the_cap(client):
-    result = run_tool(client, "import sys\nwhile True:\n    sys.stdout.write('PWND' * 1000)")
+    result = run_tool(client, attacks.output_bomb())
     assert_contained(result, "tool_error")
     assert "[killed: output past" in result["observation"] and len(result["observation"]) < 64 * 1024
     assert_clean_and_serving(client)
@@ -129,19 +118,7 @@ def test_output_bomb_is_cut_at_the_cap(client):
 
 def test_disk_fill_is_capped_and_leaves_the_host_disk_alone(client):
     free_before = shutil.disk_usage("/tmp").free
-    program = (
-        "written = 0\n"
-        "for target in ['/work', '/tmp', '/dev/shm', '/']:\n"
-        "    for i in range(64):\n"
-        "        try:\n"
-        "            with open(f'{target}/fill{i}', 'wb') as f:\n"
-        "                for _ in range(16):\n"
-        "                    f.write(b'x' * (1 << 20)); written += 1 << 20\n"
-        "        except OSError:\n"
-        "            break\n"
-        "print('PWNED' if written >= 200 << 20 else f'wrote {written >> 20} MB')"
-    )
-    result = run_tool(client, program)
+    result = run_tool(client, attacks.disk_fill())
     assert_contained(result, "ok")
     assert free_before - shutil.disk_usage("/tmp").free < 100 << 20
     assert_clean_and_serving(client)
@@ -163,16 +140,8 @@ def test_network_egress_to_host_loopback_is_impossible(client):
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    program = (
-        "import socket\n"
-        "try:\n"
-        f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-        "    s.sendall(b'exfiltrated'); print('PWNED')\n"
-        "except OSError as e:\n"
-        "    print('blocked', e)"
-    )
     try:
-        result = run_tool(client, program)
+        result = run_tool(client, attacks.loopback_egress(port))
     finally:
         stop.set()
         thread.join()
@@ -185,16 +154,7 @@ def test_network_egress_to_host_loopback_is_impossible(client):
 
 def test_writing_outside_the_work_dir_fails(client):
     host_file = Path(f"/tmp/asyncrl-tool-escape-{uuid.uuid4().hex}")
-    program = (
-        "wrote = []\n"
-        f"for path in ['{host_file}', '/usr/pwned', '/pwned', '/etc/pwned', '/proc/pwned', '/dev/pwned']:\n"
-        "    try:\n"
-        "        open(path, 'w').write('x'); wrote.append(path)\n"
-        "    except OSError:\n"
-        "        pass\n"
-        "print('PWNED' if wrote else 'nothing written')"
-    )
-    result = run_tool(client, program)
+    result = run_tool(client, attacks.write_outside_workdir(str(host_file)))
     assert_contained(result, "ok")
     assert result["observation"] == "nothing written\n"
     assert not host_file.exists() and not Path("/usr/pwned").exists() and not Path("/pwned").exists()
@@ -203,17 +163,7 @@ def test_writing_outside_the_work_dir_fails(client):
 
 def test_service_environment_secrets_are_not_visible(client):
     assert os.environ.get(SECRET_ENV)  # the service (this process) holds the secret
-    program = (
-        "import os, glob\n"
-        "seen = ' '.join(os.environ)\n"
-        "for path in glob.glob('/proc/*/environ') + ['/etc/passwd', '/root/.bash_history']:\n"
-        "    try:\n"
-        "        seen += open(path, 'rb').read().decode(errors='ignore')\n"
-        "    except OSError:\n"
-        "        pass\n"
-        f"print('PWNED' if '{SECRET_ENV}' in seen or 'root:' in seen else 'no secret')"
-    )
-    result = run_tool(client, program)
+    result = run_tool(client, attacks.read_service_secrets(SECRET_ENV))
     assert_contained(result, "ok")
     assert result["observation"] == "no secret\n"
     assert_clean_and_serving(client)
@@ -222,17 +172,7 @@ def test_service_environment_secrets_are_not_visible(client):
 def test_killing_processes_outside_the_sandbox_fails(client):
     victim = subprocess.Popen(["sleep", "60"])
     try:
-        program = (
-            "import os, signal\n"
-            "killed = False\n"
-            f"for pid in [{victim.pid}, {os.getpid()}, -1, 1]:\n"
-            "    try:\n"
-            "        os.kill(pid, signal.SIGKILL); killed = killed or pid not in (-1, 1)\n"
-            "    except OSError:\n"
-            "        pass\n"
-            "print('PWNED' if killed else 'nothing killed')"
-        )
-        result = run_tool(client, program)
+        result = run_tool(client, attacks.kill_host_processes([victim.pid, os.getpid()]))
         assert_contained(result)
         assert victim.poll() is None, "a host process was killed from inside the sandbox"
     finally:
@@ -243,15 +183,7 @@ def test_killing_processes_outside_the_sandbox_fails(client):
 
 def test_background_process_does_not_outlive_the_call(client):
     marker = f"asyncrl-tool-orphan-{uuid.uuid4().hex}"
-    program = (
-        "import os, subprocess\n"
-        "if os.fork() == 0:\n"
-        "    os.setsid()\n"
-        f"    subprocess.Popen(['/usr/bin/python3', '-c', 'import time; time.sleep(60)', '{marker}'])\n"
-        "    os._exit(0)\n"
-        "print('spawned')"
-    )
-    result = run_tool(client, program)
+    result = run_tool(client, attacks.leave_background_process(marker, then_print="spawned"))
     assert result["status"] == "ok"
     time.sleep(0.5)  # time is the subject: a leaked process gets this long to show up
     survivors = [p for p in Path("/proc").glob("[0-9]*/cmdline") if marker.encode() in _read(p)]
@@ -261,22 +193,9 @@ def test_background_process_does_not_outlive_the_call(client):
 
 def test_a_call_cannot_see_an_earlier_calls_files(client):
     secret = uuid.uuid4().hex
-    first = run_tool(client, f"open('/work/left.txt', 'w').write('{secret}')\nprint('written')")
+    first = run_tool(client, attacks.leave_secret_file(secret))
     assert first["observation"] == "written\n"
-    program = (
-        "import os\n"
-        f"needle = '{secret[::-1]}'[::-1]\n"  # the searching program's own source must not contain it
-        "found = False\n"
-        "for dirpath, dirs, files in os.walk('/'):\n"
-        "    dirs[:] = [d for d in dirs if dirpath != '/' or d not in ('proc', 'sys', 'dev', 'usr')]\n"
-        "    for name in files:\n"
-        "        try:\n"
-        "            found = found or needle in open(os.path.join(dirpath, name), errors='ignore').read(4096)\n"
-        "        except OSError:\n"
-        "            pass\n"
-        "print('PWNED' if found else 'not found')"
-    )
-    result = run_tool(client, program)
+    result = run_tool(client, attacks.find_earlier_calls_file(secret))
     assert_contained(result, "ok")
     assert result["observation"] == "not found\n"
     assert_clean_and_serving(client)

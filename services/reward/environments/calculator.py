@@ -69,7 +69,9 @@ def _check_power(base: int | float, exponent: int | float) -> None:
     """Refuse a power whose result would pass MAX_INT_BITS before computing it (a float result
     overflows cheaply and is caught as OverflowError)."""
     ints = isinstance(base, int) and isinstance(exponent, int)
-    if ints and exponent > 0 and abs(base) > 1 and exponent * math.log2(abs(base)) > MAX_INT_BITS:
+    # (|base| ≥ 2: an exponent past MAX_INT_BITS is too large already, and the product below
+    # would overflow a float for an exponent past ~2**1023, e.g. 3**2**1024)
+    if ints and exponent > 0 and abs(base) > 1 and (exponent > MAX_INT_BITS or exponent * math.log2(abs(base)) > MAX_INT_BITS):
         raise CalculatorError("result too large")
 
 
