@@ -110,6 +110,7 @@ def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
                     "--max-staleness", str(cell["eta"])], cwd=ROOT, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, check=False)  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    clean = clean_eval(run_dir, seed=seed)
     steps = trainer_steps(run_dir / "logs" / "trainer.log")
     last = steps[-5:] or [{}]
 
@@ -126,7 +127,7 @@ def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
             "masked_fraction": mean("is_masked_fraction"), "mismatch_kl": mean("mismatch_kl"),
             "staleness_mean": summary.get("mean_staleness"), "staleness_max": summary.get("max_staleness"),
             "staleness_histogram": summary.get("staleness_histogram"),
-            "collapsed": bool(steps) and final_entropy < COLLAPSE_ENTROPY and final_reward < 0.5}  # fmt: skip
+            "collapsed": bool(steps) and final_entropy < COLLAPSE_ENTROPY and final_reward < 0.5, **clean}  # fmt: skip
 
 
 def tiny_model(path: Path, seed: int) -> Path:
@@ -138,6 +139,42 @@ def tiny_model(path: Path, seed: int) -> Path:
         build_tiny_model(path, chars=m["tiny_chars"], hidden_size=m["tiny_hidden_size"], num_layers=m["tiny_layers"],
                          tie_word_embeddings=m["tiny_tie_embeddings"], seed=seed)  # fmt: skip
     return path
+
+
+def clean_eval(run_dir: Path, samples: int = 8, seed: int = 0) -> dict:
+    """The final policy, sampled without the engine: every prompt of the task (all
+    len(letters)^prompt_len words) × `samples` answers at temperature 1 from the trainer's last
+    published weights, in this process in fp32, scored by the `reverse` verifier's own rule.
+    Under injected noise the run's reward is the noisy engine's; this is what the policy learned.
+    Also the greedy answer's exact-match accuracy."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.reward.verifiers.toy import reverse_reward
+
+    published = sorted((run_dir / "trainer" / "weights").glob("v*"))
+    if not published:
+        return {}
+    demo = tomllib.loads(BASE.read_text())["demo"]
+    letters, length = demo["letters"], demo["prompt_len"]
+    words = ["".join(w) for w in itertools.product(letters, repeat=length)]
+    tok = AutoTokenizer.from_pretrained(published[-1])
+    model = AutoModelForCausalLM.from_pretrained(published[-1], dtype=torch.float32).eval()
+    prompts = torch.tensor([tok(f"<bos>{w}>")["input_ids"] for w in words])  # (one length: no padding)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        ids = prompts.repeat_interleave(samples, 0)
+        greedy = prompts
+        for _ in range(length):  # the demo's answers: exactly `length` tokens, specials kept
+            probs = torch.softmax(model(ids).logits[:, -1].float(), -1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], 1)
+            greedy = torch.cat([greedy, model(greedy).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    n = prompts.shape[1]
+    rewards = [reverse_reward(words[i // samples][::-1], tok.decode(row[n:], skip_special_tokens=False))[0]
+               for i, row in enumerate(ids.tolist())]  # fmt: skip
+    exact = [tok.decode(row[n:], skip_special_tokens=False) == w[::-1] for w, row in zip(words, greedy.tolist())]
+    return {"clean_reward": statistics.fmean(rewards), "greedy_accuracy": statistics.fmean(exact),
+            "eval_version": published[-1].name}  # fmt: skip
 
 
 def trainer_steps(log: Path) -> list[dict]:
@@ -167,12 +204,14 @@ def table(rows: list[dict]) -> str:
         return format(statistics.fmean(values), fmt) if values else "–"
 
     lines = ["| slice | η | mismatch | correction | π_old | seeds | reached 0.9 | time to 0.9 (s) | final reward | "
-             "final entropy | IS mean / max | masked | mismatch KL | staleness: mean (max; groups by age) | collapsed |", "|" + "---|" * 15]  # fmt: skip
+             "clean reward | greedy exact | final entropy | IS mean / max | masked | mismatch KL | "
+             "staleness: mean (max; groups by age) | collapsed |", "|" + "---|" * 17]  # fmt: skip
     for key, rs in groups.items():
         reached = [r for r in rs if r.get("time_to_target_s") is not None]
         lines.append(
             f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {'bypass' if key[4] else 'decoupled'} | {len(rs)} | "
             f"{len(reached)} | {avg(reached, 'time_to_target_s', '.0f')} | {avg(rs, 'final_reward', '.3f')} | "
+            f"{avg(rs, 'clean_reward', '.3f')} | {avg(rs, 'greedy_accuracy', '.2f')} | "
             f"{avg(rs, 'final_entropy', '.2f')} | {avg(rs, 'is_weight_mean', '.3f')} / {avg(rs, 'is_weight_max', '.2f')} | "
             f"{avg(rs, 'masked_fraction', '.3f')} | {avg(rs, 'mismatch_kl', '.2e')} | {avg(rs, 'staleness_mean', '.2f')} "
             f"({max((r['staleness_max'] or 0) for r in rs)}; {shares(rs)}) | "
