@@ -1,15 +1,19 @@
 """Do the corrections correct? Policy lag and engine/trainer mismatch, with and without importance
 sampling, on the CPU demo's full topology (issue 19).
 
-    .venv/bin/python benchmarks/mismatch_study.py                          # every slice, seeds 0-2 (hours)
-    .venv/bin/python benchmarks/mismatch_study.py --slices mismatch --seeds 0 --budget 60   # one slice, quick
+    .venv/bin/python benchmarks/mismatch_study.py           # the study: 21 cells x seeds 0-2, ~2 h
+    .venv/bin/python benchmarks/mismatch_study.py --full    # every slice x every correction, ~7 h
+    .venv/bin/python benchmarks/mismatch_study.py --slices mismatch --seeds 0 --budget 30   # quick look
+    .venv/bin/python benchmarks/mismatch_study.py --resume  # finish a stopped study; with every run
+                                                            # done: the table and figure again
 
 Every cell is `asyncrl demo` (embedded Redis, engine, reward, rollout and trainer services: the
 real stack, not a loop in one process) on `configs/demo.toml`'s task, with the cell's
-overrides, until reward 0.9 or `--budget` seconds. Three slices, each a grid of corrections:
+overrides, until reward 0.9 or `--budget` seconds of training. Three slices:
 
 * `lag`: η ∈ {0, 2, 8, 32} (`--max-staleness`; the demo's generation outruns its trainer, so
-  the buffer fills to η: the measured staleness is reported, not only η), fp32 weights;
+  the buffer fills towards η: the measured staleness distribution is reported, not only η),
+  fp32 weights;
 * `mismatch`: η = 1 with the engine sampling from fp32 weights (no mismatch), from bf16 weights
   while the trainer keeps fp32 (`publish_dtype = "bfloat16"`: real rounding mismatch), or with
   Gaussian noise of std `--noise` on its sampling logits (`[engine] logit_noise_std`, a study-only
@@ -17,15 +21,21 @@ overrides, until reward 0.9 or `--budget` seconds. Three slices, each a grid of 
 * `pi_old`: bypass (π_old := μ, the engine's logprobs) against decoupled (π_old recomputed by
   the trainer) at η = 8 with the noise.
 
-Corrections: `none`, `tis` (truncated IS, the default), `icepop` (token IS, masked outside
-[is_low, is_high]), `token_mask`, `seq_tis` (sequence-level truncated IS) and `geo_mask`
-(geometric-mean sequence mask). Per cell and seed, from the trainer's step log: time and steps
-to 0.9 (or the reward reached in the budget), the final entropy, the mean / max IS weight, the
-masked fraction, the mismatch KL (k3 of μ against π_old), the measured staleness, and
-`collapsed` (the entropy-collapse signature of docs/architecture.md §10: entropy below
-`COLLAPSE_ENTROPY` while the reward is below 0.5). Writes `<out>/cells.jsonl` (one line per run,
-appended as runs finish, so a long study can be stopped and resumed with `--resume`),
-`<out>/table.md` (means over seeds) and `<out>/figure.png`.
+Corrections (`--corrections`, default one of each family): `none`, `tis` (truncated IS, the
+default), `icepop` (token IS, masked outside [is_low, is_high]), `token_mask`, `seq_tis`
+(sequence-level truncated IS) and `geo_mask` (geometric-mean sequence mask). The study grid
+(`cells`) runs every correction where ρ = π_old/μ is far from 1 (η = 32, the injected noise)
+and only `none` / `tis` where it is not; `--full` crosses everything.
+
+Per run: from the trainer's step log, time and steps to 0.9 (or the reward reached in the
+budget: the mean of the last 5 steps, the engine's samples), the final entropy, the mean / max
+IS weight, the masked fraction, the mismatch KL (k3 of μ against π_old); from the demo's
+summary, the trained groups' staleness (mean, max, histogram); `collapsed` (the entropy-collapse
+signature of docs/architecture.md §10: entropy below `COLLAPSE_ENTROPY` while the reward is
+below 0.5); and `clean_eval`: the final weights sampled in this process without the engine
+(every prompt × 8 at temperature 1, and greedy), so that injected noise does not hide what the
+policy learned. Writes `<out>/cells.jsonl` (one line per run, appended as runs finish: `--resume`
+skips those), `<out>/table.md` (means over seeds) and `<out>/figure.png`.
 """
 
 from __future__ import annotations
@@ -49,36 +59,50 @@ BASE = ROOT / "configs" / "demo.toml"
 CORRECTIONS = ("none", "tis", "icepop", "token_mask", "seq_tis", "geo_mask")
 STUDY_CORRECTIONS = ("none", "tis", "icepop", "geo_mask")  # one of each family: truncated, token mask, sequence mask
 COLLAPSE_ENTROPY = 0.05
+CELL = ("slice", "eta", "mismatch", "correction", "bypass", "prefill")  # what names a cell
+
+
+def cell_key(row: dict) -> tuple:
+    return tuple(row.get(k, False) for k in CELL)  # (rows from before `prefill` existed: False)
 TARGET = 0.9
 
 
 def cells(slices: list[str], corrections: list[str], noise: float, full: bool = False) -> list[dict]:
     """The grid: one dict of overrides per cell. `full`: every slice crossed with every correction
-    (46 cells, ~7 h at 3 seeds); otherwise the study's grid (21 cells, ~2 h), which drops the
-    cells that repeat another: at η = 0 and with fp32 or bf16 weights every correction sees
-    ρ ≈ 1 (π_old is μ up to rounding), so only `none` and `tis` run there, the mask and sequence
-    corrections where ρ is far from 1 (η = 32, the injected noise); and under bypass
-    π_old := μ makes ρ = 1 for every correction, so one of them stands for all."""
+    (50 cells, ~7.5 h at 3 seeds); otherwise the study's grid (21 cells, ~2 h), which drops the
+    cells that repeat another: where ρ stays near 1 (no noise, the lag the buffer reaches by
+    itself) only `none` and `tis` run, all of them where ρ is far from 1 (η = 32 prefilled, the
+    injected noise);
+    the mismatch slice's fp32 control is the lag slice's η = 2 cell (the same run); under bypass
+    π_old := μ makes ρ = 1 for every correction, so one of them stands for all.
 
-    def cell(slice_: str, eta: int, mismatch: str, correction: str, bypass: bool = False) -> dict:
-        return {"slice": slice_, "eta": eta, "mismatch": mismatch, "correction": correction, "bypass": bypass}
+    Generation here is only a little faster than training, so the buffer fills towards η slowly
+    (measured: η = 8 and η = 32 both train ~3–6 versions old). `prefill` cells start the trainer
+    once the buffer holds η·B groups (`[trainer] prefill_groups`): the lag a generation-rich
+    deployment has from its first step."""
+
+    def cell(slice_: str, eta: int, mismatch: str, correction: str, bypass: bool = False, prefill: bool = False) -> dict:
+        return {"slice": slice_, "eta": eta, "mismatch": mismatch, "correction": correction, "bypass": bypass,
+                "prefill": prefill}  # fmt: skip
 
     noisy, out = f"noise{noise:g}", []
     if full:
         if "lag" in slices:
             out += [cell("lag", eta, "fp32", c) for eta, c in itertools.product((0, 2, 8, 32), corrections)]
+            out += [cell("lag", 32, "fp32", c, prefill=True) for c in corrections]
         if "mismatch" in slices:
-            out += [cell("mismatch", 1, m, c) for m, c in itertools.product(("fp32", "bf16", noisy), corrections)]
+            out += [cell("mismatch", 2, m, c) for m, c in itertools.product(("fp32", "bf16", noisy), corrections)]
         if "pi_old" in slices:
             out += [cell("pi_old", 8, noisy, c, b) for b, c in itertools.product((True, False), ("none", "tis"))]
         return out
     few = [c for c in ("none", "tis") if c in corrections]
     if "lag" in slices:
         out += [cell("lag", eta, "fp32", c) for eta in (0, 2, 8) for c in few]
-        out += [cell("lag", 32, "fp32", c) for c in corrections]
-    if "mismatch" in slices:
-        out += [cell("mismatch", 1, m, c) for m in ("fp32", "bf16") for c in few]
-        out += [cell("mismatch", 1, noisy, c) for c in corrections]
+        out += [cell("lag", 32, "fp32", c) for c in few]
+        out += [cell("lag", 32, "fp32", c, prefill=True) for c in corrections]
+    if "mismatch" in slices:  # (fp32: the lag slice's η = 2 cells)
+        out += [cell("mismatch", 2, "bf16", c) for c in few]
+        out += [cell("mismatch", 2, noisy, c) for c in corrections]
     if "pi_old" in slices:
         out += [cell("pi_old", 8, noisy, c) for c in few]
         out += [cell("pi_old", 8, noisy, corrections[0], bypass=True)]
@@ -96,13 +120,16 @@ def config_for(cell: dict, seed: int, budget: float, base: Path | None = None) -
     if cell["mismatch"].startswith("noise"):
         engine["logit_noise_std"] = float(cell["mismatch"][len("noise") :])
     raw["demo"].update(seed=seed, time_limit_s=budget, target_reward=TARGET)
+    trainer["max_staleness"] = cell["eta"]  # (`asyncrl demo --max-staleness` sets it too)
+    if cell.get("prefill"):
+        trainer["prefill_groups"] = cell["eta"] * trainer["batch_groups"]
     return raw
 
 
 def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
     from services.demo import _to_toml
 
-    name = f"{cell['slice']}-eta{cell['eta']}-{cell['mismatch']}-{cell['correction']}-{'bypass' if cell['bypass'] else 'decoupled'}-s{seed}"
+    name = f"{cell['slice']}-eta{cell['eta']}-{cell['mismatch']}-{cell['correction']}-{'bypass' if cell['bypass'] else 'decoupled'}{'-prefill' if cell.get('prefill') else ''}-s{seed}"
     config, run_dir = tmp / f"{name}.toml", tmp / name
     config.write_text(_to_toml(config_for(cell, seed, budget, tiny_model(tmp / f"base-s{seed}", seed))))
     t0 = time.time()
@@ -194,14 +221,18 @@ def trainer_steps(log: Path) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """Means over seeds per cell, one markdown row each."""
-    keys = ("slice", "eta", "mismatch", "correction", "bypass")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+        groups.setdefault(cell_key(r), []).append(r)
 
     def avg(rs: list[dict], key: str, fmt: str) -> str:
         values = [r[key] for r in rs if r.get(key) is not None]
         return format(statistics.fmean(values), fmt) if values else "–"
+
+    def spread(rs: list[dict], key: str) -> str:  # mean ± the seeds' standard deviation
+        values = [r[key] for r in rs if r.get(key) is not None]
+        sd = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+        return f"{statistics.fmean(values):.3f}{sd}" if values else "–"
 
     lines = ["| slice | η | mismatch | correction | π_old | seeds | reached 0.9 | time to 0.9 (s) | final reward | "
              "clean reward | greedy exact | final entropy | IS mean / max | masked | mismatch KL | "
@@ -209,9 +240,10 @@ def table(rows: list[dict]) -> str:
     for key, rs in groups.items():
         reached = [r for r in rs if r.get("time_to_target_s") is not None]
         lines.append(
-            f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {'bypass' if key[4] else 'decoupled'} | {len(rs)} | "
-            f"{len(reached)} | {avg(reached, 'time_to_target_s', '.0f')} | {avg(rs, 'final_reward', '.3f')} | "
-            f"{avg(rs, 'clean_reward', '.3f')} | {avg(rs, 'greedy_accuracy', '.2f')} | "
+            f"| {key[0]} | {key[1]}{' prefilled' if key[5] else ''} | {key[2]} | {key[3]} | "
+            f"{'bypass' if key[4] else 'decoupled'} | {len(rs)} | "
+            f"{len(reached)} | {avg(reached, 'time_to_target_s', '.0f')} | {spread(rs, 'final_reward')} | "
+            f"{spread(rs, 'clean_reward')} | {avg(rs, 'greedy_accuracy', '.2f')} | "
             f"{avg(rs, 'final_entropy', '.2f')} | {avg(rs, 'is_weight_mean', '.3f')} / {avg(rs, 'is_weight_max', '.2f')} | "
             f"{avg(rs, 'masked_fraction', '.3f')} | {avg(rs, 'mismatch_kl', '.2e')} | {avg(rs, 'staleness_mean', '.2f')} "
             f"({max((r['staleness_max'] or 0) for r in rs)}; {shares(rs)}) | "
@@ -233,26 +265,37 @@ def shares(rows: list[dict]) -> str:
 
 
 def figure(rows: list[dict], out: Path) -> None:
-    """Final reward per cell (mean and each seed), one panel per slice."""
+    """Per cell, the reward at the end of the budget (bars: the engine's samples, the mean of
+    the seeds; gray dots: each seed) and the final policy's clean reward (black ticks, each
+    seed), one panel per slice, cells in grid order."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    slices = sorted({r["slice"] for r in rows})
-    fig, axes = plt.subplots(len(slices), 1, figsize=(10, 3.2 * len(slices)), squeeze=False)
+    def key(r: dict) -> tuple:
+        return r["eta"], r["mismatch"], r["correction"], r["bypass"], r.get("prefill", False)
+
+    slices = list(dict.fromkeys(r["slice"] for r in rows))
+    fig, axes = plt.subplots(len(slices), 1, figsize=(10, 3.4 * len(slices)), squeeze=False)
     for ax, name in zip(axes[:, 0], slices):
         rs = [r for r in rows if r["slice"] == name]
-        labels = sorted({(r["eta"], r["mismatch"], r["correction"], r["bypass"]) for r in rs}, key=str)
+        labels = list(dict.fromkeys(key(r) for r in rs))
         for x, label in enumerate(labels):
-            ys = [r["final_reward"] or 0.0 for r in rs if (r["eta"], r["mismatch"], r["correction"], r["bypass"]) == label]
-            ax.scatter([x] * len(ys), ys, s=12, color="gray")
-            ax.bar(x, statistics.fmean(ys), alpha=0.5)
+            cell = [r for r in rs if key(r) == label]
+            ys = [r["final_reward"] or 0.0 for r in cell]
+            clean = [r["clean_reward"] for r in cell if r.get("clean_reward") is not None]
+            ax.bar(x, statistics.fmean(ys), alpha=0.5, color="tab:red" if label[2] == "none" else "tab:blue")
+            ax.scatter([x] * len(ys), ys, s=12, color="gray", zorder=3)
+            ax.scatter([x] * len(clean), clean, s=40, marker="_", color="black", zorder=3)
         ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels([f"η{e} {m}\n{c}{' byp' if b else ''}" for e, m, c, b in labels], fontsize=6, rotation=90)
-        ax.axhline(TARGET, color="red", lw=0.8)
-        ax.set_ylabel("final reward")
-        ax.set_title(name)
+        ax.set_xticklabels([f"η{e}{'+pf' if p else ''} {m}\n{c}{' bypass' if b else ''}" for e, m, c, b, p in labels],
+                           fontsize=7)  # fmt: skip
+        ax.axhline(TARGET, color="red", lw=0.8, ls=":")
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("reward at the budget")
+        ax.set_title(f"{name} (red: no correction; black ticks: the final policy sampled without the engine)",
+                     fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -273,14 +316,14 @@ def main() -> int:
     done = [json.loads(line) for line in log.read_text().splitlines()] if args.resume and log.exists() else []
     if not args.resume:
         log.write_text("")
-    seen = {json.dumps({k: r[k] for k in ("slice", "eta", "mismatch", "correction", "bypass", "seed")}) for r in done}
+    seen = {(cell_key(r), r["seed"]) for r in done}
     rows = list(done)
     grid = cells(args.slices, args.corrections, args.noise, args.full)
     print(f"{len(grid)} cells x {len(args.seeds)} seeds, {args.budget:.0f} s each at most; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="mismatch-study-") as tmp:
         for cell, seed in itertools.product(grid, args.seeds):
-            if json.dumps({**{k: cell[k] for k in ("slice", "eta", "mismatch", "correction", "bypass")}, "seed": seed}) in seen:
+            if (cell_key(cell), seed) in seen:
                 continue
             row = run_cell(cell, seed, args.budget, Path(tmp))
             rows.append(row)

@@ -245,6 +245,11 @@ class Groups:
         m.TAKE_SECONDS.observe(time.perf_counter() - t0)
         return out
 
+    def depth(self) -> int:
+        """Entries in the groups stream: put and not yet out of the buffer (an exit, trained or
+        dropped, deletes its entry), whether delivered to a trainer or not."""
+        return self.buf.r.xlen(self.keys.groups)
+
     def ack(self, group_ids: list[str]) -> int:
         """The groups are trained (call once the checkpoint covering them is durable). Idempotent;
         returns how many left the buffer now."""

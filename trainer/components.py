@@ -148,7 +148,8 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
         if cfg.metrics_port:
             tm.serve(cfg.metrics_host, cfg.metrics_port, health)
     source = GroupSource(d, groups, cfg.batch_groups, cfg.max_staleness, cfg.staleness_policy, cfg.block_ms,
-                         cfg.dynamic_sampling, shaping if cfg.overlong_max_len else None, cfg.heartbeat_s)  # fmt: skip
+                         cfg.dynamic_sampling, shaping if cfg.overlong_max_len else None, cfg.heartbeat_s,
+                         prefill=cfg.prefill_groups)  # fmt: skip
     pad_id = AutoConfig.from_pretrained(cfg.model_path).pad_token_id or 0
     fetch = None
     if tracker is not None and d.is_main:

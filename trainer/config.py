@@ -54,6 +54,10 @@ class TrainerSettings(ServiceSettings):
     batch_groups: int = Field(8, ge=1, description="B: groups per optimizer step")
     max_staleness: int = Field(1, ge=0, description="η: train on a group only if v − min_version ≤ η")
     staleness_policy: Literal["drop", "withhold"] = Field("drop", description="what happens to too-stale groups")
+    prefill_groups: int = Field(0, ge=0, description=(
+        "a fresh run's first step waits until the buffer holds this many groups: with η·B, every "
+        "batch is ~η versions old from the start, as when generation outruns the trainer "
+        "(benchmarks/mismatch_study.py); at most (η + 1)·B, what admission lets wait"))  # fmt: skip
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field("grpo", description="advantage estimator")
     bypass: bool = Field(False, description="skip the old-logprob recompute: π_old := μ (engine logprobs)")
     temperature: float = Field(1.0, gt=0.0, description="sampling temperature the engine used")
@@ -124,6 +128,9 @@ class TrainerSettings(ServiceSettings):
     def _check(self) -> TrainerSettings:
         if self.publish == "distributed" and not self.engine_urls:
             raise ValueError("publish=distributed needs engine_urls")
+        if self.prefill_groups > (self.max_staleness + 1) * self.batch_groups:
+            raise ValueError(f"prefill_groups {self.prefill_groups} > (max_staleness + 1)·batch_groups = "
+                             f"{(self.max_staleness + 1) * self.batch_groups}: admission never lets that many wait")  # fmt: skip
         if self.heartbeat_s * 2 > self.dist_timeout_s:
             raise ValueError("heartbeat_s must be well under dist_timeout_s")
         if self.overlong_max_len is not None and not 0 < self.overlong_cache_len <= self.overlong_max_len:

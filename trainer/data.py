@@ -12,6 +12,7 @@ pending, and the next start reclaims them.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -23,6 +24,7 @@ import torch
 
 from proto import Group, decode, encode
 from proto.states import GroupState
+from services.common.logging import log_event
 from trainer import metrics as tm
 from trainer.batch import Shaping, zero_spread_groups
 from trainer.model import Dist, broadcast_from_main
@@ -30,7 +32,10 @@ from trainer.model import Dist, broadcast_from_main
 if TYPE_CHECKING:
     from buffer import Groups
 
+log = logging.getLogger("asyncrl.trainer")
+
 READY, STOP, WAIT = 0, 1, 2
+PREFILL_POLL_S = 0.05
 
 
 @dataclass
@@ -47,11 +52,12 @@ class Taken:
 
 class GroupSource:
     def __init__(self, d: Dist, groups: Groups | None, batch_groups: int, max_staleness: int, policy: str, block_ms: int,
-                 dynamic_sampling: bool, shaping: Shaping | None, heartbeat_s: float = 30.0):  # fmt: skip
+                 dynamic_sampling: bool, shaping: Shaping | None, heartbeat_s: float = 30.0, prefill: int = 0):  # fmt: skip
         self.d, self.groups = d, groups  # (the buffer's groups: rank 0 only)
         self.batch_groups, self.max_staleness, self.policy = batch_groups, max_staleness, policy
         self.block_ms, self.dynamic_sampling, self.shaping = block_ms, dynamic_sampling, shaping
         self.heartbeat_s = heartbeat_s
+        self.prefill = prefill  # groups a fresh run's first step waits for (TrainerSettings.prefill_groups)
         self.heartbeats = 0
         self.stop_requested = threading.Event()
 
@@ -82,6 +88,19 @@ class GroupSource:
                     taken.groups.append(g)
                     taken.staleness.append(s)
 
+    def _prefilling(self, version: int, deadline: float) -> bool:
+        """Rank 0: True while a fresh run (version 0) waits for `prefill` groups in the buffer,
+        polling until `deadline` or a stop request; False once they are there (then for good)."""
+        if not self.prefill or version > 0:
+            return False
+        while self.groups.depth() < self.prefill:
+            if self.stop_requested.is_set() or time.monotonic() >= deadline:
+                return True
+            time.sleep(PREFILL_POLL_S)
+        log_event(log, "buffer prefilled", groups=self.prefill)
+        self.prefill = 0
+        return False
+
     def next(self, version: int) -> Taken:
         """Collective: every rank returns the same groups (only rank 0's Taken has the rest).
 
@@ -91,9 +110,12 @@ class GroupSource:
         while True:
             state = READY
             if self.d.is_main:
-                self._read(version, taken, time.monotonic() + self.heartbeat_s)
-                if len(taken.groups) < self.batch_groups:
+                if self._prefilling(version, time.monotonic() + self.heartbeat_s):
                     state = STOP if self.stop_requested.is_set() else WAIT
+                else:
+                    self._read(version, taken, time.monotonic() + self.heartbeat_s)
+                    if len(taken.groups) < self.batch_groups:
+                        state = STOP if self.stop_requested.is_set() else WAIT
             if self.d.world == 1:  # no other rank to tell: no encoding, no broadcasts
                 if state == WAIT:
                     self.heartbeats += 1

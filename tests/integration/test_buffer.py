@@ -399,3 +399,48 @@ def test_redis_restart_with_aof_loses_no_acknowledged_put(tmp_path, crash):
         buf.conn.close()
     finally:
         server.stop()
+
+
+def test_a_fresh_trainer_waits_for_its_prefill_then_trains_the_oldest_first(buf):
+    """`prefill_groups`: the first step of a fresh run (version 0) starts only once the buffer
+    holds that many groups, and takes the oldest B of them; a resumed run (version > 0) never
+    waits for it. A real GroupSource on a world of one, the groups put from another thread."""
+    import threading
+
+    import torch
+
+    from trainer.data import GroupSource
+    from trainer.model import Dist
+
+    d = Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    source = GroupSource(d, buf.groups, batch_groups=2, max_staleness=1, policy="drop", block_ms=50,
+                         dynamic_sampling=False, shaping=None, heartbeat_s=0.2, prefill=5)  # fmt: skip
+    put_at: dict[str, float] = {}
+
+    def producer() -> None:
+        for i in range(5):
+            time.sleep(0.15)  # time is the subject: the source must not start before the 5th put
+            put_at[f"p{i}"] = time.monotonic()
+            buf.groups.put([make_group(f"p{i}")])
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    taken = source.next(0)
+    returned = time.monotonic()
+    thread.join()
+    assert returned >= put_at["p4"]  # two p's were there long before: it waited for all five
+    assert [g.group_id for g in taken.groups] == ["p0", "p1"] and source.heartbeats >= 1
+    assert [g.group_id for g in source.next(0).groups] == ["p2", "p3"]  # waited once: now it takes at once
+    assert buf.groups.depth() == 5  # nothing acknowledged yet: every entry still in the stream
+
+    resumed = GroupSource(d, buf.groups, batch_groups=1, max_staleness=1, policy="drop", block_ms=50,
+                          dynamic_sampling=False, shaping=None, heartbeat_s=0.2, prefill=50)  # fmt: skip
+    assert [g.group_id for g in resumed.next(1).groups] == ["p4"]  # a resumed run: no prefill to wait for
+
+
+def test_prefill_past_what_admission_lets_wait_is_refused():
+    from trainer.config import TrainerSettings
+
+    TrainerSettings(model_path="m", batch_groups=4, max_staleness=2, prefill_groups=12)
+    with pytest.raises(ValueError, match="admission never lets that many wait"):
+        TrainerSettings(model_path="m", batch_groups=4, max_staleness=2, prefill_groups=13)
