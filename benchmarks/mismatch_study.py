@@ -1,7 +1,7 @@
 """Do the corrections correct? Policy lag and engine/trainer mismatch, with and without importance
 sampling, on the CPU demo's full topology (issue 19).
 
-    .venv/bin/python benchmarks/mismatch_study.py           # the study: 21 cells x seeds 0-2, ~2 h
+    .venv/bin/python benchmarks/mismatch_study.py           # the study: 23 cells x seeds 0-2, ~2 h
     .venv/bin/python benchmarks/mismatch_study.py --full    # every slice x every correction, ~7 h
     .venv/bin/python benchmarks/mismatch_study.py --slices mismatch --seeds 0 --budget 30   # quick look
     .venv/bin/python benchmarks/mismatch_study.py --resume  # finish a stopped study; with every run
@@ -59,6 +59,7 @@ BASE = ROOT / "configs" / "demo.toml"
 CORRECTIONS = ("none", "tis", "icepop", "token_mask", "seq_tis", "geo_mask")
 STUDY_CORRECTIONS = ("none", "tis", "icepop", "geo_mask")  # one of each family: truncated, token mask, sequence mask
 COLLAPSE_ENTROPY = 0.05
+STEP_MARK = 200  # the reward at this step too: every η ≥ 1 run gets there within the budget
 CELL = ("slice", "eta", "mismatch", "correction", "bypass", "prefill")  # what names a cell
 
 
@@ -69,11 +70,12 @@ TARGET = 0.9
 
 def cells(slices: list[str], corrections: list[str], noise: float, full: bool = False) -> list[dict]:
     """The grid: one dict of overrides per cell. `full`: every slice crossed with every correction
-    (50 cells, ~7.5 h at 3 seeds); otherwise the study's grid (21 cells, ~2 h), which drops the
+    (50 cells, ~7.5 h at 3 seeds); otherwise the study's grid (23 cells, ~2 h), which drops the
     cells that repeat another: where ρ stays near 1 (no noise, the lag the buffer reaches by
     itself) only `none` and `tis` run, all of them where ρ is far from 1 (η = 32 prefilled, the
     injected noise);
-    the mismatch slice's fp32 control is the lag slice's η = 2 cell (the same run); under bypass
+    the mismatch slice's fp32 control repeats the lag slice's η = 2 cells, run next to the
+    mismatched ones (the machine's speed drifts over an hour: steps per minute differ); under bypass
     π_old := μ makes ρ = 1 for every correction, so one of them stands for all.
 
     Generation here is only a little faster than training, so the buffer fills towards η slowly
@@ -100,9 +102,10 @@ def cells(slices: list[str], corrections: list[str], noise: float, full: bool = 
         out += [cell("lag", eta, "fp32", c) for eta in (0, 2, 8) for c in few]
         out += [cell("lag", 32, "fp32", c) for c in few]
         out += [cell("lag", 32, "fp32", c, prefill=True) for c in corrections]
-    if "mismatch" in slices:  # (fp32: the lag slice's η = 2 cells)
+    if "mismatch" in slices:
         out += [cell("mismatch", 2, "bf16", c) for c in few]
         out += [cell("mismatch", 2, noisy, c) for c in corrections]
+        out += [cell("mismatch", 2, "fp32", c) for c in few]  # the control (the same runs as lag η = 2, next to these)
     if "pi_old" in slices:
         out += [cell("pi_old", 8, noisy, c) for c in few]
         out += [cell("pi_old", 8, noisy, corrections[0], bypass=True)]
@@ -146,9 +149,11 @@ def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
         return statistics.fmean(values) if values else None
 
     final_reward = statistics.fmean(s.get("reward_mean", 0.0) for s in last) if steps else None
+    mark = steps[STEP_MARK - 5 : STEP_MARK] if len(steps) >= STEP_MARK else []  # (the machine's speed left out)
     final_entropy = statistics.fmean(s.get("entropy", 0.0) for s in last) if steps else None
     return {**cell, "seed": seed, "wall_s": round(time.time() - t0, 1), "steps": len(steps),
             "time_to_target_s": summary.get("time_to_target_s"), "final_reward": final_reward,
+            f"reward_at_{STEP_MARK}": statistics.fmean(s.get("reward_mean", 0.0) for s in mark) if mark else None,
             "final_entropy": final_entropy, "is_weight_mean": mean("is_weight_mean"),
             "is_weight_max": max((s.get("is_weight_max", 0.0) for s in steps), default=None),
             "masked_fraction": mean("is_masked_fraction"), "mismatch_kl": mean("mismatch_kl"),
@@ -235,15 +240,15 @@ def table(rows: list[dict]) -> str:
         return f"{statistics.fmean(values):.3f}{sd}" if values else "–"
 
     lines = ["| slice | η | mismatch | correction | π_old | seeds | reached 0.9 | time to 0.9 (s) | final reward | "
-             "clean reward | greedy exact | final entropy | IS mean / max | masked | mismatch KL | "
-             "staleness: mean (max; groups by age) | collapsed |", "|" + "---|" * 17]  # fmt: skip
+             f"reward at step {STEP_MARK} | clean reward | greedy exact | final entropy | IS mean / max | masked | mismatch KL | "
+             "staleness: mean (max; groups by age) | collapsed |", "|" + "---|" * 18]  # fmt: skip
     for key, rs in groups.items():
         reached = [r for r in rs if r.get("time_to_target_s") is not None]
         lines.append(
             f"| {key[0]} | {key[1]}{' prefilled' if key[5] else ''} | {key[2]} | {key[3]} | "
             f"{'bypass' if key[4] else 'decoupled'} | {len(rs)} | "
             f"{len(reached)} | {avg(reached, 'time_to_target_s', '.0f')} | {spread(rs, 'final_reward')} | "
-            f"{spread(rs, 'clean_reward')} | {avg(rs, 'greedy_accuracy', '.2f')} | "
+            f"{spread(rs, f'reward_at_{STEP_MARK}')} | {spread(rs, 'clean_reward')} | {avg(rs, 'greedy_accuracy', '.2f')} | "
             f"{avg(rs, 'final_entropy', '.2f')} | {avg(rs, 'is_weight_mean', '.3f')} / {avg(rs, 'is_weight_max', '.2f')} | "
             f"{avg(rs, 'masked_fraction', '.3f')} | {avg(rs, 'mismatch_kl', '.2e')} | {avg(rs, 'staleness_mean', '.2f')} "
             f"({max((r['staleness_max'] or 0) for r in rs)}; {shares(rs)}) | "
