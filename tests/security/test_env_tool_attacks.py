@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import attacks
 import pytest
-from sandbox_host import SECRET_ENV, SLOTS, UID_BASE
+from sandbox_host import SECRET_ENV, SLOTS, UID_BASE, loopback_listener, pids_with_uids
 from test_sandbox_attacks import _read, assert_host_clean_and_serving
 from waiting import wait_until
 
@@ -51,16 +50,7 @@ def assert_contained(result: dict, *statuses: str) -> None:
 
 def tool_sandbox_pids() -> list[int]:
     """Host processes running as one of the tool sandbox's uids."""
-    first = UID_BASE + SLOTS
-    pids = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            uid_line = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
-        except (OSError, StopIteration):
-            continue
-        if first <= int(uid_line.split()[1]) < first + TOOL_SLOTS:
-            pids.append(int(status.parent.name))
-    return pids
+    return pids_with_uids(UID_BASE + SLOTS, TOOL_SLOTS)
 
 
 def assert_clean_and_serving(client) -> None:
@@ -125,27 +115,8 @@ def test_disk_fill_is_capped_and_leaves_the_host_disk_alone(client):
 
 
 def test_network_egress_to_host_loopback_is_impossible(client):
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    listener.settimeout(0.2)
-    port, connections, stop = listener.getsockname()[1], [], threading.Event()
-
-    def accept():
-        while not stop.is_set():
-            try:
-                connections.append(listener.accept()[0])
-            except TimeoutError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
+    with loopback_listener() as (port, connections):
         result = run_tool(client, attacks.loopback_egress(port))
-    finally:
-        stop.set()
-        thread.join()
-        listener.close()
     assert_contained(result, "ok")
     assert result["observation"].startswith("blocked")
     assert connections == []

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import attacks
-from sandbox_host import SECRET_ENV, sandbox_pids
+from sandbox_host import SECRET_ENV, loopback_listener, sandbox_pids
 from waiting import wait_until
 
 
@@ -88,27 +86,8 @@ def test_output_bomb_is_cut_at_the_cap(client):
 
 
 def test_network_egress_to_host_loopback_is_impossible(client):
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    listener.settimeout(0.2)
-    port, connections, stop = listener.getsockname()[1], [], threading.Event()
-
-    def accept():
-        while not stop.is_set():
-            try:
-                connections.append(listener.accept()[0])
-            except TimeoutError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
+    with loopback_listener() as (port, connections):
         result = score(client, attacks.loopback_egress(port))
-    finally:
-        stop.set()
-        thread.join()
-        listener.close()
     assert_attack_failed(result, "failed")
     assert connections == []
     assert_host_clean_and_serving(client)
