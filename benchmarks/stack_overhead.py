@@ -188,16 +188,17 @@ def demo_groups(n_groups: int, group: int, prompt_len: int, vocab: range, seed: 
     return out
 
 
-def plain_step(model_dir: str, groups, steps: int, lr: float, entropy_coef: float) -> list[float]:
-    """Forward (with entropy), policy loss, backward, clip, AdamW: the work of a step, nothing else."""
+def plain_step(model_dir: str, groups, steps: int, lr: float, entropy_coef: float, share_prompts: bool) -> list[float]:
+    """Forward (with entropy), policy loss, backward, clip, AdamW: the work of a step, nothing
+    else, on the layout the trainer uses (padded rows, or one row per prompt: `share_prompts`)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.batch import build_rows, collate, token_logprobs
+    from trainer.batch import build_rows, collate, collate_shared, token_logprobs
     from trainer.losses import LossConfig, entropy_bonus, policy_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    batch = collate(build_rows(groups, "dr_grpo").rows, 0)
+    batch = (collate_shared if share_prompts else collate)(build_rows(groups, "dr_grpo").rows, 0)
     times = []
     for i in range(steps + 3):
         t0 = time.perf_counter()
@@ -352,10 +353,13 @@ def main() -> int:
                     ("dropped_stale", r["dropped_stale"]))}}  # fmt: skip
         if not args.skip_trainer:
             trainer_cfg = tomllib.loads(DEMO_CONFIG.read_text())["trainer"]
-            plain = plain_step(str(base), demo_groups(32, 8, 3, range(3, 13), seed=2, bos=1), args.steps,
-                               trainer_cfg["lr"], trainer_cfg["entropy_coef"])  # fmt: skip
+            shared = trainer_cfg.get("share_prompts", False)
+            plain, padded = (plain_step(str(base), demo_groups(32, 8, 3, range(3, 13), seed=2, bos=1), args.steps,
+                                        trainer_cfg["lr"], trainer_cfg["entropy_coef"], layout)
+                             for layout in (shared, False))  # fmt: skip
             alone = trainer_standalone(tmp / "trainer", str(base), args.steps + 3)[3:]
-            result["trainer"] = {"plain_ms": med_ms(plain), "standalone_busy_ms": med_ms([busy_s(s) for s in alone]),
+            result["trainer"] = {"share_prompts": shared, "plain_ms": med_ms(plain), "plain_padded_ms": med_ms(padded),
+                                 "standalone_busy_ms": med_ms([busy_s(s) for s in alone]),
                                  "standalone_ratio": statistics.median(busy_s(s) for s in alone) / statistics.median(plain),
                                  "standalone_phases_ms": phase_medians(alone)}  # fmt: skip
         if not args.skip_demo:
@@ -401,7 +405,9 @@ def print_table(r: dict) -> None:
         line = f"(b) trainer busy per step: standalone {t['standalone_busy_ms']} ms = {t['standalone_ratio']:.2f}x"
         if t.get("demo_ratio"):
             line += f", in the demo {t['demo_busy_ms']} ms = {t['demo_ratio']:.2f}x"
-        print(line + f" a plain step's {t['plain_ms']} ms (target <= 1.3x)")
+        layout = "one row per prompt" if t.get("share_prompts") else "padded rows"
+        print(line + f" a plain step's {t['plain_ms']} ms on the trainer's layout, {layout} (target <= 1.3x); "
+              f"the plain step on padded rows: {t.get('plain_padded_ms')} ms")  # fmt: skip
     if "time_to_target" in r:
         print(
             "(c) | seed | demo: time to 0.9, steps | single process: time, steps | ratio (target <= 1.0 on >= 4 of 5) |"

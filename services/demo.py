@@ -27,6 +27,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from proto.states import GroupState, JobState
+from services.common.heap import freeze_startup_heap
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
@@ -510,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print("starting Redis, reward, engine, rollout and trainer ...", flush=True)
         launcher.start()
+        freeze_startup_heap()  # this process polls /metrics and the trainer's log twice a second
         # Stale groups are dropped and consume prompts too: keep twice what the steps need
         # submitted, in chunks of TOPUP_STEPS steps, topped up as the trainer advances.
         rng, rollout_url = random.Random(demo.seed), launcher.rollout_urls()[0]

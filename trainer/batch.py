@@ -215,6 +215,66 @@ def collate_packed(rows: list[Row | None], pad_id: int) -> Batch:
     return tokens.batch(np.concatenate(seqs)[None], None, np.concatenate(positions)[None], len(real))
 
 
+MAX_SHARED_ROW_TOKENS = 4096  # a shared-prompt row's dense [L, L] mask stays ≤ 16 MB
+
+
+def _trees(rows: list[Row]) -> list[list[tuple[int, Row]]]:
+    """(index, row) grouped by identical prompt tokens, in first-seen order."""
+    trees: dict[bytes, list[tuple[int, Row]]] = {}
+    for i, row in enumerate(rows):
+        trees.setdefault(np.ascontiguousarray(row.prompt_tokens, dtype=np.int64).tobytes(), []).append((i, row))
+    return list(trees.values())
+
+
+def _tree_length(tree: list[tuple[int, Row]]) -> int:
+    """The prompt once, then each completion without its last token (it predicts nothing)."""
+    return len(tree[0][1].prompt_tokens) + sum(max(len(r.completion_ids) - 1, 0) for _, r in tree)
+
+
+def collate_shared(rows: list[Row | None], pad_id: int) -> Batch:
+    """Shared-prompt layout: the samples of a micro-batch that have the same prompt (a group's)
+    become one row, the prompt once and then each completion minus its last token, with a
+    tree-shaped attention mask ([R, 1, L, L], True = attends): the prompt causal on itself, each
+    completion on the whole prompt and causally on itself, never on another completion. Position
+    ids continue from the prompt in every completion. Completion token 0 of every sample is
+    predicted by the prompt's last position, token t > 0 by its own token t − 1: the logprobs,
+    entropies and gradients of the padded layout, with the prompt's forward and backward done
+    once per group instead of once per sample (and no position that predicts nothing). The
+    samples keep their order in `rows` ([N, T] tensors); filler rows (None) are left out and
+    each is a row of one padding token, as in `collate`. Falls back to
+    `collate` when a row would exceed MAX_SHARED_ROW_TOKENS."""
+    real = [r for r in rows if r is not None]
+    trees = _trees(real)
+    lengths = [_tree_length(t) for t in trees] + [1] * (len(rows) - len(real))
+    seq_len = max(lengths, default=1)
+    if seq_len > MAX_SHARED_ROW_TOKENS:
+        return collate(rows, pad_id)
+    n_rows = len(lengths)
+    tokens = _Tokens(max(len(real), 1), max(1, max((len(r.completion_ids) for r in real), default=1)))
+    input_ids = np.full((n_rows, seq_len), pad_id, dtype=np.int64)
+    positions = np.zeros((n_rows, seq_len), dtype=np.int64)
+    mask = np.zeros((n_rows, 1, seq_len, seq_len), dtype=bool)
+    mask[:, 0, np.arange(seq_len), np.arange(seq_len)] = True  # padding attends to itself: no empty softmax row
+    causal = np.tril(np.ones((seq_len, seq_len), dtype=bool))
+    for r, tree in enumerate(trees):
+        p = len(tree[0][1].prompt_tokens)
+        input_ids[r, :p] = tree[0][1].prompt_tokens
+        positions[r, :p] = np.arange(p)
+        mask[r, 0, :p, :p] = causal[:p, :p]
+        start = p
+        for i, row in tree:  # sample i keeps its place in `rows`
+            c = len(row.completion_ids)
+            end = start + max(c - 1, 0)
+            input_ids[r, start:end] = row.completion_ids[: c - 1]
+            positions[r, start:end] = np.arange(p, p + end - start)
+            mask[r, 0, start:end, :p] = True
+            mask[r, 0, start:end, start:end] = causal[: end - start, : end - start]
+            tokens.fill(i, row, r * seq_len + p - 1)
+            tokens.token_index[i, 1:c] = np.arange(r * seq_len + start, r * seq_len + end)
+            start = end
+    return tokens.batch(input_ids, mask, positions, len(real))
+
+
 def pack(rows: list[Row], max_tokens: int) -> list[list[Row]]:
     """First-fit decreasing into bins of at most `max_tokens` prompt + completion tokens; a
     sample longer than the budget gets a bin of its own (a sample is never split)."""
@@ -234,7 +294,7 @@ def pack(rows: list[Row], max_tokens: int) -> list[list[Row]]:
 
 
 def micro_batches(rows: list[Row], rank: int, world: int, minibatches: int, micro_batch_size: int, pad_id: int,
-                  device: torch.device, max_tokens: int = 0) -> list[Batch]:  # fmt: skip
+                  device: torch.device, max_tokens: int = 0, share_prompts: bool = False) -> list[Batch]:  # fmt: skip
     """This rank's share of the rows as micro-batches on `device`, minibatch by minibatch: every
     minibatch has the same number of micro-batches on every rank (FSDP needs every rank to run
     the same number of forwards).
@@ -242,11 +302,20 @@ def micro_batches(rows: list[Row], rank: int, world: int, minibatches: int, micr
     `max_tokens` = 0: padded micro-batches of `micro_batch_size` rows, longest first, so each
     pads to rows of similar length. `max_tokens` > 0: packed micro-batches of at most that many
     tokens (`pack`), no padding; every minibatch gets as many bins as the fullest one on any rank
-    (the others run empty ones). The loss is the same either way: its denominators are the
-    whole minibatch's."""
+    (the others run empty ones). `share_prompts` (with `max_tokens` = 0): micro-batches of
+    `micro_batch_size` rows in the shared-prompt layout (`collate_shared`), a prompt's samples
+    kept next to each other. The loss is the same either way: its denominators are the whole
+    minibatch's."""
     mine = shard_rows(rows, rank, world, multiple=minibatches)
     per_mb = len(mine) // minibatches
     chunks = [sorted(mine[m * per_mb : (m + 1) * per_mb], key=_row_length, reverse=True) for m in range(minibatches)]
+    if share_prompts:  # a prompt's samples next to each other (fillers last), longest prompt first
+        def by_prompt(r: Row | None) -> tuple:
+            return (1, 0, b"") if r is None else (0, -len(r.prompt_tokens), r.prompt_tokens.tobytes())
+
+        chunks = [sorted(c, key=by_prompt) for c in chunks]
+        return [collate_shared(c[i : i + micro_batch_size], pad_id).to(device)
+                for c in chunks for i in range(0, len(c), micro_batch_size)]  # fmt: skip
     if max_tokens <= 0:
         return [collate(c[i : i + micro_batch_size], pad_id).to(device)
                 for c in chunks for i in range(0, len(c), micro_batch_size)]  # fmt: skip

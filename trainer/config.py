@@ -86,6 +86,10 @@ class TrainerSettings(ServiceSettings):
     max_tokens_per_micro_batch: int = Field(
         0, ge=0, description="pack samples into micro-batches of at most this many tokens, no padding (0: padded "
         "micro-batches of micro_batch_size); attention never crosses samples")
+    share_prompts: bool = Field(
+        False, description="one row per prompt in each micro-batch: the prompt once, each completion after it under a "
+        "tree-shaped attention mask (trainer/batch.py collate_shared); same logprobs and gradients as padded rows, the "
+        "prompt's forward and backward done once per group. Padded micro-batches only (not with packing)")
     logprob_chunk_tokens: int = Field(
         1024, ge=0, description="tokens per chunk of LM-head logits for log-probs and entropy, recomputed in backward "
         "(0: all logits at once)")
@@ -128,6 +132,9 @@ class TrainerSettings(ServiceSettings):
     def _check(self) -> TrainerSettings:
         if self.publish == "distributed" and not self.engine_urls:
             raise ValueError("publish=distributed needs engine_urls")
+        if self.share_prompts and self.max_tokens_per_micro_batch > 0:
+            raise ValueError("share_prompts lays a prompt's samples out as one row with a tree mask, packing lays "
+                             "samples back to back: set one of share_prompts, max_tokens_per_micro_batch")
         if self.prefill_groups > (self.max_staleness + 1) * self.batch_groups:
             raise ValueError(f"prefill_groups {self.prefill_groups} > (max_staleness + 1)·batch_groups = "
                              f"{(self.max_staleness + 1) * self.batch_groups}: admission never lets that many wait")  # fmt: skip

@@ -89,7 +89,7 @@ def train_steps(p: Parts) -> int:
         with timer("recompute"):
             rows = build_rows(taken.groups, cfg.advantage, p.source.shaping)
             micro = micro_batches(rows.rows, d.rank, d.world, cfg.minibatches, cfg.micro_batch_size, p.pad_id, d.device,
-                                  cfg.max_tokens_per_micro_batch)  # fmt: skip
+                                  cfg.max_tokens_per_micro_batch, cfg.share_prompts)  # fmt: skip
             old = old_logprobs(p, micro)
             ref = (recompute_logprobs(p.ref_model, micro, cfg.temperature, cfg.logprob_chunk_tokens) if p.ref_model is not None
                    else [None] * len(micro))  # fmt: skip

@@ -76,6 +76,7 @@ def worker(argv: list[str]) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from services.common.heap import freeze_startup_heap
     from trainer import metrics as tm
     from trainer.components import build
     from trainer.loop import train
@@ -90,6 +91,7 @@ def worker(argv: list[str]) -> int:
     torch.manual_seed(cfg.seed + d.rank)
     parts = build(cfg, d)
     parts.source.install_signal_handlers()
+    freeze_startup_heap()  # the model, optimizer and modules: never again walked by a full collection
     try:
         return train(parts)
     finally:

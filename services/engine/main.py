@@ -15,6 +15,7 @@ import sys
 from pydantic import ValidationError
 
 from services.common.config import load_settings
+from services.common.heap import freeze_startup_heap
 from services.engine.config import EngineSettings
 
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         log_event(log, "no weights_root: update_weights_from_disk is refused", logging.WARNING)
     torch.set_num_threads(settings.num_threads)
     engine = InferenceEngine(settings)
+    freeze_startup_heap()
     log_event(
         log,
         "engine ready",

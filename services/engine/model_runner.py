@@ -142,7 +142,31 @@ class ModelRunner:
         self, first_slot: int, rows: list[ForwardRow]
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Prefill `rows` into slots first_slot.. → (last-position logits [n, V], per-row full
-        logits [L_i, V] where `full_logits` was asked, else None)."""
+        logits [L_i, V] where `full_logits` was asked, else None). Rows with the same tokens (a
+        group's samples share their prompt) are computed once and their cache copied to the
+        others' slots (`_prefill_unique`)."""
+        if not any(r.full_logits for r in rows):
+            first_of: dict[tuple[int, ...], int] = {}
+            source = [first_of.setdefault(tuple(r.token_ids), i) for i, r in enumerate(rows)]
+            if len(first_of) < len(rows):
+                return self._prefill_unique(first_slot, rows, source, list(first_of.values())), [None] * len(rows)
+        return self._prefill(first_slot, rows)
+
+    def _prefill_unique(self, first_slot: int, rows: list[ForwardRow], source: list[int], unique: list[int]) -> torch.Tensor:
+        """`prefill` of rows where `rows[i]` equals `rows[source[i]]`: the `unique` rows run into
+        the first slots, then every slot gets its row's cache and logits (same values as a
+        forward of its own: the same tokens at the same positions, no other row attended)."""
+        logits, _ = self._prefill(first_slot, [rows[i] for i in unique])
+        at = {row: k for k, row in enumerate(unique)}
+        index = torch.tensor([at[s] for s in source], device=self.device)
+        t = max(len(rows[i].token_ids) for i in unique)
+        for cache in (self.cache.k, self.cache.v):
+            for layer in cache:
+                block = layer[first_slot : first_slot + len(unique), :, :t]
+                layer[first_slot : first_slot + len(rows), :, :t] = block.index_select(0, index)
+        return logits.index_select(0, index)
+
+    def _prefill(self, first_slot: int, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         lengths = [len(r.token_ids) for r in rows]
         t = max(lengths)
         self.cache.ensure(t)

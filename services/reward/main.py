@@ -23,5 +23,8 @@ def main(argv: list[str]) -> int:
     except SandboxUnavailable as exc:
         print(f"asyncrl reward: code verifier refuses to start: {exc}", file=sys.stderr)
         return 2
+    from services.common.heap import freeze_startup_heap
+
+    freeze_startup_heap()
     uvicorn.run(app, host=settings.host, port=settings.port, log_config=None, log_level=settings.log_level)
     return 0

@@ -119,7 +119,9 @@ class Scorer:
                 problems.append({"id": item.id, "loc": ["items", index, "spec"], "msg": f"{verifier.name}: {seen}"})
                 continue
             spec, dumped = seen
-            jobs.append(Job(item, verifier, spec, self._key(verifier, spec, dumped, item)))
+            # An inline verdict is never shared in flight: without a cache it needs no key.
+            key = self._key(verifier, spec, dumped, item) if self.cache.max_entries > 0 or not verifier.inline else ""
+            jobs.append(Job(item, verifier, spec, key))
         if problems:
             raise RequestRejected(problems)
         return jobs

@@ -14,7 +14,7 @@ from proto.limits import MAX_GROUP_SIZE
 from services.common.config import ServiceSettings
 
 
-def _url_list(value: Any) -> list[str]:
+def _name_list(value: Any) -> list[str]:
     """Accept a list, a JSON list or a comma-separated string (the CLI and env give strings)."""
     if value is None:
         return []
@@ -24,7 +24,11 @@ def _url_list(value: Any) -> list[str]:
             value = json.loads(text)
         else:
             value = [part for part in (p.strip() for p in text.split(",")) if part]
-    urls = [str(u).rstrip("/") for u in value]
+    return [str(v).strip() for v in value]
+
+
+def _url_list(value: Any) -> list[str]:
+    urls = [u.rstrip("/") for u in _name_list(value)]
     for url in urls:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"engine URL must be http(s)://…, got {url!r}")
@@ -100,6 +104,13 @@ class RolloutSettings(ServiceSettings):
     reward_retries: int = Field(2, ge=0, le=20, description="retries of a reward batch on transport errors")
     verifiers_ttl_s: float = Field(
         60.0, gt=0, description="how long the reward service's verifier list is cached"
+    )
+    local_verifiers: str = Field(
+        "",
+        description="inline verifiers (pure functions: reverse, arith) scored in this process instead of over "
+        "HTTP, comma-separated or a list: no reward-service round trip per batch; the spec checks, cache and "
+        "verdicts are the reward service's own code (services/reward/scoring.py), and the verdicts are counted "
+        "in this process's asyncrl_reward_items_total",
     )
 
     environments_url: str = Field("", description="environment server (proto/environments.py); default: reward_url")
@@ -203,6 +214,18 @@ class RolloutSettings(ServiceSettings):
     def _normalise_urls(cls, value: Any) -> str:
         return ",".join(_url_list(value))
 
+    @field_validator("local_verifiers", mode="before")
+    @classmethod
+    def _local_verifiers(cls, value: Any) -> str:
+        from services.reward.verifiers import BUILTIN, verifier_class
+
+        names = _name_list(value)
+        for name in names:
+            if not getattr(verifier_class(name), "inline", False):  # (imports only the named verifiers)
+                inline = ", ".join(sorted(n for n in BUILTIN if verifier_class(n).inline))
+                raise ValueError(f"{name!r} cannot be scored locally: only inline verifiers can ({inline})")
+        return ",".join(dict.fromkeys(names))
+
     @model_validator(mode="after")
     def _check(self) -> RolloutSettings:
         if not self.engine_url_list:
@@ -224,6 +247,10 @@ class RolloutSettings(ServiceSettings):
     @property
     def engine_url_list(self) -> list[str]:
         return _url_list(self.engine_urls)
+
+    @property
+    def local_verifier_list(self) -> list[str]:
+        return _name_list(self.local_verifiers)
 
     @property
     def admin_url_list(self) -> list[str]:

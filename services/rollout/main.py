@@ -7,6 +7,7 @@ Parses settings first and imports transformers/uvicorn only after, so `--help` i
 from __future__ import annotations
 
 from services.common.config import load_settings
+from services.common.heap import freeze_startup_heap
 from services.rollout.config import RolloutSettings
 
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service = RolloutService(settings, redis_url)
         service.owned_redis = embedded
+        freeze_startup_heap()
         log_event(
             logging.getLogger("asyncrl.rollout"),
             "rollout service listening",

@@ -101,6 +101,7 @@ class RolloutService:
             retries=s.reward_retries,
             verifiers_ttl_s=s.verifiers_ttl_s,
             headers=self._headers(),
+            local_verifiers=s.local_verifier_list,
         )
         self.envs = EnvClient(s.environments_url or s.reward_url, timeout_s=s.env_timeout_s,
                               retries=s.env_retries, headers=self._headers())  # fmt: skip

@@ -532,9 +532,10 @@ def test_submit_cli_posts_a_jsonl_dataset(rollout, tmp_path):
 # --------------------------------------------------------------------------------- reward failures
 
 
-def faulty_reward_service() -> tuple[str, object]:
+def faulty_reward_service(calls: list | None = None) -> tuple[str, object]:
     """A real HTTP server with the reward API that fails on purpose: a batch whose spec target is
-    "slow" never answers in time, "boom" gets HTTP 500 (fault injection, not a stand-in)."""
+    "slow" never answers in time, "boom" gets HTTP 500 (fault injection, not a stand-in). Each
+    `POST /v1/rewards` body is appended to `calls`."""
     import asyncio
 
     import uvicorn
@@ -553,6 +554,8 @@ def faulty_reward_service() -> tuple[str, object]:
 
     @app.post("/v1/rewards")
     async def rewards(body: dict):
+        if calls is not None:
+            calls.append(body)
         if body["items"][0]["spec"]["target"] == "slow":
             await asyncio.sleep(5)  # time is the subject: longer than the rollout's 0.5 s reward timeout
         return JSONResponse({"error": "verifier crashed"}, status_code=500)
@@ -601,3 +604,96 @@ def test_reward_timeouts_and_errors_become_statuses_not_zeros(
             assert s.reward_details["error"]
         after = REGISTRY.get_sample_value("asyncrl_rollout_reward_results_total", {"status": status.value})
         assert after - before[status.value] == 2
+
+
+# --------------------------------------------------------------------------------- local verifiers
+
+
+def test_local_verifiers_score_in_the_rollout_without_the_reward_service(
+    redis_url, run_id, engine, model_dir, tokenizer
+):
+    """`local_verifiers = "reverse"`: reverse items never reach the reward service (here one
+    that fails every batch) and are scored by the verifier's own rule in the rollout process."""
+    from prometheus_client import REGISTRY
+
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=8, max_staleness=0)
+    calls: list = []
+    url, server = faulty_reward_service(calls)
+    local_before = REGISTRY.get_sample_value("asyncrl_rollout_reward_calls_total", {"result": "local"}) or 0
+    running = serve_in_thread(redis_url, loaded_tokenizer=tokenizer,
+                              **settings(engine.url, url, model_dir, run_id, local_verifiers="reverse"))  # fmt: skip
+    try:
+        with httpx.Client(base_url=running.url, timeout=30) as client:
+            body = {"prompts": [{"text": f"{w}>", "reward_spec": {"verifier": "reverse", "target": w[::-1]}}
+                                for w in ("slow", "boom", "abc")], "group_size": 3}  # fmt: skip
+            job_id = client.post("/v1/rollouts", json=body).json()["job_id"]
+            assert wait_job(client, job_id, timeout_s=30)["buffered"] == 3
+    finally:
+        running.stop()
+        server.should_exit = True
+    assert calls == []
+    groups = trainer_side(redis_url, run_id, 3)
+    assert len(groups) == 3
+    for g in groups:
+        for s in g.samples:
+            assert s.reward_status is RewardStatus.scored
+            assert s.reward == pytest.approx(reverse_reward(g.reward_spec["target"], s.text))
+            assert s.reward_details["target_len"] == len(g.reward_spec["target"])
+    local_after = REGISTRY.get_sample_value("asyncrl_rollout_reward_calls_total", {"result": "local"})
+    assert 1 <= local_after - local_before <= 3  # one per group, or fewer when a caller merged
+
+
+def test_local_and_remote_items_of_one_batch_keep_their_order_and_verdicts(reward):
+    """A batch mixing a local verifier (reverse) and a remote one (arith): each item's result is
+    the one the reward service gives the same item, in the caller's order; a spec the local
+    scorer refuses makes the caller's local items `invalid_input`, never a silent 0."""
+    import asyncio
+
+    from proto.rewards import RewardItem, RewardSpec
+    from services.rollout.reward_client import RewardClient
+
+    def item(i: int, spec: dict, completion: str) -> RewardItem:
+        return RewardItem(id=f"x{i}", prompt="abc>", completion=completion, spec=RewardSpec.model_validate(spec))
+
+    specs = [({"verifier": "reverse", "target": "cba"}, "cb"), ({"verifier": "arith", "answer": "12"}, " 12"),
+             ({"verifier": "reverse"}, "cbz"), ({"verifier": "arith", "answer": "7", "format_credit": 0.2}, "8"),
+             ({"verifier": "reverse", "target": "cba"}, "cba")]  # fmt: skip
+    items = [item(i, spec, c) for i, (spec, c) in enumerate(specs)]
+
+    async def run():
+        kw = {"timeout_s": 10, "concurrency": 2, "retries": 0, "verifiers_ttl_s": 60}
+        remote, mixed = RewardClient(reward.url, **kw), RewardClient(reward.url, local_verifiers=["reverse"], **kw)
+        try:
+            expected, got = await remote.score(items), await mixed.score(items)
+            listed = await mixed.verifiers()
+            bad = await mixed.score([item(9, {"verifier": "reverse", "target": ""}, "x"), items[1]])
+        finally:
+            await remote.aclose()
+            await mixed.aclose()
+        return expected, got, listed, bad
+
+    expected, got, listed, bad = asyncio.run(run())
+    assert [r.id for r in got] == [f"x{i}" for i in range(5)]
+    assert [(r.status, r.reward) for r in got] == [(r.status, r.reward) for r in expected]
+    assert [r.reward for r in got] == pytest.approx([2 / 3, 1.0, 2 / 3, 0.2, 1.0])
+    def uncached(r):  # (the service answers an item it has seen from its cache, and says so)
+        return {k: v for k, v in r.details.items() if k != "cached"}
+
+    assert [uncached(r) for r in got] == [uncached(r) for r in expected]
+    assert [r.details.get("cached", False) for r in got] == [False, True, False, True, False]  # arith: remote
+    assert {"reverse", "arith", "math"} <= set(listed)
+    assert (bad[0].status, bad[0].reward) == (RewardStatus.invalid_input, None) and "target" in bad[0].details["error"]
+    assert (bad[1].status, bad[1].reward) == (RewardStatus.scored, 1.0)
+
+
+def test_only_inline_verifiers_can_be_local():
+    from pydantic import ValidationError
+
+    from services.rollout.config import RolloutSettings
+
+    base = {"run": "r", "tokenizer": "/nonexistent"}
+    assert RolloutSettings(**base, local_verifiers=["reverse", "arith", "reverse"]).local_verifier_list == [
+        "reverse", "arith"]  # fmt: skip
+    for name in ("math", "nope"):
+        with pytest.raises(ValidationError, match=f"'{name}' cannot be scored locally: only inline verifiers can"):
+            RolloutSettings(**base, local_verifiers=name)

@@ -63,3 +63,36 @@ def test_rows_of_equal_length_take_the_unmasked_path(runner):
         logits = runner.decode([s[-1] for s in seqs], [len(s) - 1 for s in seqs])
         for i, s in enumerate(seqs):
             assert torch.allclose(logits[i], full_forward(runner, s)[-1], atol=1e-5)
+
+
+def test_rows_with_one_prompt_are_prefilled_once_and_decode_apart(runner):
+    """Samples of a group share their prompt: the prefill computes it once (a forward over the
+    distinct rows only) and copies its cache to every slot, at a first slot > 0 too; each row
+    then decodes its own tokens and its logits are those of its own full sequence."""
+    calls = []
+    plain = runner._prefill
+
+    def counting(first_slot, rows):
+        calls.append(len(rows))
+        return plain(first_slot, rows)
+
+    runner._prefill = counting
+    try:
+        runner.cache.k[0].fill_(7.0)  # stale values in the slots: all must be overwritten
+        seqs = [[1, 5, 6], [1, 8, 9, 10, 11], [1, 5, 6]]
+        last, full = runner.prefill(1, [ForwardRow(list(s)) for s in seqs])
+    finally:
+        runner._prefill = plain
+    assert calls == [2] and full == [None] * 3
+    for i, s in enumerate(seqs):
+        assert torch.allclose(last[i], full_forward(runner, s)[-1], atol=1e-5)
+    runner.cache.move(3, 0, len(seqs[2]))  # slots 1..3 hold the rows; decode runs on slots 0..n-1
+    seqs = [seqs[2], seqs[0], seqs[1]]
+    for step in range(3):
+        for i, s in enumerate(seqs):
+            s.append(3 + (5 * step + 11 * i) % 40)  # rows 0 and 1 (one prompt) now differ
+        logits = runner.decode([s[-1] for s in seqs], [len(s) - 1 for s in seqs])
+        for i, s in enumerate(seqs):
+            assert torch.allclose(logits[i], full_forward(runner, s)[-1], atol=1e-5)
+    _, full = runner.prefill(0, [ForwardRow([1, 4, 4], full_logits=True), ForwardRow([1, 4, 4])])
+    assert full[0] is not None and full[1] is None  # prompt logprobs asked: no sharing, full logits kept

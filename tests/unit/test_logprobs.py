@@ -12,7 +12,7 @@ import torch
 from factories import make_sample
 
 from proto import Group
-from trainer.batch import build_rows, collate, collate_packed, micro_batches, token_logprobs
+from trainer.batch import build_rows, collate, collate_packed, collate_shared, micro_batches, token_logprobs
 from trainer.logprobs import check_linear_head, head_logprobs
 from trainer.losses import LossConfig, aggregate, entropy_bonus, kl_penalty, policy_loss
 from trainer.step import StepConfig, policy_step, recompute_logprobs
@@ -223,6 +223,58 @@ def test_packed_micro_batches_give_the_padded_update(tiny, loss_cfg):
         assert stats1["loss"] == pytest.approx(stats0["loss"], abs=1e-6)
         assert stats1["entropy"] == pytest.approx(stats0["entropy"], abs=1e-5)
     assert len(micro_batches(rows, 0, 1, 1, 4, 0, CPU, max_tokens=24)) > len(padded)  # small budgets: more bins
+
+
+@pytest.mark.parametrize("loss_cfg", AGGS, ids=lambda c: f"{c.kind}-{c.agg}")
+def test_shared_prompt_micro_batches_give_the_padded_update(tiny, loss_cfg):
+    """One row per prompt, completions under a tree mask: the padded layout's update, loss and
+    entropy, with fewer positions computed (each prompt once, no last completion token)."""
+    rows = build_rows(_groups(seed=5, n_groups=4, n=5), "grpo").rows
+    base, stats0 = _step(tiny, micro_batches(rows, 0, 1, 1, 6, 0, CPU), loss_cfg)
+    for micro in (3, 6, 100):  # groups split across micro-batches, and all in one
+        shared = micro_batches(rows, 0, 1, 1, micro, 0, CPU, share_prompts=True)
+        assert sum(b.real_rows for b in shared) == len(rows)
+        assert all(b.attention_mask.dim() == 4 for b in shared)
+        after, stats1 = _step(tiny, shared, loss_cfg)
+        torch.testing.assert_close(after, base, rtol=0, atol=1e-5)
+        assert stats1["loss"] == pytest.approx(stats0["loss"], abs=1e-6)
+        assert stats1["entropy"] == pytest.approx(stats0["entropy"], abs=1e-5)
+    [whole] = micro_batches(rows, 0, 1, 1, 100, 0, CPU, share_prompts=True)
+    assert whole.input_ids.shape[0] == 4  # one row per group
+    computed = sum(len(r.prompt_tokens) + len(r.completion_ids) for r in rows)
+    assert whole.input_ids.shape[1] * 4 < computed
+
+
+def test_shared_prompt_rows_give_each_sample_its_own_logprobs(tiny):
+    """A sample's log-probs and entropy in a shared row are its own alone, whatever shares the
+    prompt with it (including a one-token answer, an empty tree of rank filler, and two groups
+    of one prompt)."""
+    groups = _groups(seed=6, n_groups=3, n=4)
+    groups[2] = Group.build(group_id="twin", job_id="j", prompt_tokens=groups[0].prompt_tokens,
+                            reward_spec={"verifier": "reverse"}, samples=groups[2].samples, submit_version=0)  # fmt: skip
+    rows = build_rows(groups, "grpo").rows
+    rows[1].completion_ids = rows[1].completion_ids[:1]
+    rows[1].behavior_logprobs = rows[1].behavior_logprobs[:1]
+    model = _model(tiny)
+    alone = [token_logprobs(model, collate([r], 0), with_entropy=True) for r in rows]
+    batch = collate_shared([*rows, None], 0)
+    assert batch.input_ids.shape[0] == 3 and batch.real_rows == len(rows)  # 2 prompts + the filler
+    lp, ent = token_logprobs(model, batch, with_entropy=True)
+    for i, (want_lp, want_ent) in enumerate(alone):
+        n = len(rows[i].completion_ids)
+        torch.testing.assert_close(lp[i, :n], want_lp[0, :n], rtol=0, atol=1e-5)
+        torch.testing.assert_close(ent[i, :n], want_ent[0, :n], rtol=0, atol=1e-5)
+        assert not batch.present[i, n:].any()
+
+
+def test_share_prompts_and_packing_are_exclusive():
+    from pydantic import ValidationError
+
+    from trainer.config import TrainerSettings
+
+    assert TrainerSettings(run="r", model_path="m", share_prompts=True).share_prompts
+    with pytest.raises(ValidationError, match="set one of share_prompts, max_tokens_per_micro_batch"):
+        TrainerSettings(run="r", model_path="m", share_prompts=True, max_tokens_per_micro_batch=64)
 
 
 def test_packed_minibatches_each_hold_their_own_rows(tiny):
