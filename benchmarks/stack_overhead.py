@@ -55,8 +55,22 @@ DEMO_CONFIG = ROOT / "configs" / "demo.toml"
 SETTLE_STEPS = 20  # demo steps left out of the trainer's busy time (start-up, first publishes)
 
 
+OVERRIDES: list[tuple[str, str, object]] = []  # `--set table.field=value`: (table, field, value)
+
+
+def parse_override(text: str) -> tuple[str, str, object]:
+    """`trainer.share_prompts=false` → ("trainer", "share_prompts", False): the value is TOML."""
+    key, sep, value = text.partition("=")
+    table, dot, field = key.strip().partition(".")
+    if not (sep and dot and table and field):
+        raise argparse.ArgumentTypeError(f"expected table.field=value, got {text!r}")
+    return table, field, tomllib.loads(f"v = {value.strip()}")["v"]
+
+
 def demo_config(port_base: int, **launch) -> dict:
     raw = tomllib.loads(DEMO_CONFIG.read_text())
+    for table, field, value in OVERRIDES:
+        raw.setdefault(table, {})[field] = value
     raw["launch"].update(engine_port=port_base + 13000, rollout_port=port_base + 1, reward_port=port_base + 2,
                          trainer_metrics_port=port_base + 3, metrics_port=port_base + 4, **launch)  # fmt: skip
     return raw
@@ -320,10 +334,14 @@ def main() -> int:
     ap.add_argument("--skip-demo", action="store_true", help="only (a) and (b)")
     ap.add_argument("--skip-generation", action="store_true")
     ap.add_argument("--skip-trainer", action="store_true")
+    ap.add_argument("--set", type=parse_override, action="append", default=[], metavar="TABLE.FIELD=VALUE",
+                    help="override configs/demo.toml for the stack's runs (a and c), e.g. trainer.share_prompts=false")  # fmt: skip
     args = ap.parse_args()
+    OVERRIDES.extend(args.set)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    result: dict = {"machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start"}
+    result: dict = {"machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
+                    "overrides": [f"{t}.{f}={v}" for t, f, v in OVERRIDES]}
     with tempfile.TemporaryDirectory(prefix="stack-overhead-") as tmp:
         tmp = Path(tmp)
         from services.common.tinymodel import build_tiny_model

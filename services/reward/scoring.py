@@ -88,6 +88,7 @@ class Scorer:
         self.cache = ResultCache(cache_entries)
         self._slots = {name: asyncio.Semaphore(v.concurrency) for name, v in verifiers.items()}
         self._inflight: dict[str, asyncio.Future] = {}
+        self._latency = {name: LATENCY.labels(name) for name in verifiers}  # (a label lookup per item costs more than a toy verdict)
 
     async def start(self) -> None:
         await asyncio.gather(*(v.start() for v in self.verifiers.values()))
@@ -100,6 +101,7 @@ class Scorer:
         of one batch (a group's samples share theirs) are parsed once."""
         jobs, problems = [], []
         parsed: dict[tuple[str, str], tuple[BaseModel, Any] | SpecError] = {}
+        same: dict[int, tuple[str, str]] = {}  # id(spec object) → its key: a group's items share one object
         for index, item in enumerate(request.items):
             verifier = self.verifiers.get(item.spec.verifier)
             if verifier is None:
@@ -107,9 +109,12 @@ class Scorer:
                 msg = f"unknown or disabled verifier {item.spec.verifier!r}; this server serves: {known}"
                 problems.append({"id": item.id, "loc": ["items", index, "spec", "verifier"], "msg": msg})
                 continue
-            args = item.spec.args()
-            seen = parsed.get(key := (verifier.name, json.dumps(args, sort_keys=True)))
+            key = same.get(id(item.spec))
+            if key is None:
+                key = same[id(item.spec)] = (verifier.name, json.dumps(item.spec.args(), sort_keys=True))
+            seen = parsed.get(key)
             if seen is None:
+                args = item.spec.args()
                 try:
                     spec = verifier.parse_spec(args)
                     seen = parsed[key] = (spec, spec.model_dump(mode="json"))
@@ -120,8 +125,8 @@ class Scorer:
                 continue
             spec, dumped = seen
             # An inline verdict is never shared in flight: without a cache it needs no key.
-            key = self._key(verifier, spec, dumped, item) if self.cache.max_entries > 0 or not verifier.inline else ""
-            jobs.append(Job(item, verifier, spec, key))
+            cache_key = self._key(verifier, spec, dumped, item) if self.cache.max_entries > 0 or not verifier.inline else ""
+            jobs.append(Job(item, verifier, spec, cache_key))
         if problems:
             raise RequestRejected(problems)
         return jobs
@@ -170,7 +175,7 @@ class Scorer:
             verdict = job.verifier.judge(job.spec, job.item.prompt, job.item.completion)
         except Exception as exc:  # noqa: BLE001 -- a verifier bug must not sink the batch
             verdict = self._crashed(job, exc)
-        LATENCY.labels(job.verifier.name).observe(time.monotonic() - started)
+        self._latency[job.verifier.name].observe(time.monotonic() - started)
         if verdict.status in CACHEABLE:
             self.cache.put(job.key, verdict)
         return verdict, False

@@ -86,7 +86,7 @@ class RewardClient:
             try:
                 answered = iter(await self._batches.submit(None, remote))
             except _BatchFailed as exc:
-                answered = (RewardResult(id=i.id, status=exc.status, details={"error": str(exc)}) for i in remote)
+                answered = iter([RewardResult(id=i.id, status=exc.status, details={"error": str(exc)}) for i in remote])
             if results:
                 mine = iter(results)
                 results = [next(mine) if item.spec.verifier in local else next(answered) for item in items]

@@ -456,7 +456,8 @@ class Scheduler:
                                          details=d.details) for d in judged}  # fmt: skip
         if len(judged) < len(drafts):
             spec = RewardSpec.model_construct(**job.reward_spec)  # checked at submission (intake)
-            items = [RewardItem(id=str(d.index), prompt=job.prompt_text, completion=d.text, spec=spec)
+            # Our own strings (the engine's answer was checked when it was parsed): not validated again.
+            items = [RewardItem.model_construct(id=str(d.index), prompt=job.prompt_text, completion=d.text, spec=spec)
                      for d in drafts if d.env_reward is None]  # fmt: skip
             for item, r in zip(items, await self.rewards.score(items)):
                 results[int(item.id)] = r

@@ -34,7 +34,7 @@ from services.launcher import Launcher, UpConfig
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 B = 4  # groups per step
-STEPS = 40  # the trainer's max_steps: the run's target
+STEPS = 80  # the trainer's max_steps: the run's target (room for five kills at ~0.1 s a step)
 PROMPTS = 3 * STEPS * B  # plenty: kills waste groups (stale, lost, in flight)
 VICTIMS = ("engine-0", "reward-0", "rollout-0", "trainer worker", "redis")
 PROGRESS = 2  # versions the trainer must gain after a victim is back before the next kill
