@@ -19,6 +19,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
@@ -31,6 +33,9 @@ from services.common.logging import log_event
 from services.common.retry import Retryable, with_retries
 from services.rollout import metrics as m
 from services.rollout.engine_client import JSON_HEADERS
+
+if TYPE_CHECKING:
+    from services.reward.scoring import Scorer
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ class RewardClient:
         retries: int,
         verifiers_ttl_s: float,
         headers: dict[str, str] | None = None,
-        local_verifiers: list[str] = (),
+        local_verifiers: Sequence[str] = (),
     ):
         self.url = url.rstrip("/")
         self._local = _local_scorer(local_verifiers) if local_verifiers else None
@@ -179,7 +184,7 @@ class RewardClient:
         return served
 
 
-def _local_scorer(names: list[str]):
+def _local_scorer(names: Sequence[str]) -> Scorer:
     """The reward service's `Scorer` over the inline verifiers `names`, without a result cache
     (a cache key costs more than these verdicts)."""
     from services.reward.scoring import Scorer
