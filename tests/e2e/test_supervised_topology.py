@@ -50,7 +50,8 @@ def _config(tmp_path: Path) -> tuple[dict, Path]:
                          trainer_max_restarts=2)  # fmt: skip
     raw["trainer"].update(max_steps=STEPS, batch_groups=B, max_staleness=2, checkpoint_every=3, block_ms=200)
     # a restarted engine is noticed within a second; a dead replica's jobs are recovered in 6 s
-    raw["rollout"].update(weights_poll_s=1.0, recover_idle_s=6.0, heartbeat_s=1.0)
+    raw["rollout"].update(weights_poll_s=1.0, recover_idle_s=6.0, heartbeat_s=1.0,
+                          local_verifiers=[])  # every item scored by the reward service: killing it matters
     raw["demo"].update(prompts_per_step=B, group_size=4)
     path = tmp_path / "config.toml"
     path.write_text(_to_toml(raw))
