@@ -372,9 +372,10 @@ def main() -> int:
         if not args.skip_trainer:
             trainer_cfg = tomllib.loads(DEMO_CONFIG.read_text())["trainer"]
             shared = trainer_cfg.get("share_prompts", False)
-            plain, padded = (plain_step(str(base), demo_groups(32, 8, 3, range(3, 13), seed=2, bos=1), args.steps,
-                                        trainer_cfg["lr"], trainer_cfg["entropy_coef"], layout)
-                             for layout in (shared, False))  # fmt: skip
+            steps_by_layout = {layout: plain_step(str(base), demo_groups(32, 8, 3, range(3, 13), seed=2, bos=1),
+                                                  args.steps, trainer_cfg["lr"], trainer_cfg["entropy_coef"], layout)
+                               for layout in dict.fromkeys((shared, False))}  # (padded once when it is the layout)
+            plain, padded = steps_by_layout[shared], steps_by_layout[False]
             alone = trainer_standalone(tmp / "trainer", str(base), args.steps + 3)[3:]
             result["trainer"] = {"share_prompts": shared, "plain_ms": med_ms(plain), "plain_padded_ms": med_ms(padded),
                                  "standalone_busy_ms": med_ms([busy_s(s) for s in alone]),

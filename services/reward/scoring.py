@@ -111,10 +111,10 @@ class Scorer:
                 continue
             key = same.get(id(item.spec))
             if key is None:
-                key = same[id(item.spec)] = (verifier.name, json.dumps(item.spec.args(), sort_keys=True))
-            seen = parsed.get(key)
-            if seen is None:
                 args = item.spec.args()
+                key = same[id(item.spec)] = (verifier.name, json.dumps(args, sort_keys=True))
+            seen = parsed.get(key)
+            if seen is None:  # (a key not parsed yet was made just above, from this item's `args`)
                 try:
                     spec = verifier.parse_spec(args)
                     seen = parsed[key] = (spec, spec.model_dump(mode="json"))
