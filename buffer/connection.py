@@ -54,6 +54,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 from prometheus_client import Counter
@@ -218,6 +221,15 @@ def _ordered(names: list[str], values: dict) -> list:
     return out
 
 
+@dataclass(frozen=True)
+class Part:
+    """One call's share of a shared pipeline (`Buffer.pipeline_parts`): `fill(pipe)` queues its
+    commands, `finish(replies)` makes its result from their replies."""
+
+    fill: Callable[[redis.client.Pipeline], None]
+    finish: Callable[[list], Any]
+
+
 class Buffer:
     """One run's connection to the buffer, shared by its parts and threads: the client (with
     `ReconnectRetry`), the key names, and the scripts it has sent (loaded again if Redis lost
@@ -265,6 +277,21 @@ class Buffer:
                 for script in list(self._scripts.values()):
                     self.r.script_load(script.source)
         raise AssertionError("unreachable")
+
+    def pipeline_parts(self, *parts: Part) -> list:
+        """Several calls' commands in one round trip (`pipeline`), in order: each part's `fill`
+        queues its commands, its `finish` turns their replies into its result."""
+        bounds: list[tuple[int, int]] = []
+
+        def fill(pipe) -> None:
+            bounds.clear()  # (filled again if the pipeline is re-run)
+            for part in parts:
+                start = len(pipe.command_stack)
+                part.fill(pipe)
+                bounds.append((start, len(pipe.command_stack)))
+
+        replies = self.pipeline(fill)
+        return [part.finish(replies[a:b]) for part, (a, b) in zip(parts, bounds)]
 
     def read(self, stream: str, group: str, consumer: str, start: str = ">", count: int = 100_000,
              block_ms: int = 0) -> list[tuple[str, dict]]:  # fmt: skip

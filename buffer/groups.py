@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from buffer import metrics as m
-from buffer.connection import TRAINER_GROUP, Buffer, Script
+from buffer.connection import TRAINER_GROUP, Buffer, Part, Script
 from buffer.weights import Weights
 from proto import Group, RecordDecodeError, decode, encode
 from proto.lineage import Lineage
@@ -163,8 +163,10 @@ class Groups:
     def put(self, groups: list[Group]) -> list[bool]:
         """Append scored groups in one round trip; one flag per group, True if new (a group_id
         seen before is a counted duplicate and changes nothing)."""
-        if not groups:
-            return []
+        return self.buf.pipeline_parts(self.put_part(groups))[0] if groups else []
+
+    def put_part(self, groups: list[Group]) -> Part:
+        """`put` as part of a larger pipeline (`Buffer.pipeline_parts`)."""
         t0 = time.perf_counter()
         k = self.keys
         payloads, payload_keys, puts = [], [], []
@@ -181,14 +183,17 @@ class Groups:
             self.buf.call(PUT, pipe, state=k.group_state, entry=k.group_entry, job=k.group_job, groups=k.groups,
                           admission=k.admission, stats=k.stats, running=k.running, payloads=payload_keys, puts=puts)  # fmt: skip
 
-        new = [bool(flag) for flag in self.buf.pipeline(fill)[-1]]
-        m.PUT_BYTES.inc(sum(len(payload) for is_new, payload in zip(new, payloads) if is_new))
-        if not all(new):
-            m.DUPLICATES.inc(new.count(False))
-        elapsed = time.perf_counter() - t0
-        for _ in groups:
-            m.PUT_SECONDS.observe(elapsed / len(groups))
-        return new
+        def finish(replies: list) -> list[bool]:
+            new = [bool(flag) for flag in replies[-1]]
+            m.PUT_BYTES.inc(sum(len(payload) for is_new, payload in zip(new, payloads) if is_new))
+            if not all(new):
+                m.DUPLICATES.inc(new.count(False))
+            elapsed = time.perf_counter() - t0
+            for _ in groups:
+                m.PUT_SECONDS.observe(elapsed / len(groups))
+            return new
+
+        return Part(fill, finish)
 
     # ------------------------------------------------------------------ consumer side
     def take(self, n: int, current_version: int, max_staleness: int = 0, block_ms: int = 1000,

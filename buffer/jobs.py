@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from buffer import metrics as m
-from buffer.connection import ROLLOUT_GROUP, Buffer, Script
+from buffer.connection import ROLLOUT_GROUP, Buffer, Part, Script
 from buffer.groups import DEADLETTER_MAXLEN
 from proto import GroupJob, RecordDecodeError, decode, encode
 from proto.states import JOB_ENDS, GroupState
@@ -39,16 +39,29 @@ redis.call('HINCRBY', stats, 'jobs_enqueued', 1)
 return 1
 """)
 
-# `queued` → `final` (buffered, failed or cancelled), once: the entry is acked and deleted.
-END = Script("state entry jobs stats", "consumer_group group_id final", """
-if redis.call('HGET', state, group_id) ~= 'queued' then return 0 end
-local eid = redis.call('HGET', entry, group_id)
-redis.call('XACK', jobs, consumer_group, eid)
-redis.call('XDEL', jobs, eid)
-redis.call('HSET', state, group_id, final)
-redis.call('HDEL', entry, group_id)
-redis.call('HINCRBY', stats, 'jobs_' .. final, 1)
-return 1
+# Per group of `ends` (group_id, final, n, then n field/value pairs for its job's record, the
+# key in `records`): the record's fields written, then `queued` → `final` (buffered, failed or
+# cancelled), once: the entry is acked and deleted. One command for a batch of groups.
+END = Script("state entry jobs stats *records", "consumer_group *ends", """
+local out, i = {}, 1
+for r = 1, #records do
+  local group_id, final, n = ends[i], ends[i + 1], tonumber(ends[i + 2])
+  local fields = {}
+  for j = 1, 2 * n do fields[j] = ends[i + 2 + j] end
+  i = i + 3 + 2 * n
+  redis.call('HSET', records[r], unpack(fields))
+  out[r] = 0
+  if redis.call('HGET', state, group_id) == 'queued' then
+    local eid = redis.call('HGET', entry, group_id)
+    redis.call('XACK', jobs, consumer_group, eid)
+    redis.call('XDEL', jobs, eid)
+    redis.call('HSET', state, group_id, final)
+    redis.call('HDEL', entry, group_id)
+    redis.call('HINCRBY', stats, 'jobs_' .. final, 1)
+    out[r] = 1
+  end
+end
+return out
 """)
 
 # As the groups stream's (buffer/groups.py): guarded by its XACK, so a re-sent call does nothing.
@@ -152,23 +165,27 @@ class Jobs:
     def end_many(self, reports: list[GroupReport]) -> list[bool]:
         """`end` for several groups' jobs in one round trip (each job's record written before
         its END, as `end` does); one flag per report."""
+        return self.buf.pipeline_parts(self.end_part(reports))[0] if reports else []
+
+    def end_part(self, reports: list[GroupReport]) -> Part:
+        """`end_many` as part of a larger pipeline (`Buffer.pipeline_parts`)."""
         for report in reports:
             if report.state not in JOB_ENDS:
                 raise ValueError(f"a job ends {[s.value for s in JOB_ENDS]}, not {report.state.value}")
-        if not reports:
-            return []
         k = self.keys
         for report in reports:
             self._held.pop(report.group_id, None)
 
-        def fill(pipe) -> None:
-            for report in reports:
-                self._write(pipe, report)
-                self.buf.call(END, pipe, state=k.job_state, entry=k.job_entry, jobs=k.jobs, stats=k.stats,
-                              consumer_group=ROLLOUT_GROUP, group_id=report.group_id, final=report.state.value)  # fmt: skip
+        ends: list = []
+        for report in reports:
+            fields = self._fields(report)
+            ends += [report.group_id, report.state.value, len(fields), *(x for kv in fields.items() for x in kv)]
 
-        replies = self.buf.pipeline(fill)
-        return [bool(r) for r in replies[1::2]]
+        def fill(pipe) -> None:
+            self.buf.call(END, pipe, state=k.job_state, entry=k.job_entry, jobs=k.jobs, stats=k.stats,
+                          records=[k.job_prefix + r.job_id for r in reports], consumer_group=ROLLOUT_GROUP, ends=ends)  # fmt: skip
+
+        return Part(fill, lambda replies: [bool(r) for r in replies[0]])
 
     def _decode(self, entries: list[tuple[str, dict]]) -> list[ClaimedJob]:
         claimed = []
@@ -206,12 +223,17 @@ class Jobs:
         self.buf.pipeline(fill)
 
     def _write(self, pipe, r: GroupReport) -> None:
+        pipe.hset(self.keys.job_prefix + r.job_id, mapping=self._fields(r))
+
+    @staticmethod
+    def _fields(r: GroupReport) -> dict[str, str]:
+        """A report's fields in its job's record."""
         fields = {f"state:{r.group_id}": r.state.value}
         if r.error:
             fields[f"error:{r.group_id}"] = r.error[:MAX_ERROR_CHARS]
         if r.unscored:
             fields[f"unscored:{r.group_id}"] = json.dumps(r.unscored)
-        pipe.hset(self.keys.job_prefix + r.job_id, mapping=fields)
+        return fields
 
     def progress(self, job_id: str) -> JobProgress | None:
         """The job's record, or None for a job never described."""

@@ -13,7 +13,7 @@ import time
 from typing import Self
 
 from buffer import metrics as m
-from buffer.connection import Buffer, Script
+from buffer.connection import Buffer, Part, Script
 from proto import RecordDecodeError, WeightsInfo, decode, encode
 from proto.lineage import Lineage
 
@@ -52,6 +52,10 @@ class Weights:
 
     def version(self) -> int:
         return int(self.buf.r.get(self.keys.version) or 0)
+
+    def version_part(self) -> Part:
+        """`version` as part of a larger pipeline (`Buffer.pipeline_parts`)."""
+        return Part(lambda pipe: pipe.get(self.keys.version), lambda replies: int(replies[0] or 0))
 
     def publish(self, info: WeightsInfo, *, rollback: bool = False, set_version: bool = False) -> None:
         """Record and announce where version `info.version` is. `rollback=True` (a trainer resumed

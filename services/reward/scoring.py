@@ -38,6 +38,10 @@ from services.reward.verifiers.base import SpecError, Verdict, Verifier
 log = logging.getLogger(__name__)
 
 CACHEABLE = frozenset({RewardStatus.scored, RewardStatus.invalid_input})
+# Parsed specs kept across batches (a run's specs repeat: the demo's is `{}` for every group),
+# each at most this long as JSON, this many at most.
+SPEC_MEMO_CHARS = 4096
+SPEC_MEMO_ENTRIES = 1024
 
 
 class RequestRejected(ValueError):
@@ -89,6 +93,7 @@ class Scorer:
         self._slots = {name: asyncio.Semaphore(v.concurrency) for name, v in verifiers.items()}
         self._inflight: dict[str, asyncio.Future] = {}
         self._latency = {name: LATENCY.labels(name) for name in verifiers}  # (a label lookup per item costs more than a toy verdict)
+        self._specs: OrderedDict[tuple[str, str], tuple[BaseModel, Any] | SpecError] = OrderedDict()
 
     async def start(self) -> None:
         await asyncio.gather(*(v.start() for v in self.verifiers.values()))
@@ -98,9 +103,10 @@ class Scorer:
 
     def prepare(self, request: RewardRequest) -> list[Job]:
         """Validate every item's spec; raise RequestRejected listing all problems. Equal specs
-        of one batch (a group's samples share theirs) are parsed once."""
+        are parsed once per batch (a group's samples share theirs), and short ones once while
+        they stay among the last SPEC_MEMO_ENTRIES parsed."""
         jobs, problems = [], []
-        parsed: dict[tuple[str, str], tuple[BaseModel, Any] | SpecError] = {}
+        parsed: dict[tuple[str, str], tuple[BaseModel, Any] | SpecError] = {}  # this batch's
         same: dict[int, tuple[str, str]] = {}  # id(spec object) → its key: a group's items share one object
         for index, item in enumerate(request.items):
             verifier = self.verifiers.get(item.spec.verifier)
@@ -113,13 +119,18 @@ class Scorer:
             if key is None:
                 args = item.spec.args()
                 key = same[id(item.spec)] = (verifier.name, json.dumps(args, sort_keys=True))
-            seen = parsed.get(key)
+            seen = parsed.get(key) or self._specs.get(key)
             if seen is None:  # (a key not parsed yet was made just above, from this item's `args`)
                 try:
                     spec = verifier.parse_spec(args)
-                    seen = parsed[key] = (spec, spec.model_dump(mode="json"))
+                    seen = (spec, spec.model_dump(mode="json"))
                 except SpecError as exc:
-                    seen = parsed[key] = exc
+                    seen = exc
+                if len(key[1]) <= SPEC_MEMO_CHARS:
+                    self._specs[key] = seen
+                    if len(self._specs) > SPEC_MEMO_ENTRIES:
+                        self._specs.popitem(last=False)
+            parsed[key] = seen
             if isinstance(seen, SpecError):
                 problems.append({"id": item.id, "loc": ["items", index, "spec"], "msg": f"{verifier.name}: {seen}"})
                 continue
@@ -139,15 +150,35 @@ class Scorer:
         return hashlib.sha256(json.dumps(payload, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
     async def score(self, jobs: list[Job]) -> RewardResponse:
-        verdicts: list[tuple[Verdict, bool] | None] = [self._score_inline(job) if job.verifier.inline else None
-                                                       for job in jobs]  # fmt: skip
-        others = [i for i, v in enumerate(verdicts) if v is None]
+        verdicts = await self.verdicts(jobs)
+        # Built from checked verdicts: `model_construct` skips re-validating each result.
+        return RewardResponse.model_construct(
+            results=[
+                RewardResult.model_construct(id=job.item.id, status=v.status, reward=v.reward, details=v.details)
+                for job, v in zip(jobs, verdicts)
+            ]
+        )
+
+    async def verdicts(self, jobs: list[Job]) -> list[Verdict]:
+        """Each job's verdict, in order."""
+        judged: list[tuple[Verdict, bool] | None] = [self._score_inline(job) if job.verifier.inline else None
+                                                     for job in jobs]  # fmt: skip
+        others = [i for i, v in enumerate(judged) if v is None]
         for i, verdict in zip(others, await asyncio.gather(*(self._score_one(jobs[i]) for i in others))):
-            verdicts[i] = verdict
-        # Counted per batch, one labelled child per (verifier, outcome): per item, the label
-        # lookups cost more than a toy verifier's verdict.
+            judged[i] = verdict
+        return self._counted(jobs, judged)
+
+    def verdicts_now(self, jobs: list[Job]) -> list[Verdict]:
+        """`verdicts` of jobs whose verifiers are all `inline`, judged at once (no await)."""
+        return self._counted(jobs, [self._score_inline(job) for job in jobs])
+
+    @staticmethod
+    def _counted(jobs: list[Job], judged: list) -> list[Verdict]:
+        """The verdicts of `judged` ((verdict, cached) pairs), counted per batch: one labelled
+        child per (verifier, outcome); per item, the label lookups cost more than a toy
+        verifier's verdict."""
         hits, outcomes = Counter(), Counter()
-        for job, (v, cached) in zip(jobs, verdicts):
+        for job, (v, cached) in zip(jobs, judged):
             hits[job.verifier.name, cached] += 1
             outcomes[job.verifier.name, v.status.value, v.details.get("reason", "unknown")] += 1
         for (name, cached), n in hits.items():
@@ -156,13 +187,7 @@ class Scorer:
             ITEMS.labels(name, status).inc(n)
             if status in (RewardStatus.timeout, RewardStatus.error):
                 VERIFIER_FAILURES.labels(name, str(reason)).inc(n)
-        # Built from checked verdicts: `model_construct` skips re-validating each result.
-        return RewardResponse.model_construct(
-            results=[
-                RewardResult.model_construct(id=job.item.id, status=v.status, reward=v.reward, details=v.details)
-                for job, (v, _) in zip(jobs, verdicts)
-            ]
-        )
+        return [v for v, _ in judged]
 
     def _score_inline(self, job: Job) -> tuple[Verdict, bool]:
         """`_score_one` for an `inline` verifier: judged at once, in the request's task (no item of

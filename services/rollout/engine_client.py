@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import math
 import uuid
@@ -46,6 +45,7 @@ MAX_BACKOFF_S = 10.0  # one engine retry never sleeps longer than this
 GENERATE_KEEPALIVE = 64  # idle generation connections kept
 JSON_HEADERS = {"content-type": "application/json"}
 _JSON = msgspec.json.Encoder()  # request bodies (the json module is several times slower)
+_KEY = msgspec.json.Encoder(order="sorted")  # sampling params as canonical JSON: a batch's key
 
 
 class EngineFailure(Exception):
@@ -86,10 +86,10 @@ class Generation:
     text: str
 
 
-# A coalesced `/generate` goes to one engine with one `sampling_params` (as canonical JSON); each
-# of its items is an input and the `in_flight` set of the call it came from.
+# A coalesced `/generate` goes to one engine with one `sampling_params` (its canonical JSON is the
+# key); each of its items is an input, the `in_flight` set of the call it came from and the params.
 BatchKey = tuple[EngineEndpoint, str]
-BatchItem = tuple[list[int], set[str]]
+BatchItem = tuple[list[int], set[str], dict]
 
 
 class EngineClient:
@@ -200,9 +200,12 @@ class EngineClient:
         cancels)."""
         by_params: dict[str, list[int]] = {}
         for i, params in enumerate(sampling_params):
-            by_params.setdefault(json.dumps(params, sort_keys=True), []).append(i)
+            by_params.setdefault(_KEY.encode(params).decode(), []).append(i)
+        if len(by_params) == 1:  # the usual case (a group's samples share their params): no task
+            (key,) = by_params
+            return await self._batches.submit((engine, key), [(x, in_flight, p) for x, p in zip(inputs, sampling_params)])
         batches = [
-            asyncio.ensure_future(self._batches.submit((engine, key), [(inputs[i], in_flight) for i in items]))
+            asyncio.ensure_future(self._batches.submit((engine, key), [(inputs[i], in_flight, sampling_params[i]) for i in items]))
             for key, items in by_params.items()
         ]
         try:
@@ -217,15 +220,15 @@ class EngineClient:
         """One `/generate` of a coalesced batch with one `sampling_params` map and one string
         `rid` (items become `rid_0`, `rid_1`, …): the form SGLang and sglang-router both accept.
         Each retry gets a fresh rid; every failed attempt counts against the engine's health."""
-        engine, params = key
-        inputs = [x for x, _ in items]
-        body = {"input_ids": inputs, "sampling_params": json.loads(params), "return_logprob": True}
+        engine = key[0]
+        inputs = [x for x, _, _ in items]
+        body = {"input_ids": inputs, "sampling_params": items[0][2], "return_logprob": True}
         rid = f"{self._rid_prefix}-{next(self._batch_ids)}"
 
         async def attempt(n: int) -> list[Generation]:
             body["rid"] = rid if n == 0 else f"{rid}-r{n}"
             item_rids = [f"{body['rid']}_{j}" for j in range(len(items))]
-            for (_, owner), item in zip(items, item_rids):
+            for (_, owner, _), item in zip(items, item_rids):
                 owner.add(item)
             engine.in_flight += len(items)
             m.ENGINE_IN_FLIGHT.labels(engine.label).set(engine.in_flight)
@@ -234,7 +237,7 @@ class EngineClient:
             except httpx.HTTPError as exc:
                 resp, problem = None, f"{type(exc).__name__}: {exc}"
             finally:
-                for (_, owner), item in zip(items, item_rids):
+                for (_, owner, _), item in zip(items, item_rids):
                     owner.discard(item)
                 engine.in_flight -= len(items)
                 m.ENGINE_IN_FLIGHT.labels(engine.label).set(engine.in_flight)

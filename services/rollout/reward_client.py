@@ -36,6 +36,7 @@ from services.rollout.engine_client import JSON_HEADERS
 
 if TYPE_CHECKING:
     from services.reward.scoring import Scorer
+    from services.reward.verifiers.base import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,13 @@ class RewardClient:
         await self._batches.aclose()
         await self._http.aclose()
 
-    async def score(self, items: list[RewardItem]) -> list[RewardResult]:
-        """One result per item, in order; never raises for reward-service failures."""
+    async def score(self, items: list[RewardItem]) -> list[RewardResult | Verdict]:
+        """One result per item, in order; never raises for reward-service failures. An item of a
+        local verifier gets the local scorer's `Verdict` (not wrapped in a `RewardResult`: per
+        item that cost as much as the verdict); both carry `status`, `reward` and `details`."""
         local = self._local.verifiers if self._local is not None else {}
         remote = [item for item in items if item.spec.verifier not in local]
-        results = await self._score_local([item for item in items if item.spec.verifier in local])
+        results = self._score_local([item for item in items if item.spec.verifier in local])
         if remote:
             try:
                 answered = iter(await self._batches.submit(None, remote))
@@ -101,18 +104,20 @@ class RewardClient:
             m.REWARD_RESULTS.labels(status.value).inc(n)
         return results
 
-    async def _score_local(self, items: list[RewardItem]) -> list[RewardResult]:
+    def _score_local(self, items: list[RewardItem]) -> list[Verdict]:
+        """Inline verifiers, judged here and now."""
         if not items:
             return []
         from services.reward.scoring import RequestRejected
+        from services.reward.verifiers.base import Verdict
 
         m.REWARD_CALLS.labels("local").inc()
         try:
             jobs = self._local.prepare(RewardRequest.model_construct(items=items))
         except RequestRejected as exc:
             details = {"error": f"{exc}: {exc.problems[:3]}"}
-            return [RewardResult(id=i.id, status=RewardStatus.invalid_input, details=details) for i in items]
-        return (await self._local.score(jobs)).results
+            return [Verdict(RewardStatus.invalid_input, None, details) for _ in items]
+        return self._local.verdicts_now(jobs)
 
     async def _post_batch(self, _: None, items: list[RewardItem]) -> list[RewardResult]:
         """Score a merged batch, with retries: its items go under ids unique by position and

@@ -96,6 +96,7 @@ class Scheduler:
         self._admission_queue: deque[tuple[GroupJob, asyncio.Future]] = deque()
         self._admission_wake = asyncio.Event()
         weights.listeners.append(self._on_version)  # a new version may open admission: ask at once
+        weights.moving.append(self._admission_wake.set)  # ... as soon as it is announced (see there)
         # Scored groups are put, and their jobs ended, together with every group that finished
         # while the previous write ran: one fsync per batch on a Redis that fsyncs every write.
         self._writes = GroupCommit(partial(self._db, self._put_many), split_on=ValueError,
@@ -293,9 +294,12 @@ class Scheduler:
     # A group's last state is reported when its job ends, in the same call, and after the put: a
     # crash between put and end re-runs the job, which finds its group put (`duplicate`).
     def _put_many(self, items: list[tuple[Group, GroupReport]]) -> list[tuple[bool, int]]:
-        new = self.groups.put([group for group, _ in items])
-        self.jobs.end_many([final for _, final in items])
-        version = self.versions.version()
+        # One round trip, in this order (one fsync on a Redis that fsyncs every write).
+        new, _, version = self.jobs.buf.pipeline_parts(
+            self.groups.put_part([group for group, _ in items]),
+            self.jobs.end_part([final for _, final in items]),
+            self.versions.version_part(),
+        )
         return [(n, version) for n in new]
 
     def _settle(self, final: GroupReport) -> None:

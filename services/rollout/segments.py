@@ -68,11 +68,11 @@ async def generate_resuming(
     `weights` (a `WeightSync`, or None) holds every segment while the weights change."""
     pending = list(range(len(drafts)))
     for segment in range(max_resubmits + 1):
-        if weights is not None:
-            await weights.ready.wait()  # never start a segment while the weights change
         bodies = [prompts[i] + drafts[i].tokens for i in pending]
         params = [{**params_for(drafts[i], segment), "max_new_tokens": budgets[i] - len(drafts[i].tokens)}
                   for i in pending]  # fmt: skip
+        if weights is not None:
+            await weights.ready.wait()  # never start a segment while the weights change
         gens = await engines.generate(engine, bodies, params, rids)
         pending = [i for i, gen in zip(pending, gens)
                    if _extend(drafts[i], gen, budgets[i], len(prompts[i]), context_length, initial_version)]  # fmt: skip

@@ -86,6 +86,10 @@ class WeightSync:
         self.deferred: set[int] = set()  # admins left behind `version` by a pin
         self.pins: dict[int, int] = {}  # admin index -> pins held
         self.listeners: list[Callable[[int], Awaitable[None]]] = []
+        # Called as an update starts moving engines (`ready` is clear): the trainer set the
+        # buffer's version before announcing it, so admission for it may be asked while the
+        # engines load the weights; generation waits for `ready` (segments.py).
+        self.moving: list[Callable[[], None]] = []
         self.ready = asyncio.Event()
         self.ready.set()
         self._lock = asyncio.Lock()
@@ -212,6 +216,8 @@ class WeightSync:
             return True
         t0 = time.perf_counter()
         self.ready.clear()
+        for hook in self.moving:
+            hook()
         try:
             name = weight_version_name(info.version, info.epoch)
             errors = await self.engines.update_all_from_disk(info.path or "", name, only=targets)
