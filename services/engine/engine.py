@@ -23,6 +23,7 @@ from proto.sglang import (
     GenerateItem,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
+    SamplingParams,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     refused_by_reference_engine,
@@ -50,6 +51,18 @@ REFUSED_PATH = "model_path refused: not a directory of *.safetensors files insid
 # library's own timeout (a clean error) normally comes first and ours is the backstop.
 JOIN_GRACE_S = 2.0
 NOT_APPLIED_IN_TIME = "the engine did not reach a point to apply the weights in time"
+
+
+@dataclass(frozen=True)
+class _Params:
+    """What every request with the same sampling params shares (`InferenceEngine._params`)."""
+
+    stop_ids: frozenset[int]
+    sampling: RowSampling
+
+
+def _ignore(_: Request) -> None:
+    """A request's `on_finish` until `_run` sets its own."""
 
 
 class InvalidRequest(Exception):
@@ -141,10 +154,14 @@ class InferenceEngine:
             raise InvalidRequest(str(exc)) from exc
         if body.is_batch and not items:
             raise InvalidRequest("empty batch")
+        checked: dict[int, _Params] = {}  # id(sampling params) → what every item with them shares
         for item in items:
-            self._refuse_unsupported(item)
+            if id(item.sampling_params) not in checked:  # (a batch usually shares one object)
+                self._refuse_unsupported(item)
+                checked[id(item.sampling_params)] = self._params(item.sampling_params)
         prompts = await self._prompt_ids(items)
-        requests = [self._build(item, ids) for item, ids in zip(items, prompts)]  # all valid before any runs
+        requests = [self._build(item, ids, checked[id(item.sampling_params)])
+                    for item, ids in zip(items, prompts)]  # all valid before any runs  # fmt: skip
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids) or self._in_flight.intersection(rids):
             raise InvalidRequest("duplicate rid: a request with this rid is already in flight")
@@ -207,30 +224,33 @@ class InferenceEngine:
                 f"(at most {MAX_CHARS_PER_TOKEN} characters per token)"
             )
 
-    def _build(self, item: GenerateItem, ids: list[int]) -> Request:
+    def _params(self, sp: SamplingParams) -> _Params:
+        """What a request takes from its sampling params, checked once per params object."""
+        if sp.max_new_tokens > self.settings.max_new_tokens_cap:
+            raise InvalidRequest(
+                f"max_new_tokens {sp.max_new_tokens} exceeds the cap {self.settings.max_new_tokens_cap}"
+            )
+        stop = set(sp.stop_token_ids or [])
+        if not sp.ignore_eos:
+            stop |= self.runner.eos_token_ids
+        return _Params(frozenset(stop), RowSampling(sp.temperature, sp.top_p, sp.top_k, sp.min_p))
+
+    def _build(self, item: GenerateItem, ids: list[int], shared: _Params) -> Request:
         sp = item.sampling_params
         if item.input_ids is not None:
-            bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-            if bad:
-                raise InvalidRequest(
-                    f"input_ids out of the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}"
-                )
+            vocab = self.runner.vocab_size
+            if min(ids, default=0) < 0 or max(ids, default=0) >= vocab:
+                bad = [t for t in ids if not 0 <= t < vocab]
+                raise InvalidRequest(f"input_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if not ids:
             raise InvalidRequest("empty prompt")
         context = self.runner.context_length
         if len(ids) >= context:
             raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the context length {context}")
-        if sp.max_new_tokens > self.settings.max_new_tokens_cap:
-            raise InvalidRequest(
-                f"max_new_tokens {sp.max_new_tokens} exceeds the cap {self.settings.max_new_tokens_cap}"
-            )
         if item.logprob_start_len >= len(ids):
             raise InvalidRequest(
                 f"logprob_start_len {item.logprob_start_len} must be below the prompt length {len(ids)}"
             )
-        stop = set(sp.stop_token_ids or [])
-        if not sp.ignore_eos:
-            stop |= self.runner.eos_token_ids
         seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(63)
         max_new_tokens = min(sp.max_new_tokens, context - len(ids))
         return Request(
@@ -238,10 +258,10 @@ class InferenceEngine:
             prompt_ids=ids,
             # A request never outgrows the context: the remainder is clipped (finish "length").
             max_new_tokens=max_new_tokens,
-            stop_ids=frozenset(stop),
-            sampling=RowSampling(sp.temperature, sp.top_p, sp.top_k, sp.min_p),
+            stop_ids=shared.stop_ids,
+            sampling=shared.sampling,
             uniforms=draw_uniforms(max_new_tokens, seed) if sp.temperature > 0 else [0.0] * max_new_tokens,
-            on_finish=lambda r: None,
+            on_finish=_ignore,
             return_logprob=item.return_logprob,
             logprob_start_len=item.logprob_start_len,
         )

@@ -25,12 +25,12 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
 from proto.records import RewardStatus
-from proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult
+from proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, RewardSpec
 from services.common.logging import log_event
 from services.reward.metrics import CACHE_HITS, CACHE_MISSES, ITEMS, LATENCY, VERIFIER_FAILURES
 from services.reward.verifiers.base import SpecError, Verdict, Verifier
@@ -52,9 +52,18 @@ class RequestRejected(ValueError):
         self.problems = problems
 
 
+class _Item(NamedTuple):
+    """What an inline verdict reads of an item (`RewardItem`'s fields), for `judge_group`."""
+
+    id: str
+    prompt: str
+    completion: str
+    spec: RewardSpec
+
+
 @dataclass
 class Job:
-    item: RewardItem
+    item: RewardItem | _Item
     verifier: Verifier
     spec: BaseModel
     key: str
@@ -119,17 +128,8 @@ class Scorer:
             if key is None:
                 args = item.spec.args()
                 key = same[id(item.spec)] = (verifier.name, json.dumps(args, sort_keys=True))
-            seen = parsed.get(key) or self._specs.get(key)
-            if seen is None:  # (a key not parsed yet was made just above, from this item's `args`)
-                try:
-                    spec = verifier.parse_spec(args)
-                    seen = (spec, spec.model_dump(mode="json"))
-                except SpecError as exc:
-                    seen = exc
-                if len(key[1]) <= SPEC_MEMO_CHARS:
-                    self._specs[key] = seen
-                    if len(self._specs) > SPEC_MEMO_ENTRIES:
-                        self._specs.popitem(last=False)
+            # (a key not parsed in this batch was made just above, from this item's `args`)
+            seen = parsed.get(key) or self._parse(verifier, args, key[1])
             parsed[key] = seen
             if isinstance(seen, SpecError):
                 problems.append({"id": item.id, "loc": ["items", index, "spec"], "msg": f"{verifier.name}: {seen}"})
@@ -141,6 +141,41 @@ class Scorer:
         if problems:
             raise RequestRejected(problems)
         return jobs
+
+    def _parse(self, verifier: Verifier, args: dict[str, Any], canonical: str) -> tuple[BaseModel, Any] | SpecError:
+        """The spec `args` (`canonical`: as sorted JSON) parsed, with its JSON dump, or why not;
+        short ones kept among the last SPEC_MEMO_ENTRIES."""
+        key = (verifier.name, canonical)
+        seen = self._specs.get(key)
+        if seen is None:
+            try:
+                spec = verifier.parse_spec(args)
+                seen = (spec, spec.model_dump(mode="json"))
+            except SpecError as exc:
+                seen = exc
+            if len(canonical) <= SPEC_MEMO_CHARS:
+                self._specs[key] = seen
+                if len(self._specs) > SPEC_MEMO_ENTRIES:
+                    self._specs.popitem(last=False)
+        return seen
+
+    def judge_group(self, spec: RewardSpec, prompt: str, completions: list[str]) -> list[Verdict]:
+        """The verdicts of `completions` of one `prompt` under one `spec` of an inline verifier,
+        judged at once (the rollout scores a group with this: no item objects to build). Raises
+        RequestRejected as `prepare` would."""
+        verifier = self.verifiers.get(spec.verifier)
+        if verifier is None or not verifier.inline:
+            msg = f"{spec.verifier!r} is not an inline verifier of this scorer ({', '.join(sorted(self.verifiers))})"
+            raise RequestRejected([{"id": "0", "loc": ["spec", "verifier"], "msg": msg}])
+        args = spec.args()
+        seen = self._parse(verifier, args, json.dumps(args, sort_keys=True))
+        if isinstance(seen, SpecError):
+            raise RequestRejected([{"id": "0", "loc": ["spec"], "msg": f"{verifier.name}: {seen}"}])
+        parsed, dumped = seen
+        keyed = self.cache.max_entries > 0  # (an inline verdict is never shared in flight: no cache, no key)
+        items = [_Item(str(i), prompt, c, spec) for i, c in enumerate(completions)]
+        return self.verdicts_now([Job(item, verifier, parsed, self._key(verifier, parsed, dumped, item) if keyed else "")
+                                  for item in items])  # fmt: skip
 
     @staticmethod
     def _key(verifier: Verifier, spec: BaseModel, dumped: Any, item: RewardItem) -> str:

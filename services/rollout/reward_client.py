@@ -27,7 +27,7 @@ import msgspec
 from pydantic import ValidationError
 
 from proto.records import RewardStatus
-from proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, VerifierList
+from proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, RewardSpec, VerifierList
 from services.common.coalescer import Coalescer
 from services.common.logging import log_event
 from services.common.retry import Retryable, with_retries
@@ -104,19 +104,42 @@ class RewardClient:
             m.REWARD_RESULTS.labels(status.value).inc(n)
         return results
 
+    async def score_group(self, spec: RewardSpec, prompt: str, completions: list[str]) -> list[RewardResult | Verdict]:
+        """`score` for completions of one prompt under one spec (a group's samples): judged here
+        when its verifier is local, without building an item per completion."""
+        if self._local is None or spec.verifier not in self._local.verifiers:
+            return await self.score([RewardItem.model_construct(id=str(i), prompt=prompt, completion=c, spec=spec)
+                                     for i, c in enumerate(completions)])  # fmt: skip
+        from services.reward.scoring import RequestRejected
+
+        m.REWARD_CALLS.labels("local").inc()
+        try:
+            results = self._local.judge_group(spec, prompt, completions)
+        except RequestRejected as exc:
+            results = self._rejected(exc, len(completions))
+        for status, n in Counter(r.status for r in results).items():
+            m.REWARD_RESULTS.labels(status.value).inc(n)
+        return results
+
+    @staticmethod
+    def _rejected(exc: Exception, n: int) -> list[Verdict]:
+        """The local scorer refused the spec: every item of it is `invalid_input`, saying why."""
+        from services.reward.verifiers.base import Verdict
+
+        details = {"error": f"{exc}: {exc.problems[:3]}"}
+        return [Verdict(RewardStatus.invalid_input, None, details) for _ in range(n)]
+
     def _score_local(self, items: list[RewardItem]) -> list[Verdict]:
         """Inline verifiers, judged here and now."""
         if not items:
             return []
         from services.reward.scoring import RequestRejected
-        from services.reward.verifiers.base import Verdict
 
         m.REWARD_CALLS.labels("local").inc()
         try:
             jobs = self._local.prepare(RewardRequest.model_construct(items=items))
         except RequestRejected as exc:
-            details = {"error": f"{exc}: {exc.problems[:3]}"}
-            return [Verdict(RewardStatus.invalid_input, None, details) for _ in items]
+            return self._rejected(exc, len(items))
         return self._local.verdicts_now(jobs)
 
     async def _post_batch(self, _: None, items: list[RewardItem]) -> list[RewardResult]:

@@ -71,3 +71,15 @@ def test_uniforms_are_a_function_of_the_seed():
     assert draw_uniforms(5, 3) == draw_uniforms(5, 3)
     assert draw_uniforms(5, 3) != draw_uniforms(5, 4)
     assert all(0.0 <= u < 1.0 for u in draw_uniforms(1000, 0))
+
+
+def test_uniforms_are_splitmix64_outputs():
+    # SplitMix64's first outputs from state 0 (the reference C implementation), top 53 bits.
+    expected = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    assert draw_uniforms(3, 0) == [(x >> 11) * 2.0**-53 for x in expected]
+    u = draw_uniforms(200_000, 12345)
+    assert abs(sum(u) / len(u) - 0.5) < 0.003
+    counts = [0] * 10
+    for x in u:
+        counts[int(x * 10)] += 1
+    assert max(abs(c - 20_000) for c in counts) < 600  # ~4.5 sigma for a uniform decile
