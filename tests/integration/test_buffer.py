@@ -111,6 +111,29 @@ def test_pipelined_scripts_survive_a_flushed_script_cache(buf):
     assert [g.group_id for g in buf.groups.take(5, current_version=0, block_ms=50).groups] == ["a", "b"]
 
 
+def test_parts_of_one_pipeline_get_their_own_replies(buf):
+    """The rollout's write of a batch: its groups put, their jobs ended and the version read in
+    one round trip, each part's result made from its own replies, also when a flushed script
+    cache makes the pipeline run again."""
+    buf.jobs.describe("j0", 3, "hash")
+    buf.jobs.enqueue([make_job(f"g{i}") for i in range(3)])
+    assert len(buf.jobs.claim(3, block_ms=50)) == 3
+    buf.weights.set_version(7)
+    assert buf.groups.put([make_group("g0")]) == [True]
+    buf.conn.r.script_flush()
+    ends = [GroupReport("j0", "g0", GroupState.buffered), GroupReport("j0", "g1", GroupState.buffered, error="late"),
+            GroupReport("j0", "g0", GroupState.buffered)]  # fmt: skip
+    new, ended, version = buf.conn.pipeline_parts(
+        buf.groups.put_part([make_group("g0"), make_group("g1")]), buf.jobs.end_part(ends), buf.weights.version_part()
+    )
+    assert (new, ended, version) == ([False, True], [True, True, False], 7)
+    progress = buf.jobs.progress("j0")
+    assert progress.states == {"g0": GroupState.buffered, "g1": GroupState.buffered}
+    assert progress.errors == {"g1": "late"}
+    assert buf.stats()["counters"]["put"] == 2 and buf.stats()["counters"]["duplicates"] == 1
+    assert buf.conn.pipeline_parts() == []
+
+
 def test_put_refuses_unscored_groups(buf):
     g = edit_sample(make_group("g1"), 0, reward_status=None, reward=None)
     with pytest.raises(ValueError, match="without a reward status"):

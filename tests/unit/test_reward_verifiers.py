@@ -149,3 +149,40 @@ def test_normalise_output():
     assert normalise_output("1 2\n3") != normalise_output("1  2\n3")
     assert normalise_output("12") != normalise_output("1\n2")
 
+
+
+def _plain(details: dict) -> dict:
+    return {k: v for k, v in details.items() if k != "cached"}
+
+
+@pytest.mark.parametrize("cache_entries", [0, 16])
+def test_a_group_judged_at_once_gets_the_batch_paths_verdicts(cache_entries):
+    """`Scorer.judge_group` (the rollout's local scoring of a group) answers what `prepare` +
+    `score` answer for the same items, spec by spec (a parsed spec kept across calls never
+    stands in for another), and refuses what `prepare` refuses."""
+    from proto.rewards import RewardItem, RewardRequest, RewardSpec
+    from services.reward.scoring import RequestRejected, Scorer
+
+    verifiers = {"reverse": ReverseVerifier(concurrency=1, timeout_s=1.0), "arith": ArithVerifier(concurrency=1, timeout_s=1.0)}
+    scorer = Scorer(verifiers, cache_entries=cache_entries, queue_timeout_s=1.0)
+    cases = [({"verifier": "reverse"}, "abc>", ["cba", "cbz", "", "abcd"]),
+             ({"verifier": "reverse", "target": "xyz"}, "abc>", ["cba", "xyz"]),
+             ({"verifier": "arith", "answer": "12", "format_credit": 0.25}, "7+5=", ["12", " 13", "x"]),
+             ({"verifier": "reverse"}, "hello>", ["olleh", "cba"])]  # fmt: skip
+    for spec_args, prompt, completions in cases * 2:  # twice: the second time from the kept specs (and cache)
+        spec = RewardSpec.model_validate(spec_args)
+        items = [RewardItem(id=str(i), prompt=prompt, completion=c, spec=spec) for i, c in enumerate(completions)]
+        batch = asyncio.run(scorer.score(scorer.prepare(RewardRequest(items=items)))).results
+        group = scorer.judge_group(spec, prompt, completions)
+        assert [(v.status, v.reward, _plain(v.details)) for v in group] == [
+            (r.status, r.reward, _plain(r.details)) for r in batch
+        ]
+    expected = [1.0, 2 / 3, 0.0, 0.25]
+    assert [v.reward for v in scorer.judge_group(RewardSpec.model_validate({"verifier": "reverse"}), "abc>",
+                                                  ["cba", "cbz", "", "abcd"])] == pytest.approx(expected)  # fmt: skip
+    assert [v.reward for v in scorer.judge_group(RewardSpec.model_validate({"verifier": "reverse", "target": "xyz"}),
+                                                  "abc>", ["cba", "xyz"])] == [0.0, 1.0]  # fmt: skip
+    with pytest.raises(RequestRejected, match="invalid item"):
+        scorer.judge_group(RewardSpec.model_validate({"verifier": "reverse", "target": ""}), "abc>", ["x"])
+    with pytest.raises(RequestRejected):  # not a verifier of this scorer
+        scorer.judge_group(RewardSpec.model_validate({"verifier": "math", "answer": "1"}), "", ["1"])
