@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spawned import finish_worker
 
 torch.set_num_threads(1)
 K, M = 3, 3  # steps before the checkpoint, steps after it
@@ -97,6 +98,7 @@ def worker(rank: int, world: int, port: int, model_dir: Path, jobs: list[dict], 
                 torch.save(result, out / f"{job['name']}.pt")
     finally:
         dist.destroy_process_group()
+    finish_worker()  # (only after a clean run: an exception above exits non-zero)
 
 
 def launch(world: int, model_dir: Path, jobs: list[dict], out: Path) -> None:

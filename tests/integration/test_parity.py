@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from spawned import finish_worker
 
 from proto import Group, Sample
 from trainer.batch import build_rows, collate, micro_batches, token_logprobs
@@ -111,6 +112,7 @@ def fsdp_worker(rank, world, port, model_dir, cases, out_path, micro_batch_size)
             torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
+    finish_worker()  # (only after a clean run: an exception above exits non-zero)
 
 
 @pytest.fixture(scope="module")
