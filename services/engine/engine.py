@@ -57,6 +57,7 @@ NOT_APPLIED_IN_TIME = "the engine did not reach a point to apply the weights in 
 class _Params:
     """What every request with the same sampling params shares (`InferenceEngine._params`)."""
 
+    refused: tuple[str, ...]  # what the reference engine does not support, as labels
     stop_ids: frozenset[int]
     sampling: RowSampling
 
@@ -154,13 +155,14 @@ class InferenceEngine:
             raise InvalidRequest(str(exc)) from exc
         if body.is_batch and not items:
             raise InvalidRequest("empty batch")
-        checked: dict[int, _Params] = {}  # id(sampling params) → what every item with them shares
+        # id(sampling params) → what every item with them shares: a batch usually shares one object
+        shared: dict[int, _Params] = {}
         for item in items:
-            if id(item.sampling_params) not in checked:  # (a batch usually shares one object)
-                self._refuse_unsupported(item)
-                checked[id(item.sampling_params)] = self._params(item.sampling_params)
+            sp = item.sampling_params
+            params = shared.get(id(sp)) or shared.setdefault(id(sp), self._params(sp))
+            self._refuse_unsupported(item, params.refused)
         prompts = await self._prompt_ids(items)
-        requests = [self._build(item, ids, checked[id(item.sampling_params)])
+        requests = [self._build(item, ids, shared[id(item.sampling_params)])
                     for item, ids in zip(items, prompts)]  # all valid before any runs  # fmt: skip
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids) or self._in_flight.intersection(rids):
@@ -225,15 +227,11 @@ class InferenceEngine:
             )
 
     def _params(self, sp: SamplingParams) -> _Params:
-        """What a request takes from its sampling params, checked once per params object."""
-        if sp.max_new_tokens > self.settings.max_new_tokens_cap:
-            raise InvalidRequest(
-                f"max_new_tokens {sp.max_new_tokens} exceeds the cap {self.settings.max_new_tokens_cap}"
-            )
+        """What requests take from their sampling params, worked out once per params object."""
         stop = set(sp.stop_token_ids or [])
         if not sp.ignore_eos:
             stop |= self.runner.eos_token_ids
-        return _Params(frozenset(stop), RowSampling(sp.temperature, sp.top_p, sp.top_k, sp.min_p))
+        return _Params(self._unsupported(sp), frozenset(stop), RowSampling(sp.temperature, sp.top_p, sp.top_k, sp.min_p))
 
     def _build(self, item: GenerateItem, ids: list[int], shared: _Params) -> Request:
         sp = item.sampling_params
@@ -247,6 +245,10 @@ class InferenceEngine:
         context = self.runner.context_length
         if len(ids) >= context:
             raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the context length {context}")
+        if sp.max_new_tokens > self.settings.max_new_tokens_cap:
+            raise InvalidRequest(
+                f"max_new_tokens {sp.max_new_tokens} exceeds the cap {self.settings.max_new_tokens_cap}"
+            )
         if item.logprob_start_len >= len(ids):
             raise InvalidRequest(
                 f"logprob_start_len {item.logprob_start_len} must be below the prompt length {len(ids)}"
@@ -266,9 +268,15 @@ class InferenceEngine:
             logprob_start_len=item.logprob_start_len,
         )
 
-    def _refuse_unsupported(self, item: GenerateItem) -> None:
-        refused = list(refused_by_reference_engine(item.sampling_params).values())
-        refused += ["n > 1"] * (item.sampling_params.n != 1) + ["top_logprobs_num > 0"] * (item.top_logprobs_num > 0)
+    @staticmethod
+    def _unsupported(sp: SamplingParams) -> tuple[str, ...]:
+        """Labels of what `sp` asks that the reference engine does not support."""
+        return (*refused_by_reference_engine(sp).values(), *["n > 1"] * (sp.n != 1))
+
+    @staticmethod
+    def _refuse_unsupported(item: GenerateItem, unsupported: tuple[str, ...]) -> None:
+        """`unsupported`: `_unsupported(item.sampling_params)`, worked out once per params object."""
+        refused = [*unsupported, *["top_logprobs_num > 0"] * (item.top_logprobs_num > 0)]
         if refused:
             raise InvalidRequest(f"not supported by the reference engine: {', '.join(refused)}")
 

@@ -276,6 +276,12 @@ BAD_INPUTS = [
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, 422, "bogus"),
     ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, 400, "constrained decoding"),
     ({"input_ids": [1], "stream": True}, 400, "stream"),
+    # A batch shares one sampling params object; what differs per item is still checked per item.
+    ({"input_ids": [[1], [1]], "sampling_params": {"max_new_tokens": 2}, "top_logprobs_num": [0, 2]}, 400,
+     "top_logprobs_num > 0"),  # fmt: skip
+    ({"input_ids": [[1], [1] * CONTEXT]}, 400, "context length"),
+    ({"input_ids": [[1], [1]], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": CAP + 1}]}, 400,
+     "exceeds the cap"),  # fmt: skip
 ]
 
 

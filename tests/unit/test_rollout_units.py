@@ -368,7 +368,7 @@ def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(in
         item = GenerateItem(text="ab", input_ids=None, sampling_params=params, rid=None, return_logprob=True,
                             logprob_start_len=-1, top_logprobs_num=0)  # fmt: skip
         try:
-            InferenceEngine._refuse_unsupported(None, item)  # the engine's own list, not a copy of it
+            InferenceEngine._refuse_unsupported(item, InferenceEngine._unsupported(params))  # the engine's own list
         except InvalidRequest:
             return True
         return False
