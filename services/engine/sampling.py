@@ -21,9 +21,10 @@ Which log-probability is returned (the behaviour policy μ the trainer corrects 
 Randomness: at submission each request draws `max_new_tokens` uniforms from its seed
 (`sampling_seed`, else one from the engine's seeded RNG): the t-th is SplitMix64's t-th output
 from that seed, a counter-based generator (a request's own `torch.Generator` cost 3x as much);
-its t-th token is the inverse CDF of its t-th uniform. A seeded request's tokens therefore depend only on its
-seed and its logits, never on which requests share the batch (up to float rounding of the
-batched matmuls), and the whole batch samples with one vectorised `searchsorted`.
+its t-th token is the inverse CDF of its t-th uniform. A seeded request's tokens therefore
+depend only on its seed and its logits, never on which requests share the batch (up to float
+rounding of the batched matmuls), and the whole batch samples with one vectorised
+`searchsorted`.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@
 * Time-bounded: the blocking part of an update (resolving and reading a checkpoint, the
   rendezvous, receiving a broadcast) runs on a thread of its own (`in_thread`; an idle one is
   reused), never on the event loop's executor (which tokenizes `/generate` texts) nor on the
-  scheduler thread (which decodes). The caller stops waiting at the deadline and answers with a timeout; the thread is
-  abandoned, not joined: it is a daemon, so it holds neither the next update nor shutdown
-  (SIGTERM). What it returns after its deadline is dropped. Limit: an abandoned thread may
-  still be running while the next update runs (a read of a hung file system, a rendezvous that
-  ignores its own timeout); it holds only what it allocated.
+  scheduler thread (which decodes). The caller stops waiting at the deadline and answers with
+  a timeout; the thread is abandoned, not joined: it is a daemon, so it holds neither the next
+  update nor shutdown (SIGTERM). What it returns after its deadline is dropped. Limit: an
+  abandoned thread may still be running while the next update runs (a read of a hung file
+  system, a rendezvous that ignores its own timeout); it holds only what it allocated.
 * Health (`degraded()`, `/health` answers 503 with the reason): the engine is degraded while
   the last update that was attempted failed (an error or a timeout while reading, joining,
   receiving or applying), until a later one succeeds (a later weight load; a failed join is
@@ -158,8 +158,8 @@ _WORKERS = _Workers()
 
 
 async def in_thread(fn: Callable[[], Any], deadline: float, name: str) -> Any:
-    """`fn()` on a new daemon thread; its result, or `UpdateTimeout` at the monotonic `deadline`
-    (the thread is then abandoned: see the module docstring)."""
+    """`fn()` on a daemon thread of its own (`_Workers`); its result, or `UpdateTimeout` at the
+    monotonic `deadline` (the thread is then abandoned: see the module docstring)."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 

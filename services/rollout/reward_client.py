@@ -100,14 +100,13 @@ class RewardClient:
                 results = [next(mine) if item.spec.verifier in local else next(answered) for item in items]
             else:
                 results = list(answered)
-        for status, n in Counter(r.status for r in results).items():
-            m.REWARD_RESULTS.labels(status.value).inc(n)
-        return results
+        return _counted(results)
 
     async def score_group(self, spec: RewardSpec, prompt: str, completions: list[str]) -> list[RewardResult | Verdict]:
         """`score` for completions of one prompt under one spec (a group's samples): judged here
         when its verifier is local, without building an item per completion."""
         if self._local is None or spec.verifier not in self._local.verifiers:
+            # The caller's own strings and checked spec: not validated again.
             return await self.score([RewardItem.model_construct(id=str(i), prompt=prompt, completion=c, spec=spec)
                                      for i, c in enumerate(completions)])  # fmt: skip
         from services.reward.scoring import RequestRejected
@@ -117,9 +116,7 @@ class RewardClient:
             results = self._local.judge_group(spec, prompt, completions)
         except RequestRejected as exc:
             results = self._rejected(exc, len(completions))
-        for status, n in Counter(r.status for r in results).items():
-            m.REWARD_RESULTS.labels(status.value).inc(n)
-        return results
+        return _counted(results)
 
     @staticmethod
     def _rejected(exc: Exception, n: int) -> list[Verdict]:
@@ -210,6 +207,13 @@ class RewardClient:
             served |= {name: v.Spec.model_json_schema() for name, v in self._local.verifiers.items()}
         self._verifiers = (now, served)
         return served
+
+
+def _counted(results: list[RewardResult | Verdict]) -> list[RewardResult | Verdict]:
+    """`results`, each counted by status."""
+    for status, n in Counter(r.status for r in results).items():
+        m.REWARD_RESULTS.labels(status.value).inc(n)
+    return results
 
 
 def _local_scorer(names: Sequence[str]) -> Scorer:

@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
 import redis
 
 from buffer import AdmissionControl, Buffer, ClaimedJob, GroupReport, Groups, Jobs, Weights
@@ -461,7 +460,6 @@ class Scheduler:
                                          details=d.details) for d in judged}  # fmt: skip
         if len(judged) < len(drafts):
             spec = RewardSpec.model_construct(**job.reward_spec)  # checked at submission (intake)
-            # Our own strings (the engine's answer was checked when it was parsed): not validated again.
             unjudged = [d for d in drafts if d.env_reward is None]
             for d, r in zip(unjudged, await self.rewards.score_group(spec, job.prompt_text, [d.text for d in unjudged])):
                 results[d.index] = r
@@ -471,10 +469,9 @@ class Scheduler:
         episodes = any(d.loss_mask is not None for d in drafts)
         return Samples(
             lengths=[len(d.tokens) for d in drafts],
-            # Typed arrays: the record's check takes them as they are (lists it converts, then compares).
-            completion_ids=_int32([t for d in drafts for t in d.tokens], "completion_ids"),
-            behavior_logprobs=np.array([lp for d in drafts for lp in d.logprobs], np.float32),
-            versions=_int32([v for d in drafts for v in d.versions], "versions"),
+            completion_ids=[t for d in drafts for t in d.tokens],
+            behavior_logprobs=[lp for d in drafts for lp in d.logprobs],
+            versions=[v for d in drafts for v in d.versions],
             prompt_id=[job.prompt_id] * n,
             finish_reason=[d.finish_reason for d in drafts],
             truncated=[d.finish_reason == "length" for d in drafts],
@@ -491,10 +488,3 @@ class Scheduler:
             turn_starts=[d.turn_starts for d in drafts] if episodes else [],
             turn_rewards=[d.turn_rewards for d in drafts] if episodes and any(d.turn_rewards for d in drafts) else [],
         )
-
-
-def _int32(values: list[int], name: str) -> np.ndarray:
-    try:
-        return np.array(values, np.int32)
-    except OverflowError:  # (as the record would say it)
-        raise ValueError(f"{name}: values do not fit in int32") from None
