@@ -11,7 +11,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ from trainer.model import DTYPES, Dist, build_model, full_state_dict, resolve_mi
 from trainer.schedule import build_scheduler
 from trainer.step import StepConfig
 from trainer.tracking import Tracker, build_tracker
-from trainer.weights import BroadcastPublisher, DiskPublisher, cast_state
+from trainer.weights import BroadcastPublisher, DiskPublisher, cast_state, detach_from
 
 if TYPE_CHECKING:
     from buffer import AdmissionControl, Groups, Weights
@@ -62,8 +63,19 @@ class Parts:
     fetch_evaluations: Callable[[], list[dict]] | None = None  # evaluation summaries for the tracker
     epoch: int = 0  # the run's history this trainer writes (proto/lineage.py); set by `resume`
 
+    # rank 0, `publish_background`: the disk write of the newest version, running while the next step trains
+    _shipping: Future | None = field(default=None, init=False, repr=False)
+    _shipper: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+
     def publish(self, version: int, rollback: bool = False) -> None:
-        """Collective: gather the full weights, then rank 0 ships them and announces `version`."""
+        """Collective: gather the full weights, then rank 0 ships them and announces `version`.
+
+        With `publish_background` (disk only), rank 0 hands a snapshot of the weights to one
+        writer thread and returns: the directory is written, fsynced and announced while the
+        next step trains, so `version` moves a write's time (~ms) after the step, not before the
+        next one starts. One write at a time, in version order: a publish first waits for the
+        previous one and raises its error (so does `finish_publishing`). A rollback (resume)
+        publishes in the foreground."""
         if self.cfg.publish == "none":
             if self.weights is not None:
                 self.weights.set_version(version)
@@ -73,6 +85,22 @@ class Parts:
         if not self.d.is_main:
             return
         state = cast_state(state, DTYPES[self.cfg.publish_dtype])
+        self.finish_publishing()
+        if self.disk is not None and self.cfg.publish_background and not rollback:
+            state = detach_from(state, self.model)  # the next step updates the live tensors in place
+            if self._shipper is None:
+                self._shipper = ThreadPoolExecutor(1, thread_name_prefix="weights-publish")
+            self._shipping = self._shipper.submit(self._ship, version, state, rollback, t0)
+        else:
+            self._ship(version, state, rollback, t0)
+
+    def finish_publishing(self) -> None:
+        """Rank 0: wait for a background publish; raises what it raised."""
+        shipping, self._shipping = self._shipping, None
+        if shipping is not None:
+            shipping.result()
+
+    def _ship(self, version: int, state: dict[str, torch.Tensor], rollback: bool, t0: float) -> None:
         if self.disk is not None:
             out = self.disk.write(version, state, self.epoch)
             info = WeightsInfo(version=version, epoch=self.epoch, method="disk", path=out.path,

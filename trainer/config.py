@@ -110,6 +110,8 @@ class TrainerSettings(ServiceSettings):
     # weights
     publish: Literal["disk", "distributed", "none"] = Field("disk", description="how new weights reach engines")
     publish_dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="dtype of published weights")
+    publish_background: bool = Field(
+        True, description="disk: write and announce each version in a background thread while the next step trains")
     keep_weights: int = Field(3, ge=1, description="weight directories kept on disk")
     engine_urls: list[str] = Field(default_factory=list, description="engines joining the broadcast group")
     broadcast_master_addr: str = Field("127.0.0.1", description="address engines reach the trainer's rank 0 on")

@@ -113,6 +113,8 @@ def train_steps(p: Parts) -> int:
         record(p, version, taken, rows, stats, timer.seconds, time.perf_counter() - t_step)
     if consumed:  # stopped between checkpoints: make the last steps durable before leaving
         checkpoint_and_ack(p, version, consumed)
+    if d.is_main:
+        p.finish_publishing()  # the last version is announced before the trainer says it stopped
     p.health.state = "stopped"
     return 0
 

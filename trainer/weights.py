@@ -48,6 +48,18 @@ class Published:
     path: str | None = None
 
 
+def detach_from(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`state` with a copy of each tensor that shares memory with `model`'s parameters or buffers
+    (a full state dict of an unsharded model, or of one rank's shard, hands out the live tensors;
+    a cast to the same dtype keeps them): safe to read while the optimizer updates the model."""
+    live = {_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in state.items()}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+
+
 def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Floating tensors to `dtype`, contiguous (safetensors and broadcast need it)."""
     return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
