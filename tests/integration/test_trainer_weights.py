@@ -115,3 +115,24 @@ def test_broadcast_publisher_updates_a_reference_engine(tiny, dist1):
         pub.close()
     finally:
         engine.stop()
+
+
+def test_full_state_dict_of_an_unsharded_model_is_what_the_gathering_api_returns(tiny, dist1):
+    """A world of one does not shard the model: `full_state_dict` reads its tensors directly;
+    the names and values are the gathering API's (tied weights once)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from trainer.model import tied_aliases
+
+    model = build_model(tiny, dist1)
+    assert not any(hasattr(p, "to_local") for p in model.parameters())  # the fast path's case
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))  # not the file's values
+    gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for alias in tied_aliases(model):
+        gathered.pop(alias, None)
+    state = full_state_dict(model)
+    assert list(state) == list(gathered)
+    for k, v in state.items():
+        assert not v.requires_grad and torch.equal(v, gathered[k]), k
