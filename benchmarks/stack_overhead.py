@@ -7,7 +7,9 @@
     B groups, publish a weights directory of version v + 1 (the same tensors) and set the
     version, take the next B groups; the figure is the time from the version bump to the B-th
     group taken, so it holds admission, the engine's weight reload, generation, scoring and the
-    buffer. The in-process arm submits the 256 requests to a `Scheduler` at once and waits.
+    buffer. The in-process arm submits the 256 requests to a `Scheduler` at once and waits. Both
+    arms follow configs/demo.toml's [demo] with the `--set` overrides: `--set demo.prompt_len=16`
+    gives 16-letter prompts and 16-token answers, to see how the stack's cost scales with the work.
 (b) Trainer busy time per step (a step's time minus its wait for data) against a plain step on a
     batch of the demo's shape: one forward with entropy, the policy loss, backward, clipping and
     AdamW on the model as transformers loads it, batch tensors built once. Two trainer figures:
@@ -88,8 +90,9 @@ def med_ms(xs: list[float]) -> float:
 
 
 # ----------------------------------------------------------------------------- (a) generation
-def inproc_generation(model_dir: str, prompts: list[list[int]], group: int, steps: int) -> list[float]:
-    """Seconds per step: every sample of the step submitted to the engine's scheduler at once."""
+def inproc_generation(model_dir: str, prompts: list[list[int]], group: int, steps: int, new_tokens: int) -> list[float]:
+    """Seconds per step: every sample of the step submitted to the engine's scheduler at once,
+    `new_tokens` each (no stop token: the demo's answers are fixed-length, `ignore_eos`)."""
     from services.engine.model_runner import ModelRunner
     from services.engine.sampling import RowSampling, draw_uniforms
     from services.engine.scheduler import Request, Scheduler
@@ -113,9 +116,9 @@ def inproc_generation(model_dir: str, prompts: list[list[int]], group: int, step
             t0 = time.perf_counter()
             for p in prompts:
                 for _ in range(group):
-                    sched.submit(Request(rid=f"{i}-{rng.getrandbits(48)}", prompt_ids=p, max_new_tokens=3,
+                    sched.submit(Request(rid=f"{i}-{rng.getrandbits(48)}", prompt_ids=p, max_new_tokens=new_tokens,
                                          stop_ids=frozenset(), sampling=RowSampling(1.0, 1.0, -1, 0.0),
-                                         uniforms=draw_uniforms(3, rng.getrandbits(63)), on_finish=finished,
+                                         uniforms=draw_uniforms(new_tokens, rng.getrandbits(63)), on_finish=finished,
                                          return_logprob=True))  # fmt: skip
             done.wait()
             if i >= 2:
@@ -354,18 +357,23 @@ def main() -> int:
         if not args.skip_generation:
             from transformers import AutoTokenizer
 
+            from services.demo import DemoSection
+            from services.tasks import reverse_prompts
+
+            # The stack's task (configs/demo.toml's [demo], with --set): B prompts of prompt_len
+            # letters, group_size answers of prompt_len tokens each.
+            demo = DemoSection.model_validate(demo_config(args.port_base)["demo"])
             tok = AutoTokenizer.from_pretrained(base)
-            rng = random.Random(0)
-            prompts = [tok(f"<bos>{''.join(rng.choice('abcdefghij') for _ in range(3))}>", add_special_tokens=False)
-                       ["input_ids"] for _ in range(32)]  # fmt: skip
-            inproc = inproc_generation(str(base), prompts, 8, args.steps)
+            prompts = [tok(p["text"], add_special_tokens=False)["input_ids"]
+                       for p in reverse_prompts(demo.prompts_per_step, demo.letters, demo.prompt_len, random.Random(0))]  # fmt: skip
+            inproc = inproc_generation(str(base), prompts, demo.group_size, args.steps, demo.prompt_len)
             eta = (
                 args.eta
                 if args.eta is not None
                 else tomllib.loads(DEMO_CONFIG.read_text())["trainer"]["max_staleness"]
             )
             stack = stack_generation(tmp / "gen", args.port_base, args.steps, eta)
-            result["generation"] = {"inproc_ms": med_ms(inproc), "eta": eta, **{
+            result["generation"] = {"inproc_ms": med_ms(inproc), "eta": eta, "answer_tokens": demo.prompt_len, **{
                 f"{arm}_{k}": v for arm, r in stack.items() for k, v in (
                     ("ms", med_ms(r["step_s"])), ("ratio", statistics.median(r["step_s"]) / statistics.median(inproc)),
                     ("dropped_stale", r["dropped_stale"]))}}  # fmt: skip
@@ -416,7 +424,8 @@ def main() -> int:
 def print_table(r: dict) -> None:
     if "generation" in r:
         g = r["generation"]
-        print(f"\n(a) generation per step, in-process {g['inproc_ms']} ms; through the stack: synchronous "
+        print(f"\n(a) generation per step ({g.get('answer_tokens', 3)}-token answers), in-process {g['inproc_ms']} ms; "
+              "through the stack: synchronous "
               f"{g['sync_ms']} ms = {g['sync_ratio']:.2f}x, η = {g['eta']} (throughput) {g['async_ms']} ms = "
               f"{g['async_ratio']:.2f}x (target <= 1.5x)")  # fmt: skip
     if "trainer" in r:
