@@ -85,7 +85,7 @@ def generate_run(model, batch: int, args, vocab: int) -> tuple[float, int]:
 def core_run(model_dir: str, batch: int, args, vocab: int) -> tuple[float, int]:
     """The engine's scheduler and model runner driven directly in this process (no HTTP)."""
     from services.engine.model_runner import ModelRunner
-    from services.engine.sampling import RowSampling, draw_uniforms
+    from services.engine.sampling import RowSampling
     from services.engine.scheduler import Request, Scheduler
 
     global _RUNNER
@@ -102,7 +102,7 @@ def core_run(model_dir: str, batch: int, args, vocab: int) -> tuple[float, int]:
                 max_new_tokens=args.new_tokens,
                 stop_ids=frozenset(),
                 sampling=RowSampling(1.0, 1.0, -1, 0.0),
-                uniforms=draw_uniforms(args.new_tokens, i),
+                seed=i,
                 on_finish=lambda r: None,
             )
         )

@@ -94,7 +94,7 @@ def inproc_generation(model_dir: str, prompts: list[list[int]], group: int, step
     """Seconds per step: every sample of the step submitted to the engine's scheduler at once,
     `new_tokens` each (no stop token: the demo's answers are fixed-length, `ignore_eos`)."""
     from services.engine.model_runner import ModelRunner
-    from services.engine.sampling import RowSampling, draw_uniforms
+    from services.engine.sampling import RowSampling
     from services.engine.scheduler import Request, Scheduler
 
     n = len(prompts) * group
@@ -118,7 +118,7 @@ def inproc_generation(model_dir: str, prompts: list[list[int]], group: int, step
                 for _ in range(group):
                     sched.submit(Request(rid=f"{i}-{rng.getrandbits(48)}", prompt_ids=p, max_new_tokens=new_tokens,
                                          stop_ids=frozenset(), sampling=RowSampling(1.0, 1.0, -1, 0.0),
-                                         uniforms=draw_uniforms(new_tokens, rng.getrandbits(63)), on_finish=finished,
+                                         seed=rng.getrandbits(63), on_finish=finished,
                                          return_logprob=True))  # fmt: skip
             done.wait()
             if i >= 2:

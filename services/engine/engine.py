@@ -32,7 +32,7 @@ from services.common.logging import log_event
 from services.engine import metrics, weight_sync
 from services.engine.config import EngineSettings
 from services.engine.model_runner import ModelRunner, read_checkpoint
-from services.engine.sampling import RowSampling, draw_uniforms
+from services.engine.sampling import RowSampling
 from services.engine.scheduler import Request, Scheduler
 from services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
 
@@ -262,7 +262,7 @@ class InferenceEngine:
             max_new_tokens=max_new_tokens,
             stop_ids=shared.stop_ids,
             sampling=shared.sampling,
-            uniforms=draw_uniforms(max_new_tokens, seed) if sp.temperature > 0 else [0.0] * max_new_tokens,
+            seed=seed,
             on_finish=_ignore,
             return_logprob=item.return_logprob,
             logprob_start_len=item.logprob_start_len,

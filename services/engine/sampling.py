@@ -18,10 +18,12 @@ Which log-probability is returned (the behaviour policy μ the trainer corrects 
   token, as SGLang does; the greedy "distribution" is a point mass and its log-probability 0
   would carry no information.
 
-Randomness: at submission each request draws `max_new_tokens` uniforms from its seed
-(`sampling_seed`, else one from the engine's seeded RNG): the t-th is SplitMix64's t-th output
-from that seed, a counter-based generator (a request's own `torch.Generator` cost 3x as much);
-its t-th token is the inverse CDF of its t-th uniform. A seeded request's tokens therefore
+Randomness: each request has a seed (`sampling_seed`, else one from the engine's seeded RNG);
+its t-th token is the inverse CDF of the t-th output of SplitMix64 from that seed. SplitMix64
+is a counter-based generator (output t mixes seed + (t + 1)·γ), so each decode step draws the
+uniforms of all its rows at once in numpy (`uniforms_at`), nothing is drawn ahead: a request
+of 8k tokens costs no more at submission than one of 3 (drawing them all there cost ~1 µs a
+token of Python, 8 ms per such request). A seeded request's tokens therefore
 depend only on its seed and its logits, never on which requests share the batch (up to float
 rounding of the batched matmuls), and the whole batch samples with one vectorised
 `searchsorted`.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -47,8 +50,9 @@ _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (2^64 / the golden ratio)
 
 
 def draw_uniforms(count: int, seed: int) -> list[float]:
-    """The uniforms in [0, 1) a request samples its tokens with (one per token): SplitMix64
-    (Steele, Lea and Flood, 2014) from `seed`, each output's top 53 bits as a double."""
+    """The first `count` uniforms in [0, 1) a request samples its tokens with (one per token):
+    SplitMix64 (Steele, Lea and Flood, 2014) from `seed`, each output's top 53 bits as a double.
+    The reference for `uniforms_at`, one output after the other."""
     out, state = [], seed & _MASK64
     for _ in range(count):
         state = (state + _GAMMA) & _MASK64
@@ -58,11 +62,23 @@ def draw_uniforms(count: int, seed: int) -> list[float]:
     return out
 
 
+def uniforms_at(seeds: list[int], steps: list[int]) -> np.ndarray:
+    """Row i's uniform for its token `steps[i]` (0-based) from `seeds[i]`: `draw_uniforms(steps[i]
+    + 1, seeds[i])[-1]`, for a whole batch in a few numpy operations (uint64 arithmetic wraps
+    modulo 2^64, as SplitMix64's does)."""
+    u64 = np.uint64
+    seed = np.array([x & _MASK64 for x in seeds], dtype=u64)
+    z = seed + (np.array(steps, dtype=u64) + u64(1)) * u64(_GAMMA)
+    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+    return ((z ^ (z >> u64(31))) >> u64(11)).astype(np.float64) * 2.0**-53
+
+
 def sample_next(
-    logits: torch.Tensor, rows: list[RowSampling], uniforms: list[float]
+    logits: torch.Tensor, rows: list[RowSampling], uniforms: np.ndarray
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [n, V], one uniform per row → (token ids [n] int64, logprobs [n] float32)."""
-    logits = logits.float()
+    logits, uniforms = logits.float(), np.asarray(uniforms, dtype=np.float64)
     greedy_rows = [r.temperature == 0.0 for r in rows]
     if all(greedy_rows):
         return _greedy(logits)
@@ -73,9 +89,7 @@ def sample_next(
     logprobs = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
     tokens[greedy], logprobs[greedy] = _greedy(logits[greedy])
     keep = [i for i, g in enumerate(greedy_rows) if not g]
-    tokens[~greedy], logprobs[~greedy] = _sample(
-        logits[~greedy], [rows[i] for i in keep], [uniforms[i] for i in keep]
-    )
+    tokens[~greedy], logprobs[~greedy] = _sample(logits[~greedy], [rows[i] for i in keep], uniforms[keep])
     return tokens, logprobs
 
 
@@ -86,11 +100,11 @@ def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _sample(
-    logits: torch.Tensor, rows: list[RowSampling], uniforms: list[float]
+    logits: torch.Tensor, rows: list[RowSampling], uniforms: np.ndarray
 ) -> tuple[torch.Tensor, torch.Tensor]:
     temps = torch.tensor([r.temperature for r in rows], device=logits.device)
     logp = torch.log_softmax(_filter(logits / temps[:, None], rows, logits.shape[1]), dim=-1)
-    u = torch.tensor(uniforms, dtype=torch.float64, device=logits.device)
+    u = torch.from_numpy(np.ascontiguousarray(uniforms, dtype=np.float64)).to(logits.device)
     picks = _inverse_cdf(logp.exp().double(), u)
     return picks, logp.gather(1, picks[:, None]).squeeze(1)
 

@@ -31,7 +31,7 @@ import torch
 
 from services.engine import metrics
 from services.engine.model_runner import ForwardRow, ModelRunner
-from services.engine.sampling import RowSampling, sample_next
+from services.engine.sampling import RowSampling, sample_next, uniforms_at
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Request:
     max_new_tokens: int
     stop_ids: frozenset[int]
     sampling: RowSampling
-    uniforms: list[float]  # one per token to sample, from the request's seed
+    seed: int  # of the SplitMix64 stream its tokens are sampled with (sampling.py)
     on_finish: Callable[[Request], None]
     return_logprob: bool = False
     logprob_start_len: int = -1
@@ -260,10 +260,11 @@ class Scheduler:
             if self._noise is not None:
                 noise = torch.randn(logits.shape, generator=self._noise, dtype=torch.float32)
                 logits = logits.float() + self.logit_noise_std * noise.to(logits.device)
+            rows = [reqs[i] for i in active]
             tokens, logprobs = sample_next(
                 logits,
-                [reqs[i].sampling for i in active],
-                [reqs[i].uniforms[len(reqs[i].output_ids)] for i in active],
+                [r.sampling for r in rows],
+                uniforms_at([r.seed for r in rows], [len(r.output_ids) for r in rows]),
             )
             for i, tok, lp in zip(active, tokens.tolist(), logprobs.tolist()):
                 r = reqs[i]

@@ -83,3 +83,17 @@ def test_uniforms_are_splitmix64_outputs():
     for x in u:
         counts[int(x * 10)] += 1
     assert max(abs(c - 20_000) for c in counts) < 600  # ~4.5 sigma for a uniform decile
+
+
+def test_uniforms_at_is_the_reference_stream_at_each_step():
+    """The per-step batch draw equals the reference, seed by seed, including seeds past 2^63
+    (wrapped modulo 2^64) and far steps."""
+    from services.engine.sampling import uniforms_at
+
+    seeds = [0, 3, 12345, 2**63 + 7, 2**64 - 1, -5]
+    reference = {s: draw_uniforms(300, s) for s in seeds}
+    for step in (0, 1, 17, 299):
+        got = uniforms_at(seeds, [step] * len(seeds))
+        assert got.tolist() == [reference[s][step] for s in seeds], step
+    mixed = uniforms_at(seeds, [0, 299, 5, 1, 250, 42])
+    assert mixed.tolist() == [reference[s][t] for s, t in zip(seeds, [0, 299, 5, 1, 250, 42])]

@@ -23,7 +23,7 @@ def runner(tmp_path_factory):
 
 
 def request(rid: str, prompt: list[int], n: int, done: list) -> Request:
-    return Request(rid, prompt, n, frozenset(), GREEDY, [0.0] * n, on_finish=done.append)
+    return Request(rid, prompt, n, frozenset(), GREEDY, 0, on_finish=done.append)
 
 
 def step(s: Scheduler) -> None:
@@ -116,13 +116,11 @@ def test_injected_logit_noise_changes_logprobs_by_the_configured_amount(runner, 
     from transformers import AutoModelForCausalLM
 
     from services.engine.config import EngineSettings
-    from services.engine.sampling import draw_uniforms
-
     assert EngineSettings(model="m").logit_noise_std == 0.0  # off by default
     prompt, n = [1, 5, 6, 7], 12
     done: list[Request] = []
     s = Scheduler(runner, max_running=4, max_prefill_tokens=4096, weight_version="0", logit_noise_std=std, seed=3)
-    s.waiting.append(Request("r", prompt, n, frozenset(), RowSampling(1.0, 1.0, -1, 0.0), draw_uniforms(n, 11),
+    s.waiting.append(Request("r", prompt, n, frozenset(), RowSampling(1.0, 1.0, -1, 0.0), 11,
                              on_finish=done.append))  # fmt: skip
     run(s)
     out = done[0]
