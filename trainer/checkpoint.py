@@ -35,7 +35,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,6 +53,8 @@ class CheckpointMeta:
     version: int
     consumed_ids: list[str]
     path: Path | None
+    # hyperparameters the configuration changed since the checkpoint: name -> (saved, now)
+    changed: dict[str, tuple] = field(default_factory=dict)
 
 
 def fsync_dir(path: Path) -> None:
@@ -164,11 +166,13 @@ class Checkpointer:
         # Freshly made state dicts of this world's shards (the optimizer's state is initialised by
         # a zero-lr step if empty); dcp.load fills them in place from whatever world saved them.
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        configured = _hyperparameters(optimizer, scheduler)  # what this start's config asks for
         dcp.load({"model": model_sd, "optim": optim_sd["state"]}, checkpoint_id=path)
         extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
         set_state_dict(model, optimizer, model_state_dict=model_sd,
                        optim_state_dict={"state": optim_sd["state"], "param_groups": extra["param_groups"]})  # fmt: skip
         scheduler.load_state_dict(extra["scheduler"])
+        changed = _apply_hyperparameters(optimizer, scheduler, configured)
         rng = extra["rng"]
         torch.set_rng_state(rng[self.d.rank % rng.shape[0]].clone())
         if extra["cuda_rng"] is not None and self.d.device.type == "cuda":
@@ -176,4 +180,42 @@ class Checkpointer:
         if self.d.is_main:
             random.setstate((3, tuple(extra["python_rng"]), extra["python_rng_gauss"]))
         meta = json.loads((path / "meta.json").read_text())
-        return CheckpointMeta(int(version), list(meta["consumed_ids"]), path)
+        return CheckpointMeta(int(version), list(meta["consumed_ids"]), path, changed)
+
+
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")  # of an AdamW param group, besides its state
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer, scheduler: LRScheduler) -> list[dict]:
+    """Per param group: the configured peak lr (the scheduler's base lr) and the other
+    hyperparameters, as built from this start's config."""
+    return [{**{k: g[k] for k in HYPERPARAMETERS[1:] if k in g}, "lr": base}
+            for g, base in zip(optimizer.param_groups, scheduler.base_lrs)]  # fmt: skip
+
+
+def _apply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
+                           configured: list[dict]) -> dict[str, tuple]:  # fmt: skip
+    """After a load: the configured hyperparameters replace the saved ones (the checkpoint holds
+    the state: moments, step counts, the schedule's position), and the lr of the next update is
+    the configured peak times the schedule's factor there. Unchanged, this is the saved lr
+    exactly (an exact continuation). Returns what changed: name -> (saved, configured)."""
+    changed: dict[str, tuple] = {}
+    for i, (group, want) in enumerate(zip(optimizer.param_groups, configured)):
+        suffix = f"[{i}]" if len(configured) > 1 else ""
+        saved_peak = scheduler.base_lrs[i]
+        if saved_peak != want["lr"]:
+            changed["lr" + suffix] = (saved_peak, want["lr"])
+            scheduler.base_lrs[i] = want["lr"]
+            group["initial_lr"] = want["lr"]
+            group["lr"] = want["lr"] * scheduler.lr_lambdas[i](scheduler.last_epoch)
+            scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+        for k in HYPERPARAMETERS[1:]:
+            if k in want and _plain(group.get(k)) != _plain(want[k]):
+                changed[k + suffix] = (group.get(k), want[k])
+                group[k] = want[k]
+    return changed
+
+
+def _plain(value):
+    """betas compare as a tuple whether a load gave a list or a tuple."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value

@@ -50,6 +50,9 @@ def resume(p: Parts) -> int:
     buffer drops every group sampled by those lost weights."""
     meta = p.ckpt.load(p.model, p.optimizer, p.scheduler)
     version = meta.version if meta else 0
+    if p.d.is_main and meta is not None and meta.changed:
+        log_event(log, "hyperparameters changed since the checkpoint: the configured ones apply from this update on",
+                  logging.WARNING, version=version, changed={k: list(v) for k, v in meta.changed.items()})  # fmt: skip
     if p.d.is_main:
         if meta is not None or p.weights.latest() is not None or p.weights.version() > 0:
             p.epoch = p.weights.begin_epoch(version)

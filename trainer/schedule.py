@@ -12,9 +12,11 @@ The scheduler steps once per version, after all of its `minibatches` optimizer s
 minibatches of one version share one lr. `LambdaLR` counts from 0: after s versions its
 epoch is s and the next update is n = s + 1.
 
-Resuming continues the curve: the checkpoint holds the scheduler's state (its step count and
-base lr) and the optimizer's param groups (trainer/checkpoint.py). The curve's shape (W, D, m)
-comes from the config; keep it across a resume for an exact continuation.
+Resuming continues the curve: the checkpoint holds the scheduler's position (its step count)
+and the optimizer's state (trainer/checkpoint.py). The hyperparameters come from the config:
+the curve's shape (W, D, m), the peak lr, betas, eps and weight decay. Unchanged, the resumed
+run continues exactly; a changed one applies from the resumed update on (the lr of update n is
+then the new peak times f(n)), and the trainer logs the change as a warning.
 """
 
 from __future__ import annotations

@@ -136,3 +136,41 @@ def test_full_state_dict_of_an_unsharded_model_is_what_the_gathering_api_returns
     assert list(state) == list(gathered)
     for k, v in state.items():
         assert not v.requires_grad and torch.equal(v, gathered[k]), k
+
+
+def test_a_resume_takes_the_configured_hyperparameters(tiny, tmp_path, dist1):
+    """The checkpoint holds the state (moments, the schedule's position); the config holds the
+    hyperparameters. Unchanged, a resume continues exactly; a changed peak lr or weight decay
+    applies from the resumed update on, and is reported."""
+    from trainer.schedule import lr_factor
+
+    def parts(lr: float, weight_decay: float):
+        model = build_model(tiny, dist1)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        return model, opt, build_scheduler(opt, "cosine", warmup_steps=1, decay_steps=6)
+
+    model, opt, sched = parts(1e-2, 0.0)
+    ids = torch.randint(3, 40, (2, 8))
+    for _ in range(2):
+        model(input_ids=ids).logits.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    ck = Checkpointer(tmp_path / "ck", dist1, keep=1)
+    ck.save(model, opt, sched, 2, [])
+    saved_moments = {k: _full(v["exp_avg"]).clone() for k, v in _named_optim_state(model, opt).items()}
+
+    same = parts(1e-2, 0.0)
+    meta = ck.load(*same)
+    assert meta.changed == {}
+    assert same[1].param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * lr_factor(3, "cosine", 1, 6)
+
+    model2, opt2, sched2 = parts(4e-3, 0.1)
+    meta = ck.load(model2, opt2, sched2)
+    assert meta.changed == {"lr": (1e-2, 4e-3), "weight_decay": (0.0, 0.1)}
+    assert opt2.param_groups[0]["lr"] == 4e-3 * lr_factor(3, "cosine", 1, 6)  # update 3 at the new peak
+    assert sched2.get_last_lr() == [opt2.param_groups[0]["lr"]] and opt2.param_groups[0]["weight_decay"] == 0.1
+    for k, v in _named_optim_state(model2, opt2).items():  # the state is still the checkpoint's
+        assert torch.equal(_full(v["exp_avg"]), saved_moments[k]), k
+    sched2.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(4e-3 * lr_factor(4, "cosine", 1, 6), rel=1e-12)
