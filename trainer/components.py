@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,6 +92,7 @@ class Parts:
             if self._shipper is None:
                 self._shipper = ThreadPoolExecutor(1, thread_name_prefix="weights-publish")
             self._shipping = self._shipper.submit(self._ship, version, state, rollback, t0)
+            self._shipping.add_done_callback(partial(_log_failed_publish, version))  # seen even if never awaited
         else:
             self._ship(version, state, rollback, t0)
 
@@ -126,6 +128,12 @@ class Parts:
             os.write(fd, line.encode())
         finally:
             os.close(fd)
+
+
+def _log_failed_publish(version: int, shipping: Future) -> None:
+    if not shipping.cancelled() and shipping.exception() is not None:
+        tm.PUBLISH_FAILURES.inc()
+        log_event(log, "weights publish failed", logging.ERROR, version=version, error=repr(shipping.exception()))
 
 
 def build(cfg: TrainerSettings, d: Dist) -> Parts:

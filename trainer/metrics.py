@@ -38,6 +38,8 @@ TRUNCATION = Gauge("asyncrl_trainer_truncation_ratio", "truncated samples / samp
 PUBLISH_SECONDS = Histogram("asyncrl_trainer_weight_publish_seconds", "end of optimizer step → version visible",
                             ["method"], buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))  # fmt: skip
 PUBLISH_BYTES = Counter("asyncrl_trainer_weight_publish_bytes_total", "weight bytes published", ["method"])
+PUBLISH_FAILURES = Counter("asyncrl_trainer_weight_publish_failures_total",
+                           "background weight publishes that failed (the trainer stops at its next publish)")  # fmt: skip
 HEARTBEATS = Counter("asyncrl_trainer_wait_heartbeats_total", "heartbeats exchanged by the ranks while waiting for data")
 CHECKPOINTS = Counter("asyncrl_trainer_checkpoints_total", "durable checkpoints written")
 WORKER_RESTARTS = Gauge("asyncrl_trainer_worker_restarts",

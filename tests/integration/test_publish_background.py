@@ -108,13 +108,16 @@ def test_each_version_holds_its_own_steps_weights(tiny, tmp_path, redis_url, run
 def test_a_failed_background_write_stops_the_trainer(tiny, tmp_path, redis_url, run_id, one_rank, monkeypatch):
     """The write of version 2 fails (disk full): the trainer raises it at its next publish, and
     version 2 is never announced."""
+    from trainer import metrics as tm
     from trainer.components import build
     from trainer.loop import train_steps
 
     Groups(Buffer(redis_url, run=run_id)).put(groups(B * STEPS, seed=2))
     calls = slowed(monkeypatch, fail_at=2)
+    failures = tm.PUBLISH_FAILURES._value.get()
     with pytest.raises(OSError, match="No space left"):
         train_steps(build(settings(tiny, tmp_path, redis_url, run_id), one_rank))
+    assert tm.PUBLISH_FAILURES._value.get() == failures + 1  # counted (and logged) when it failed
     assert [v for v, _ in calls] == [1, 2]  # version 3 was not written after the failure
     weights = Weights(Buffer(redis_url, run=run_id))
     assert weights.version() == 1
