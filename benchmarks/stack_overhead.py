@@ -424,7 +424,7 @@ def main() -> int:
 def print_table(r: dict) -> None:
     if "generation" in r:
         g = r["generation"]
-        print(f"\n(a) generation per step ({g.get('answer_tokens', 3)}-token answers), in-process {g['inproc_ms']} ms; "
+        print(f"\n(a) generation per step ({g['answer_tokens']}-token answers), in-process {g['inproc_ms']} ms; "
               "through the stack: synchronous "
               f"{g['sync_ms']} ms = {g['sync_ratio']:.2f}x, η = {g['eta']} (throughput) {g['async_ms']} ms = "
               f"{g['async_ratio']:.2f}x (target <= 1.5x)")  # fmt: skip

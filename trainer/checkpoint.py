@@ -183,13 +183,13 @@ class Checkpointer:
         return CheckpointMeta(int(version), list(meta["consumed_ids"]), path, changed)
 
 
-HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")  # of an AdamW param group, besides its state
+HYPERPARAMETERS = ("betas", "eps", "weight_decay")  # of an AdamW param group, besides its lr and state
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer, scheduler: LRScheduler) -> list[dict]:
     """Per param group: the configured peak lr (the scheduler's base lr) and the other
     hyperparameters, as built from this start's config."""
-    return [{**{k: g[k] for k in HYPERPARAMETERS[1:] if k in g}, "lr": base}
+    return [{**{k: g[k] for k in HYPERPARAMETERS if k in g}, "lr": base}
             for g, base in zip(optimizer.param_groups, scheduler.base_lrs)]  # fmt: skip
 
 
@@ -202,17 +202,15 @@ def _apply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: LRSchedu
     changed: dict[str, tuple] = {}
     for i, (group, want) in enumerate(zip(optimizer.param_groups, configured)):
         suffix = f"[{i}]" if len(configured) > 1 else ""
-        saved_peak = scheduler.base_lrs[i]
-        if saved_peak != want["lr"]:
-            changed["lr" + suffix] = (saved_peak, want["lr"])
-            scheduler.base_lrs[i] = want["lr"]
-            group["initial_lr"] = want["lr"]
+        if scheduler.base_lrs[i] != want["lr"]:
+            changed["lr" + suffix] = (scheduler.base_lrs[i], want["lr"])
+            scheduler.base_lrs[i] = group["initial_lr"] = want["lr"]
             group["lr"] = want["lr"] * scheduler.lr_lambdas[i](scheduler.last_epoch)
-            scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-        for k in HYPERPARAMETERS[1:]:
+        for k in HYPERPARAMETERS:
             if k in want and _plain(group.get(k)) != _plain(want[k]):
                 changed[k + suffix] = (group.get(k), want[k])
                 group[k] = want[k]
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() reports
     return changed
 
 
