@@ -130,6 +130,15 @@ def build_model(
     → to_empty → broadcast weights from rank 0 → the log-prob method installed
     (trainer/logprobs.py: `token_logprobs` runs through it with the root's FSDP hooks).
 
+    Resharding after forward (`reshard_after_forward`: the decoder layers') frees each layer's
+    gathered parameters until its backward gathers them again. A trainable model keeps the two
+    units its backward starts with gathered instead: the root (embeddings, final norm, LM head:
+    with a 151,936-token vocabulary most of a small model's parameters) and the last decoder
+    layer; resharding them would only all-gather them again at once (FSDP2's own default for
+    the root; torchtitan's for the last layer). Their memory is the same: the root is held for
+    the whole forward anyway. A frozen model (the reference model: no backward to reshard it)
+    reshards everything.
+
     Activation checkpointing keeps only each decoder layer's input in forward and recomputes the
     layer in backward (non-reentrant `torch.utils.checkpoint` through transformers' per-layer
     hook; under FSDP2 the recompute runs inside the layer's pre-backward all-gather).
@@ -151,9 +160,11 @@ def build_model(
     sharded = d.world > 1 or mixed_precision != "float32"
     if sharded:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
-        for layer in _decoder_layers(model):
-            fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        layers = _decoder_layers(model)
+        for i, layer in enumerate(layers):
+            fully_shard(layer, mp_policy=mp,
+                        reshard_after_forward=reshard_after_forward and not (trainable and i == len(layers) - 1))
+        fully_shard(model, mp_policy=mp, reshard_after_forward=not trainable)
     model.to_empty(device=d.device)
     if not sharded and getattr(config, "tie_word_embeddings", False):
         model.tie_weights()  # to_empty made the tied head a parameter of its own
