@@ -10,6 +10,10 @@
     buffer. The in-process arm submits the 256 requests to a `Scheduler` at once and waits. Both
     arms follow configs/demo.toml's [demo] with the `--set` overrides: `--set demo.prompt_len=16`
     gives 16-letter prompts and 16-token answers, to see how the stack's cost scales with the work.
+    A floor goes with them: the in-process time plus, measured alone, what each policy version
+    costs under the stack's guarantees whatever the transport (`guarantee_floor`: the answers
+    scored and built into records, the fsynced buffer write of the B groups, the trainer's take,
+    the engine's reload of the weights).
 (b) Trainer busy time per step (a step's time minus its wait for data) against a plain step on a
     batch of the demo's shape: one forward with entropy, the policy loss, backward, clipping and
     AdamW on the model as transformers loads it, batch tensors built once. Two trainer figures:
@@ -186,6 +190,87 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
     finally:
         launcher.stop()
     return out
+
+
+def guarantee_floor(run_dir: Path, model_dir: str, prompts: list[dict], group: int, answer_tokens: int,
+                    steps: int) -> dict:  # fmt: skip
+    """Milliseconds per step of what every policy version costs the stack under its guarantees,
+    each alone and in-process, on the demo's shapes: the answers scored by the task's verifier
+    and built into group records by the rollout's own code (`Scheduler._score`, the local
+    scorer, `Group.build`), the groups put in the buffer (one pipeline on an embedded Redis that
+    fsyncs every write, as the launcher starts it) and taken by the trainer, and the engine
+    reading the published weights directory and loading it into its model runner. No HTTP, no
+    scheduling, no waiting: a floor under the stack's overhead."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from buffer import Buffer, Groups
+    from buffer.server import EMBEDDED_FSYNC, RedisServer
+    from proto import Group, GroupJob, RewardStatus
+    from services.engine.model_runner import ModelRunner, read_checkpoint
+    from services.rollout.reward_client import RewardClient
+    from services.rollout.scheduler import Scheduler
+    from services.rollout.segments import Draft
+    from trainer.weights import DiskPublisher
+
+    def timed(fn) -> list[float]:
+        times = []
+        for i in range(steps + 3):  # three warm-up steps
+            t0 = time.perf_counter()
+            fn(i)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    n_groups = len(prompts)
+    rng = np.random.default_rng(0)
+    jobs = [GroupJob(job_id="floor", group_id=f"g{i}", prompt_id=f"p{i}", prompt_tokens=np.arange(1, answer_tokens + 3, dtype=np.int32),
+                     group_size=group, reward_spec=p["reward_spec"], prompt_text=p["text"]) for i, p in enumerate(prompts)]  # fmt: skip
+
+    def drafts() -> list[list[Draft]]:
+        now = time.time()
+        return [[Draft(i, tokens=rng.integers(3, 13, answer_tokens).tolist(), logprobs=[-1.0] * answer_tokens,
+                       versions=[1] * answer_tokens, lineage={0: 1}, segments=1, submitted=now, first_token=now, finished=now,
+                       text="".join(rng.choice(list("abcdefghij"), answer_tokens))) for i in range(group)] for _ in jobs]  # fmt: skip
+
+    async def score_steps() -> tuple[list[float], list[list[Group]]]:
+        rollout = SimpleNamespace(rewards=RewardClient("http://127.0.0.1:9", timeout_s=5, concurrency=1, retries=0,
+                                                       verifiers_ttl_s=60, local_verifiers=["reverse"]))  # fmt: skip
+        times, batches = [], []
+        for i in range(steps + 3):  # three warm-up steps
+            answers = drafts()
+            t0 = time.perf_counter()
+            batches.append([Group.build(group_id=f"{job.group_id}-{i}", job_id=job.job_id, prompt_tokens=job.prompt_tokens,
+                                        reward_spec=job.reward_spec, samples=await Scheduler._score(rollout, job, d),
+                                        submit_version=1, lineage={0: 1}) for job, d in zip(jobs, answers)])  # fmt: skip
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        await rollout.rewards.aclose()
+        return times, batches
+
+    score, batches = asyncio.run(score_steps())
+    unscored = sum(s is not RewardStatus.scored for b in batches for g in b for s in g.samples.reward_status)
+    assert not unscored, f"{unscored} answers not scored: the floor's records are not the demo's"
+    took: list[int] = []
+    with RedisServer(run_dir / "redis", fsync=EMBEDDED_FSYNC) as server:
+        groups = Groups(Buffer(server.url, run="floor"), consumer="floor")
+        put = timed(lambda i: groups.put(batches[i]))
+        take = timed(lambda i: took.append(len(groups.take(n_groups, 0, 10**6, 1000).groups)))
+    assert took == [n_groups] * len(took), f"took {took} groups, not {n_groups} a step"
+    publisher = DiskPublisher(run_dir / "weights", Path(model_dir), keep=3)
+    state = load_file(str(Path(model_dir) / "model.safetensors"))
+    path = publisher.write(1, state).path
+    runner = ModelRunner(model_dir, slots=1, context_length=None, device="cpu", dtype="float32")
+
+    def reload(_: int) -> None:
+        named = read_checkpoint(path)
+        assert runner.check_weights(named, full=True) is None
+        runner.apply_weights(named)
+
+    return {"score_ms": med_ms(score), "put_ms": med_ms(put), "take_ms": med_ms(take),
+            "reload_ms": med_ms(timed(reload))}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- (b) trainer
@@ -373,10 +458,13 @@ def main() -> int:
                 else tomllib.loads(DEMO_CONFIG.read_text())["trainer"]["max_staleness"]
             )
             stack = stack_generation(tmp / "gen", args.port_base, args.steps, eta)
+            floor = guarantee_floor(tmp / "floor", str(base), reverse_prompts(demo.prompts_per_step, demo.letters,
+                                    demo.prompt_len, random.Random(1)), demo.group_size, demo.prompt_len, args.steps)  # fmt: skip
             result["generation"] = {"inproc_ms": med_ms(inproc), "eta": eta, "answer_tokens": demo.prompt_len, **{
                 f"{arm}_{k}": v for arm, r in stack.items() for k, v in (
                     ("ms", med_ms(r["step_s"])), ("ratio", statistics.median(r["step_s"]) / statistics.median(inproc)),
-                    ("dropped_stale", r["dropped_stale"]))}}  # fmt: skip
+                    ("dropped_stale", r["dropped_stale"]))},
+                "floor_ms": floor, "floor_ratio": 1 + sum(floor.values()) / med_ms(inproc)}  # fmt: skip
         if not args.skip_trainer:
             trainer_cfg = tomllib.loads(DEMO_CONFIG.read_text())["trainer"]
             shared = trainer_cfg.get("share_prompts", False)
@@ -428,6 +516,11 @@ def print_table(r: dict) -> None:
               "through the stack: synchronous "
               f"{g['sync_ms']} ms = {g['sync_ratio']:.2f}x, η = {g['eta']} (throughput) {g['async_ms']} ms = "
               f"{g['async_ratio']:.2f}x (target <= 1.5x)")  # fmt: skip
+        f = g["floor_ms"]
+        print(f"    floor: the in-process work plus what each version costs under the guarantees, each alone "
+              f"(scoring and records {f['score_ms']} + put {f['put_ms']} + take {f['take_ms']} + engine reload "
+              f"{f['reload_ms']} ms) = "
+              f"{g['floor_ratio']:.2f}x")  # fmt: skip
     if "trainer" in r:
         t = r["trainer"]
         line = f"(b) trainer busy per step: standalone {t['standalone_busy_ms']} ms = {t['standalone_ratio']:.2f}x"

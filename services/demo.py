@@ -40,7 +40,8 @@ class DemoSection(BaseModel):
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=2)
     letters: str = Field("abcdefghij", min_length=2, description="reverse: the alphabet")
-    prompt_len: int = Field(3, ge=1, le=32, description="reverse: letters per prompt (= answer tokens); secret: letters of the word")
+    prompt_len: int = Field(3, ge=1, le=128, description="reverse: letters per prompt (= answer tokens; over 64 needs "
+                            "[rollout] and [engine] max_new_tokens_cap raised); secret: letters of the word")
     tools: bool = Field(True, description="secret: the policy may call the lookup tool (false: the no-tool baseline)")
     max_turns: int = Field(2, ge=1, le=8, description="secret: policy turns per episode")
     max_new_tokens: int = Field(256, ge=1, description="math: answer budget (EOS-terminated)")
