@@ -21,17 +21,24 @@ Loading: every rank reads the latest checkpoint into a state dict sharded for th
 world (DCP reshards), so a run resumes on a different number of ranks; rank r then takes the
 RNG state the saved rank r mod (saved world) had.
 
+Nothing in a checkpoint can run code when it is loaded: the shards are read by DCP with
+`torch.load(weights_only=True)`, `extra.pt` likewise, and DCP's own `.metadata` index (a pickle
+of DCP's types) by an unpickler that builds only those types and the torch sizes, dtypes,
+layouts and paths they hold (`CheckedReader`); anything else in it is refused with
+`UnsafeCheckpoint` before any object is built from it.
+
 Limits: `<root>` must be one directory every rank sees (a shared filesystem across nodes; any
-directory on one node). The DCP part holds tensors only, but DCP's own `.metadata` index is a
-pickle of DCP's types: a checkpoint directory is trusted input, like the model directory. DCP
-does not promise to read checkpoints across torch versions. Weights published to engines are
-separate (trainer/weights.py: an HF safetensors directory, or the broadcast).
+directory on one node). DCP does not promise to read checkpoints across torch versions. Weights
+published to engines are separate (trainer/weights.py: an HF safetensors directory, or the
+broadcast).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 import time
@@ -41,11 +48,59 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.optim.lr_scheduler import LRScheduler
 
 from trainer.model import Dist, broadcast_from_main
 
 PREFIX = "step_"
+
+# What DCP's `.metadata` pickle may build (torch 2.13's FileSystemWriter): its own records, and
+# the torch sizes, dtypes and layouts and the paths they hold. Names, not modules: a module-wide
+# allowance would admit whatever else the module imports.
+_METADATA_TYPES = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath"}),
+    "collections": frozenset({"OrderedDict"}),
+}  # fmt: skip
+
+
+class UnsafeCheckpoint(pickle.UnpicklingError):
+    """A checkpoint's `.metadata` asks to build something that is not checkpoint metadata."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, path: str):
+        super().__init__(io.BytesIO(data))
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_TYPES.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(f"{self.path} refers to {module}.{name}, which is not checkpoint metadata: "
+                               "refusing to load it (a checkpoint directory written by this trainer never does)")  # fmt: skip
+
+
+class CheckedReader(FileSystemReader):
+    """DCP's file reader, with its `.metadata` index read by `_MetadataUnpickler` instead of
+    `pickle.load`: a tampered checkpoint directory cannot run code in the trainer."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f.read(), str(path)).load()
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpoint(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 @dataclass
@@ -167,7 +222,9 @@ class Checkpointer:
         # a zero-lr step if empty); dcp.load fills them in place from whatever world saved them.
         model_sd, optim_sd = get_state_dict(model, optimizer)
         configured = _hyperparameters(optimizer, scheduler)  # what this start's config asks for
-        dcp.load({"model": model_sd, "optim": optim_sd["state"]}, checkpoint_id=path)
+        reader = CheckedReader(path)
+        reader.read_metadata()  # a tampered index raises UnsafeCheckpoint here (dcp.load would wrap it)
+        dcp.load({"model": model_sd, "optim": optim_sd["state"]}, checkpoint_id=path, storage_reader=reader)
         extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
         set_state_dict(model, optimizer, model_state_dict=model_sd,
                        optim_state_dict={"state": optim_sd["state"], "param_groups": extra["param_groups"]})  # fmt: skip

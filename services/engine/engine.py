@@ -290,7 +290,7 @@ class InferenceEngine:
             "finish_reason": r.finish_reason,
             "prompt_tokens": len(r.prompt_ids),
             "completion_tokens": len(r.output_ids),
-            "cached_tokens": 0,  # no prefix cache: nothing is ever reused across requests
+            "cached_tokens": r.cached_tokens,  # shared prefill within one batch; no cache across batches
             "weight_version": r.weight_version,
             "e2e_latency": (r.finished_at or time.monotonic()) - r.submitted_at,
         }

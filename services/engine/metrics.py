@@ -18,6 +18,11 @@ GENERATED_TOKENS = Counter("asyncrl_engine_generated_tokens_total", "Tokens samp
 PROMPT_TOKENS = Counter(
     "asyncrl_engine_prompt_tokens_total", "Prompt tokens prefilled (first admission only)"
 )
+CACHED_TOKENS = Counter(
+    "asyncrl_engine_cached_tokens_total",
+    "Prompt tokens not computed for their request: copied from an identical prompt of the same prefill "
+    "(meta_info.cached_tokens summed)",
+)
 TOKENS_PER_SECOND = Gauge(
     "asyncrl_engine_generation_tokens_per_second", "Tokens sampled per second, last 10 s"
 )

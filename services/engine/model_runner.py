@@ -91,6 +91,7 @@ class ForwardRow:
 
     token_ids: list[int]
     full_logits: bool = False  # also return the logits of every position (prompt logprobs)
+    copied: bool = False  # set by `prefill`: its cache and logits were copied from an identical row's
 
 
 class ModelRunner:
@@ -157,6 +158,8 @@ class ModelRunner:
         the first slots, then every slot gets its row's cache and logits (same values as a
         forward of its own: the same tokens at the same positions, no other row attended)."""
         logits, _ = self._prefill(first_slot, [rows[i] for i in unique])
+        for i, s in enumerate(source):
+            rows[i].copied = s != i
         at = {row: k for k, row in enumerate(unique)}
         index = torch.tensor([at[s] for s in source], device=self.device)
         t = max(len(rows[i].token_ids) for i in unique)

@@ -56,6 +56,7 @@ class Request:
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
     kv_len: int = 0  # tokens of this request whose KV is in its slot
+    cached_tokens: int = 0  # prompt tokens not computed for it (SGLang's meta_info field; see _prefill)
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -235,10 +236,18 @@ class Scheduler:
         self.stats["prefill_steps"] += 1
         metrics.PREFILL_STEPS.inc()
         metrics.PROMPT_TOKENS.inc(sum(len(r.prompt_ids) for r in reqs if not r.output_ids))
-        for r, logits in zip(reqs, full):
+        cached = 0
+        for r, row, logits in zip(reqs, rows, full):
             r.kv_len = len(r.tokens)
+            if row.copied and not r.output_ids:
+                # Its prompt was computed once for an identical one of this prefill (a group's
+                # samples). Counted as SGLang counts a prefix-cache hit: at most the prompt's
+                # length - 1 (SGLang always computes the last position, for its logits).
+                r.cached_tokens = len(r.prompt_ids) - 1
+                cached += r.cached_tokens
             if logits is not None:
                 r.input_logprobs = _input_logprobs(logits, r.prompt_ids, r.logprob_start_len)
+        metrics.CACHED_TOKENS.inc(cached)
         self._sample_and_finish(reqs, last_logits)
 
     def _decode(self) -> None:

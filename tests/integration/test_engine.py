@@ -134,6 +134,27 @@ def test_batch_request_body(client):
     ).json()
     assert [o["meta_info"]["id"] for o in out] == ["r-a", "r-b"]
     assert [o["meta_info"]["prompt_tokens"] for o in out] == [5, 3]
+    assert [o["meta_info"]["cached_tokens"] for o in out] == [0, 0]  # distinct prompts: nothing shared
+
+
+def test_a_groups_shared_prompt_is_reported_as_cached(client):
+    """A group's samples share their prompt: the engine prefills it once, and like SGLang on a
+    prefix-cache hit reports the copies' `cached_tokens` (prompt length - 1: SGLang always
+    computes the last position); the first of them and a distinct prompt report 0."""
+    def cached_total() -> float:
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith("asyncrl_engine_cached_tokens_total "):
+                return float(line.split()[1])
+        raise AssertionError("asyncrl_engine_cached_tokens_total not exported")
+
+    before = cached_total()
+    out = client.post(
+        "/generate",
+        json={"input_ids": [PROMPT, PROMPT, PROMPT[:3], PROMPT],
+              "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}},
+    ).json()  # fmt: skip
+    assert [o["meta_info"]["cached_tokens"] for o in out] == [0, len(PROMPT) - 1, 0, len(PROMPT) - 1]
+    assert cached_total() - before == 2 * (len(PROMPT) - 1)
 
 
 def _in_background(client, body):

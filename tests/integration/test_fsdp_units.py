@@ -1,59 +1,93 @@
 """Which FSDP2 units stay gathered between forward and backward (trainer/model.py build_model):
 a trainable model keeps the root (embeddings, final norm, LM head) and its last decoder layer
 gathered, since its backward starts with them; every other layer, and every unit of a frozen
-(reference) model, is resharded after forward. A one-rank gloo group in the test process, in
-bf16 mixed precision (which shards even a world of one)."""
+(reference) model, is resharded after forward. Two gloo ranks in spawned processes (FSDP2 in
+the test process would leave DTensor caches holding its process group in the main thread,
+which a later fork in the same process can deadlock on)."""
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
+import os
+
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
-
-from trainer.model import _decoder_layers, build_model, init_distributed
+from spawned import finish_worker
 
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def dist1():
+def _units(model) -> dict[str, list[bool]]:
+    """For each unit (the root's own parameters, each decoder layer's): is each of its
+    parameters the sharded DTensor (not gathered)?"""
+    from torch.distributed.tensor import DTensor
+
+    from trainer.model import _decoder_layers
+
+    root = [isinstance(p, DTensor) for name, p in model.named_parameters() if ".layers." not in name]
+    return {"root": root, **{f"layer{i}": [isinstance(p, DTensor) for p in layer.parameters()]
+                             for i, layer in enumerate(_decoder_layers(model))}}  # fmt: skip
+
+
+def worker(rank: int, port: int, model_dir: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
     import torch.distributed as dist
 
-    d = init_distributed("cpu", timeout_s=60)
-    yield d
-    dist.destroy_process_group()
+    from trainer.model import build_model, init_distributed
+
+    d = init_distributed("cpu", timeout_s=120)
+    try:
+        model = build_model(model_dir, d)
+        ids = torch.randint(3, 40, (2, 6))
+        seen = {"at_rest": _units(model)}
+        loss = model(input_ids=ids).logits.float().square().mean()
+        seen["after_forward"] = _units(model)
+        loss.backward()
+        seen["after_backward"] = _units(model)
+        seen["all_grads"] = all(p.grad is not None for p in model.parameters())
+        ref = build_model(model_dir, d, trainable=False)
+        with torch.no_grad():
+            ref(input_ids=ids)
+        seen["frozen_after_forward"] = _units(ref)
+        if d.is_main:
+            with open(out_path, "w") as f:
+                json.dump(seen, f)
+    finally:
+        dist.destroy_process_group()
+    finish_worker()
 
 
-def sharded(module: torch.nn.Module) -> list[bool]:
-    """For each of the module's own parameters: is it the sharded DTensor (not gathered)?"""
-    return [isinstance(p, DTensor) for p in module.parameters()]
+@pytest.fixture(scope="module")
+def seen(tiny, tmp_path_factory) -> dict:
+    from buffer.server import free_port
+
+    out = tmp_path_factory.mktemp("fsdp-units") / "seen.json"
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, str(tiny), str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    return json.loads(out.read_text())
 
 
-def units(model) -> dict[str, list[bool]]:
-    layers = _decoder_layers(model)
-    root_params = [p for name, p in model.named_parameters() if ".layers." not in name]
-    return {"root": [isinstance(p, DTensor) for p in root_params],
-            **{f"layer{i}": sharded(layer) for i, layer in enumerate(layers)}}  # fmt: skip
+def _all_sharded(units: dict[str, list[bool]]) -> bool:
+    return all(all(flags) and flags for flags in units.values())
 
 
-def test_trainable_model_keeps_root_and_last_layer_gathered_until_backward(tiny, dist1):
-    model = build_model(tiny, dist1, mixed_precision="bfloat16")
-    n = len(_decoder_layers(model))
+def test_trainable_model_keeps_root_and_last_layer_gathered_until_backward(seen):
+    n = sum(k.startswith("layer") for k in seen["at_rest"])
     assert n >= 2
-    before = units(model)
-    assert all(all(v) for v in before.values())  # everything sharded at rest
-    ids = torch.randint(3, 40, (2, 6))
-    loss = model(input_ids=ids).logits.float().square().mean()
-    after_forward = units(model)
-    assert not any(after_forward["root"]) and not any(after_forward[f"layer{n - 1}"])
-    assert all(all(after_forward[f"layer{i}"]) for i in range(n - 1))
-    loss.backward()
-    assert all(all(v) for v in units(model).values())  # the backward resharded them
-    assert all(p.grad is not None for p in model.parameters())
+    assert _all_sharded(seen["at_rest"])
+    after = seen["after_forward"]
+    assert not any(after["root"]) and not any(after[f"layer{n - 1}"])
+    assert all(all(after[f"layer{i}"]) for i in range(n - 1))
+    assert _all_sharded(seen["after_backward"]) and seen["all_grads"]  # the backward resharded them
 
 
-def test_frozen_model_reshards_every_unit_after_forward(tiny, dist1):
-    ref = build_model(tiny, dist1, mixed_precision="bfloat16", trainable=False)
-    with torch.no_grad():
-        ref(input_ids=torch.randint(3, 40, (2, 6)))
-    assert all(all(v) for v in units(ref).values())
+def test_frozen_model_reshards_every_unit_after_forward(seen):
+    assert _all_sharded(seen["frozen_after_forward"])

@@ -85,6 +85,43 @@ def test_a_checkpoint_without_dcp_metadata_is_refused(tiny, tmp_path, dist1):
         Checkpointer(tmp_path / "ck", dist1).load(model, opt, build_scheduler(opt, "constant"))
 
 
+class _RunsCode:
+    """Unpickling this runs `os.system`: what a tampered `.metadata` could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("payload", ["code", "not_metadata"])
+def test_a_tampered_checkpoint_index_is_refused_without_running_it(tiny, tmp_path, dist1, payload):
+    """DCP's `.metadata` is a pickle: it is read by an unpickler that builds only checkpoint
+    metadata (trainer/checkpoint.py `CheckedReader`), so a replaced index neither runs code nor
+    loads; the untouched checkpoint loads as before."""
+    import pickle
+
+    from trainer.checkpoint import UnsafeCheckpoint
+
+    model = build_model(tiny, dist1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = build_scheduler(opt, "constant")
+    model(input_ids=torch.randint(3, 40, (2, 8))).logits.square().mean().backward()
+    opt.step()
+    ck = Checkpointer(tmp_path / "ck", dist1, keep=1)
+    path = ck.save(model, opt, sched, 3, ["g1"])
+    assert ck.load(model, opt, sched).version == 3
+    marker = tmp_path / "ran"
+    evil = _RunsCode(marker) if payload == "code" else {"state_dict_metadata": {}}
+    (path / ".metadata").write_bytes(pickle.dumps(evil))
+    with pytest.raises(UnsafeCheckpoint, match="os.system|posix.system|not DCP Metadata"):
+        ck.load(model, opt, sched)
+    assert not marker.exists()
+
+
 def _named_optim_state(model, opt):
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: s for p, s in opt.state.items()}

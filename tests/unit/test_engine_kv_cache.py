@@ -80,10 +80,12 @@ def test_rows_with_one_prompt_are_prefilled_once_and_decode_apart(runner):
     try:
         runner.cache.k[0].fill_(7.0)  # stale values in the slots: all must be overwritten
         seqs = [[1, 5, 6], [1, 8, 9, 10, 11], [1, 5, 6]]
-        last, full = runner.prefill(1, [ForwardRow(list(s)) for s in seqs])
+        rows = [ForwardRow(list(s)) for s in seqs]
+        last, full = runner.prefill(1, rows)
     finally:
         runner._prefill = plain
     assert calls == [2] and full == [None] * 3
+    assert [r.copied for r in rows] == [False, False, True]  # the third row's prompt was not computed
     for i, s in enumerate(seqs):
         assert torch.allclose(last[i], full_forward(runner, s)[-1], atol=1e-5)
     runner.cache.move(3, 0, len(seqs[2]))  # slots 1..3 hold the rows; decode runs on slots 0..n-1
