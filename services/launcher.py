@@ -12,7 +12,9 @@ GPU placement (services/placement.py, `Launcher.placement`): on a machine with G
 gets CUDA_VISIBLE_DEVICES: started engines GPUs 0..k-1 (`engine_tp` each, SGLang's --tp-size),
 the trainer the next `trainer_nproc_per_node`, every other process none; `engine_gpus` /
 `trainer_gpus` choose others. A GPU given to two processes is refused before anything starts
-unless `allow_shared_gpus`; the placement is logged. Without GPUs nothing changes.
+unless `allow_shared_gpus`; the placement is logged. A `distributed` weight publish over NCCL is
+refused, shared or not, when its group would hold two ranks on one GPU or an engine on the CPU
+(`check_nccl_weight_group`). Without GPUs nothing changes.
 
 Supervision (`Launcher.supervise`): a service that exits, or stops answering its health check
 for `liveness_failures` probes in a row, is restarted with the same command after an
@@ -53,7 +55,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common import auth
-from services.placement import Placement, PlacementError, place, visible_gpus
+from services.placement import Placement, PlacementError, check_nccl_weight_group, place, visible_gpus
 
 STOP_GRACE_S = 15.0
 PROBE_TIMEOUT_S = 2.0  # one liveness probe; a service too busy to answer this fast is failing one
@@ -167,6 +169,18 @@ class DeviceField(BaseModel):
         return self.device != "cpu"
 
 
+class TrainerField(DeviceField):
+    """What the launcher reads of `[trainer]`: its device, and how it publishes weights (an
+    NCCL weight group constrains where the engines may run)."""
+
+    publish: str = "disk"
+    broadcast_backend: str = "auto"
+
+    @property
+    def nccl_weight_group(self) -> bool:
+        return self.on_gpu and self.publish == "distributed" and self.broadcast_backend != "gloo"
+
+
 class UpConfig(BaseModel):
     model_config = ConfigDict(extra="ignore")  # the services' own tables are theirs
     run: RunSection = Field(default_factory=RunSection)
@@ -174,7 +188,7 @@ class UpConfig(BaseModel):
     launch: LaunchSection = Field(default_factory=LaunchSection)
     submit: SubmitSection | None = None
     engine: DeviceField = Field(default_factory=DeviceField)
-    trainer: DeviceField = Field(default_factory=DeviceField)
+    trainer: TrainerField = Field(default_factory=TrainerField)
 
     @classmethod
     def load(cls, path: Path) -> UpConfig:
@@ -264,10 +278,13 @@ class Launcher:
         if devices and engines_on_gpu and pinned:
             raise PlacementError(f"[engine] device = {cfg.engine.device!r}: each engine sees only its own GPU, "
                                  "as cuda:0; choose the GPUs with [launch] engine_gpus")  # fmt: skip
-        return place(devices, engines=ln.engines if engines_on_gpu else 0, engine_tp=ln.engine_tp,
-                     trainer_nproc=ln.trainer_nproc_per_node if ln.trainer and cfg.trainer.on_gpu else 0,
-                     engine_gpus=ln.engine_gpus, trainer_gpus=ln.trainer_gpus,
-                     allow_shared=ln.allow_shared_gpus)  # fmt: skip
+        placed = place(devices, engines=ln.engines if engines_on_gpu else 0, engine_tp=ln.engine_tp,
+                       trainer_nproc=ln.trainer_nproc_per_node if ln.trainer and cfg.trainer.on_gpu else 0,
+                       engine_gpus=ln.engine_gpus, trainer_gpus=ln.trainer_gpus,
+                       allow_shared=ln.allow_shared_gpus)  # fmt: skip
+        if ln.trainer and cfg.trainer.nccl_weight_group and not ln.engine_urls:
+            check_nccl_weight_group(placed, engines_on_gpu=engines_on_gpu)
+        return placed
 
     def plan(self) -> list[list[Proc]]:
         """Stages of processes, each stage healthy before the next starts."""

@@ -14,6 +14,10 @@ or not: a tp-2 engine on one GPU is not a smaller engine); an explicit list whos
 what the engines' tp or the trainer's ranks need. With no GPU visible, placement is a no-op:
 every process sees what the launcher sees and nothing is refused.
 
+`check_nccl_weight_group` refuses, even with `allow_shared`, a `distributed` weight publish over
+NCCL whose group would hold two ranks on one GPU (trainer rank 0 and an engine, or two engines)
+or an engine on the CPU: NCCL cannot run either.
+
 Guarantees only what CUDA_VISIBLE_DEVICES guarantees: a process that resets it, or reads GPUs
 through NVML, can still see the others. Torch-free: the launcher imports it.
 """
@@ -183,6 +187,24 @@ def _check_list(name: str, gpus: Sequence[int] | None, need: int, who: str, devi
     for g in gpus:
         if not 0 <= g < len(devices):
             raise PlacementError(f"[launch] {name} names GPU {g}; {_visible(devices)}")
+
+
+def check_nccl_weight_group(p: Placement, *, engines_on_gpu: bool) -> None:
+    """A `distributed` publish over NCCL joins trainer rank 0 and every engine rank in one
+    group, and NCCL runs one rank per GPU (two on one GPU fail at the first broadcast with
+    "Duplicate GPU detected"); an engine on the CPU cannot join NCCL at all. Refuse either
+    before anything starts. Nothing to check without GPUs or without the trainer on them."""
+    if not p.devices or not p.trainer:
+        return
+    fix = ('set [trainer] broadcast_backend = "gloo" (through host memory, slower) or publish = "disk"')
+    if not engines_on_gpu:
+        raise PlacementError(f"[trainer] publish = \"distributed\" over NCCL needs the engines on GPUs, but they run "
+                             f"on the CPU: {fix}")  # fmt: skip
+    groups = [(f"{TRAINER} rank 0", p.trainer[:1])] + [(f"engine-{i}", g) for i, g in enumerate(p.engines)]
+    for g, names in _shared(groups).items():
+        raise PlacementError(f"{_gpus(p.devices, [g])} holds {' and '.join(names)}, but [trainer] publish = "
+                             f"\"distributed\" over NCCL needs every rank of the weight group on its own GPU "
+                             f"(NCCL refuses two ranks on one GPU): give them distinct GPUs, or {fix}")  # fmt: skip
 
 
 def _shared(groups: list[tuple[str, tuple[int, ...]]]) -> dict[int, list[str]]:

@@ -138,20 +138,27 @@ def broadcast_weights(
 def _buckets(
     named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[tuple[list[torch.Tensor], Bucket]]:
-    items = [(name, t.detach().contiguous()) for name, t in named]
+    """`named` in buckets of about `bucket_bytes`, drawn lazily: a bucket is yielded once its
+    tensors and the next one (to know whether it is the last) have been drawn, so a caller whose
+    iterable moves each tensor to the GPU as it is drawn holds one bucket there, not the model."""
+    it = iter(named)
+    ahead = next(it, None)
     current: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for i, (name, t) in enumerate(items):
+    while ahead is not None:
+        name, t = ahead
+        t = t.detach().contiguous()
         current.append((name, t))
         size += t.numel() * t.element_size()
-        if size >= bucket_bytes or i == len(items) - 1:
+        ahead = next(it, None)
+        if size >= bucket_bytes or ahead is None:
             yield (
                 [t for _, t in current],
                 Bucket(
                     names=[n for n, _ in current],
                     dtypes=[dtype_name(t.dtype) for _, t in current],
                     shapes=[list(t.shape) for _, t in current],
-                    last=i == len(items) - 1,
+                    last=ahead is None,
                 ),
             )
             current, size = [], 0

@@ -7,7 +7,13 @@ import pytest
 from pydantic import ValidationError
 
 from services.launcher import Launcher, UpConfig
-from services.placement import PlacementError, parse_visible_devices, place, visible_gpus
+from services.placement import (
+    PlacementError,
+    check_nccl_weight_group,
+    parse_visible_devices,
+    place,
+    visible_gpus,
+)
 
 FOUR = ("0", "1", "2", "3")
 EIGHT = tuple(str(i) for i in range(8))
@@ -53,6 +59,45 @@ def test_an_engine_and_the_trainer_on_one_gpu_is_refused_with_the_gpu_named():
         place(FOUR, engines=1, trainer_nproc=2, engine_gpus=[1], trainer_gpus=[1, 2])
     with pytest.raises(PlacementError, match=r"GPU 2 is given to engine-0 and engine-1"):
         place(FOUR, engines=2, trainer_nproc=1, engine_gpus=[2, 2], trainer_gpus=[0])
+
+
+def test_an_nccl_weight_group_needs_every_rank_on_its_own_gpu():
+    """Trainer rank 0 and every engine rank join one NCCL group for a `distributed` publish: a
+    GPU holding two of them (allowed sharing or not) or an engine on the CPU is refused."""
+    check_nccl_weight_group(place(FOUR, engines=2, trainer_nproc=2), engines_on_gpu=True)  # 0,1 | 2,3: fine
+    # rank 1 of the trainer may share with an engine: only rank 0 is in the weight group
+    check_nccl_weight_group(place(FOUR, engines=1, trainer_nproc=2, engine_gpus=[1], trainer_gpus=[0, 1],
+                                  allow_shared=True), engines_on_gpu=True)  # fmt: skip
+    shared = place(FOUR, engines=1, trainer_nproc=1, engine_gpus=[2], trainer_gpus=[2], allow_shared=True)
+    with pytest.raises(PlacementError, match=r"GPU 2 holds trainer rank 0 and engine-0.*broadcast_backend = \"gloo\""):
+        check_nccl_weight_group(shared, engines_on_gpu=True)
+    engines_shared = place(FOUR, engines=2, trainer_nproc=1, engine_gpus=[1, 1], trainer_gpus=[0], allow_shared=True)
+    with pytest.raises(PlacementError, match=r"GPU 1 holds engine-0 and engine-1"):
+        check_nccl_weight_group(engines_shared, engines_on_gpu=True)
+    with pytest.raises(PlacementError, match="engines on GPUs, but they run on the CPU"):
+        check_nccl_weight_group(place(FOUR, engines=0, trainer_nproc=1), engines_on_gpu=False)
+    check_nccl_weight_group(place((), engines=1, trainer_nproc=1), engines_on_gpu=False)  # no GPU: nothing to check
+
+
+def test_the_launcher_refuses_an_nccl_publish_on_a_shared_gpu(tmp_path):
+    """`asyncrl up` on one GPU with sharing allowed: publishing by NCCL broadcast is refused
+    before anything starts; through host memory (gloo) or by disk it is placed."""
+    import tomllib
+    from pathlib import Path
+
+    raw = tomllib.loads((Path(__file__).resolve().parents[2] / "configs" / "demo.toml").read_text())
+    raw["launch"].update(gpus=1, allow_shared_gpus=True)
+    raw["engine"]["device"] = "cuda"
+    raw["trainer"].update(device="cuda", publish="distributed")
+
+    def placement(**trainer):
+        cfg = {**raw, "trainer": {**raw["trainer"], **trainer}}
+        return Launcher(UpConfig.model_validate(cfg), tmp_path / "x.toml", echo=False).placement
+
+    with pytest.raises(PlacementError, match=r"GPU 0 holds trainer rank 0 and engine-0"):
+        placement()
+    assert placement(broadcast_backend="gloo").trainer == (0,)
+    assert placement(publish="disk").engines == ((0,),)
 
 
 def test_sharing_is_allowed_when_asked():

@@ -1,0 +1,46 @@
+"""Buckets of a weight broadcast (services/engine/weight_sync.py `_buckets`): every tensor once,
+in order, bucket by bucket, and drawn lazily, so a trainer that moves each tensor to the GPU as
+it is drawn holds one bucket there, not a second copy of the model."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.weight_sync import _buckets
+
+
+def named(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
+    return [(f"p{i}", torch.full((n,), float(i))) for i, n in enumerate(sizes)]
+
+
+def test_buckets_hold_every_tensor_once_in_order_up_to_the_size():
+    items = named([10, 30, 5, 60, 1, 1, 100])
+    buckets = list(_buckets(items, bucket_bytes=40 * 4))
+    names = [n for _, b in buckets for n in b.names]
+    assert names == [n for n, _ in items]
+    assert [b.last for _, b in buckets] == [False] * (len(buckets) - 1) + [True]
+    for tensors, b in buckets:
+        assert [list(t.shape) for t in tensors] == b.shapes and b.dtypes == ["float32"] * len(tensors)
+        assert sum(t.numel() * 4 for t in tensors[:-1]) < 40 * 4  # a bucket closes at the first tensor past the size
+    for (n, t), got in zip(items, [t for ts, _ in buckets for t in ts]):
+        assert torch.equal(t, got), n
+    assert [b.names for _, b in buckets] == [["p0", "p1"], ["p2", "p3"], ["p4", "p5", "p6"]]
+    assert list(_buckets([], 1024)) == []
+    (only,) = _buckets(named([3]), 1024)
+    assert only[1].last and only[1].names == ["p0"]
+
+
+def test_tensors_are_drawn_one_bucket_at_a_time():
+    drawn = []
+
+    def lazily():
+        for n, t in named([16] * 12):
+            drawn.append(n)
+            yield n, t
+
+    sent = 0
+    for tensors, _ in _buckets(lazily(), bucket_bytes=3 * 16 * 4):
+        assert len(tensors) == 3
+        sent += len(tensors)
+        assert len(drawn) <= sent + 1  # this bucket and, at most, the next tensor
+    assert sent == len(drawn) == 12
