@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -203,11 +204,23 @@ class BroadcastPublisher:
         bodies = [{"master_address": self.master_address, "master_port": self.master_port,
                    "rank_offset": 1 + sum(sizes[:i]), "world_size": world, "group_name": self.group_name,
                    "backend": self.backend} for i in range(len(sizes))]  # fmt: skip
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the rendezvous needs both sides at once
-            joining = pool.submit(self._post_all, "/init_weights_update_group", bodies)
-            self.group = init_weight_update_group(self.master_address, self.master_port, 0, world, self.group_name,
-                                                  self.backend, self.timeout_s)  # fmt: skip
-            joining.result()
+        # The rendezvous needs both sides at once: rank 0 hosts it on a thread of its own while the
+        # engines are asked to join. An engine that refuses (a backend it cannot run, a group of
+        # that name already there) answers at once, and that answer is raised at once, instead of
+        # after rank 0 waited `timeout_s` for ranks that will never come (the host thread is a
+        # daemon left to that timeout).
+        hosted: Future = Future()
+
+        def host() -> None:
+            try:
+                hosted.set_result(init_weight_update_group(self.master_address, self.master_port, 0, world,
+                                                           self.group_name, self.backend, self.timeout_s))  # fmt: skip
+            except BaseException as exc:  # noqa: BLE001 — handed to connect(), which raises it
+                hosted.set_exception(exc)
+
+        threading.Thread(target=host, name="weight-group-host", daemon=True).start()
+        self._post_all("/init_weights_update_group", bodies)
+        self.group = hosted.result(timeout=self.timeout_s)
 
     def publish(self, version: int, state: dict[str, torch.Tensor], epoch: int = 0) -> Published:
         from services.engine.weight_sync import broadcast_weights, http_announcer

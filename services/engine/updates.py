@@ -13,6 +13,11 @@
   update nor shutdown (SIGTERM). What it returns after its deadline is dropped. Limit: an
   abandoned thread may still be running while the next update runs (a read of a hung file
   system, a rendezvous that ignores its own timeout); it holds only what it allocated.
+  Limit (NCCL groups, GPU only; untested here): an NCCL broadcast whose sender died does not
+  raise on this thread. Its kernel hangs on the device and stalls the engine's stream, and
+  NCCL's watchdog ends the process after the group's timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING
+  default). So an NCCL weight sync that dies half-way restarts the engine: the launcher's
+  supervision or the orchestrator brings it back. A gloo group raises, and the group is dropped.
 * Health (`degraded()`, `/health` answers 503 with the reason): the engine is degraded while
   the last update that was attempted failed (an error or a timeout while reading, joining,
   receiving or applying), until a later one succeeds (a later weight load; a failed join is

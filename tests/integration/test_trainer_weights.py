@@ -154,6 +154,30 @@ def test_broadcast_publisher_updates_a_reference_engine(tiny, dist1):
         engine.stop()
 
 
+def test_an_engine_that_refuses_to_join_fails_the_connect_at_once(tiny, dist1):
+    """An engine that refuses `/init_weights_update_group` (here: a group of that name is already
+    there) answers at once; the publisher raises that answer then, not after rank 0 waited its
+    whole rendezvous timeout for a rank that will never come."""
+    import time
+
+    from buffer.server import free_port
+    from services.engine.testing import serve_in_thread
+
+    engine = serve_in_thread(str(tiny), device="cpu", dtype="float32")
+    try:
+        first = BroadcastPublisher([engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60)
+        first.connect()
+        second = BroadcastPublisher([engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match="HTTP 400 .*already exists"):
+            second.connect()
+        assert time.monotonic() - t0 < 20  # the engine's answer, not the 60 s rendezvous timeout
+        first.close()
+        second.close()
+    finally:
+        engine.stop()
+
+
 def test_full_state_dict_of_an_unsharded_model_is_what_the_gathering_api_returns(tiny, dist1):
     """A world of one does not shard the model: `full_state_dict` reads its tensors directly;
     the names and values are the gathering API's (tied weights once)."""
