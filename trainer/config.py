@@ -100,7 +100,8 @@ class TrainerSettings(ServiceSettings):
     # parallelism
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda+nccl when available, else cpu+gloo")
     mixed_precision: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "float32", description="FSDP2 param dtype; auto: bfloat16 on CUDA or a CPU with native bf16 (AMX, AVX512-BF16)")
+        "float32", description="FSDP2 param dtype; auto: bfloat16 on CUDA or a CPU with native bf16 (AMX, AVX512-BF16). "
+        "float16 runs without loss scaling: gradients under fp16's range (~6e-8) are lost, so prefer bfloat16")
     dist_timeout_s: float = Field(1800.0, gt=0, description="collective timeout (ranks wait while rank 0 waits for data)")
 
     # data
