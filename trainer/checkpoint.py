@@ -35,6 +35,7 @@ broadcast).
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import os
@@ -83,8 +84,18 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if name in _METADATA_TYPES.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):  # how some Pythons pickle an enum member: by name
+            return self._enum_member
         raise UnsafeCheckpoint(f"{self.path} refers to {module}.{name}, which is not checkpoint metadata: "
                                "refusing to load it (a checkpoint directory written by this trainer never does)")  # fmt: skip
+
+    def _enum_member(self, cls, name):
+        """`getattr` as an enum member's pickle uses it, `getattr(EnumClass, member_name)`, and
+        nothing else: a general getattr would reach the methods of the objects built here."""
+        if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+            return cls[name]
+        raise UnsafeCheckpoint(f"{self.path} asks for getattr({type(cls).__name__} object, {name!r}): only an enum "
+                               "member's lookup is checkpoint metadata")  # fmt: skip
 
 
 class CheckedReader(FileSystemReader):

@@ -122,6 +122,38 @@ def test_a_tampered_checkpoint_index_is_refused_without_running_it(tiny, tmp_pat
     assert not marker.exists()
 
 
+class _Reduced:
+    """Pickles as `fn(*args)`."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def test_the_metadata_unpickler_looks_up_enum_members_and_nothing_else(tmp_path):
+    """Some Pythons pickle an enum member as `getattr(EnumClass, name)` (the checkpoint of the
+    compose trainer's image does): that lookup is allowed, a getattr on anything else (here
+    a path's `touch` method, which a further call would run) is refused."""
+    import pickle
+    from pathlib import PosixPath
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from trainer.checkpoint import UnsafeCheckpoint, _MetadataUnpickler
+
+    member = pickle.dumps(_Reduced(getattr, _MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT"))
+    assert _MetadataUnpickler(member, "m").load() is _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    marker = tmp_path / "touched"
+    method = pickle.dumps(_Reduced(getattr, PosixPath(marker), "touch"))
+    with pytest.raises(UnsafeCheckpoint, match="getattr\\(PosixPath object, 'touch'\\)"):
+        _MetadataUnpickler(method, "m").load()
+    with pytest.raises(UnsafeCheckpoint, match="not an enum|only an enum"):
+        _MetadataUnpickler(pickle.dumps(_Reduced(getattr, _MEM_FORMAT_ENCODING, "mro")), "m").load()
+    assert not marker.exists()
+
+
 def _named_optim_state(model, opt):
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: s for p, s in opt.state.items()}
