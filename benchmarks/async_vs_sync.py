@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_demo(eta: int, seed: int, time_limit: float, run_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "services.cli", "demo", "--max-staleness", str(eta), "--seed", str(seed),
+    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "demo", "--max-staleness", str(eta), "--seed", str(seed),
            "--time-limit", str(time_limit), "--run-dir", str(run_dir)]  # fmt: skip
     subprocess.run(cmd, cwd=REPO, check=False, stdout=subprocess.DEVNULL)
     summary = json.loads((run_dir / "summary.json").read_text())

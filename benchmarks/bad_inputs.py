@@ -3,7 +3,7 @@ out-of-range or unauthorized request must get a bounded 4xx (or, where the input
 but hopeless one, a 200 whose status says so), never a 5xx nor a hang.
 
 Topology (real, loopback, one process): the reference engine on a tiny model with a strong
-API token and a weights root (`services/engine/testing.py`), the reward service with its
+API token and a weights root (`tests/engine_server.py`), the reward service with its
 toy and math verifiers plus `code` when bubblewrap works here, and the rollout service with
 its scheduler on a real redis-server, generating on that engine and scoring on that reward
 service (so a bad input that is accepted by mistake is really run).
@@ -39,7 +39,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.common.auth import generate_token
+from asyncrl.services.runtime.auth import generate_token
 
 MAX_ANSWER_BYTES = 4096  # a refusal bigger than this grows with its input: it echoes the request
 CONTEXT = 512  # the tiny model's context length (max_position_embeddings)
@@ -133,7 +133,7 @@ class Setup:
 
 
 def engine_cases(s: Setup) -> list[Case]:
-    from services.engine.engine import MAX_CHARS_PER_TOKEN, REFUSED_PATH
+    from asyncrl.services.engine.engine import MAX_CHARS_PER_TOKEN, REFUSED_PATH
 
     g, chat = "/generate", "/v1/chat/completions"
     one = {"max_new_tokens": 1}  # a case the engine accepts costs one token
@@ -506,11 +506,11 @@ def prepare_weights_root(tmp: Path, model_dir: Path) -> Path:
 
 def start_reward(stack: contextlib.ExitStack) -> tuple[str, bool]:
     """The reward service (1 MB body cap) with `code` when bubblewrap works here, else without."""
-    from services.common.serving import serve_app_in_thread
-    from services.engine.testing import free_port
-    from services.reward.app import build_app
-    from services.reward.config import RewardSettings
-    from services.reward.sandbox import SandboxUnavailable
+    from asyncrl.services.runtime.serving import serve_app_in_thread
+    from engine_server import free_port
+    from asyncrl.services.reward.app import build_app
+    from asyncrl.services.reward.config import RewardSettings
+    from asyncrl.services.reward.sandbox import SandboxUnavailable
 
     code_enabled = shutil.which("bwrap") is not None
     common = {"max_body_bytes": REWARD_MAX_BODY, "math_workers": 1, "code_concurrency": 2}
@@ -528,10 +528,10 @@ def start_reward(stack: contextlib.ExitStack) -> tuple[str, bool]:
 def start_services(tmp: Path, stack: contextlib.ExitStack) -> tuple[dict[str, str], Setup]:
     import torch
 
-    from buffer.server import RedisServer
-    from services.common.tinymodel import build_tiny_model
-    from services.engine.testing import serve_in_thread as serve_engine
-    from services.rollout.testing import serve_in_thread as serve_rollout
+    from asyncrl.buffer.server import RedisServer
+    from asyncrl.services.ops.tinymodel import build_tiny_model
+    from engine_server import serve_in_thread as serve_engine
+    from rollout_server import serve_in_thread as serve_rollout
 
     torch.set_num_threads(1)
     model_dir = tmp / "model"

@@ -32,9 +32,9 @@ import redis.utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from buffer import Buffer, Groups, RedisServer
-from buffer.alloc import tune_malloc
-from proto import Group, RewardStatus, Sample, encode
+from asyncrl.buffer import Buffer, Groups, RedisServer
+from asyncrl.buffer.alloc import tune_malloc
+from asyncrl.proto import Group, RewardStatus, Sample, encode
 
 SAMPLES, TOKENS = 8, 2048
 
@@ -201,7 +201,7 @@ def codec_removed(groups: list[Group], payloads: list[bytes]):
     """Diagnostic: the buffer's own protocol cost. Inside, the buffer's `encode` hands back the
     precomputed payload and its `decode` the prebuilt group (found by the payload's first KB,
     which holds random completion tokens), so what is left is Lua, round trips and bookkeeping."""
-    from buffer import groups as part
+    from asyncrl.buffer import groups as part
 
     by_group = {id(g): p for g, p in zip(groups, payloads)}
     by_head = {bytes(p[:1024]): g for g, p in zip(groups, payloads)}

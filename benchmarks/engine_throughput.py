@@ -84,9 +84,9 @@ def generate_run(model, batch: int, args, vocab: int) -> tuple[float, int]:
 
 def core_run(model_dir: str, batch: int, args, vocab: int) -> tuple[float, int]:
     """The engine's scheduler and model runner driven directly in this process (no HTTP)."""
-    from services.engine.model_runner import ModelRunner
-    from services.engine.sampling import RowSampling
-    from services.engine.scheduler import Request, Scheduler
+    from asyncrl.services.engine.model_runner import ModelRunner
+    from asyncrl.services.engine.sampling import RowSampling
+    from asyncrl.services.engine.scheduler import Request, Scheduler
 
     global _RUNNER
     if _RUNNER is None:
@@ -122,13 +122,13 @@ _RUNNER = None
 def start_engine(model_dir: str, max_running: int, *extra: str) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    from services.engine.testing import free_port
+    from engine_server import free_port
 
     port = free_port()
     cmd = [
         sys.executable,
         "-m",
-        "services.cli",
+        "asyncrl.services.ops.cli",
         "engine",
         "--model",
         model_dir,
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.common.tinymodel import build_tiny_model
+    from asyncrl.services.ops.tinymodel import build_tiny_model
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

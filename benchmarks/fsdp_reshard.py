@@ -42,10 +42,10 @@ def worker(rank: int, port: int, model_dir: str, vocab: int, steps: int, out: st
     import torch.distributed as dist
 
     from benchmarks.trainer_memory import make_groups
-    from trainer.batch import build_rows, micro_batches
-    from trainer.losses import LossConfig
-    from trainer.model import _decoder_layers, build_model, init_distributed
-    from trainer.step import StepConfig, policy_step
+    from asyncrl.trainer.batch import build_rows, micro_batches
+    from asyncrl.trainer.losses import LossConfig
+    from asyncrl.trainer.model import _decoder_layers, build_model, init_distributed
+    from asyncrl.trainer.step import StepConfig, policy_step
 
     gathered = [0]
     all_gather = dist.all_gather_single
@@ -82,7 +82,7 @@ def worker(rank: int, port: int, model_dir: str, vocab: int, steps: int, out: st
 
 def main() -> int:
     from benchmarks.trainer_memory import SHAPE, VOCAB, build_model_dir
-    from buffer.server import free_port
+    from asyncrl.buffer.server import free_port
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6, help="timed steps per policy")

@@ -36,10 +36,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from buffer import AdmissionControl, Buffer, Jobs
-from buffer.server import RedisServer, free_port
-from services.common.tinymodel import build_tiny_model
-from services.rollout.testing import start_process, start_reward_service
+from asyncrl.buffer import AdmissionControl, Buffer, Jobs
+from asyncrl.buffer.server import RedisServer, free_port
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from rollout_server import start_process, start_reward_service
 
 
 @dataclass
@@ -156,7 +156,7 @@ def topology(tmp: Path):
     AdmissionControl(Buffer(redis.url, run)).configure(batch_groups=64, max_staleness=0)
     try:
         rollout = start_process(
-            [sys.executable, "-m", "services.cli", "rollout", "--port", str(port), "--redis-url", redis.url,
+            [sys.executable, "-m", "asyncrl.services.ops.cli", "rollout", "--port", str(port), "--redis-url", redis.url,
              "--run", run, "--replica", "load", "--engine-urls", "http://127.0.0.1:9", "--reward-url", reward.url,
              "--tokenizer", str(model), "--engine-backoff-s", "1.0"],
             f"http://127.0.0.1:{port}", "/healthz", log_path=tmp / "rollout.log")  # fmt: skip

@@ -130,7 +130,7 @@ def config_for(cell: dict, seed: int, budget: float, base: Path | None = None) -
 
 
 def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
-    from services.demo import _to_toml
+    from asyncrl.services.ops.demo import _to_toml
 
     name = f"{cell['slice']}-eta{cell['eta']}-{cell['mismatch']}-{cell['correction']}-{'bypass' if cell['bypass'] else 'decoupled'}{'-prefill' if cell.get('prefill') else ''}-s{seed}"
     config, run_dir = tmp / f"{name}.toml", tmp / name
@@ -165,7 +165,7 @@ def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
 def tiny_model(path: Path, seed: int) -> Path:
     """`configs/demo.toml`'s tiny model for `seed`, as `asyncrl demo` builds it, built once."""
     if not (path / "config.json").exists():
-        from services.common.tinymodel import build_tiny_model
+        from asyncrl.services.ops.tinymodel import build_tiny_model
 
         m = tomllib.loads(BASE.read_text())["model"]
         build_tiny_model(path, chars=m["tiny_chars"], hidden_size=m["tiny_hidden_size"], num_layers=m["tiny_layers"],
@@ -182,7 +182,7 @@ def clean_eval(run_dir: Path, samples: int = 8, seed: int = 0) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.reward.verifiers.toy import reverse_reward
+    from asyncrl.services.reward.verifiers.toy import reverse_reward
 
     published = sorted((run_dir / "trainer" / "weights").glob("v*"))
     if not published:

@@ -84,10 +84,10 @@ def load_state(model_dir: str) -> dict:
 def start_engine_process(model_dir: str, weights_root: str) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    from services.engine.testing import free_port
+    from engine_server import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "engine", "--model", model_dir, "--port", str(port),
+    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "engine", "--model", model_dir, "--port", str(port),
            "--num-threads", "1", "--device", "cpu", "--dtype", "float32", "--log-level", "warning",
            "--weights-root", weights_root]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ASYNCRL_ENGINE_API_TOKEN": ENGINE_TOKEN}
@@ -172,7 +172,7 @@ def run_round(pub, state, dtype: str, version: int, raw: RawBound, urls, http, p
     first alternates between rounds, so neither always meets the other's disk writeback."""
     import torch
 
-    from trainer.weights import cast_state
+    from asyncrl.trainer.weights import cast_state
 
     if raw_first:
         raw_write, raw_read = raw.write(), raw.read()
@@ -217,8 +217,8 @@ def main(argv=None) -> int:
     import httpx
     import torch
 
-    from buffer.alloc import tune_malloc
-    from trainer.weights import DiskPublisher, cast_state
+    from asyncrl.buffer.alloc import tune_malloc
+    from asyncrl.trainer.weights import DiskPublisher, cast_state
 
     torch.set_num_threads(1)  # the engines run with 1 thread, the trainer with OMP_NUM_THREADS (1)
     tune_malloc()  # as in the trainer's rank 0, whose `Buffer` applies it: cast_state's allocations
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
                 proc, url = start_engine_process(args.model, str(root))
                 procs.append(proc)
             else:
-                from services.engine.testing import serve_in_thread
+                from engine_server import serve_in_thread
 
                 running = serve_in_thread(args.model, device="cpu", dtype="float32", log_level="warning",
                                           api_token=ENGINE_TOKEN, weights_root=str(root))

@@ -107,9 +107,9 @@ def load_bench(args: argparse.Namespace):
     """(Bench, the raw TOML, the demo section) from `--config` and the overrides."""
     import torch
 
-    from services.demo import DemoSection
-    from trainer.config import TrainerSettings
-    from trainer.model import resolve_mixed_precision
+    from asyncrl.services.ops.demo import DemoSection
+    from asyncrl.trainer.config import TrainerSettings
+    from asyncrl.trainer.model import resolve_mixed_precision
 
     raw = tomllib.loads(args.config.read_text())
     demo = DemoSection.model_validate(raw.get("demo", {}))
@@ -224,8 +224,8 @@ def score(completion: str, answer: str, max_chars: int) -> float:
     the completion (else its tail) against the gold answer, with the worker's gold parsing."""
     from math_verify import parse, verify
 
-    from services.reward.verifiers.math import answer_region
-    from services.reward.verifiers.math_worker import _parse_gold  # the worker's exact gold rule
+    from asyncrl.services.reward.verifiers.math import answer_region
+    from asyncrl.services.reward.verifiers.math_worker import _parse_gold  # the worker's exact gold rule
 
     gold = _parse_gold(parse, answer)
     if not gold:
@@ -292,7 +292,7 @@ def run_trl(b: Bench, demo, out_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from services.demo import TOPUP_STEPS, math_task
+    from asyncrl.services.ops.demo import TOPUP_STEPS, math_task
 
     class TimedGRPOTrainer(GRPOTrainer):
         """Adds up where TRL's step time goes (its own profiling reports only to W&B, MLflow or
@@ -407,8 +407,8 @@ def run_trl(b: Bench, demo, out_dir: Path) -> dict:
 def run_ours(b: Bench, raw: dict, bench_dir: Path) -> dict:
     """`asyncrl demo` for `b.minutes` on a copy of the config (free ports, no tracking, no
     evaluations while training)."""
-    from buffer.server import free_port
-    from services.demo import _to_toml  # the demo's own writer of the run config
+    from asyncrl.buffer.server import free_port
+    from asyncrl.services.ops.demo import _to_toml  # the demo's own writer of the run config
 
     raw = json.loads(json.dumps(raw))  # a copy
     raw["model"].update(path=b.model, build_tiny=False)
@@ -421,7 +421,7 @@ def run_ours(b: Bench, raw: dict, bench_dir: Path) -> dict:
     config = bench_dir / "ours.toml"
     config.write_text(_to_toml(raw))
     run_dir = bench_dir / "ours"
-    cmd = [sys.executable, "-m", "services.cli", "demo", "--config", str(config), "--seed", str(b.seed),
+    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "demo", "--config", str(config), "--seed", str(b.seed),
            "--time-limit", str(b.minutes * 60), "--run-dir", str(run_dir)]  # fmt: skip
     env = dict(os.environ)
     t_launch, t0_wall, t0 = time.monotonic(), None, None
@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
 
     torch.set_num_threads(b.threads)
-    from services.demo import math_task
+    from asyncrl.services.ops.demo import math_task
 
     heldout = math_task(demo).heldout_prompts()[: b.eval_size]
     print(f"real_vs_trl: {b.model}, B={b.prompts_per_step} x G={b.group_size}, max_new_tokens={b.max_new_tokens}, "

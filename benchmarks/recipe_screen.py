@@ -48,10 +48,10 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.common.tinymodel import build_tiny_model
-    from services.reward.verifiers.toy import reverse_reward
-    from trainer.advantages import group_advantages
-    from trainer.losses import LossConfig, entropy_bonus, policy_loss
+    from asyncrl.services.ops.tinymodel import build_tiny_model
+    from asyncrl.services.reward.verifiers.toy import reverse_reward
+    from asyncrl.trainer.advantages import group_advantages
+    from asyncrl.trainer.losses import LossConfig, entropy_bonus, policy_loss
 
     model_dir = tempfile.mkdtemp(prefix="recipe-")
     build_tiny_model(model_dir, hidden_size=args.hidden, num_layers=args.layers, chars=args.letters + ">",

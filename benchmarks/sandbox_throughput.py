@@ -21,9 +21,9 @@ import statistics
 import subprocess
 import time
 
-from services.reward.sandbox import Limits, Sandbox
-from services.reward.verifiers.code import CodeVerifier
-from services.reward.verifiers.math import MathVerifier
+from asyncrl.services.reward.sandbox import Limits, Sandbox
+from asyncrl.services.reward.verifiers.code import CodeVerifier
+from asyncrl.services.reward.verifiers.math import MathVerifier
 
 PROGRAM = "print(sum(range(10)))"
 PYTHON = "/usr/bin/python3"

@@ -83,7 +83,7 @@ def demo_config(port_base: int, **launch) -> dict:
 
 
 def write_config(raw: dict, path: Path) -> Path:
-    from services.demo import _to_toml
+    from asyncrl.services.ops.demo import _to_toml
 
     path.write_text(_to_toml(raw))
     return path
@@ -97,9 +97,9 @@ def med_ms(xs: list[float]) -> float:
 def inproc_generation(model_dir: str, prompts: list[list[int]], group: int, steps: int, new_tokens: int) -> list[float]:
     """Seconds per step: every sample of the step submitted to the engine's scheduler at once,
     `new_tokens` each (no stop token: the demo's answers are fixed-length, `ignore_eos`)."""
-    from services.engine.model_runner import ModelRunner
-    from services.engine.sampling import RowSampling
-    from services.engine.scheduler import Request, Scheduler
+    from asyncrl.services.engine.model_runner import ModelRunner
+    from asyncrl.services.engine.sampling import RowSampling
+    from asyncrl.services.engine.scheduler import Request, Scheduler
 
     n = len(prompts) * group
     runner = ModelRunner(model_dir, slots=n, context_length=None, device="cpu", dtype="float32")
@@ -138,11 +138,11 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
     with η = 0 (synchronous: the figure is the latency from the version bump to the B-th group
     taken) and then with η = `eta` (the demo's admission: the figure is the time per B groups
     with generation running ahead, i.e. its throughput)."""
-    from buffer import AdmissionControl, Buffer, Groups, Weights
-    from proto import WeightsInfo
-    from services.demo import DemoSection, submit
-    from services.launcher import Launcher, UpConfig
-    from trainer.weights import DiskPublisher
+    from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+    from asyncrl.proto import WeightsInfo
+    from asyncrl.services.ops.demo import DemoSection, submit
+    from asyncrl.services.ops.launcher import Launcher, UpConfig
+    from asyncrl.trainer.weights import DiskPublisher
 
     raw = demo_config(port_base, trainer=False)
     raw["model"].update(path=str(run_dir / "base"), seed=0)
@@ -206,14 +206,14 @@ def guarantee_floor(run_dir: Path, model_dir: str, prompts: list[dict], group: i
 
     from safetensors.torch import load_file
 
-    from buffer import Buffer, Groups
-    from buffer.server import EMBEDDED_FSYNC, RedisServer
-    from proto import Group, GroupJob, RewardStatus
-    from services.engine.model_runner import ModelRunner, read_checkpoint
-    from services.rollout.reward_client import RewardClient
-    from services.rollout.scheduler import Scheduler
-    from services.rollout.segments import Draft
-    from trainer.weights import DiskPublisher
+    from asyncrl.buffer import Buffer, Groups
+    from asyncrl.buffer.server import EMBEDDED_FSYNC, RedisServer
+    from asyncrl.proto import Group, GroupJob, RewardStatus
+    from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
+    from asyncrl.services.rollout.reward_client import RewardClient
+    from asyncrl.services.rollout.scheduler import Scheduler
+    from asyncrl.services.rollout.segments import Draft
+    from asyncrl.trainer.weights import DiskPublisher
 
     def timed(fn) -> list[float]:
         times = []
@@ -275,7 +275,7 @@ def guarantee_floor(run_dir: Path, model_dir: str, prompts: list[dict], group: i
 
 # ----------------------------------------------------------------------------- (b) trainer
 def demo_groups(n_groups: int, group: int, prompt_len: int, vocab: range, seed: int, bos: int):
-    from proto import Group, Sample
+    from asyncrl.proto import Group, Sample
 
     rng = np.random.default_rng(seed)
     out = []
@@ -295,8 +295,8 @@ def plain_step(model_dir: str, groups, steps: int, lr: float, entropy_coef: floa
     else, on the layout the trainer uses (padded rows, or one row per prompt: `share_prompts`)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.batch import build_rows, collate, collate_shared, token_logprobs
-    from trainer.losses import LossConfig, entropy_bonus, policy_loss
+    from asyncrl.trainer.batch import build_rows, collate, collate_shared, token_logprobs
+    from asyncrl.trainer.losses import LossConfig, entropy_bonus, policy_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -332,12 +332,12 @@ class StepLog(logging.Handler):
 
 def trainer_standalone(run_dir: Path, model_dir: str, steps: int) -> list[dict]:
     """The trainer's loop for `steps` versions over groups put beforehand (none stale)."""
-    from buffer import Buffer, Groups
-    from buffer.server import RedisServer
-    from trainer.components import build
-    from trainer.config import TrainerSettings
-    from trainer.loop import train_steps
-    from trainer.model import init_distributed
+    from asyncrl.buffer import Buffer, Groups
+    from asyncrl.buffer.server import RedisServer
+    from asyncrl.trainer.components import build
+    from asyncrl.trainer.config import TrainerSettings
+    from asyncrl.trainer.loop import train_steps
+    from asyncrl.trainer.model import init_distributed
 
     raw = tomllib.loads(DEMO_CONFIG.read_text())["trainer"]
     b = raw["batch_groups"]
@@ -373,7 +373,7 @@ def phase_medians(steps: list[dict]) -> dict[str, float]:
 def demo_run(seed: int, port_base: int, time_limit: float, run_dir: Path) -> dict:
     raw = demo_config(port_base)
     config = write_config(raw, run_dir.parent / f"demo-config-{seed}.toml")
-    cmd = [sys.executable, "-m", "services.cli", "demo", "--config", str(config), "--seed", str(seed),
+    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "demo", "--config", str(config), "--seed", str(seed),
            "--time-limit", str(time_limit), "--run-dir", str(run_dir)]  # fmt: skip
     subprocess.run(cmd, cwd=ROOT, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -432,7 +432,7 @@ def main() -> int:
                     "overrides": [f"{t}.{f}={v}" for t, f, v in OVERRIDES]}
     with tempfile.TemporaryDirectory(prefix="stack-overhead-") as tmp:
         tmp = Path(tmp)
-        from services.common.tinymodel import build_tiny_model
+        from asyncrl.services.ops.tinymodel import build_tiny_model
 
         model_cfg = tomllib.loads(DEMO_CONFIG.read_text())["model"]
         base = tmp / "gen" / "base"
@@ -442,8 +442,8 @@ def main() -> int:
         if not args.skip_generation:
             from transformers import AutoTokenizer
 
-            from services.demo import DemoSection
-            from services.tasks import reverse_prompts
+            from asyncrl.services.ops.demo import DemoSection
+            from asyncrl.services.ops.tasks import reverse_prompts
 
             # The stack's task (configs/demo.toml's [demo], with --set): B prompts of prompt_len
             # letters, group_size answers of prompt_len tokens each.

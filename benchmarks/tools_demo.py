@@ -31,7 +31,7 @@ def run(seed: int, tools: bool, time_limit: float, tmp: Path, figures: Path | No
     raw = tomllib.loads(CONFIG.read_text())
     raw["demo"]["tools"] = tools
     sys.path.insert(0, str(ROOT))
-    from services.demo import _to_toml
+    from asyncrl.services.ops.demo import _to_toml
 
     config = tmp / f"config-{seed}-{int(tools)}.toml"
     config.write_text(_to_toml(raw))

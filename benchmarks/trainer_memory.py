@@ -70,7 +70,7 @@ def build_model_dir(path: Path, vocab: int) -> None:
 
 def make_groups(vocab: int, seed: int = 0, samples: int = 16, max_len: int = 1024):
     """4 groups of 4: each group one prompt, completions of log-normal lengths."""
-    from proto import Group, Sample
+    from asyncrl.proto import Group, Sample
 
     rng = np.random.default_rng(seed)
     groups = []
@@ -139,11 +139,11 @@ class Peak:
 
 def variant_worker(name: str, model_dir: str, vocab: int, out_dir: str, device: str) -> None:
     torch.set_num_threads(1)
-    import trainer.step as step_mod
-    from trainer.batch import build_rows, micro_batches
-    from trainer.losses import LossConfig
-    from trainer.model import build_model, init_distributed
-    from trainer.step import StepConfig, policy_step
+    import asyncrl.trainer.step as step_mod
+    from asyncrl.trainer.batch import build_rows, micro_batches
+    from asyncrl.trainer.losses import LossConfig
+    from asyncrl.trainer.model import build_model, init_distributed
+    from asyncrl.trainer.step import StepConfig, policy_step
 
     v = VARIANTS[name]
     d = init_distributed(device, timeout_s=3600)
@@ -186,7 +186,7 @@ def variant_worker(name: str, model_dir: str, vocab: int, out_dir: str, device: 
 
 def logits_part(vocab: int, hidden: int, tokens: int, chunk: int) -> dict:
     """Peak extra memory of log-probs + entropy forward and backward of `tokens` hidden states."""
-    from trainer.logprobs import head_logprobs
+    from asyncrl.trainer.logprobs import head_logprobs
 
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden, requires_grad=True)

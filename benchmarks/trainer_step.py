@@ -38,7 +38,7 @@ import torch
 
 
 def make_groups(n_groups: int, group_size: int, prompt_len: int, completion_len: int, seed: int = 0):
-    from proto import Group, Sample
+    from asyncrl.proto import Group, Sample
 
     rng = np.random.default_rng(seed)
     groups = []
@@ -59,10 +59,10 @@ def fsdp_step_worker(rank: int, world: int, port: int, model_dir: str, shape: di
                       MASTER_PORT=str(port))  # fmt: skip
     import torch.distributed as dist
 
-    from trainer.batch import build_rows, micro_batches
-    from trainer.losses import LossConfig
-    from trainer.model import build_model, init_distributed
-    from trainer.step import StepConfig, policy_step, recompute_logprobs
+    from asyncrl.trainer.batch import build_rows, micro_batches
+    from asyncrl.trainer.losses import LossConfig
+    from asyncrl.trainer.model import build_model, init_distributed
+    from asyncrl.trainer.step import StepConfig, policy_step, recompute_logprobs
 
     d = init_distributed("cpu", timeout_s=600)
     model = build_model(model_dir, d)
@@ -87,8 +87,8 @@ def plain_step_throughput(model_dir: str, shape: dict, steps: int, threads: int)
     """Plain synchronous step: one forward for π_old, one forward/backward, AdamW — no FSDP."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.batch import build_rows, collate, token_logprobs
-    from trainer.losses import LossConfig, policy_loss
+    from asyncrl.trainer.batch import build_rows, collate, token_logprobs
+    from asyncrl.trainer.losses import LossConfig, policy_loss
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -113,7 +113,7 @@ def plain_step_throughput(model_dir: str, shape: dict, steps: int, threads: int)
 
 
 def spawn(world: int, target, *args) -> None:
-    from buffer.server import free_port
+    from asyncrl.buffer.server import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -127,7 +127,7 @@ def spawn(world: int, target, *args) -> None:
 
 
 def bench_step(tmp: Path, quick: bool, steps: int) -> dict:
-    from services.common.tinymodel import build_tiny_model
+    from asyncrl.services.ops.tinymodel import build_tiny_model
 
     dims = {"hidden_size": 128, "num_layers": 2, "intermediate_size": 256} if quick else \
         {"hidden_size": 512, "num_layers": 6, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1408}  # fmt: skip
@@ -161,11 +161,11 @@ def publish_worker(rank: int, world: int, port: int, settings: dict, steps: int,
     import httpx
     import torch.distributed as dist
 
-    from trainer.batch import build_rows, micro_batches
-    from trainer.components import build
-    from trainer.config import TrainerSettings
-    from trainer.model import init_distributed
-    from trainer.step import policy_step, recompute_logprobs
+    from asyncrl.trainer.batch import build_rows, micro_batches
+    from asyncrl.trainer.components import build
+    from asyncrl.trainer.config import TrainerSettings
+    from asyncrl.trainer.model import init_distributed
+    from asyncrl.trainer.step import policy_step, recompute_logprobs
 
     cfg = TrainerSettings(**settings)
     d = init_distributed("cpu", timeout_s=600)
@@ -212,10 +212,10 @@ def publish_worker(rank: int, world: int, port: int, settings: dict, steps: int,
 def start_engine(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    from buffer.server import free_port
+    from asyncrl.buffer.server import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "engine", "--model", str(model_dir), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.services.ops.cli", "engine", "--model", str(model_dir), "--port", str(port),
                              "--device", "cpu", "--dtype", "bfloat16", "--log-level", "warning"],
                             cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
@@ -234,8 +234,8 @@ def start_engine(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
 
 
 def bench_publish(tmp: Path, quick: bool, steps: int) -> dict:
-    from buffer.server import RedisServer
-    from services.common.tinymodel import build_tiny_model
+    from asyncrl.buffer.server import RedisServer
+    from asyncrl.services.ops.tinymodel import build_tiny_model
 
     dims = {"hidden_size": 128, "num_layers": 2, "intermediate_size": 256} if quick else \
         {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4, "intermediate_size": 3072}  # fmt: skip

@@ -2,15 +2,15 @@
 groups (put, take, ack), jobs (rollout work and its record), admission, weights, the gateway's
 sessions."""
 
-from buffer.admission import AdmissionControl
-from buffer.cli import stats
-from buffer.connection import Buffer
-from buffer.evals import ClaimedEval, EvalStore
-from buffer.groups import Groups, TakeResult
-from buffer.jobs import ClaimedJob, GroupReport, JobProgress, Jobs
-from buffer.server import RedisServer, ensure_redis
-from buffer.sessions import ClosedSession, SessionStore
-from buffer.weights import Weights, WeightsSubscription
+from asyncrl.buffer.admission import AdmissionControl
+from asyncrl.buffer.cli import stats
+from asyncrl.buffer.connection import Buffer
+from asyncrl.buffer.evals import ClaimedEval, EvalStore
+from asyncrl.buffer.groups import Groups, TakeResult
+from asyncrl.buffer.jobs import ClaimedJob, GroupReport, JobProgress, Jobs
+from asyncrl.buffer.server import RedisServer, ensure_redis
+from asyncrl.buffer.sessions import ClosedSession, SessionStore
+from asyncrl.buffer.weights import Weights, WeightsSubscription
 
 __all__ = ["AdmissionControl", "Buffer", "ClaimedEval", "ClaimedJob", "ClosedSession", "EvalStore", "GroupReport", "Groups",
            "JobProgress", "Jobs", "RedisServer", "SessionStore", "TakeResult", "Weights", "WeightsSubscription",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 
-from buffer import metrics as m
-from buffer.connection import Buffer, Script
-from proto.states import Admission
+from asyncrl.buffer import metrics as m
+from asyncrl.buffer.connection import Buffer, Script
+from asyncrl.proto.states import Admission
 
 # One `Admission` value per group of `group_ids`, in order: `resumed` if the group holds a slot,
 # `duplicate` if it was put, else `admitted` while the rule allows. The first `full` ends the

@@ -8,9 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from buffer import metrics as m
-from buffer.admission import AdmissionControl
-from buffer.connection import ROLLOUT_GROUP, TRAINER_GROUP, Buffer
+from asyncrl.buffer import metrics as m
+from asyncrl.buffer.admission import AdmissionControl
+from asyncrl.buffer.connection import ROLLOUT_GROUP, TRAINER_GROUP, Buffer
 
 
 def stats(buf: Buffer) -> dict:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
 
-    from buffer.server import ensure_redis
+    from asyncrl.buffer.server import ensure_redis
 
     owned = None
     url = args.redis_url

@@ -62,7 +62,7 @@ import redis
 from prometheus_client import Counter
 from redis.retry import Retry
 
-from buffer.alloc import tune_malloc
+from asyncrl.buffer.alloc import tune_malloc
 
 BASE_S = 0.05  # first pause after a failure; doubles per failure
 CAP_S = 2.0  # longest pause between two attempts: a restarted Redis is noticed within this

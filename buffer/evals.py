@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import redis
 from pydantic import TypeAdapter, ValidationError
 
-from buffer.connection import Keys, ReconnectRetry
-from proto.evals import EvalItem, EvalSummary, EvalTask
-from proto.states import JobState
+from asyncrl.buffer.connection import Keys, ReconnectRetry
+from asyncrl.proto.evals import EvalItem, EvalSummary, EvalTask
+from asyncrl.proto.states import JobState
 
 _NOW_MS = (
     "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"

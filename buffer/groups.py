@@ -21,12 +21,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from buffer import metrics as m
-from buffer.connection import TRAINER_GROUP, Buffer, Part, Script
-from buffer.weights import Weights
-from proto import Group, RecordDecodeError, decode, encode
-from proto.lineage import Lineage
-from proto.states import GroupState
+from asyncrl.buffer import metrics as m
+from asyncrl.buffer.connection import TRAINER_GROUP, Buffer, Part, Script
+from asyncrl.buffer.weights import Weights
+from asyncrl.proto import Group, RecordDecodeError, decode, encode
+from asyncrl.proto.lineage import Lineage
+from asyncrl.proto.states import GroupState
 
 STALE_STREAM_MAXLEN = 10_000  # the `stale` stream is for inspection; cap it
 DEADLETTER_MAXLEN = 100_000  # far above any sane rate of bad records; the counter is exact anyway

@@ -22,11 +22,11 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from buffer import metrics as m
-from buffer.connection import ROLLOUT_GROUP, Buffer, Part, Script
-from buffer.groups import DEADLETTER_MAXLEN
-from proto import GroupJob, RecordDecodeError, decode, encode
-from proto.states import JOB_ENDS, GroupState
+from asyncrl.buffer import metrics as m
+from asyncrl.buffer.connection import ROLLOUT_GROUP, Buffer, Part, Script
+from asyncrl.buffer.groups import DEADLETTER_MAXLEN
+from asyncrl.proto import GroupJob, RecordDecodeError, decode, encode
+from asyncrl.proto.states import JOB_ENDS, GroupState
 
 ENQUEUE_CHUNK = 512  # jobs per pipeline
 MAX_ERROR_CHARS = 500  # of a group's error in its job's record

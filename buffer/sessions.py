@@ -34,8 +34,8 @@ from typing import Any
 
 import msgspec
 
-from buffer.connection import Buffer, Script
-from proto.gateway import Call
+from asyncrl.buffer.connection import Buffer, Script
+from asyncrl.proto.gateway import Call
 
 KEY_TTL_FACTOR = 2  # keys outlive their group's deadline, so a reaper that runs late still finds them
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from typing import Self
 
-from buffer import metrics as m
-from buffer.connection import Buffer, Part, Script
-from proto import RecordDecodeError, WeightsInfo, decode, encode
-from proto.lineage import Lineage
+from asyncrl.buffer import metrics as m
+from asyncrl.buffer.connection import Buffer, Part, Script
+from asyncrl.proto import RecordDecodeError, WeightsInfo, decode, encode
+from asyncrl.proto.lineage import Lineage
 
 WEIGHTS_KEEP = 16  # weight locations kept per run
 

@@ -23,8 +23,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-from services.demo import DemoSection, make_prompts
-from services.launcher import ModelSection
+from asyncrl.services.ops.demo import DemoSection, make_prompts
+from asyncrl.services.ops.launcher import ModelSection
 
 
 def load_config(path: Path) -> tuple[ModelSection, DemoSection]:
@@ -36,7 +36,7 @@ def build_model(out: Path, model: ModelSection) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from services.common.tinymodel import DEFAULT_CHARS, build_tiny_model
+    from asyncrl.services.ops.tinymodel import DEFAULT_CHARS, build_tiny_model
 
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -13,8 +13,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from proto.codec import RecordDecodeError, decode, encode
-    from proto.records import (
+    from asyncrl.proto.codec import RecordDecodeError, decode, encode
+    from asyncrl.proto.records import (
         SCHEMA_VERSION,
         FinishReason,
         Group,
@@ -46,4 +46,4 @@ _CODEC = {"RecordDecodeError", "decode", "encode"}  # the others are in proto.re
 def __getattr__(name: str) -> object:
     if name not in __all__:
         raise AttributeError(f"module 'proto' has no attribute {name!r}")
-    return getattr(importlib.import_module("proto.codec" if name in _CODEC else "proto.records"), name)
+    return getattr(importlib.import_module("asyncrl.proto.codec" if name in _CODEC else "asyncrl.proto.records"), name)

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import numpy as np
 
-from proto.records import FIELDS_CHECKED, SCHEMA_VERSION, Group, GroupJob, Record, Sample, WeightsInfo
+from asyncrl.proto.records import FIELDS_CHECKED, SCHEMA_VERSION, Group, GroupJob, Record, Sample, WeightsInfo
 
 R = TypeVar("R", bound=Record)
 

@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from proto.records import RewardStatus
-from proto.rewards import RewardSpec
-from proto.rollout import RolloutPrompt
-from proto.sglang import SamplingParams
-from proto.states import JobState
+from asyncrl.proto.records import RewardStatus
+from asyncrl.proto.rewards import RewardSpec
+from asyncrl.proto.rollout import RolloutPrompt
+from asyncrl.proto.sglang import SamplingParams
+from asyncrl.proto.states import JobState
 
 CORRECT_REWARD = 1.0  # the toy and math verifiers give 1 for an exact answer; partial credit is not correct
 MAX_EVAL_PROMPTS = 10_000

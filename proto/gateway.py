@@ -22,10 +22,10 @@ import msgspec
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from proto.limits import MAX_GROUP_SIZE
-from proto.records import FinishReason, RewardStatus
-from proto.rewards import RewardSpec
-from proto.sglang import ChatCompletionUsage
+from asyncrl.proto.limits import MAX_GROUP_SIZE
+from asyncrl.proto.records import FinishReason, RewardStatus
+from asyncrl.proto.rewards import RewardSpec
+from asyncrl.proto.sglang import ChatCompletionUsage
 
 SEED_MOD = 2**63  # sampling seeds are below it (a resubmitted segment's seed wraps at it)
 ID_PATTERN = r"^[A-Za-z0-9._-]+$"  # group, prompt and session ids (they name Redis keys)

@@ -44,7 +44,7 @@ import numpy as np
 from msgspec import Meta
 from msgspec.structs import force_setattr
 
-from proto.limits import MAX_GROUP_SIZE, MAX_LOGPROB
+from asyncrl.proto.limits import MAX_GROUP_SIZE, MAX_LOGPROB
 
 SCHEMA_VERSION = 5  # 5: episodes (`loss_mask`, turns, pieces); a payload is `[schema, record]`
 

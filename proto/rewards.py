@@ -10,8 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from proto.limits import MAX_GROUP_SIZE
-from proto.records import RewardStatus, check_reward
+from asyncrl.proto.limits import MAX_GROUP_SIZE
+from asyncrl.proto.records import RewardStatus, check_reward
 
 MAX_ITEMS_PER_BATCH = MAX_GROUP_SIZE  # a group's samples are scored in one batch
 MAX_COMPLETION_CHARS = 1_000_000  # hard cap on the wire; verifiers cap lower before parsing

@@ -16,11 +16,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from proto.environments import MAX_TURNS
-from proto.limits import MAX_GROUP_SIZE
-from proto.rewards import RewardSpec
-from proto.sglang import SamplingParams
-from proto.states import JobState
+from asyncrl.proto.environments import MAX_TURNS
+from asyncrl.proto.limits import MAX_GROUP_SIZE
+from asyncrl.proto.rewards import RewardSpec
+from asyncrl.proto.sglang import SamplingParams
+from asyncrl.proto.states import JobState
 
 MAX_PROMPTS_PER_JOB = 100_000
 MAX_PROMPT_CHARS = 1_000_000

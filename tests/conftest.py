@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    from buffer.server import RedisServer
+    from asyncrl.buffer.server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
@@ -33,9 +33,9 @@ def run_id() -> str:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny model directory (services/common/tinymodel.py), built once per test module; a
+    """A tiny model directory (services/ops/tinymodel.py), built once per test module; a
     module that needs other weights defines its own `tiny` (test_parity.py)."""
-    from services.common.tinymodel import build_tiny_model
+    from asyncrl.services.ops.tinymodel import build_tiny_model
 
     path = tmp_path_factory.mktemp("tiny")
     build_tiny_model(path, seed=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from msgspec.structs import replace
 
-from proto import Group, GroupJob, RewardStatus, Sample
+from asyncrl.proto import Group, GroupJob, RewardStatus, Sample
 
 
 def make_sample(prompt_id="p0", index=0, n_tokens=5, version=0, reward=0.5, status=RewardStatus.scored, seed=0,

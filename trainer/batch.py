@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from proto import Group, RewardStatus
-from trainer.advantages import AdvantageKind, group_advantages, overlong_penalty, zero_spread
-from trainer.logprobs import model_logprobs
+from asyncrl.proto import Group, RewardStatus
+from asyncrl.trainer.advantages import AdvantageKind, group_advantages, overlong_penalty, zero_spread
+from asyncrl.trainer.logprobs import model_logprobs
 
 
 @dataclass

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.optim.lr_scheduler import LRScheduler
 
-from trainer.model import Dist, broadcast_from_main
+from asyncrl.trainer.model import Dist, broadcast_from_main
 
 PREFIX = "step_"
 

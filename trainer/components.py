@@ -21,22 +21,22 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from proto import WeightsInfo
-from services.common.auth import engine_token
-from services.common.logging import log_event
-from trainer import metrics as tm
-from trainer.batch import Shaping
-from trainer.checkpoint import Checkpointer
-from trainer.config import TrainerSettings
-from trainer.data import GroupSource
-from trainer.model import DTYPES, Dist, build_model, full_state_dict, resolve_mixed_precision
-from trainer.schedule import build_scheduler
-from trainer.step import StepConfig
-from trainer.tracking import Tracker, build_tracker
-from trainer.weights import BroadcastPublisher, DiskPublisher, cast_state, detach_from
+from asyncrl.proto import WeightsInfo
+from asyncrl.services.runtime.auth import engine_token
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.trainer import metrics as tm
+from asyncrl.trainer.batch import Shaping
+from asyncrl.trainer.checkpoint import Checkpointer
+from asyncrl.trainer.config import TrainerSettings
+from asyncrl.trainer.data import GroupSource
+from asyncrl.trainer.model import DTYPES, Dist, build_model, full_state_dict, resolve_mixed_precision
+from asyncrl.trainer.schedule import build_scheduler
+from asyncrl.trainer.step import StepConfig
+from asyncrl.trainer.tracking import Tracker, build_tracker
+from asyncrl.trainer.weights import BroadcastPublisher, DiskPublisher, cast_state, detach_from
 
 if TYPE_CHECKING:
-    from buffer import AdmissionControl, Groups, Weights
+    from asyncrl.buffer import AdmissionControl, Groups, Weights
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -165,7 +165,7 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
     groups = weights = admission = disk = broadcast = None
     health = tm.Health()
     if d.is_main:
-        from buffer import AdmissionControl, Buffer, Groups, Weights
+        from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
 
         buf = Buffer(cfg.redis_url, run=cfg.run)
         groups, weights = Groups(buf, consumer=cfg.consumer), Weights(buf)
@@ -174,7 +174,7 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
         if cfg.publish == "disk":
             disk = DiskPublisher(out / "weights", cfg.model_path, keep=cfg.keep_weights)
         elif cfg.publish == "distributed":
-            from buffer.server import free_port
+            from asyncrl.buffer.server import free_port
 
             backend = cfg.broadcast_backend if cfg.broadcast_backend != "auto" else d.backend
             broadcast = BroadcastPublisher(cfg.engine_urls, cfg.broadcast_master_addr, cfg.broadcast_port or free_port(),
@@ -189,7 +189,7 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
     pad_id = AutoConfig.from_pretrained(cfg.model_path).pad_token_id or 0
     fetch = None
     if tracker is not None and d.is_main:
-        from buffer import EvalStore
+        from asyncrl.buffer import EvalStore
 
         evals = EvalStore(cfg.redis_url, run=cfg.run)  # the rollout service's evaluations of this run
 

@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.config import ServiceSettings
-from trainer.loss_config import LossConfig
+from asyncrl.services.runtime.config import ServiceSettings
+from asyncrl.trainer.loss_config import LossConfig
 
 WandbTag = Annotated[str, StringConstraints(min_length=1, max_length=64)]  # W&B refuses longer tags
 

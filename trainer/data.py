@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from proto import Group, decode, encode
-from proto.states import GroupState
-from services.common.logging import log_event
-from trainer import metrics as tm
-from trainer.batch import Shaping, zero_spread_groups
-from trainer.model import Dist, broadcast_from_main
+from asyncrl.proto import Group, decode, encode
+from asyncrl.proto.states import GroupState
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.trainer import metrics as tm
+from asyncrl.trainer.batch import Shaping, zero_spread_groups
+from asyncrl.trainer.model import Dist, broadcast_from_main
 
 if TYPE_CHECKING:
-    from buffer import Groups
+    from asyncrl.buffer import Groups
 
 log = logging.getLogger("asyncrl.trainer")
 

@@ -19,14 +19,14 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from buffer.groups import sampled_lineage
-from proto.states import GroupState
-from services.common.logging import log_event
-from trainer import metrics as tm
-from trainer.batch import build_rows, micro_batches, zero_spread_groups
-from trainer.components import Parts
-from trainer.model import broadcast_from_main
-from trainer.step import policy_step, recompute_logprobs
+from asyncrl.buffer.groups import sampled_lineage
+from asyncrl.proto.states import GroupState
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.trainer import metrics as tm
+from asyncrl.trainer.batch import build_rows, micro_batches, zero_spread_groups
+from asyncrl.trainer.components import Parts
+from asyncrl.trainer.model import broadcast_from_main
+from asyncrl.trainer.step import policy_step, recompute_logprobs
 
 log = logging.getLogger("asyncrl.trainer")
 

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from trainer.loss_config import Aggregation, ISCorrection, LossConfig, LossKind
+from asyncrl.trainer.loss_config import Aggregation, ISCorrection, LossConfig, LossKind
 
 __all__ = ["MAX_LOG_RATIO", "Aggregation", "ISCorrection", "LossConfig", "LossKind", "aggregate", "entropy_bonus",
            "entropy_from_logits", "is_weights", "kl_penalty", "policy_loss"]  # fmt: skip

@@ -1,7 +1,7 @@
 """`asyncrl train --config FILE [--nproc-per-node N]`: validate the config, then run torchrun.
 
 The launcher process only parses and checks settings (no torch import) and execs
-`python -m torch.distributed.run … -m trainer.main --worker …`; each worker joins the process
+`python -m torch.distributed.run … -m asyncrl.trainer.main --worker …`; each worker joins the process
 group and runs trainer/loop.py. Extra torchrun options (`--nnodes`, `--node-rank`,
 `--rdzv-endpoint`, `--rdzv-backend`, `--master-port`) pass through for multi-node runs.
 """
@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     launch, rest = _split(argv)
     if launch.worker:
         return worker(rest)
-    from services.common.config import load_settings
-    from trainer.config import TrainerSettings
+    from asyncrl.services.runtime.config import load_settings
+    from asyncrl.trainer.config import TrainerSettings
 
     load_settings(TrainerSettings, rest, prog="asyncrl train", section="trainer")  # fails fast, or --print-config
     # torchrun's agent polls its workers every 0.1 s by default; once a second still notices a
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd.append("--standalone")
     # `--` ends torchrun's own options: its parser would otherwise take e.g. `--run` as an
     # ambiguous abbreviation of `--run-path` even after the module name.
-    cmd += ["-m", "trainer.main", "--", "--worker", *rest]
+    cmd += ["-m", "asyncrl.trainer.main", "--", "--worker", *rest]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.execv(sys.executable, cmd)  # replaces this process: signals reach torchrun directly
     return 0  # unreachable
@@ -65,9 +65,9 @@ def _die_with_parent() -> None:
 
 def worker(argv: list[str]) -> int:
     _die_with_parent()
-    from services.common.config import load_settings
-    from services.common.logging import setup_logging
-    from trainer.config import TrainerSettings
+    from asyncrl.services.runtime.config import load_settings
+    from asyncrl.services.runtime.logging import setup_logging
+    from asyncrl.trainer.config import TrainerSettings
 
     cfg = load_settings(TrainerSettings, argv, prog="asyncrl train", section="trainer")
     setup_logging(cfg.log_level)
@@ -76,11 +76,11 @@ def worker(argv: list[str]) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from services.common.heap import freeze_startup_heap
-    from trainer import metrics as tm
-    from trainer.components import build
-    from trainer.loop import train
-    from trainer.model import init_distributed
+    from asyncrl.services.runtime.heap import freeze_startup_heap
+    from asyncrl.trainer import metrics as tm
+    from asyncrl.trainer.components import build
+    from asyncrl.trainer.loop import train
+    from asyncrl.trainer.model import init_distributed
 
     # torchrun (`--max-restarts`) restarts every worker after one fails; each restart resumes
     # from the last durable checkpoint (trainer/loop.py) and rides out a Redis restart on the way

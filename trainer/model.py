@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.logprobs import install as install_logprobs
+from asyncrl.trainer.logprobs import install as install_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with native bf16 matmul
@@ -60,7 +60,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
 
     Works without torchrun too (a world of one on a free local port), for tests and tools.
     """
-    from buffer.server import free_port
+    from asyncrl.buffer.server import free_port
 
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     backend = "nccl" if use_cuda else "gloo"
@@ -193,7 +193,7 @@ def packed_attention(model: nn.Module, device: torch.device, dtype: torch.dtype)
     if device.type == "cuda" and flash:
         model.set_attn_implementation("flash_attention_2")
     else:
-        from trainer.attention import use_segment_attention
+        from asyncrl.trainer.attention import use_segment_attention
 
         use_segment_attention(model)
     return model.config._attn_implementation

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.batch import Batch, token_logprobs
-from trainer.losses import LossConfig, aggregate, entropy_bonus, kl_penalty, policy_loss
+from asyncrl.trainer.batch import Batch, token_logprobs
+from asyncrl.trainer.losses import LossConfig, aggregate, entropy_bonus, kl_penalty, policy_loss
 
 SUM_METRICS = ("clip_frac", "is_weight_mean", "is_masked_frac", "mismatch_kl", "approx_kl")
 

@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any, Self
 from urllib.parse import urlsplit, urlunsplit
 
-from proto.states import JobState
-from services.common.logging import log_event
-from trainer import metrics as tm
-from trainer.config import TrainerSettings
+from asyncrl.proto.states import JobState
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.trainer import metrics as tm
+from asyncrl.trainer.config import TrainerSettings
 
 log = logging.getLogger("asyncrl.trainer")
 

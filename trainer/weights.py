@@ -33,8 +33,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from proto.lineage import weight_version_name
-from trainer.checkpoint import atomic_publish_dir
+from asyncrl.proto.lineage import weight_version_name
+from asyncrl.trainer.checkpoint import atomic_publish_dir
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 WEIGHT_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -197,7 +197,7 @@ class BroadcastPublisher:
         return "" if ok else f"{url}: HTTP {resp.status_code} {resp.text[:300]}"
 
     def connect(self) -> None:
-        from services.engine.weight_sync import init_weight_update_group
+        from asyncrl.services.engine.weight_sync import init_weight_update_group
 
         sizes = [self._engine_world_size(u) for u in self.engine_urls]
         world = 1 + sum(sizes)
@@ -223,7 +223,7 @@ class BroadcastPublisher:
         self.group = hosted.result(timeout=self.timeout_s)
 
     def publish(self, version: int, state: dict[str, torch.Tensor], epoch: int = 0) -> Published:
-        from services.engine.weight_sync import broadcast_weights, http_announcer
+        from asyncrl.services.engine.weight_sync import broadcast_weights, http_announcer
 
         if self.group is None:
             self.connect()

@@ -12,7 +12,7 @@
     testing.py       run an engine on a free loopback port in a thread (tests, benchmarks)
 
 Control plane: a bearer token guards every endpoint but /health and /metrics; without one the
-engine listens on loopback only and refuses its control endpoints (`services/common/auth.py`).
+engine listens on loopback only and refuses its control endpoints (`services/runtime/auth.py`).
 Disk updates load only directories inside `weights_root`.
 
 Guarantees: a forward never mixes weight versions; KV computed under old weights is never

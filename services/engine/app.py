@@ -4,10 +4,10 @@ plus an OpenAI-compatible, non-streaming `/v1/chat/completions`.
 Status codes follow SGLang's http_server: 200 on success; 400 with `{"error": {"message"}}`
 for a refused request or a failed control operation (`success: false` bodies for the weight
 endpoints); 413 for a body over `max_body_bytes`; 422 for a body that does not match the
-schema (bounded, `services/common/limits.py`); 503 when the queue is full or a weight update
+schema (bounded, `services/runtime/limits.py`); 503 when the queue is full or a weight update
 found no turn in time; 409 for a second `/init_weights_update_group` while one is joining.
 
-Auth (`services/common/auth.py`), `Authorization: Bearer <token>`, 401 when wrong or missing:
+Auth (`services/runtime/auth.py`), `Authorization: Bearer <token>`, 401 when wrong or missing:
 every endpoint outside DATA_PATHS and the probes, i.e. every control endpoint (weight
 updates, update groups, pause/continue, abort, flush) and any added later, needs the engine
 token, and answers 403 on an engine started without one (loopback only, see config.py). The
@@ -29,7 +29,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from proto.sglang import (
+from asyncrl.proto.sglang import (
     AbortReq,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -42,12 +42,12 @@ from proto.sglang import (
     UpdateWeightsFromDistributedReqInput,
     WeightUpdateOutput,
 )
-from services.common.auth import API_TOKEN_ENV, install_engine_auth
-from services.common.limits import BodyLimit, install_validation_handler
-from services.common.metrics import router as metrics_router
-from services.engine import metrics
-from services.engine.config import is_loopback
-from services.engine.engine import InferenceEngine, InvalidRequest
+from asyncrl.services.runtime.auth import API_TOKEN_ENV, install_engine_auth
+from asyncrl.services.runtime.limits import BodyLimit, install_validation_handler
+from asyncrl.services.runtime.metrics import router as metrics_router
+from asyncrl.services.engine import metrics
+from asyncrl.services.engine.config import is_loopback
+from asyncrl.services.engine.engine import InferenceEngine, InvalidRequest
 
 _JSON = msgspec.json.Encoder()
 
@@ -72,7 +72,7 @@ HARMLESS_CHAT_FIELDS = frozenset(
 
 def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> FastAPI:
     """`tokenless_control`: without a token, leave the control endpoints open too. Only for
-    in-process test engines on loopback (`services/engine/testing.py`); `asyncrl engine` never
+    in-process test engines on loopback (`tests/engine_server.py`); `asyncrl engine` never
     sets it."""
 
     @asynccontextmanager

@@ -10,8 +10,8 @@ import os
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.auth import API_TOKEN_ENV, ENGINE_TOKEN_ENV, TOKEN_HINT, check_token
-from services.common.config import ServiceSettings
+from asyncrl.services.runtime.auth import API_TOKEN_ENV, ENGINE_TOKEN_ENV, TOKEN_HINT, check_token
+from asyncrl.services.runtime.config import ServiceSettings
 
 
 class EngineSettings(ServiceSettings):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from proto.sglang import (
+from asyncrl.proto.sglang import (
     SGLANG_COMMIT,
     GenerateItem,
     GenerateReqInput,
@@ -28,13 +28,13 @@ from proto.sglang import (
     UpdateWeightsFromDistributedReqInput,
     refused_by_reference_engine,
 )
-from services.common.logging import log_event
-from services.engine import metrics, weight_sync
-from services.engine.config import EngineSettings
-from services.engine.model_runner import ModelRunner, read_checkpoint
-from services.engine.sampling import RowSampling
-from services.engine.scheduler import Request, Scheduler
-from services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.engine import metrics, weight_sync
+from asyncrl.services.engine.config import EngineSettings
+from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
+from asyncrl.services.engine.sampling import RowSampling
+from asyncrl.services.engine.scheduler import Request, Scheduler
+from asyncrl.services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
 
 log = logging.getLogger(__name__)
 

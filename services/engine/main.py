@@ -4,7 +4,7 @@ native HTTP API).
 
 The API token comes from `ASYNCRL_ENGINE_API_TOKEN` (else `ASYNCRL_API_TOKEN`): an engine
 without one listens on loopback only and refuses its control endpoints; a weak one is refused
-at start (`services/common/auth.py`). Parses settings first and imports torch/transformers
+at start (`services/runtime/auth.py`). Parses settings first and imports torch/transformers
 only after, so `--help` is instant.
 """
 
@@ -14,9 +14,9 @@ import sys
 
 from pydantic import ValidationError
 
-from services.common.config import load_settings
-from services.common.heap import freeze_startup_heap
-from services.engine.config import EngineSettings
+from asyncrl.services.runtime.config import load_settings
+from asyncrl.services.runtime.heap import freeze_startup_heap
+from asyncrl.services.engine.config import EngineSettings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    from services.common.logging import log_event, setup_logging
-    from services.engine.app import build_app
-    from services.engine.engine import InferenceEngine
+    from asyncrl.services.runtime.logging import log_event, setup_logging
+    from asyncrl.services.engine.app import build_app
+    from asyncrl.services.engine.engine import InferenceEngine
 
     setup_logging(settings.log_level)
     log = logging.getLogger("asyncrl.engine")

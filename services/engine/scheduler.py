@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from services.engine import metrics
-from services.engine.model_runner import ForwardRow, ModelRunner
-from services.engine.sampling import RowSampling, sample_next, uniforms_at
+from asyncrl.services.engine import metrics
+from asyncrl.services.engine.model_runner import ForwardRow, ModelRunner
+from asyncrl.services.engine.sampling import RowSampling, sample_next, uniforms_at
 
 log = logging.getLogger(__name__)
 

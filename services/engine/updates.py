@@ -37,7 +37,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine import metrics
+from asyncrl.services.engine import metrics
 
 
 class UpdateTimeout(Exception):

@@ -15,20 +15,20 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
-from services.common.auth import install_auth
-from services.common.limits import BodyLimit, install_validation_handler
-from services.common.logging import log_event
-from services.common.metrics import router as metrics_router
-from services.reward.config import RewardSettings
-from services.reward.environments.base import Environment
-from services.reward.metrics import ENV_REJECTED, REQUESTS
-from services.reward.routes import environments as environment_routes
-from services.reward.routes import health, rewards
-from services.reward.scoring import Scorer
-from services.reward.verifiers.base import Verifier
+from asyncrl.services.runtime.auth import install_auth
+from asyncrl.services.runtime.limits import BodyLimit, install_validation_handler
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.runtime.metrics import router as metrics_router
+from asyncrl.services.reward.config import RewardSettings
+from asyncrl.services.reward.environments.base import Environment
+from asyncrl.services.reward.metrics import ENV_REJECTED, REQUESTS
+from asyncrl.services.reward.routes import environments as environment_routes
+from asyncrl.services.reward.routes import health, rewards
+from asyncrl.services.reward.scoring import Scorer
+from asyncrl.services.reward.verifiers.base import Verifier
 
 if TYPE_CHECKING:
-    from services.reward.sandbox import Sandbox
+    from asyncrl.services.reward.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 def build_sandbox(settings: RewardSettings, *, slots: int, uid_base: int) -> Sandbox:
     """A `Sandbox` that passed its self-test (SandboxUnavailable otherwise), or an unsandboxed
     runner when bubblewrap is missing and `allow_unsandboxed` says so (warned)."""
-    from services.reward.sandbox import Sandbox
+    from asyncrl.services.reward.sandbox import Sandbox
 
     sandbox = Sandbox(
         python=settings.code_python,
@@ -52,8 +52,8 @@ def build_sandbox(settings: RewardSettings, *, slots: int, uid_base: int) -> San
 
 
 def build_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
-    from services.reward.verifiers.math import MathVerifier
-    from services.reward.verifiers.toy import ArithVerifier, ReverseVerifier
+    from asyncrl.services.reward.verifiers.math import MathVerifier
+    from asyncrl.services.reward.verifiers.toy import ArithVerifier, ReverseVerifier
 
     toy = {"concurrency": 1024, "timeout_s": settings.toy_timeout_s}
     verifiers: list[Verifier] = [
@@ -67,7 +67,7 @@ def build_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
         ),
     ]
     if settings.code_enabled:
-        from services.reward.verifiers.code import CodeVerifier
+        from asyncrl.services.reward.verifiers.code import CodeVerifier
 
         verifiers.append(
             CodeVerifier(
@@ -84,7 +84,7 @@ def build_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
             )
         )
     if settings.judge_base_url:
-        from services.reward.verifiers.judge import JudgeVerifier
+        from asyncrl.services.reward.verifiers.judge import JudgeVerifier
 
         verifiers.append(
             JudgeVerifier(
@@ -105,12 +105,12 @@ def build_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
 
 
 def build_environments(settings: RewardSettings) -> dict[str, Environment]:
-    from services.reward.environments.calculator import CalculatorEnvironment
-    from services.reward.environments.secret import SecretEnvironment
+    from asyncrl.services.reward.environments.calculator import CalculatorEnvironment
+    from asyncrl.services.reward.environments.secret import SecretEnvironment
 
     environments: list[Environment] = [SecretEnvironment(), CalculatorEnvironment()]
     if settings.code_enabled:
-        from services.reward.environments.python import PythonEnvironment
+        from asyncrl.services.reward.environments.python import PythonEnvironment
 
         slots, uid_base = settings.env_python_concurrency, settings.code_uid_base + settings.code_concurrency
         environments.append(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.config import ServiceSettings, refuse_placeholder_secret
+from asyncrl.services.runtime.config import ServiceSettings, refuse_placeholder_secret
 
 
 class RewardSettings(ServiceSettings):

@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 
-from services.reward.environments.base import Environment
-from services.reward.metrics import ENV_REJECTED
-from services.reward.scoring import Scorer
+from asyncrl.services.reward.environments.base import Environment
+from asyncrl.services.reward.metrics import ENV_REJECTED
+from asyncrl.services.reward.scoring import Scorer
 
 
 def get_scorer(request: Request) -> Scorer:

@@ -29,11 +29,11 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
-from proto.records import RewardStatus
-from proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, RewardSpec
-from services.common.logging import log_event
-from services.reward.metrics import CACHE_HITS, CACHE_MISSES, ITEMS, LATENCY, VERIFIER_FAILURES
-from services.reward.verifiers.base import SpecError, Verdict, Verifier
+from asyncrl.proto.records import RewardStatus
+from asyncrl.proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, RewardSpec
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.reward.metrics import CACHE_HITS, CACHE_MISSES, ITEMS, LATENCY, VERIFIER_FAILURES
+from asyncrl.services.reward.verifiers.base import SpecError, Verdict, Verifier
 
 log = logging.getLogger(__name__)
 

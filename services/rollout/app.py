@@ -2,7 +2,7 @@
 gateway (`/v1/sessions`, `/v1/chat/completions`), `/healthz`, `/metrics`.
 
 Body errors answer 400 (malformed JSON) or 422 (wrong types, out-of-range values) with a
-one-line `message` naming the fields, plus a bounded `detail` list (`services/common/limits.py`);
+one-line `message` naming the fields, plus a bounded `detail` list (`services/runtime/limits.py`);
 a body over `max_body_bytes` answers 413 unread. Every refusal is counted in
 `asyncrl_rollout_requests_rejected_total`.
 """
@@ -13,12 +13,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 
-from services.common.auth import install_auth
-from services.common.limits import BodyLimit, InflightLimit, install_validation_handler
-from services.common.metrics import router as metrics_router
-from services.rollout import metrics as m
-from services.rollout.routes import evaluations, gateway, health, rollouts
-from services.rollout.service import RolloutService
+from asyncrl.services.runtime.auth import install_auth
+from asyncrl.services.runtime.limits import BodyLimit, InflightLimit, install_validation_handler
+from asyncrl.services.runtime.metrics import router as metrics_router
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.routes import evaluations, gateway, health, rollouts
+from asyncrl.services.rollout.service import RolloutService
 
 
 def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI:

@@ -10,8 +10,8 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from proto.limits import MAX_GROUP_SIZE
-from services.common.config import ServiceSettings
+from asyncrl.proto.limits import MAX_GROUP_SIZE
+from asyncrl.services.runtime.config import ServiceSettings
 
 
 def _name_list(value: Any) -> list[str]:
@@ -186,7 +186,7 @@ class RolloutSettings(ServiceSettings):
     @field_validator("eval_sampling_params", mode="before")
     @classmethod
     def _sampling_params(cls, value: Any) -> Any:
-        from proto.sglang import SamplingParams  # here, not at the top: `--help` stays fast
+        from asyncrl.proto.sglang import SamplingParams  # here, not at the top: `--help` stays fast
 
         value = json.loads(value) if isinstance(value, str) else value
         if value is not None:
@@ -203,7 +203,7 @@ class RolloutSettings(ServiceSettings):
     @field_validator("eval_name")
     @classmethod
     def _eval_name(cls, value: str) -> str:
-        from proto.evals import EVAL_NAME_PATTERN
+        from asyncrl.proto.evals import EVAL_NAME_PATTERN
 
         if not re.fullmatch(EVAL_NAME_PATTERN, value):
             raise ValueError(f"must match {EVAL_NAME_PATTERN} (it is a Prometheus label value)")
@@ -217,7 +217,7 @@ class RolloutSettings(ServiceSettings):
     @field_validator("local_verifiers", mode="before")
     @classmethod
     def _local_verifiers(cls, value: Any) -> str:
-        from services.reward.verifiers import BUILTIN, verifier_class
+        from asyncrl.services.reward.verifiers import BUILTIN, verifier_class
 
         names = _name_list(value)
         for name in names:

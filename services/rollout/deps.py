@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from services.rollout.service import RolloutService
+from asyncrl.services.rollout.service import RolloutService
 
 
 def get_service(request: Request) -> RolloutService:

@@ -30,13 +30,13 @@ import httpx
 import msgspec
 from pydantic import ValidationError
 
-from proto.limits import MAX_LOGPROB
-from proto.sglang import FinishType, UpdateWeightFromDiskReqOutput
-from services.common.auth import engine_auth_headers
-from services.common.coalescer import Coalescer
-from services.common.logging import log_event
-from services.common.retry import Retryable, with_retries
-from services.rollout import metrics as m
+from asyncrl.proto.limits import MAX_LOGPROB
+from asyncrl.proto.sglang import FinishType, UpdateWeightFromDiskReqOutput
+from asyncrl.services.runtime.auth import engine_auth_headers
+from asyncrl.services.runtime.coalescer import Coalescer
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.runtime.retry import Retryable, with_retries
+from asyncrl.services.rollout import metrics as m
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class EngineClient:
         # abort, probes) get their own, so an update is never queued behind the requests it
         # is about to release.
         # Engines take the engine token (ASYNCRL_ENGINE_API_TOKEN, else ASYNCRL_API_TOKEN): it
-        # replaces any Authorization header the caller passed (services/common/auth.py).
+        # replaces any Authorization header the caller passed (services/runtime/auth.py).
         headers = {**(headers or {}), **engine_auth_headers()}
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers,

@@ -3,7 +3,7 @@ environment, at the reward service or any server that speaks the bodies.
 
 Concurrent calls of one kind to one environment (a step's worth of episodes reset together,
 their tool calls answered together) share one `…/reset_batch` or `…/step_batch` request
-(services/common/coalescer.py): one HTTP round trip for many episodes, not one each.
+(services/runtime/coalescer.py): one HTTP round trip for many episodes, not one each.
 
 Transport errors, 5xx and 429 are retried with backoff (environment replicas keep no episode
 state, so any replica can take the retry); what is left after the retries, a 4xx, a body that
@@ -20,7 +20,7 @@ import httpx
 import msgspec
 from pydantic import ValidationError
 
-from proto.environments import (
+from asyncrl.proto.environments import (
     EnvironmentList,
     ResetRequest,
     ResetResponse,
@@ -29,10 +29,10 @@ from proto.environments import (
     StepResponse,
     StepResults,
 )
-from services.common.coalescer import Coalescer
-from services.common.retry import Retryable, with_retries
-from services.rollout import metrics as m
-from services.rollout.engine_client import JSON_HEADERS
+from asyncrl.services.runtime.coalescer import Coalescer
+from asyncrl.services.runtime.retry import Retryable, with_retries
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.engine_client import JSON_HEADERS
 
 RETRY_DELAY_S = 0.2
 _JSON = msgspec.json.Encoder()

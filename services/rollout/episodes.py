@@ -25,15 +25,15 @@ import time
 import zlib
 from typing import TYPE_CHECKING
 
-from proto.environments import Action, ResetRequest, StepRequest, StepStatus
-from proto.rollout import EpisodeSpec
-from services.rollout import metrics as m
-from services.rollout.env_client import EnvironmentFailed
-from services.rollout.segments import Draft
-from services.rollout.toolcalls import BadToolCall, ToolFormat, observation_ids, parse_tool_call
+from asyncrl.proto.environments import Action, ResetRequest, StepRequest, StepStatus
+from asyncrl.proto.rollout import EpisodeSpec
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.env_client import EnvironmentFailed
+from asyncrl.services.rollout.segments import Draft
+from asyncrl.services.rollout.toolcalls import BadToolCall, ToolFormat, observation_ids, parse_tool_call
 
 if TYPE_CHECKING:
-    from services.rollout.scheduler import Active, Scheduler
+    from asyncrl.services.rollout.scheduler import Active, Scheduler
 
 
 class EpisodeFailed(ValueError):

@@ -39,26 +39,26 @@ from pathlib import Path
 import redis
 from pydantic import ValidationError
 
-from buffer.evals import ClaimedEval, EvalStore
-from proto.evals import CORRECT_REWARD, EvalItem, EvalPrompt, EvalRequest, EvalSummary, EvalTask
-from proto.records import RewardStatus
-from proto.rewards import RewardItem, RewardSpec
-from proto.rollout import RolloutPrompt
-from proto.sglang import SamplingParams
-from proto.states import JobState
-from services.common.logging import log_event
-from services.rollout import metrics as m
-from services.rollout.config import RolloutSettings
-from services.rollout.engine_client import (
+from asyncrl.buffer.evals import ClaimedEval, EvalStore
+from asyncrl.proto.evals import CORRECT_REWARD, EvalItem, EvalPrompt, EvalRequest, EvalSummary, EvalTask
+from asyncrl.proto.records import RewardStatus
+from asyncrl.proto.rewards import RewardItem, RewardSpec
+from asyncrl.proto.rollout import RolloutPrompt
+from asyncrl.proto.sglang import SamplingParams
+from asyncrl.proto.states import JobState
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.config import RolloutSettings
+from asyncrl.services.rollout.engine_client import (
     EngineClient,
     EngineEndpoint,
     EngineFailure,
     EngineRejected,
     Generation,
 )
-from services.rollout.intake import MAX_REPORTED, BadRequest, Intake
-from services.rollout.reward_client import RewardClient
-from services.rollout.weights import Pin, VersionNotServed, WeightSync, policy_version
+from asyncrl.services.rollout.intake import MAX_REPORTED, BadRequest, Intake
+from asyncrl.services.rollout.reward_client import RewardClient
+from asyncrl.services.rollout.weights import Pin, VersionNotServed, WeightSync, policy_version
 
 log = logging.getLogger(__name__)
 

@@ -49,9 +49,9 @@ from typing import Any, Literal
 import msgspec
 import redis
 
-from buffer import AdmissionControl, Buffer, Groups, SessionStore, Weights
-from proto import FinishReason, RewardStatus
-from proto.gateway import (
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, SessionStore, Weights
+from asyncrl.proto import FinishReason, RewardStatus
+from asyncrl.proto.gateway import (
     ID_PATTERN,
     AssistantMessage,
     Call,
@@ -68,18 +68,18 @@ from proto.gateway import (
     TokenLogprob,
     ToolCallOut,
 )
-from proto.rewards import RewardItem, RewardSpec
-from proto.sglang import ChatCompletionUsage
-from proto.states import Admission
-from services.common.logging import log_event
-from services.rollout import metrics as m
-from services.rollout.config import RolloutSettings
-from services.rollout.engine_client import EngineClient, EngineFailure, EngineRejected
-from services.rollout.gateway_groups import build_group
-from services.rollout.intake import BadRequest, check_reward_specs
-from services.rollout.reward_client import RewardClient, VerifiersUnavailable
-from services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
-from services.rollout.toolcalls import HERMES_CLOSE, HERMES_OPEN, BadToolCall, ToolFormat, parse_tool_call
+from asyncrl.proto.rewards import RewardItem, RewardSpec
+from asyncrl.proto.sglang import ChatCompletionUsage
+from asyncrl.proto.states import Admission
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.config import RolloutSettings
+from asyncrl.services.rollout.engine_client import EngineClient, EngineFailure, EngineRejected
+from asyncrl.services.rollout.gateway_groups import build_group
+from asyncrl.services.rollout.intake import BadRequest, check_reward_specs
+from asyncrl.services.rollout.reward_client import RewardClient, VerifiersUnavailable
+from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
+from asyncrl.services.rollout.toolcalls import HERMES_CLOSE, HERMES_OPEN, BadToolCall, ToolFormat, parse_tool_call
 
 log = logging.getLogger(__name__)
 

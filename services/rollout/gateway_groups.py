@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from buffer import ClosedSession
-from proto import FinishReason, Group, RewardStatus, Sample, Timings
-from proto.gateway import Call
-from proto.lineage import merge
+from asyncrl.buffer import ClosedSession
+from asyncrl.proto import FinishReason, Group, RewardStatus, Sample, Timings
+from asyncrl.proto.gateway import Call
+from asyncrl.proto.lineage import merge
 
 GATEWAY_JOB_ID = "gateway"  # the job id of every gateway group (the buffer counts their exits under it)
 

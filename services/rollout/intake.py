@@ -30,12 +30,12 @@ import uuid
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from proto import GroupJob
-from proto.rewards import RewardSpec
-from proto.rollout import RolloutPrompt, RolloutRequest
-from proto.sglang import SamplingParams, refused_by_reference_engine
-from services.common.logging import log_event
-from services.rollout.config import RolloutSettings
+from asyncrl.proto import GroupJob
+from asyncrl.proto.rewards import RewardSpec
+from asyncrl.proto.rollout import RolloutPrompt, RolloutRequest
+from asyncrl.proto.sglang import SamplingParams, refused_by_reference_engine
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.rollout.config import RolloutSettings
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def check_reward_specs(
             f"unknown verifier(s) {unknown[:MAX_REPORTED]}; the reward service serves {sorted(served)}",
             reason="unknown_verifier",
         )
-    from services.reward.verifiers import SpecError, validate_spec
+    from asyncrl.services.reward.verifiers import SpecError, validate_spec
 
     models = {name: _spec_model(name, served[name]) for name in {spec.verifier for _, spec in named}}
     problems: list[str] = []
@@ -236,7 +236,7 @@ _skewed: set[str] = set()  # verifiers whose published schema differs from ours,
 
 def _spec_model(name: str, published: dict | None):
     """The spec model to check `name`'s arguments with here, or None (checked by name only)."""
-    from services.reward.verifiers import spec_model
+    from asyncrl.services.reward.verifiers import spec_model
 
     model = spec_model(name)
     if model is None or published is None:

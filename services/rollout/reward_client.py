@@ -3,7 +3,7 @@
 `score` never invents a reward: a batch that times out gives every item status `timeout`, a
 transport error or a garbage answer (after `retries`) gives `error`, an item missing from the
 answer gives `error`; each outcome is counted. Batches in flight are bounded by a semaphore.
-Concurrent `score` calls share one request (services/common/coalescer.py; ids are made unique
+Concurrent `score` calls share one request (services/runtime/coalescer.py; ids are made unique
 by position); a merged batch that fails is sent again caller by caller, so one caller's bad
 item never marks another's `invalid_input`.
 
@@ -26,17 +26,17 @@ import httpx
 import msgspec
 from pydantic import ValidationError
 
-from proto.records import RewardStatus
-from proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, RewardSpec, VerifierList
-from services.common.coalescer import Coalescer
-from services.common.logging import log_event
-from services.common.retry import Retryable, with_retries
-from services.rollout import metrics as m
-from services.rollout.engine_client import JSON_HEADERS
+from asyncrl.proto.records import RewardStatus
+from asyncrl.proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, RewardSpec, VerifierList
+from asyncrl.services.runtime.coalescer import Coalescer
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.runtime.retry import Retryable, with_retries
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.engine_client import JSON_HEADERS
 
 if TYPE_CHECKING:
-    from services.reward.scoring import Scorer
-    from services.reward.verifiers.base import Verdict
+    from asyncrl.services.reward.scoring import Scorer
+    from asyncrl.services.reward.verifiers.base import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class RewardClient:
             # The caller's own strings and checked spec: not validated again.
             return await self.score([RewardItem.model_construct(id=str(i), prompt=prompt, completion=c, spec=spec)
                                      for i, c in enumerate(completions)])  # fmt: skip
-        from services.reward.scoring import RequestRejected
+        from asyncrl.services.reward.scoring import RequestRejected
 
         m.REWARD_CALLS.labels("local").inc()
         try:
@@ -121,7 +121,7 @@ class RewardClient:
     @staticmethod
     def _rejected(exc: Exception, n: int) -> list[Verdict]:
         """The local scorer refused the spec: every item of it is `invalid_input`, saying why."""
-        from services.reward.verifiers.base import Verdict
+        from asyncrl.services.reward.verifiers.base import Verdict
 
         details = {"error": f"{exc}: {exc.problems[:3]}"}
         return [Verdict(RewardStatus.invalid_input, None, details) for _ in range(n)]
@@ -130,7 +130,7 @@ class RewardClient:
         """Inline verifiers, judged here and now."""
         if not items:
             return []
-        from services.reward.scoring import RequestRejected
+        from asyncrl.services.reward.scoring import RequestRejected
 
         m.REWARD_CALLS.labels("local").inc()
         try:
@@ -219,8 +219,8 @@ def _counted(results: list[RewardResult | Verdict]) -> list[RewardResult | Verdi
 def _local_scorer(names: Sequence[str]) -> Scorer:
     """The reward service's `Scorer` over the inline verifiers `names`, without a result cache
     (a cache key costs more than these verdicts)."""
-    from services.reward.scoring import Scorer
-    from services.reward.verifiers import verifier_class
+    from asyncrl.services.reward.scoring import Scorer
+    from asyncrl.services.reward.verifiers import verifier_class
 
     verifiers = {}
     for name in names:

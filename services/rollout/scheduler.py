@@ -35,22 +35,22 @@ from functools import partial
 
 import redis
 
-from buffer import AdmissionControl, Buffer, ClaimedJob, GroupReport, Groups, Jobs, Weights
-from proto import Group, GroupJob, RewardStatus, Samples
-from proto.lineage import merge
-from proto.rewards import RewardResult, RewardSpec
-from proto.states import Admission, GroupState
-from services.common.coalescer import GroupCommit
-from services.common.logging import log_event
-from services.common.retry import Retryable, with_retries
-from services.rollout import metrics as m
-from services.rollout.config import RolloutSettings
-from services.rollout.engine_client import EngineClient, EngineEndpoint, EngineFailure, EngineRejected
-from services.rollout.env_client import EnvClient, EnvironmentFailed
-from services.rollout.episodes import run_episodes
-from services.rollout.reward_client import RewardClient
-from services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
-from services.rollout.weights import WeightSync
+from asyncrl.buffer import AdmissionControl, Buffer, ClaimedJob, GroupReport, Groups, Jobs, Weights
+from asyncrl.proto import Group, GroupJob, RewardStatus, Samples
+from asyncrl.proto.lineage import merge
+from asyncrl.proto.rewards import RewardResult, RewardSpec
+from asyncrl.proto.states import Admission, GroupState
+from asyncrl.services.runtime.coalescer import GroupCommit
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.runtime.retry import Retryable, with_retries
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.config import RolloutSettings
+from asyncrl.services.rollout.engine_client import EngineClient, EngineEndpoint, EngineFailure, EngineRejected
+from asyncrl.services.rollout.env_client import EnvClient, EnvironmentFailed
+from asyncrl.services.rollout.episodes import run_episodes
+from asyncrl.services.rollout.reward_client import RewardClient
+from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
+from asyncrl.services.rollout.weights import WeightSync
 
 log = logging.getLogger(__name__)
 

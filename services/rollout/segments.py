@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from proto.gateway import SEED_MOD
-from proto.lineage import merge, parse_weight_version
-from services.rollout import metrics as m
-from services.rollout.engine_client import EngineFailure
+from asyncrl.proto.gateway import SEED_MOD
+from asyncrl.proto.lineage import merge, parse_weight_version
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.engine_client import EngineFailure
 
 SEED_STRIDE = 1_000_003  # spreads a sampling_seed over samples and segments (a prime)
 

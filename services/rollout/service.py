@@ -10,24 +10,24 @@ import time
 
 import httpx
 
-from buffer import Buffer, EvalStore, Jobs, Weights
-from services.common.logging import log_event
-from services.rollout import metrics as m
-from services.rollout.config import RolloutSettings
-from services.rollout.engine_client import EngineClient
-from services.rollout.env_client import EnvClient
-from services.rollout.evaluations import Evaluator, build_task, load_eval_file, sampling_params
-from services.rollout.gateway import Gateway
-from services.rollout.intake import (
+from asyncrl.buffer import Buffer, EvalStore, Jobs, Weights
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.config import RolloutSettings
+from asyncrl.services.rollout.engine_client import EngineClient
+from asyncrl.services.rollout.env_client import EnvClient
+from asyncrl.services.rollout.evaluations import Evaluator, build_task, load_eval_file, sampling_params
+from asyncrl.services.rollout.gateway import Gateway
+from asyncrl.services.rollout.intake import (
     REFERENCE_ENGINE,
     SGLANG_ENGINE,
     BadRequest,
     Intake,
     resolve_context_length,
 )
-from services.rollout.reward_client import RewardClient
-from services.rollout.scheduler import Scheduler
-from services.rollout.weights import WeightSync
+from asyncrl.services.rollout.reward_client import RewardClient
+from asyncrl.services.rollout.scheduler import Scheduler
+from asyncrl.services.rollout.weights import WeightSync
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-from proto.environments import ToolCall
-from proto.rollout import EpisodeSpec
+from asyncrl.proto.environments import ToolCall
+from asyncrl.proto.rollout import EpisodeSpec
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 TAGGED_OPEN, TAGGED_CLOSE = "<tool>", "</tool>"

@@ -42,12 +42,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from buffer import Weights
-from proto import WeightsInfo
-from proto.lineage import parse_weight_version, weight_version_name
-from services.common.logging import log_event
-from services.rollout import metrics as m
-from services.rollout.engine_client import EngineClient, EngineEndpoint
+from asyncrl.buffer import Weights
+from asyncrl.proto import WeightsInfo
+from asyncrl.proto.lineage import parse_weight_version, weight_version_name
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.engine_client import EngineClient, EngineEndpoint
 
 log = logging.getLogger(__name__)
 

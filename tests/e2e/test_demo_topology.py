@@ -21,9 +21,9 @@ import readme_commands
 from readme_commands import sample_dataset
 from waiting import wait_until
 
-from buffer.server import free_port
-from services.demo import DemoSection, History, _to_toml, scrape_trainer, submit
-from services.launcher import Launcher, UpConfig
+from asyncrl.buffer.server import free_port
+from asyncrl.services.ops.demo import DemoSection, History, _to_toml, scrape_trainer, submit
+from asyncrl.services.ops.launcher import Launcher, UpConfig
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 40  # enough for the rise to clear the early noise (the first steps are ~0.05-0.1)

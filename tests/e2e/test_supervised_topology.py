@@ -25,11 +25,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from buffer import Buffer
-from buffer import stats as buffer_stats
-from buffer.server import RedisServer, embedded_binary, free_port
-from services.demo import DemoSection, _to_toml, scrape_trainer, submit
-from services.launcher import Launcher, UpConfig
+from asyncrl.buffer import Buffer
+from asyncrl.buffer import stats as buffer_stats
+from asyncrl.buffer.server import RedisServer, embedded_binary, free_port
+from asyncrl.services.ops.demo import DemoSection, _to_toml, scrape_trainer, submit
+from asyncrl.services.ops.launcher import Launcher, UpConfig
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

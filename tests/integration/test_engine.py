@@ -12,9 +12,9 @@ import pytest
 import torch
 from waiting import wait_until
 
-from proto.sglang import GenerateResponse
-from services.common.tinymodel import EOS_ID, build_tiny_model
-from services.engine.testing import serve_in_thread
+from asyncrl.proto.sglang import GenerateResponse
+from asyncrl.services.ops.tinymodel import EOS_ID, build_tiny_model
+from engine_server import serve_in_thread
 
 torch.set_num_threads(1)
 
@@ -425,14 +425,14 @@ def test_cli_entry_point_serves(model_dir):
     import subprocess
     import sys
 
-    from services.engine.testing import free_port
+    from engine_server import free_port
 
     port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "asyncrl.services.ops.cli",
             "engine",
             "--model",
             model_dir,

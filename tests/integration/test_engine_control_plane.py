@@ -26,12 +26,12 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 from waiting import wait_until
 
-from services.common.auth import ENGINE_TOKEN_ENV, check_token, generate_token
-from services.common.tinymodel import build_tiny_model
-from services.engine.config import EngineSettings
-from services.engine.engine import JOIN_GRACE_S, REFUSED_PATH
-from services.engine.testing import free_port, serve_in_thread
-from services.engine.updates import WeightUpdates
+from asyncrl.services.runtime.auth import ENGINE_TOKEN_ENV, check_token, generate_token
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from asyncrl.services.engine.config import EngineSettings
+from asyncrl.services.engine.engine import JOIN_GRACE_S, REFUSED_PATH
+from engine_server import free_port, serve_in_thread
+from asyncrl.services.engine.updates import WeightUpdates
 
 torch.set_num_threads(1)
 
@@ -159,8 +159,8 @@ def _tiers(tree, **settings) -> dict[str, dict[str, int]]:
     """Status of a data and a control endpoint per Authorization header, through the real app."""
     from fastapi.testclient import TestClient
 
-    from services.engine.app import build_app
-    from services.engine.engine import InferenceEngine
+    from asyncrl.services.engine.app import build_app
+    from asyncrl.services.engine.engine import InferenceEngine
 
     app = build_app(
         InferenceEngine(EngineSettings(model=str(tree["model"]), weights_root=str(tree["root"]), **settings))
@@ -214,7 +214,7 @@ def test_weak_tokens_are_refused_at_startup(tree, weak):
 
 def test_cli_refuses_a_weak_token_and_a_tokenless_public_listener(tree, monkeypatch):
     """`asyncrl engine` stops at once with a message (exit 2), before loading any model."""
-    base = [sys.executable, "-m", "services.cli", "engine", "--model", str(tree["model"])]
+    base = [sys.executable, "-m", "asyncrl.services.ops.cli", "engine", "--model", str(tree["model"])]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_")}
     weak = subprocess.run(base, env={**env, ENGINE_TOKEN_ENV: "changeme"}, cwd=REPO, capture_output=True,
                           text=True, timeout=60, check=False)  # fmt: skip
@@ -451,7 +451,7 @@ def test_sigterm_stops_the_engine_while_an_update_is_stuck(tree):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_")}
     env.update({ENGINE_TOKEN_ENV: TOKEN, "OMP_NUM_THREADS": "1"})
-    cmd = [sys.executable, "-m", "services.cli", "engine", "--model", str(tree["model"]), "--port", str(port),
+    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "engine", "--model", str(tree["model"]), "--port", str(port),
            "--weight-group-timeout-s", "600", "--log-level", "warning"]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with blackhole() as hole:
@@ -501,7 +501,7 @@ def _post_quietly(url: str, body: dict) -> None:
 def test_asyncrl_up_gives_engines_a_strong_token_and_the_run_weights_root(tmp_path, monkeypatch):
     import tomllib
 
-    from services.launcher import Launcher, UpConfig
+    from asyncrl.services.ops.launcher import Launcher, UpConfig
 
     for key in [k for k in os.environ if k.startswith("ASYNCRL_")]:
         monkeypatch.delenv(key)

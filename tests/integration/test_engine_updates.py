@@ -10,9 +10,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import REGISTRY
 
-from services.common.serving import serve_app_in_thread
-from services.rollout.engine_client import EngineClient
-from services.rollout.testing import free_port
+from asyncrl.services.runtime.serving import serve_app_in_thread
+from asyncrl.services.rollout.engine_client import EngineClient
+from rollout_server import free_port
 
 
 def recording_engine(calls: list, *, update_ok: bool = True, continue_status: int = 200,

@@ -15,9 +15,9 @@ import pytest
 import torch
 from waiting import wait_until
 
-from services.common.tinymodel import build_tiny_model
-from services.engine.engine import REFUSED_PATH
-from services.engine.testing import free_port, serve_in_thread
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from asyncrl.services.engine.engine import REFUSED_PATH
+from engine_server import free_port, serve_in_thread
 
 torch.set_num_threads(1)
 
@@ -112,7 +112,7 @@ TRAINER = textwrap.dedent(
     import sys, threading, httpx, torch
     torch.set_num_threads(1)
     from safetensors.torch import load_file
-    from services.engine.weight_sync import broadcast_weights, http_announcer, init_weight_update_group
+    from asyncrl.services.engine.weight_sync import broadcast_weights, http_announcer, init_weight_update_group
 
     url, weights_file, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.serving import serve_app_in_thread
-from services.engine.testing import free_port
+from asyncrl.services.runtime.serving import serve_app_in_thread
+from engine_server import free_port
 
 HAS_BWRAP = shutil.which("bwrap") is not None
 TIMEOUT_S = 1.0  # the python tool's time limit here
@@ -23,8 +23,8 @@ OUTPUT_CHARS = 256
 
 @pytest.fixture(scope="module")
 def service():
-    from services.reward.app import build_app
-    from services.reward.config import RewardSettings
+    from asyncrl.services.reward.app import build_app
+    from asyncrl.services.reward.config import RewardSettings
 
     settings = RewardSettings(
         code_enabled=HAS_BWRAP,
@@ -190,10 +190,10 @@ def test_step_batch_answers_a_crashing_step_in_band_and_the_others_as_alone():
     """One item of a batch whose step raises is masked (`crash`, counted once); the rest of the
     batch is answered as each item is alone. The crash is a user's environment with a bug (the
     built-ins answer every input they are given), served by the real service over HTTP."""
-    from proto.environments import StepResponse
-    from services.reward.app import build_app
-    from services.reward.config import RewardSettings
-    from services.reward.environments.base import Environment, function, reply, text_argument
+    from asyncrl.proto.environments import StepResponse
+    from asyncrl.services.reward.app import build_app
+    from asyncrl.services.reward.config import RewardSettings
+    from asyncrl.services.reward.environments.base import Environment, function, reply, text_argument
 
     class Halver(Environment):
         name = "halver"
@@ -245,7 +245,7 @@ def test_step_batch_answers_a_crashing_step_in_band_and_the_others_as_alone():
 def test_calculator_refuses_a_power_tower_without_overflowing(service):
     """`3**2**1024`: the exponent is a 1025-bit int; the size check must not multiply it by a
     float (OverflowError, which once escaped the environment as a 500)."""
-    from services.reward.environments.calculator import CalculatorError, evaluate
+    from asyncrl.services.reward.environments.calculator import CalculatorError, evaluate
 
     for expression in ("3**2**1024", "(-3)**2**1024", "2**2**2**2**2"):
         with pytest.raises(CalculatorError, match="too large"):
@@ -313,10 +313,10 @@ def test_python_calls_share_nothing(python_env):
 def test_python_sandbox_that_cannot_start_masks_the_episode(python_env):
     """A real sandbox whose interpreter is missing: bwrap cannot exec it, so the program never
     runs. That is the environment's failure: masked and counted, never a tool error or a 0."""
-    from services.reward.app import build_app
-    from services.reward.config import RewardSettings
-    from services.reward.environments.python import PythonEnvironment
-    from services.reward.sandbox import Sandbox
+    from asyncrl.services.reward.app import build_app
+    from asyncrl.services.reward.config import RewardSettings
+    from asyncrl.services.reward.environments.python import PythonEnvironment
+    from asyncrl.services.reward.sandbox import Sandbox
 
     sandbox = Sandbox(python="/usr/bin/no-such-python", slots=1, uid_base=2_200_100)
     env = PythonEnvironment(

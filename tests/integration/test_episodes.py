@@ -26,11 +26,11 @@ import pytest
 import torch
 from waiting import wait_until
 
-from buffer import AdmissionControl, Buffer, Groups, Weights
-from proto import WeightsInfo
-from services.common.tinymodel import build_tiny_model
-from services.engine.testing import serve_in_thread as serve_engine
-from services.rollout.testing import free_port, serve_in_thread, start_reward_service, wait_job
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+from asyncrl.proto import WeightsInfo
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import free_port, serve_in_thread, start_reward_service, wait_job
 
 torch.set_num_threads(1)
 

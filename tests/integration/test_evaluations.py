@@ -25,12 +25,12 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_until
 
-from buffer import AdmissionControl, Buffer, Weights
-from buffer import stats as buffer_stats
-from proto import WeightsInfo
-from services.common.tinymodel import build_tiny_model
-from services.engine.testing import serve_in_thread as serve_engine
-from services.rollout.testing import serve_in_thread, start_reward_service
+from asyncrl.buffer import AdmissionControl, Buffer, Weights
+from asyncrl.buffer import stats as buffer_stats
+from asyncrl.proto import WeightsInfo
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import serve_in_thread, start_reward_service
 
 torch.set_num_threads(1)
 
@@ -322,8 +322,8 @@ def test_bad_bodies_are_refused_with_a_message(shared):
 def test_an_evaluation_left_by_a_dead_replica_is_recovered(shared, redis_server, tokenizer):
     """A replica claimed an evaluation and died: once its lease runs out, the live replica
     claims it (second attempt) and runs it to the end."""
-    from buffer import EvalStore
-    from proto.evals import EvalPrompt, EvalSummary, EvalTask
+    from asyncrl.buffer import EvalStore
+    from asyncrl.proto.evals import EvalPrompt, EvalSummary, EvalTask
 
     client, run, _ = shared
     task = EvalTask(
@@ -355,9 +355,9 @@ def test_an_evaluation_left_by_a_dead_replica_is_recovered(shared, redis_server,
 def test_evaluation_routes_require_the_api_token(monkeypatch, redis_url, run_id, model_dir, tokenizer):
     from fastapi.testclient import TestClient
 
-    from services.rollout.app import build_app
-    from services.rollout.config import RolloutSettings
-    from services.rollout.service import RolloutService
+    from asyncrl.services.rollout.app import build_app
+    from asyncrl.services.rollout.config import RolloutSettings
+    from asyncrl.services.rollout.service import RolloutService
 
     monkeypatch.setenv("ASYNCRL_API_TOKEN", "s3cret-for-tests")
     s = RolloutSettings(**settings("http://127.0.0.1:9", "http://127.0.0.1:9", model_dir, run_id))
@@ -480,7 +480,7 @@ def test_behind_a_router_an_evaluation_pins_every_worker(
     choice: the pin holds back the update of every worker until the evaluation is done."""
     import sys
 
-    from services.rollout.testing import free_port, start_process
+    from rollout_server import free_port, start_process
 
     pytest.importorskip(
         "sglang_router", reason="sglang-router is a dev dependency (pip install sglang-router)"

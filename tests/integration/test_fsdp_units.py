@@ -23,7 +23,7 @@ def _units(model) -> dict[str, list[bool]]:
     parameters the sharded DTensor (not gathered)?"""
     from torch.distributed.tensor import DTensor
 
-    from trainer.model import _decoder_layers
+    from asyncrl.trainer.model import _decoder_layers
 
     root = [isinstance(p, DTensor) for name, p in model.named_parameters() if ".layers." not in name]
     return {"root": root, **{f"layer{i}": [isinstance(p, DTensor) for p in layer.parameters()]
@@ -36,7 +36,7 @@ def worker(rank: int, port: int, model_dir: str, out_path: str) -> None:
                       MASTER_PORT=str(port))  # fmt: skip
     import torch.distributed as dist
 
-    from trainer.model import build_model, init_distributed
+    from asyncrl.trainer.model import build_model, init_distributed
 
     d = init_distributed("cpu", timeout_s=120)
     try:
@@ -62,7 +62,7 @@ def worker(rank: int, port: int, model_dir: str, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def seen(tiny, tmp_path_factory) -> dict:
-    from buffer.server import free_port
+    from asyncrl.buffer.server import free_port
 
     out = tmp_path_factory.mktemp("fsdp-units") / "seen.json"
     ctx, port = mp.get_context("spawn"), free_port()

@@ -21,15 +21,15 @@ import openai
 import pytest
 import torch
 
-from buffer import AdmissionControl, Buffer, ClosedSession, Groups, Weights
-from proto import FinishReason, RewardStatus
-from proto.gateway import Call
-from proto.lineage import parse_weight_version
-from services.common.tinymodel import EOS_ID, build_tiny_model
-from services.engine.testing import serve_in_thread as serve_engine
-from services.rollout.gateway import _tool_calls
-from services.rollout.gateway_groups import build_group, sessions_to_pieces
-from services.rollout.testing import serve_in_thread, start_reward_service
+from asyncrl.buffer import AdmissionControl, Buffer, ClosedSession, Groups, Weights
+from asyncrl.proto import FinishReason, RewardStatus
+from asyncrl.proto.gateway import Call
+from asyncrl.proto.lineage import parse_weight_version
+from asyncrl.services.ops.tinymodel import EOS_ID, build_tiny_model
+from engine_server import serve_in_thread as serve_engine
+from asyncrl.services.rollout.gateway import _tool_calls
+from asyncrl.services.rollout.gateway_groups import build_group, sessions_to_pieces
+from rollout_server import serve_in_thread, start_reward_service
 
 torch.set_num_threads(1)
 

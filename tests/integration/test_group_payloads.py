@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from factories import make_group
 
-from buffer import Buffer, Groups
+from asyncrl.buffer import Buffer, Groups
 
 
 def test_large_groups_come_through_the_buffer_intact(redis_url, run_id):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import Launcher, UpConfig
+from asyncrl.services.ops.launcher import Launcher, UpConfig
 
 
 def test_launcher_refuses_a_port_another_process_holds(tmp_path):
@@ -18,7 +18,7 @@ def test_launcher_refuses_a_port_another_process_holds(tmp_path):
     raw = tomllib.loads((Path(__file__).resolve().parents[2] / "configs" / "demo.toml").read_text())
     raw["run"].update(redis_url="redis://127.0.0.1:1/0", dir=str(tmp_path / "run"))
     raw["model"]["path"] = str(tmp_path / "base")
-    from services.rollout.testing import free_port
+    from rollout_server import free_port
 
     raw["launch"].update(engine_port=free_port(), reward_port=free_port(), rollout_port=free_port())
     with socket.socket() as held:

@@ -19,13 +19,13 @@ import pytest
 import torch
 from test_trainer import kill_tree, process_tree, read_audit, start_trainer, wait_for
 
-from buffer import Buffer, Weights, stats
-from buffer.groups import sampled_lineage
-from proto import Group, decode
-from proto.lineage import Lineage, parse_weight_version
-from services.common.tinymodel import build_tiny_model
-from services.engine.testing import serve_in_thread as serve_engine
-from services.rollout.testing import free_port, serve_in_thread, start_reward_service
+from asyncrl.buffer import Buffer, Weights, stats
+from asyncrl.buffer.groups import sampled_lineage
+from asyncrl.proto import Group, decode
+from asyncrl.proto.lineage import Lineage, parse_weight_version
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import free_port, serve_in_thread, start_reward_service
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)

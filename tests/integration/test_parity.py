@@ -18,10 +18,10 @@ import pytest
 import torch
 from spawned import finish_worker
 
-from proto import Group, Sample
-from trainer.batch import build_rows, collate, micro_batches, token_logprobs
-from trainer.losses import LossConfig, policy_loss
-from trainer.step import StepConfig, policy_step, recompute_logprobs
+from asyncrl.proto import Group, Sample
+from asyncrl.trainer.batch import build_rows, collate, micro_batches, token_logprobs
+from asyncrl.trainer.losses import LossConfig, policy_loss
+from asyncrl.trainer.step import StepConfig, policy_step, recompute_logprobs
 
 torch.set_num_threads(1)
 LR = 0.5
@@ -30,7 +30,7 @@ CLIP = 0.5  # small enough that clipping is active: the clipped update must matc
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from services.common.tinymodel import build_tiny_model
+    from asyncrl.services.ops.tinymodel import build_tiny_model
 
     path = tmp_path_factory.mktemp("tiny")
     build_tiny_model(path, seed=1)
@@ -87,7 +87,7 @@ def fsdp_worker(rank, world, port, model_dir, cases, out_path, micro_batch_size)
                       MASTER_PORT=str(port))  # fmt: skip
     import torch.distributed as dist
 
-    from trainer.model import build_model, full_state_dict, init_distributed
+    from asyncrl.trainer.model import build_model, full_state_dict, init_distributed
 
     d = init_distributed("cpu", timeout_s=120)
     results = []
@@ -118,7 +118,7 @@ def fsdp_worker(rank, world, port, model_dir, cases, out_path, micro_batch_size)
 @pytest.fixture(scope="module")
 def fsdp_results(tiny, tmp_path_factory):
     """One 2-rank world runs every case (process start-up dominates the cost)."""
-    from buffer.server import free_port
+    from asyncrl.buffer.server import free_port
 
     groups, groups_lr0 = engine_groups(tiny), engine_groups(tiny, seed=1)
     cases = [(groups, LossConfig(agg=agg, max_tokens=8), "sgd", LR, True, {}) for agg in AGGS]

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from buffer import Buffer, Groups, Weights
-from proto import Group, Sample
-from trainer.config import TrainerSettings
-from trainer.weights import DiskPublisher, detach_from
+from asyncrl.buffer import Buffer, Groups, Weights
+from asyncrl.proto import Group, Sample
+from asyncrl.trainer.config import TrainerSettings
+from asyncrl.trainer.weights import DiskPublisher, detach_from
 
 torch.set_num_threads(1)
 B, STEPS = 2, 3
@@ -26,7 +26,7 @@ SLOW_WRITE_S = 0.3  # longer than a step of the tiny model: each write overlaps 
 def one_rank():
     import torch.distributed as dist
 
-    from trainer.model import init_distributed
+    from asyncrl.trainer.model import init_distributed
 
     d = init_distributed("cpu", timeout_s=60)
     yield d
@@ -71,9 +71,9 @@ def slowed(monkeypatch, fail_at: int | None = None) -> list[tuple[int, float]]:
 
 
 def test_each_version_holds_its_own_steps_weights(tiny, tmp_path, redis_url, run_id, one_rank, monkeypatch):
-    from trainer.components import Parts, build
-    from trainer.loop import train_steps
-    from trainer.model import full_state_dict
+    from asyncrl.trainer.components import Parts, build
+    from asyncrl.trainer.loop import train_steps
+    from asyncrl.trainer.model import full_state_dict
 
     Groups(Buffer(redis_url, run=run_id)).put(groups(B * STEPS, seed=1))
     calls = slowed(monkeypatch)
@@ -108,9 +108,9 @@ def test_each_version_holds_its_own_steps_weights(tiny, tmp_path, redis_url, run
 def test_a_failed_background_write_stops_the_trainer(tiny, tmp_path, redis_url, run_id, one_rank, monkeypatch):
     """The write of version 2 fails (disk full): the trainer raises it at its next publish, and
     version 2 is never announced."""
-    from trainer import metrics as tm
-    from trainer.components import build
-    from trainer.loop import train_steps
+    from asyncrl.trainer import metrics as tm
+    from asyncrl.trainer.components import build
+    from asyncrl.trainer.loop import train_steps
 
     Groups(Buffer(redis_url, run=run_id)).put(groups(B * STEPS, seed=2))
     calls = slowed(monkeypatch, fail_at=2)
@@ -126,8 +126,8 @@ def test_a_failed_background_write_stops_the_trainer(tiny, tmp_path, redis_url, 
 
 def test_foreground_publishing_waits_for_each_write(tiny, tmp_path, redis_url, run_id, one_rank, monkeypatch):
     """`publish_background = false`: the step does not end before its version is written."""
-    from trainer.components import Parts, build
-    from trainer.loop import train_steps
+    from asyncrl.trainer.components import Parts, build
+    from asyncrl.trainer.loop import train_steps
 
     Groups(Buffer(redis_url, run=run_id)).put(groups(B * STEPS, seed=3))
     calls = slowed(monkeypatch)

@@ -28,8 +28,8 @@ import pytest
 import torch
 from waiting import wait_until
 
-from proto import Group, RewardStatus, Sample
-from services.engine.testing import serve_in_thread as serve_engine
+from asyncrl.proto import Group, RewardStatus, Sample
+from engine_server import serve_in_thread as serve_engine
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -163,7 +163,7 @@ def test_conversion_equals_transformers_gguf_load(smollm2_gguf, smollm2_dir, tok
 
 
 def test_bad_files_are_refused_with_a_message(smollm2_gguf, tmp_path):
-    from services.model import ConversionError, from_gguf
+    from asyncrl.services.ops.gguf import ConversionError, from_gguf
 
     text = tmp_path / "notes.gguf"
     text.write_text("not a model\n")
@@ -185,7 +185,7 @@ def test_bad_files_are_refused_with_a_message(smollm2_gguf, tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for path, needle in cases[::2]:
-        cmd = [sys.executable, "-m", "services.cli", "model", "from-gguf", str(path), "--out", str(out)]
+        cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "model", "from-gguf", str(path), "--out", str(out)]
         res = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=60)
         assert res.returncode == 2, res.stderr
         assert res.stderr.startswith("asyncrl model: ") and needle in res.stderr
@@ -201,7 +201,7 @@ def one_rank():
     """A one-rank gloo world in this process, as `asyncrl train` runs with a single CPU worker."""
     import torch.distributed as dist
 
-    from trainer.model import init_distributed
+    from asyncrl.trainer.model import init_distributed
 
     d = init_distributed("cpu", timeout_s=60)
     yield d
@@ -211,9 +211,9 @@ def one_rank():
 def test_engine_logprobs_equal_trainer_logprobs(client, tokenizer, smollm2_dir, one_rank):
     from transformers import AutoConfig
 
-    from trainer.batch import build_rows, micro_batches
-    from trainer.model import build_model
-    from trainer.step import recompute_logprobs
+    from asyncrl.trainer.batch import build_rows, micro_batches
+    from asyncrl.trainer.model import build_model
+    from asyncrl.trainer.step import recompute_logprobs
 
     prompts = [chat_ids(tokenizer, m) for m in CHATS]
     assert len({len(p) for p in prompts}) == 3  # three lengths: the prefill and the trainer pad
@@ -329,10 +329,10 @@ def test_ignore_eos_runs_past_im_end(engine, client, tokenizer):
 
 @pytest.fixture(scope="module")
 def reward(tmp_path_factory):
-    from services.rollout.testing import free_port, start_process
+    from rollout_server import free_port, start_process
 
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "reward", "--port", str(port), "--no-code-enabled",
+    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "reward", "--port", str(port), "--no-code-enabled",
            "--math-workers", "1"]  # fmt: skip
     running = start_process(cmd, f"http://127.0.0.1:{port}", "/v1/verifiers",
                             log_path=tmp_path_factory.mktemp("reward") / "reward.log")  # fmt: skip
@@ -341,8 +341,8 @@ def reward(tmp_path_factory):
 
 
 def test_rollout_reward_engine_one_group(redis_url, run_id, engine, reward, tokenizer, hf_model, smollm2_dir):
-    from buffer import AdmissionControl, Buffer, Groups
-    from services.rollout.testing import serve_in_thread, wait_job
+    from asyncrl.buffer import AdmissionControl, Buffer, Groups
+    from rollout_server import serve_in_thread, wait_job
 
     buf = Buffer(redis_url, run_id)
     AdmissionControl(buf).configure(batch_groups=1, max_staleness=0)

@@ -15,12 +15,12 @@ import httpx
 import pytest
 import torch
 
-from services.common.serving import serve_app_in_thread
-from services.common.tinymodel import build_tiny_model
-from services.engine.engine import MAX_CHARS_PER_TOKEN
-from services.engine.testing import free_port
-from services.engine.testing import serve_in_thread as serve_engine
-from services.rollout.config import RolloutSettings
+from asyncrl.services.runtime.serving import serve_app_in_thread
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from asyncrl.services.engine.engine import MAX_CHARS_PER_TOKEN
+from engine_server import free_port
+from engine_server import serve_in_thread as serve_engine
+from asyncrl.services.rollout.config import RolloutSettings
 
 torch.set_num_threads(1)
 
@@ -51,9 +51,9 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def reward():
-    from services.reward.app import build_app
-    from services.reward.config import RewardSettings
-    from services.reward.verifiers.toy import ReverseVerifier
+    from asyncrl.services.reward.app import build_app
+    from asyncrl.services.reward.config import RewardSettings
+    from asyncrl.services.reward.verifiers.toy import ReverseVerifier
 
     settings = RewardSettings(code_enabled=False, max_body_bytes=REWARD_MAX_BODY)
     verifiers = {"reverse": ReverseVerifier(concurrency=8, timeout_s=2.0)}
@@ -68,8 +68,8 @@ def rollout(redis_server, model_dir, reward):
     """The rollout service's HTTP API alone (no scheduler: nothing here is generated)."""
     from transformers import AutoTokenizer
 
-    from services.rollout.app import build_app
-    from services.rollout.service import RolloutService
+    from asyncrl.services.rollout.app import build_app
+    from asyncrl.services.rollout.service import RolloutService
 
     settings = RolloutSettings(
         port=free_port(), redis_url=redis_server.url, run="limits", replica="r0", tokenizer=model_dir,
@@ -229,7 +229,7 @@ def test_the_rollout_sheds_load_past_its_inflight_limit():
     at once (and is counted); unguarded paths and later requests go through."""
     from fastapi import FastAPI
 
-    from services.common.limits import InflightLimit
+    from asyncrl.services.runtime.limits import InflightLimit
 
     release, entered, refused = threading.Event(), threading.Event(), []
     app = FastAPI()

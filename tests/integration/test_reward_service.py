@@ -86,8 +86,8 @@ def judge_url():
 
 @pytest.fixture(scope="module")
 def service(judge_url):
-    from services.reward.app import build_app
-    from services.reward.config import RewardSettings
+    from asyncrl.services.reward.app import build_app
+    from asyncrl.services.reward.config import RewardSettings
 
     settings = RewardSettings(
         code_enabled=False,
@@ -223,15 +223,15 @@ def test_live_judge_round_trip_against_reference_engine(tmp_path):
         pytest.skip("reference engine not available")
     import asyncio
 
-    from services.common.tinymodel import build_tiny_model
-    from services.reward.verifiers.judge import JudgeVerifier
+    from asyncrl.services.ops.tinymodel import build_tiny_model
+    from asyncrl.services.reward.verifiers.judge import JudgeVerifier
 
     build_tiny_model(tmp_path / "model")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "services.cli", "engine", "--model", str(tmp_path / "model"), "--port", str(port)]
+    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "engine", "--model", str(tmp_path / "model"), "--port", str(port)]
     engine = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         base = f"http://127.0.0.1:{port}"

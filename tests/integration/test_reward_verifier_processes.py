@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from proto.records import RewardStatus
-from services.reward.verifiers.math import MathVerifier
+from asyncrl.proto.records import RewardStatus
+from asyncrl.services.reward.verifiers.math import MathVerifier
 
 MATH_TIMEOUT_S = 3.0
 
@@ -92,10 +92,10 @@ def test_math_unparseable_gold_is_invalid_input_and_hang_is_killed_and_replaced(
 def test_reward_service_never_imports_torch():
     probe = (
         "import sys\n"
-        "from services.reward.app import build_app\n"
-        "from services.reward.config import RewardSettings\n"
+        "from asyncrl.services.reward.app import build_app\n"
+        "from asyncrl.services.reward.config import RewardSettings\n"
         "build_app(RewardSettings(code_enabled=False, judge_base_url='http://127.0.0.1:9/v1'))\n"
-        "import services.reward.main, services.reward.verifiers.code, services.reward.sandbox\n"
+        "import asyncrl.services.reward.main, asyncrl.services.reward.verifiers.code, asyncrl.services.reward.sandbox\n"
         "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)

@@ -25,12 +25,12 @@ import pytest
 import torch
 from waiting import wait_until
 
-from buffer import AdmissionControl, Buffer, Groups, Weights
-from buffer import stats as buffer_stats
-from proto import RewardStatus, WeightsInfo
-from services.common.tinymodel import build_tiny_model
-from services.engine.testing import serve_in_thread as serve_engine
-from services.rollout.testing import free_port, serve_in_thread, start_process, start_reward_service, wait_job
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+from asyncrl.buffer import stats as buffer_stats
+from asyncrl.proto import RewardStatus, WeightsInfo
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import free_port, serve_in_thread, start_process, start_reward_service, wait_job
 
 torch.set_num_threads(1)
 
@@ -322,7 +322,7 @@ def test_sigkill_of_a_replica_loses_no_group(
     admission.configure(batch_groups=4, max_staleness=0)
     port = free_port()
     s = settings(engine.url, reward.url, model_dir, run_id, replica="a")
-    cmd = [sys.executable, "-m", "services.cli", "rollout", "--port", str(port), "--redis-url", redis_url]
+    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "rollout", "--port", str(port), "--redis-url", redis_url]
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in s.items()]
     a = start_process(cmd, f"http://127.0.0.1:{port}", "/healthz", log_path=tmp_path / "replica_a.log")
     try:
@@ -537,7 +537,7 @@ def test_submit_cli_posts_a_jsonl_dataset(rollout, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "services.cli",
+        "asyncrl.services.ops.cli",
         "submit",
         str(data),
         "--url",
@@ -688,8 +688,8 @@ def test_local_and_remote_items_of_one_batch_keep_their_order_and_verdicts(rewar
     scorer refuses makes the caller's local items `invalid_input`, never a silent 0."""
     import asyncio
 
-    from proto.rewards import RewardItem, RewardResult, RewardSpec
-    from services.rollout.reward_client import RewardClient
+    from asyncrl.proto.rewards import RewardItem, RewardResult, RewardSpec
+    from asyncrl.services.rollout.reward_client import RewardClient
 
     def item(i: int, spec: dict, completion: str) -> RewardItem:
         return RewardItem(id=f"x{i}", prompt="abc>", completion=completion, spec=RewardSpec.model_validate(spec))
@@ -729,7 +729,7 @@ def test_local_and_remote_items_of_one_batch_keep_their_order_and_verdicts(rewar
 def test_only_inline_verifiers_can_be_local():
     from pydantic import ValidationError
 
-    from services.rollout.config import RolloutSettings
+    from asyncrl.services.rollout.config import RolloutSettings
 
     base = {"run": "r", "tokenizer": "/nonexistent"}
     assert RolloutSettings(**base, local_verifiers=["reverse", "arith", "reverse"]).local_verifier_list == [

@@ -15,11 +15,11 @@ import pytest
 import torch
 from waiting import wait_until
 
-from buffer import AdmissionControl, Buffer, Groups, Weights
-from proto import RewardStatus, WeightsInfo
-from services.common.tinymodel import build_tiny_model
-from services.engine.testing import serve_in_thread as serve_engine
-from services.rollout.testing import free_port, serve_in_thread, start_process, start_reward_service, wait_job
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+from asyncrl.proto import RewardStatus, WeightsInfo
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import free_port, serve_in_thread, start_process, start_reward_service, wait_job
 
 pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install sglang-router)")
 

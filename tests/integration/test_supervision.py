@@ -27,10 +27,10 @@ import redis
 from factories import make_group
 from waiting import wait_until
 
-from buffer import Buffer, Groups, TakeResult, Weights, stats
-from buffer.connection import OUTAGES, TRAINER_GROUP, ReconnectRetry
-from buffer.server import RedisServer, embedded_binary, free_port
-from services.launcher import Launcher, Proc, UpConfig
+from asyncrl.buffer import Buffer, Groups, TakeResult, Weights, stats
+from asyncrl.buffer.connection import OUTAGES, TRAINER_GROUP, ReconnectRetry
+from asyncrl.buffer.server import RedisServer, embedded_binary, free_port
+from asyncrl.services.ops.launcher import Launcher, Proc, UpConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ def test_buffer_rides_out_a_redis_crash_and_keeps_what_was_acknowledged(tmp_path
 
 
 def make_weights(version: int):
-    from proto import WeightsInfo
+    from asyncrl.proto import WeightsInfo
 
     return WeightsInfo(version=version, method="disk", path=f"/w/{version}", published_at=time.time())
 
@@ -131,7 +131,7 @@ class _Engines:
     engine reports as its weight_version."""
 
     def __init__(self, served: list[str]):
-        from services.rollout.engine_client import EngineEndpoint
+        from asyncrl.services.rollout.engine_client import EngineEndpoint
 
         self.served, self.updates = served, []
         self.admins = [EngineEndpoint(i, f"http://engine-{i}") for i in range(len(served))]
@@ -151,7 +151,7 @@ def test_a_restarted_engine_is_moved_back_to_the_newest_weights():
     publishes nothing that would move it: the rollout's poll notices and reloads it."""
     import asyncio
 
-    from services.rollout.weights import WeightSync
+    from asyncrl.services.rollout.weights import WeightSync
 
     engines = _Engines(["5", "5", "5"])
     sync = WeightSync(None, engines, poll_s=1.0)
@@ -194,7 +194,7 @@ def _supervise_until(launcher: Launcher, predicate, timeout: float = 20.0) -> in
 
 def _start_fake(launcher: Launcher, *names: str) -> None:
     """Embedded Redis and metrics as `start` does them, with sleepers for services."""
-    from services.launcher import _serve_metrics
+    from asyncrl.services.ops.launcher import _serve_metrics
 
     launcher.cfg.model.build_tiny = False
     launcher.prepare()
@@ -299,7 +299,7 @@ def test_a_second_signal_does_not_cut_the_shutdown_short():
     second landed in the shutdown)."""
     program = (
         "import os, signal, time\n"
-        "from services.launcher import stop_on_first_signal\n"
+        "from asyncrl.services.ops.launcher import stop_on_first_signal\n"
         "stop_on_first_signal()\n"
         "try:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"

@@ -24,13 +24,13 @@ from factories import edit_sample, make_group
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
-from services.common.config import load_settings
-from trainer import metrics as tm
-from trainer.batch import build_rows
-from trainer.config import TrainerSettings
-from trainer.data import Taken
-from trainer.loop import record
-from trainer.tracking import INSTALL_HINT, Tracker, TrackingUnavailable, build_tracker, git_commit, redact_url
+from asyncrl.services.runtime.config import load_settings
+from asyncrl.trainer import metrics as tm
+from asyncrl.trainer.batch import build_rows
+from asyncrl.trainer.config import TrainerSettings
+from asyncrl.trainer.data import Taken
+from asyncrl.trainer.loop import record
+from asyncrl.trainer.tracking import INSTALL_HINT, Tracker, TrackingUnavailable, build_tracker, git_commit, redact_url
 
 pytest.importorskip("wandb", reason="the asyncrl[tracking] extra is not installed")
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,9 +187,9 @@ def test_an_exception_leaving_the_loop_finishes_the_run_as_failed(tmp_path):
 def test_disabled_tracking_never_imports_wandb():
     script = textwrap.dedent("""
         import sys
-        import trainer.components, trainer.loop, trainer.main
-        from trainer.config import TrainerSettings
-        from trainer.tracking import build_tracker
+        import asyncrl.trainer.components, asyncrl.trainer.loop, asyncrl.trainer.main
+        from asyncrl.trainer.config import TrainerSettings
+        from asyncrl.trainer.tracking import build_tracker
         enabled = sys.argv[1] == "on"
         cfg = TrainerSettings(model_path="/m", output_dir=sys.argv[2], wandb={"enabled": enabled})
         tracker = build_tracker(cfg, 0, 1, "gloo")
@@ -252,7 +252,7 @@ def test_git_commit_and_redaction(tmp_path):
 
 
 def reward_group(gid: str, rewards: list[float], lengths: list[int]):
-    from proto import Group, Sample
+    from asyncrl.proto import Group, Sample
 
     samples = [Sample(prompt_id=f"p-{gid}", index=i, completion_ids=np.arange(3, 3 + n, dtype=np.int32),
                       behavior_logprobs=np.full(n, -3.5, np.float32), versions=np.zeros(n, np.int32),
@@ -264,8 +264,8 @@ def reward_group(gid: str, rewards: list[float], lengths: list[int]):
 
 @pytest.mark.slow
 def test_trainer_logs_each_version_to_wandb(tmp_path, redis_url, run_id):
-    from buffer import Buffer, Groups
-    from services.common.tinymodel import build_tiny_model
+    from asyncrl.buffer import Buffer, Groups
+    from asyncrl.services.ops.tinymodel import build_tiny_model
 
     build_tiny_model(tmp_path / "tiny", seed=3)
     out = tmp_path / "out"
@@ -298,7 +298,7 @@ tags = ["integration"]
     for gid, rewards in groups.items():
         assert producer.put([reward_group(gid, rewards, lengths)]) == [True]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "services.cli", "train", "--config", str(config), "--nproc-per-node", "1"],
+    res = subprocess.run([sys.executable, "-m", "asyncrl.services.ops.cli", "train", "--config", str(config), "--nproc-per-node", "1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
 

@@ -31,9 +31,9 @@ import pytest
 from msgspec.structs import replace
 from waiting import wait_until
 
-from buffer import Buffer, Groups, Weights, stats
-from buffer.server import free_port
-from proto import Group, Sample
+from asyncrl.buffer import Buffer, Groups, Weights, stats
+from asyncrl.buffer.server import free_port
+from asyncrl.proto import Group, Sample
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,13 +96,13 @@ def kill_tree(pids: list[int]) -> None:
 def start_trainer(config: Path, log: Path, nproc: int = 2) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "train", "--config", str(config), "--nproc-per-node", str(nproc)],
+        [sys.executable, "-m", "asyncrl.services.ops.cli", "train", "--config", str(config), "--nproc-per-node", str(nproc)],
         cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
     )
 
 
 def test_train_kill_resume_exactly_once(tmp_path, redis_url, run_id):
-    from services.common.tinymodel import build_tiny_model
+    from asyncrl.services.ops.tinymodel import build_tiny_model
 
     model_dir = tmp_path / "tiny"
     build_tiny_model(model_dir, seed=3)
@@ -249,7 +249,7 @@ is_correction = "tis"
 def test_sigterm_checkpoints_and_acks_before_exit(tmp_path, redis_url, run_id):
     """SIGTERM (what docker/k8s send) stops after the current step: the steps since the last
     checkpoint become durable and acked, nothing stays pending, no group is lost."""
-    from services.common.tinymodel import build_tiny_model
+    from asyncrl.services.ops.tinymodel import build_tiny_model
 
     model_dir = tmp_path / "tiny"
     build_tiny_model(model_dir, seed=4)

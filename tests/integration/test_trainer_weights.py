@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from trainer.checkpoint import Checkpointer
-from trainer.model import build_model, full_state_dict, init_distributed
-from trainer.schedule import build_scheduler
-from trainer.weights import BroadcastPublisher, WeightSyncError, cast_state
+from asyncrl.trainer.checkpoint import Checkpointer
+from asyncrl.trainer.model import build_model, full_state_dict, init_distributed
+from asyncrl.trainer.schedule import build_scheduler
+from asyncrl.trainer.weights import BroadcastPublisher, WeightSyncError, cast_state
 
 torch.set_num_threads(1)
 
@@ -104,7 +104,7 @@ def test_a_tampered_checkpoint_index_is_refused_without_running_it(tiny, tmp_pat
     loads; the untouched checkpoint loads as before."""
     import pickle
 
-    from trainer.checkpoint import UnsafeCheckpoint
+    from asyncrl.trainer.checkpoint import UnsafeCheckpoint
 
     model = build_model(tiny, dist1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -141,7 +141,7 @@ def test_the_metadata_unpickler_looks_up_enum_members_and_nothing_else(tmp_path)
 
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-    from trainer.checkpoint import UnsafeCheckpoint, _MetadataUnpickler
+    from asyncrl.trainer.checkpoint import UnsafeCheckpoint, _MetadataUnpickler
 
     member = pickle.dumps(_Reduced(getattr, _MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT"))
     assert _MetadataUnpickler(member, "m").load() is _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
@@ -162,8 +162,8 @@ def _named_optim_state(model, opt):
 def test_broadcast_publisher_updates_a_reference_engine(tiny, dist1):
     """Real engine (uvicorn in a thread), real gloo group: the engine ends up with exactly the
     trainer's tensors and reports the new weight_version."""
-    from buffer.server import free_port
-    from services.engine.testing import serve_in_thread
+    from asyncrl.buffer.server import free_port
+    from engine_server import serve_in_thread
 
     engine = serve_in_thread(str(tiny), device="cpu", dtype="float32")
     try:
@@ -192,8 +192,8 @@ def test_an_engine_that_refuses_to_join_fails_the_connect_at_once(tiny, dist1):
     whole rendezvous timeout for a rank that will never come."""
     import time
 
-    from buffer.server import free_port
-    from services.engine.testing import serve_in_thread
+    from asyncrl.buffer.server import free_port
+    from engine_server import serve_in_thread
 
     engine = serve_in_thread(str(tiny), device="cpu", dtype="float32")
     try:
@@ -215,7 +215,7 @@ def test_full_state_dict_of_an_unsharded_model_is_what_the_gathering_api_returns
     the names and values are the gathering API's (tied weights once)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from trainer.model import tied_aliases
+    from asyncrl.trainer.model import tied_aliases
 
     model = build_model(tiny, dist1)
     assert not any(hasattr(p, "to_local") for p in model.parameters())  # the fast path's case
@@ -235,7 +235,7 @@ def test_a_resume_takes_the_configured_hyperparameters(tiny, tmp_path, dist1):
     """The checkpoint holds the state (moments, the schedule's position); the config holds the
     hyperparameters. Unchanged, a resume continues exactly; a changed peak lr or weight decay
     applies from the resumed update on, and is reported."""
-    from trainer.schedule import lr_factor
+    from asyncrl.trainer.schedule import lr_factor
 
     def parts(lr: float, weight_decay: float):
         model = build_model(tiny, dist1)

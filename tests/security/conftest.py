@@ -20,8 +20,8 @@ def reward_url():
         pytest.fail("bubblewrap is not installed (apt-get install bubblewrap): the sandbox tests need it")
     import uvicorn
 
-    from services.reward.app import build_app
-    from services.reward.config import RewardSettings
+    from asyncrl.services.reward.app import build_app
+    from asyncrl.services.reward.config import RewardSettings
 
     os.environ[SECRET_ENV] = "s3cr3t-" + os.urandom(8).hex()  # visible to the service process
     settings = RewardSettings(

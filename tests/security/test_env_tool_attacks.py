@@ -24,7 +24,7 @@ from sandbox_host import SECRET_ENV, SLOTS, UID_BASE, loopback_listener, pids_wi
 from test_sandbox_attacks import _read, assert_host_clean_and_serving
 from waiting import wait_until
 
-from services.reward.config import RewardSettings
+from asyncrl.services.reward.config import RewardSettings
 
 # conftest.py's service keeps the defaults of the tool's settings
 TOOL_SLOTS = RewardSettings.model_fields["env_python_concurrency"].default

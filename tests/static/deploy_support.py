@@ -14,18 +14,18 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy/k8s"
 
 SETTINGS = {  # asyncrl subcommand -> (module, settings class, run-config table)
-    "engine": ("services.engine.config", "EngineSettings", "engine"),
-    "rollout": ("services.rollout.config", "RolloutSettings", "rollout"),
-    "reward": ("services.reward.config", "RewardSettings", "reward"),
-    "train": ("trainer.config", "TrainerSettings", "trainer"),
+    "engine": ("asyncrl.services.engine.config", "EngineSettings", "engine"),
+    "rollout": ("asyncrl.services.rollout.config", "RolloutSettings", "rollout"),
+    "reward": ("asyncrl.services.reward.config", "RewardSettings", "reward"),
+    "train": ("asyncrl.trainer.config", "TrainerSettings", "trainer"),
 }
 
 
 def resolve(argv: list[str], env: dict, files: dict[str, str], mp: pytest.MonkeyPatch):
     """Parse an `asyncrl <cmd> …` command line with the service's own settings loader, in the
     environment the container gets; container paths in `files` are read from the host."""
-    from services.cli import SUBCOMMANDS
-    from services.common.config import load_settings
+    from asyncrl.services.ops.cli import SUBCOMMANDS
+    from asyncrl.services.runtime.config import load_settings
 
     assert argv[0] == "asyncrl" and argv[1] in SUBCOMMANDS, argv
     sub, rest, launch = argv[1], [files.get(a, a) for a in argv[2:]], None
@@ -35,7 +35,7 @@ def resolve(argv: list[str], env: dict, files: dict[str, str], mp: pytest.Monkey
         mp.setenv(key, str(value))
     if sub == "train":
         launch = torchrun_args(rest, mp)
-        assert launch.module and launch.training_script == "trainer.main", launch
+        assert launch.module and launch.training_script == "asyncrl.trainer.main", launch
         assert launch.training_script_args[0] == "--worker"
         rest = launch.training_script_args[1:]  # what each worker parses
     module, cls_name, section = SETTINGS[sub]
@@ -52,7 +52,7 @@ def torchrun_args(argv: list[str], mp: pytest.MonkeyPatch):
     it with torchrun's own parser (which refuses, e.g., an option that abbreviates one of its own)."""
     from torch.distributed.run import get_args_parser
 
-    import trainer.main as launcher
+    import asyncrl.trainer.main as launcher
 
     def execv(path, cmd):
         raise Exec(cmd)

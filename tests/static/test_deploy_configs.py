@@ -250,9 +250,9 @@ def test_compose_commands_parse_with_the_services_settings(compose, compose_sett
 
 
 def test_demo_submission_is_a_valid_rollout_job(compose, tmp_path):
-    from proto.rollout import RolloutRequest
-    from services.reward.verifiers.toy import ReverseVerifier
-    from services.rollout.submit import read_rows
+    from asyncrl.proto.rollout import RolloutRequest
+    from asyncrl.services.reward.verifiers.toy import ReverseVerifier
+    from asyncrl.services.rollout.submit import read_rows
 
     services = compose["services"]
     submit = services["submit"]["command"]

@@ -1,5 +1,5 @@
 """GPU placement in the deployment files, checked with the launcher's own rules
-(services/placement.py): compose's `gpu` profile and the k8s manifests give the engines and the
+(services/ops/placement.py): compose's `gpu` profile and the k8s manifests give the engines and the
 trainer disjoint GPUs, as many as their tensor-parallel ranks and torchrun ranks need.
 
 docker-compose.yml is read as Debian's `docker-compose` (1.29) interpolates it, in a clean
@@ -16,7 +16,7 @@ import pytest
 import yaml
 from deploy_support import K8S, ROOT, flag
 
-from services.placement import PlacementError, place
+from asyncrl.services.ops.placement import PlacementError, place
 
 COMPOSE = ROOT / "docker-compose.yml"
 TOKEN = "compose-check-token-Zq81xW"  # compose refuses to interpolate without one

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from trainer.advantages import group_advantages, overlong_penalty, zero_spread
+from asyncrl.trainer.advantages import group_advantages, overlong_penalty, zero_spread
 
 torch.set_num_threads(1)
 R = torch.tensor([[0.0, 1.0, 2.0], [3.0, 3.0, 6.0]])

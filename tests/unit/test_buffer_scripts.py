@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from buffer import admission, groups, jobs, weights
-from buffer.connection import Script
-from proto.states import Admission, GroupState
+from asyncrl.buffer import admission, groups, jobs, weights
+from asyncrl.buffer.connection import Script
+from asyncrl.proto.states import Admission, GroupState
 
 # Quoted words in the scripts that are not states: hash fields, counters, stream entry fields.
 FIELDS = {"accepted", "put", "duplicates", "jobs_enqueued", "jobs_", "gid", "mv", "entry", "stream", "reason",

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 
-from proto import (
+from asyncrl.proto import (
     SCHEMA_VERSION,
     FinishReason,
     Group,
@@ -25,7 +25,7 @@ from proto import (
     decode,
     encode,
 )
-from proto.codec import RecordEncodeError
+from asyncrl.proto.codec import RecordEncodeError
 
 
 def _wire(record) -> dict:

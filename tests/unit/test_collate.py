@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.batch import Row, collate, collate_packed, collate_shared
+from asyncrl.trainer.batch import Row, collate, collate_packed, collate_shared
 
 
 def random_rows(rng: np.random.Generator, n_prompts: int) -> list[Row | None]:

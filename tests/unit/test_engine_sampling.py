@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from services.engine.sampling import RowSampling, draw_uniforms, sample_next
+from asyncrl.services.engine.sampling import RowSampling, draw_uniforms, sample_next
 
 torch.set_num_threads(1)
 
@@ -88,7 +88,7 @@ def test_uniforms_are_splitmix64_outputs():
 def test_uniforms_at_is_the_reference_stream_at_each_step():
     """The per-step batch draw equals the reference, seed by seed, including seeds past 2^63
     (wrapped modulo 2^64) and far steps."""
-    from services.engine.sampling import uniforms_at
+    from asyncrl.services.engine.sampling import uniforms_at
 
     seeds = [0, 3, 12345, 2**63 + 7, 2**64 - 1, -5]
     reference = {s: draw_uniforms(300, s) for s in seeds}

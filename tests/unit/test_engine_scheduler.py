@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.tinymodel import build_tiny_model
-from services.engine.model_runner import ModelRunner
-from services.engine.sampling import RowSampling
-from services.engine.scheduler import Request, Scheduler
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from asyncrl.services.engine.model_runner import ModelRunner
+from asyncrl.services.engine.sampling import RowSampling
+from asyncrl.services.engine.scheduler import Request, Scheduler
 
 torch.set_num_threads(1)
 GREEDY = RowSampling(0.0, 1.0, -1, 0.0)
@@ -115,7 +115,7 @@ def test_injected_logit_noise_changes_logprobs_by_the_configured_amount(runner, 
     seeded generator drew, step by step; with 0 it is the model's own."""
     from transformers import AutoModelForCausalLM
 
-    from services.engine.config import EngineSettings
+    from asyncrl.services.engine.config import EngineSettings
     assert EngineSettings(model="m").logit_noise_std == 0.0  # off by default
     prompt, n = [1, 5, 6, 7], 12
     done: list[Request] = []

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from proto import Group, Sample, Samples, decode, encode
-from trainer.batch import build_rows, collate, token_logprobs
-from trainer.loss_config import LossConfig
-from trainer.losses import policy_loss
+from asyncrl.proto import Group, Sample, Samples, decode, encode
+from asyncrl.trainer.batch import build_rows, collate, token_logprobs
+from asyncrl.trainer.loss_config import LossConfig
+from asyncrl.trainer.losses import policy_loss
 
 torch.set_num_threads(1)
 
@@ -80,7 +80,7 @@ def test_loss_over_policy_tokens_equals_a_hand_computation(tmp_path):
     the trainer's loss, IS weights and entropy equal a hand computation over policy tokens only."""
     from transformers import AutoModelForCausalLM
 
-    from services.common.tinymodel import build_tiny_model
+    from asyncrl.services.ops.tinymodel import build_tiny_model
 
     build_tiny_model(tmp_path, seed=0, hidden_size=32, num_layers=1)
     model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

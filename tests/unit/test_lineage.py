@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proto.lineage import Lineage, parse_weight_version, weight_version_name
-from trainer.weights import DiskPublisher
+from asyncrl.proto.lineage import Lineage, parse_weight_version, weight_version_name
+from asyncrl.trainer.weights import DiskPublisher
 
 
 @pytest.mark.parametrize(("version", "epoch", "name"), [(0, 0, "0"), (466, 0, "466"), (460, 2, "460@e2")])

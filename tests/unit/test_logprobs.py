@@ -11,11 +11,11 @@ import pytest
 import torch
 from factories import make_sample
 
-from proto import Group
-from trainer.batch import build_rows, collate, collate_packed, collate_shared, micro_batches, token_logprobs
-from trainer.logprobs import check_linear_head, head_logprobs
-from trainer.losses import LossConfig, aggregate, entropy_bonus, kl_penalty, policy_loss
-from trainer.step import StepConfig, policy_step, recompute_logprobs
+from asyncrl.proto import Group
+from asyncrl.trainer.batch import build_rows, collate, collate_packed, collate_shared, micro_batches, token_logprobs
+from asyncrl.trainer.logprobs import check_linear_head, head_logprobs
+from asyncrl.trainer.losses import LossConfig, aggregate, entropy_bonus, kl_penalty, policy_loss
+from asyncrl.trainer.step import StepConfig, policy_step, recompute_logprobs
 
 CPU = torch.device("cpu")
 
@@ -156,7 +156,7 @@ def _model(path, checkpointing=False):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if checkpointing:
-        from trainer.model import enable_activation_checkpointing
+        from asyncrl.trainer.model import enable_activation_checkpointing
 
         enable_activation_checkpointing(model)
     model.train()
@@ -270,7 +270,7 @@ def test_shared_prompt_rows_give_each_sample_its_own_logprobs(tiny):
 def test_share_prompts_and_packing_are_exclusive():
     from pydantic import ValidationError
 
-    from trainer.config import TrainerSettings
+    from asyncrl.trainer.config import TrainerSettings
 
     assert TrainerSettings(run="r", model_path="m", share_prompts=True).share_prompts
     with pytest.raises(ValidationError, match="set one of share_prompts, max_tokens_per_micro_batch"):
@@ -341,7 +341,7 @@ def test_activation_checkpointing_gives_the_same_update(tiny):
 
 
 def test_segment_attention_is_causal_attention_within_each_sample():
-    from trainer.attention import segment_attention, segment_bounds
+    from asyncrl.trainer.attention import segment_attention, segment_bounds
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
     assert segment_bounds(positions[0]) == [(0, 3), (3, 5), (5, 9)]
@@ -358,7 +358,7 @@ def test_segment_attention_is_causal_attention_within_each_sample():
 
 
 def test_segment_attention_model_gives_each_sample_its_own_logprobs(tiny):
-    from trainer.attention import NAME, use_segment_attention
+    from asyncrl.trainer.attention import NAME, use_segment_attention
 
     rows = build_rows(_groups(seed=8), "grpo").rows
     plain, seg = _model(tiny), _model(tiny)
@@ -373,7 +373,7 @@ def test_sliding_window_stays_inside_each_packed_sample(tmp_path):
     """A sliding-window model (Mistral) packed: each sample sees only its own last `window` keys."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from trainer.attention import use_segment_attention
+    from asyncrl.trainer.attention import use_segment_attention
 
     torch.manual_seed(0)
     cfg = MistralConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from trainer.losses import (
+from asyncrl.trainer.losses import (
     MAX_LOG_RATIO,
     LossConfig,
     aggregate,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from trainer.config import TrainerSettings
-from trainer.schedule import build_scheduler, lr_factor
+from asyncrl.trainer.config import TrainerSettings
+from asyncrl.trainer.schedule import build_scheduler, lr_factor
 
 SQRT_HALF = math.sqrt(0.5)
 

@@ -1,4 +1,4 @@
-"""GPU placement (services/placement.py) and the CUDA_VISIBLE_DEVICES each process `asyncrl up`
+"""GPU placement (services/ops/placement.py) and the CUDA_VISIBLE_DEVICES each process `asyncrl up`
 starts gets (Launcher.plan, built without starting anything)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.launcher import Launcher, UpConfig
-from services.placement import (
+from asyncrl.services.ops.launcher import Launcher, UpConfig
+from asyncrl.services.ops.placement import (
     PlacementError,
     check_nccl_weight_group,
     parse_visible_devices,

@@ -11,7 +11,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from services.reward.verifiers.asserts import (
+from asyncrl.services.reward.verifiers.asserts import (
     BadResults,
     Check,
     Unsplittable,
@@ -20,8 +20,8 @@ from services.reward.verifiers.asserts import (
     read_results,
     split_asserts,
 )
-from services.reward.verifiers.call_harness import NotPlain, decode, to_json
-from services.reward.verifiers.code import CodeSpec
+from asyncrl.services.reward.verifiers.call_harness import NotPlain, decode, to_json
+from asyncrl.services.reward.verifiers.code import CodeSpec
 
 INF = float("inf")
 

@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from proto.records import RewardStatus
-from services.reward.verifiers.base import SpecError
-from services.reward.verifiers.code import extract_program, normalise_output
-from services.reward.verifiers.judge import ScoreParseError, parse_score
-from services.reward.verifiers.math import MathVerifier, answer_region, last_boxed
-from services.reward.verifiers.toy import ArithVerifier, ReverseVerifier, reverse_reward, target_from_prompt
+from asyncrl.proto.records import RewardStatus
+from asyncrl.services.reward.verifiers.base import SpecError
+from asyncrl.services.reward.verifiers.code import extract_program, normalise_output
+from asyncrl.services.reward.verifiers.judge import ScoreParseError, parse_score
+from asyncrl.services.reward.verifiers.math import MathVerifier, answer_region, last_boxed
+from asyncrl.services.reward.verifiers.toy import ArithVerifier, ReverseVerifier, reverse_reward, target_from_prompt
 
 
 def run(coro):
@@ -160,8 +160,8 @@ def test_a_group_judged_at_once_gets_the_batch_paths_verdicts(cache_entries):
     """`Scorer.judge_group` (the rollout's local scoring of a group) answers what `prepare` +
     `score` answer for the same items, spec by spec (a parsed spec kept across calls never
     stands in for another), and refuses what `prepare` refuses."""
-    from proto.rewards import RewardItem, RewardRequest, RewardSpec
-    from services.reward.scoring import RequestRejected, Scorer
+    from asyncrl.proto.rewards import RewardItem, RewardRequest, RewardSpec
+    from asyncrl.services.reward.scoring import RequestRejected, Scorer
 
     verifiers = {"reverse": ReverseVerifier(concurrency=1, timeout_s=1.0), "arith": ArithVerifier(concurrency=1, timeout_s=1.0)}
     scorer = Scorer(verifiers, cache_entries=cache_entries, queue_timeout_s=1.0)

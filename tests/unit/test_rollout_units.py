@@ -10,11 +10,11 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from proto.rollout import RolloutRequest
-from services.common.tinymodel import build_char_tokenizer
-from services.rollout.config import RolloutSettings
-from services.rollout.engine_client import _parse_generations
-from services.rollout.intake import BadRequest, Intake, body_hash, job_id_for
+from asyncrl.proto.rollout import RolloutRequest
+from asyncrl.services.ops.tinymodel import build_char_tokenizer
+from asyncrl.services.rollout.config import RolloutSettings
+from asyncrl.services.rollout.engine_client import _parse_generations
+from asyncrl.services.rollout.intake import BadRequest, Intake, body_hash, job_id_for
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def test_generation_answers_are_checked():
 
 
 def test_chunk_by_size_keeps_order_and_the_limit():
-    from services.common.coalescer import chunk_by_size
+    from asyncrl.services.runtime.coalescer import chunk_by_size
 
     # sizes 3,3,2 | 5 | 9 (alone: larger than the limit) | 1 ; limit 8
     assert chunk_by_size([3, 3, 2, 5, 9, 1], lambda n: n, 8) == [[3, 3, 2], [5], [9], [1]]
@@ -152,7 +152,7 @@ class Refused(Exception):
 def coalesce(callers: list[tuple[str, list[str]]], *, max_items: int = 1024):
     """Submit every (key, items) at once to a Coalescer whose send upper-cases the items and
     refuses any batch holding "bad"; each caller's answer or exception, the sends, the splits."""
-    from services.common.coalescer import Coalescer
+    from asyncrl.services.runtime.coalescer import Coalescer
 
     sends, splits = [], []
 
@@ -193,7 +193,7 @@ def test_coalescer_resends_a_refused_merged_call_caller_by_caller():
 def test_group_commit_sends_at_once_when_idle_and_batches_what_arrives_meanwhile():
     """The first item goes out alone, at once; the four that arrive while that call runs go out
     together in the next; each caller gets its own answer; one call at a time."""
-    from services.common.coalescer import GroupCommit
+    from asyncrl.services.runtime.coalescer import GroupCommit
 
     sends, running, batches = [], [], []
 
@@ -231,8 +231,8 @@ def test_group_commit_sends_at_once_when_idle_and_batches_what_arrives_meanwhile
 def test_retries_back_off_and_stop_at_the_first_error_that_is_not_retryable(monkeypatch):
     import types
 
-    from services.common import retry
-    from services.common.retry import Retryable, with_retries
+    from asyncrl.services.runtime import retry
+    from asyncrl.services.runtime.retry import Retryable, with_retries
 
     slept: list[float] = []
 
@@ -271,13 +271,13 @@ def test_retries_back_off_and_stop_at_the_first_error_that_is_not_retryable(monk
 
 
 def reverse_schema() -> dict:
-    from services.reward.verifiers.toy import ReverseSpec
+    from asyncrl.services.reward.verifiers.toy import ReverseSpec
 
     return ReverseSpec.model_json_schema()
 
 
 def test_reward_spec_arguments_are_checked_with_the_verifiers_own_model(intake):
-    from services.reward.verifiers.toy import ArithSpec
+    from asyncrl.services.reward.verifiers.toy import ArithSpec
 
     served = {"reverse": reverse_schema(), "arith": ArithSpec.model_json_schema()}
     bad = request(
@@ -338,20 +338,20 @@ def test_verifiers_unknown_here_or_of_another_version_are_checked_by_name_only(i
 def test_builtin_verifier_registry_names_every_verifier_and_its_spec_model():
     import importlib
 
-    from services.reward.verifiers import BUILTIN, Verifier, spec_model, verifier_class
+    from asyncrl.services.reward.verifiers import BUILTIN, Verifier, spec_model, verifier_class
 
     for name in BUILTIN:
         assert verifier_class(name).name == name and spec_model(name) is verifier_class(name).Spec
     for module in ("toy", "math", "code", "judge"):
-        importlib.import_module(f"services.reward.verifiers.{module}")
+        importlib.import_module(f"asyncrl.services.reward.verifiers.{module}")
     assert {cls.name for cls in Verifier.__subclasses__()} <= set(BUILTIN)
     assert spec_model("custom") is None
 
 
 def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(intake):
-    from proto.sglang import REFERENCE_ENGINE_REFUSES, GenerateItem, SamplingParams
-    from services.engine.engine import InferenceEngine, InvalidRequest
-    from services.rollout.intake import check_engine_support
+    from asyncrl.proto.sglang import REFERENCE_ENGINE_REFUSES, GenerateItem, SamplingParams
+    from asyncrl.services.engine.engine import InferenceEngine, InvalidRequest
+    from asyncrl.services.rollout.intake import check_engine_support
 
     refused = {
         "stop": ["\n"], "min_new_tokens": 2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
@@ -390,8 +390,8 @@ def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(in
 
 
 def test_a_job_level_reward_spec_is_checked_only_when_a_prompt_uses_it():
-    from services.reward.verifiers import spec_model
-    from services.rollout.intake import check_reward_specs
+    from asyncrl.services.reward.verifiers import spec_model
+    from asyncrl.services.rollout.intake import check_reward_specs
 
     served = {name: spec_model(name).model_json_schema() for name in ("math", "reverse")}  # as published
     bad_default = {"verifier": "math"}  # math needs an `answer`

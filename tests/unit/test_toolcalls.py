@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from proto.rollout import EpisodeSpec
-from services.common.tinymodel import build_char_tokenizer
-from services.rollout.episodes import turn_stop_ids
-from services.rollout.toolcalls import BadToolCall, ToolFormat, observation_ids, parse_tool_call
+from asyncrl.proto.rollout import EpisodeSpec
+from asyncrl.services.ops.tinymodel import build_char_tokenizer
+from asyncrl.services.rollout.episodes import turn_stop_ids
+from asyncrl.services.rollout.toolcalls import BadToolCall, ToolFormat, observation_ids, parse_tool_call
 
 HERMES = ToolFormat.of(EpisodeSpec(environment="calculator"))
 TINY = ToolFormat.of(EpisodeSpec(environment="secret", tool_format="tagged", tool_open="?", tool_close="",

@@ -13,8 +13,8 @@ import pytest
 import torch
 from factories import edit_sample
 
-from proto import Group, Sample
-from trainer.batch import Shaping, build_rows, collate, collate_packed, shard_rows, zero_spread_groups
+from asyncrl.proto import Group, Sample
+from asyncrl.trainer.batch import Shaping, build_rows, collate, collate_packed, shard_rows, zero_spread_groups
 
 torch.set_num_threads(1)
 
@@ -97,7 +97,7 @@ def test_packed_tensors(group):
 
 
 def test_pack_first_fit_decreasing_within_budget():
-    from trainer.batch import pack
+    from asyncrl.trainer.batch import pack
 
     lengths = [3, 40, 5, 38, 4, 36, 6, 30, 2, 41, 7, 33, 3, 29, 5, 35]
     rows = _rows_of_lengths(lengths)
@@ -124,7 +124,7 @@ def _rows_of_lengths(lengths, seed=0):
 
 
 def test_micro_batches_group_rows_of_similar_length_within_each_minibatch():
-    from trainer.batch import micro_batches
+    from asyncrl.trainer.batch import micro_batches
 
     lengths = [3, 40, 5, 38, 4, 36, 6, 30, 2, 41, 7, 33, 3, 29, 5, 35]
     rows = _rows_of_lengths(lengths)
@@ -143,10 +143,10 @@ def test_micro_batches_group_rows_of_similar_length_within_each_minibatch():
 def test_sorted_micro_batches_give_the_unsorted_update(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from services.common.tinymodel import build_tiny_model
-    from trainer.batch import micro_batches
-    from trainer.losses import LossConfig
-    from trainer.step import StepConfig, policy_step
+    from asyncrl.services.ops.tinymodel import build_tiny_model
+    from asyncrl.trainer.batch import micro_batches
+    from asyncrl.trainer.losses import LossConfig
+    from asyncrl.trainer.step import StepConfig, policy_step
 
     build_tiny_model(tmp_path, seed=3)
     rows = _rows_of_lengths([2, 9, 3, 8, 1, 7, 4, 6], seed=1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.common.config import load_settings
-from trainer.config import TrainerSettings
+from asyncrl.services.runtime.config import load_settings
+from asyncrl.trainer.config import TrainerSettings
 
 
 def test_toml_env_and_flags_layer(tmp_path, monkeypatch):
@@ -34,7 +34,7 @@ def test_bad_settings_are_refused(bad, match):
 def test_auto_mixed_precision_picks_bf16_only_where_it_is_native():
     import torch
 
-    from trainer.model import resolve_mixed_precision
+    from asyncrl.trainer.model import resolve_mixed_precision
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_mixed_precision("auto", cuda) == "bfloat16"

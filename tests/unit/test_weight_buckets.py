@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.weight_sync import _buckets
+from asyncrl.services.engine.weight_sync import _buckets
 
 
 def named(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.weights import DiskPublisher
+from asyncrl.trainer.weights import DiskPublisher
 
 torch.set_num_threads(1)
 

@@ -13,14 +13,14 @@ import importlib
 
 from pydantic import BaseModel
 
-from services.reward.environments.base import Environment
+from asyncrl.services.reward.environments.base import Environment
 
 __all__ = ["BUILTIN", "Environment", "args_model", "environment_class"]
 
 BUILTIN: dict[str, str] = {
-    "secret": "services.reward.environments.secret:SecretEnvironment",
-    "calculator": "services.reward.environments.calculator:CalculatorEnvironment",
-    "python": "services.reward.environments.python:PythonEnvironment",
+    "secret": "asyncrl.services.reward.environments.secret:SecretEnvironment",
+    "calculator": "asyncrl.services.reward.environments.calculator:CalculatorEnvironment",
+    "python": "asyncrl.services.reward.environments.python:PythonEnvironment",
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from proto.environments import (
+from asyncrl.proto.environments import (
     MAX_OBSERVATION_CHARS,
     EnvironmentInfo,
     ResetRequest,
@@ -26,7 +26,7 @@ from proto.environments import (
     StepStatus,
     ToolCall,
 )
-from services.reward.verifiers.base import validate_spec
+from asyncrl.services.reward.verifiers.base import validate_spec
 
 
 class NoArgs(BaseModel):

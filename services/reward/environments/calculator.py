@@ -12,8 +12,8 @@ import ast
 import math
 import operator
 
-from proto.environments import StepRequest, StepResponse, StepStatus, ToolCall
-from services.reward.environments.base import Environment, NoArgs, function, reply, text_argument
+from asyncrl.proto.environments import StepRequest, StepResponse, StepStatus, ToolCall
+from asyncrl.services.reward.environments.base import Environment, NoArgs, function, reply, text_argument
 
 MAX_EXPRESSION_CHARS = 1000  # a longer expression is not arithmetic a policy should need a tool for
 MAX_DEPTH = 100  # nesting of the syntax tree; keeps the recursive evaluation far from Python's stack limit

@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import math
 
-from proto.environments import StepRequest, StepResponse, StepStatus, ToolCall
-from services.reward.environments.base import Environment, NoArgs, function, reply, text_argument
-from services.reward.metrics import SANDBOX_FAILURES
-from services.reward.sandbox import Limits, RunResult, Sandbox
-from services.reward.verifiers.code import MAX_SOURCE_CHARS, SIGKILL_EXIT, SIGXCPU_EXIT
+from asyncrl.proto.environments import StepRequest, StepResponse, StepStatus, ToolCall
+from asyncrl.services.reward.environments.base import Environment, NoArgs, function, reply, text_argument
+from asyncrl.services.reward.metrics import SANDBOX_FAILURES
+from asyncrl.services.reward.sandbox import Limits, RunResult, Sandbox
+from asyncrl.services.reward.verifiers.code import MAX_SOURCE_CHARS, SIGKILL_EXIT, SIGXCPU_EXIT
 
 RUN_OVERHEAD_S = 3.0  # spawn, plus the pipes' drain after a kill (sandbox.PIPE_DRAIN_TIMEOUT_S)
 ERROR_CHARS = 500  # of a sandbox failure's message, in `info`

@@ -13,8 +13,8 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proto.environments import StepRequest, StepResponse, ToolCall
-from services.reward.environments.base import Environment, function, reply
+from asyncrl.proto.environments import StepRequest, StepResponse, ToolCall
+from asyncrl.services.reward.environments.base import Environment, function, reply
 
 MAX_LENGTH = 256
 

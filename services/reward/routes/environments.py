@@ -10,7 +10,7 @@ import time
 from fastapi import APIRouter
 from fastapi.exceptions import RequestValidationError
 
-from proto.environments import (
+from asyncrl.proto.environments import (
     EnvironmentList,
     ResetBatch,
     ResetRequest,
@@ -22,9 +22,9 @@ from proto.environments import (
     StepResults,
     StepStatus,
 )
-from services.reward.deps import EnvironmentDep, EnvironmentsDep
-from services.reward.metrics import ENV_FAILURES, ENV_RESETS, ENV_STEP_LATENCY, ENV_STEPS
-from services.reward.verifiers.base import SpecError
+from asyncrl.services.reward.deps import EnvironmentDep, EnvironmentsDep
+from asyncrl.services.reward.metrics import ENV_FAILURES, ENV_RESETS, ENV_STEP_LATENCY, ENV_STEPS
+from asyncrl.services.reward.verifiers.base import SpecError
 
 router = APIRouter(prefix="/v1/environments")
 REFUSALS = {

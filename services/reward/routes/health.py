@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from services.reward.deps import ScorerDep
+from asyncrl.services.reward.deps import ScorerDep
 
 router = APIRouter()
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import Response
 
-from proto.rewards import RewardRequest, RewardResponse, VerifierInfo, VerifierList
-from services.reward.deps import ScorerDep
-from services.reward.metrics import REQUESTS
-from services.reward.scoring import RequestRejected
+from asyncrl.proto.rewards import RewardRequest, RewardResponse, VerifierInfo, VerifierList
+from asyncrl.services.reward.deps import ScorerDep
+from asyncrl.services.reward.metrics import REQUESTS
+from asyncrl.services.reward.scoring import RequestRejected
 
 router = APIRouter(prefix="/v1")
 

@@ -13,16 +13,16 @@ import importlib
 
 from pydantic import BaseModel
 
-from services.reward.verifiers.base import SpecError, Verdict, Verifier, validate_spec
+from asyncrl.services.reward.verifiers.base import SpecError, Verdict, Verifier, validate_spec
 
 __all__ = ["BUILTIN", "SpecError", "Verdict", "Verifier", "spec_model", "validate_spec", "verifier_class"]
 
 BUILTIN: dict[str, str] = {
-    "reverse": "services.reward.verifiers.toy:ReverseVerifier",
-    "arith": "services.reward.verifiers.toy:ArithVerifier",
-    "math": "services.reward.verifiers.math:MathVerifier",
-    "code": "services.reward.verifiers.code:CodeVerifier",
-    "judge": "services.reward.verifiers.judge:JudgeVerifier",
+    "reverse": "asyncrl.services.reward.verifiers.toy:ReverseVerifier",
+    "arith": "asyncrl.services.reward.verifiers.toy:ArithVerifier",
+    "math": "asyncrl.services.reward.verifiers.math:MathVerifier",
+    "code": "asyncrl.services.reward.verifiers.code:CodeVerifier",
+    "judge": "asyncrl.services.reward.verifiers.judge:JudgeVerifier",
 }
 
 

@@ -48,7 +48,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.reward.verifiers.call_harness import decode
+from asyncrl.services.reward.verifiers.call_harness import decode
 
 OPS = {
     ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
 
-from proto.records import RewardStatus, check_reward
+from asyncrl.proto.records import RewardStatus, check_reward
 
 
 @dataclass

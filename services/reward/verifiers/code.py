@@ -39,11 +39,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from proto.records import RewardStatus
-from services.reward.metrics import CODE_ASSERT_ITEMS, CODE_TESTS, SANDBOX_FAILURES
-from services.reward.sandbox import Limits, RunResult, Sandbox
-from services.reward.verifiers import call_harness
-from services.reward.verifiers.asserts import (
+from asyncrl.proto.records import RewardStatus
+from asyncrl.services.reward.metrics import CODE_ASSERT_ITEMS, CODE_TESTS, SANDBOX_FAILURES
+from asyncrl.services.reward.sandbox import Limits, RunResult, Sandbox
+from asyncrl.services.reward.verifiers import call_harness
+from asyncrl.services.reward.verifiers.asserts import (
     BadResults,
     Check,
     Unsplittable,
@@ -52,7 +52,7 @@ from services.reward.verifiers.asserts import (
     read_results,
     split_asserts,
 )
-from services.reward.verifiers.base import SpecError, Verdict, Verifier
+from asyncrl.services.reward.verifiers.base import SpecError, Verdict, Verifier
 
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 MAX_SOURCE_CHARS = 200_000

@@ -16,10 +16,10 @@ import re
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from proto.records import RewardStatus
-from services.common.retry import Retryable, with_retries
-from services.reward.metrics import JUDGE_CALLS
-from services.reward.verifiers.base import Verdict, Verifier
+from asyncrl.proto.records import RewardStatus
+from asyncrl.services.runtime.retry import Retryable, with_retries
+from asyncrl.services.reward.metrics import JUDGE_CALLS
+from asyncrl.services.reward.verifiers.base import Verdict, Verifier
 
 RAW_CHARS = 500  # judge output echoed in details
 RETRY_JITTER = 0.25  # each retry delay lengthened by up to this fraction, so judges' retries spread out

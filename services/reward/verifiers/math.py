@@ -18,10 +18,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proto.records import RewardStatus
-from services.common.logging import log_event
-from services.reward.metrics import MATH_WORKER_RESTARTS
-from services.reward.verifiers.base import Verdict, Verifier
+from asyncrl.proto.records import RewardStatus
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.reward.metrics import MATH_WORKER_RESTARTS
+from asyncrl.services.reward.verifiers.base import Verdict, Verifier
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from proto.records import RewardStatus
-from services.reward.verifiers.base import Verdict, Verifier
+from asyncrl.proto.records import RewardStatus
+from asyncrl.services.reward.verifiers.base import Verdict, Verifier
 
 MAX_TARGET_CHARS = 4096
 INTEGER = re.compile(r"[+-]?\d{1,4000}")  # bounded so int() never sees a huge literal

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import HTTPException
 
-from proto.rollout import ErrorBody
-from services.rollout import metrics as m
+from asyncrl.proto.rollout import ErrorBody
+from asyncrl.services.rollout import metrics as m
 
 ERRORS = {
     400: {"model": ErrorBody},

@@ -11,15 +11,15 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
 
-from proto.evals import EVAL_NAME_PATTERN, EvalAccepted, EvalList, EvalRequest, EvalResult, EvalSummary
-from proto.sglang import SamplingParams
-from proto.states import JobState
-from services.rollout import metrics as m
-from services.rollout.deps import ServiceDep
-from services.rollout.evaluations import body_hash, build_task, eval_id_for, new_summary, sampling_params
-from services.rollout.intake import BadRequest, check_engine_support, check_reward_specs
-from services.rollout.reward_client import VerifiersUnavailable
-from services.rollout.routes.errors import ERRORS, refuse
+from asyncrl.proto.evals import EVAL_NAME_PATTERN, EvalAccepted, EvalList, EvalRequest, EvalResult, EvalSummary
+from asyncrl.proto.sglang import SamplingParams
+from asyncrl.proto.states import JobState
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.deps import ServiceDep
+from asyncrl.services.rollout.evaluations import body_hash, build_task, eval_id_for, new_summary, sampling_params
+from asyncrl.services.rollout.intake import BadRequest, check_engine_support, check_reward_specs
+from asyncrl.services.rollout.reward_client import VerifiersUnavailable
+from asyncrl.services.rollout.routes.errors import ERRORS, refuse
 
 router = APIRouter(prefix="/v1/evaluations", tags=["evaluations"])
 

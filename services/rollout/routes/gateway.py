@@ -25,7 +25,7 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from proto.gateway import (
+from asyncrl.proto.gateway import (
     ChatCompletion,
     ChatRequest,
     RewardRequest,
@@ -33,9 +33,9 @@ from proto.gateway import (
     SessionCreated,
     SessionRequest,
 )
-from services.rollout import metrics as m
-from services.rollout.deps import ServiceDep
-from services.rollout.gateway import GatewayError, check_request, sse_chunks
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.deps import ServiceDep
+from asyncrl.services.rollout.gateway import GatewayError, check_request, sse_chunks
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from services.rollout.deps import ServiceDep
+from asyncrl.services.rollout.deps import ServiceDep
 
 router = APIRouter()
 

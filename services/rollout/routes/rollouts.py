@@ -19,16 +19,16 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 
-from proto.rollout import RolloutAccepted, RolloutProgress, RolloutRequest
-from proto.states import JOB_ENDS, GroupState, JobState
-from services.rollout import metrics as m
-from services.rollout.deps import ServiceDep
-from services.rollout.env_client import EnvironmentFailed
-from services.rollout.intake import BadRequest, body_hash, job_id_for
-from services.rollout.reward_client import VerifiersUnavailable
-from services.rollout.routes.errors import ERRORS
-from services.rollout.routes.errors import refuse as _refuse
-from services.rollout.service import RolloutService
+from asyncrl.proto.rollout import RolloutAccepted, RolloutProgress, RolloutRequest
+from asyncrl.proto.states import JOB_ENDS, GroupState, JobState
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.deps import ServiceDep
+from asyncrl.services.rollout.env_client import EnvironmentFailed
+from asyncrl.services.rollout.intake import BadRequest, body_hash, job_id_for
+from asyncrl.services.rollout.reward_client import VerifiersUnavailable
+from asyncrl.services.rollout.routes.errors import ERRORS
+from asyncrl.services.rollout.routes.errors import refuse as _refuse
+from asyncrl.services.rollout.service import RolloutService
 
 router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
 

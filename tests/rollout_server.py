@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from buffer.server import free_port
-from proto.states import JobState
-from services.common.serving import STARTUP_TIMEOUT_S, ThreadServer, serve_app_in_thread
-from services.rollout.config import RolloutSettings
+from asyncrl.buffer.server import free_port
+from asyncrl.proto.states import JobState
+from asyncrl.services.runtime.serving import STARTUP_TIMEOUT_S, ThreadServer, serve_app_in_thread
+from asyncrl.services.rollout.config import RolloutSettings
 
 __all__ = ["RunningProcess", "RunningRollout", "free_port", "serve_in_thread", "start_process",
            "start_reward_service", "wait_job"]  # fmt: skip
@@ -26,8 +26,8 @@ class RunningRollout:
 
 
 def serve_in_thread(redis_url: str, loaded_tokenizer=None, **fields) -> RunningRollout:
-    from services.rollout.app import build_app
-    from services.rollout.service import RolloutService
+    from asyncrl.services.rollout.app import build_app
+    from asyncrl.services.rollout.service import RolloutService
 
     settings = RolloutSettings(
         host="127.0.0.1", port=fields.pop("port", None) or free_port(), redis_url=redis_url, **fields
@@ -87,7 +87,7 @@ def start_reward_service(port: int | None = None, *, log_path=None) -> RunningPr
     import sys
 
     port = port or free_port()
-    cmd = [sys.executable, "-m", "services.cli", "reward", "--port", str(port), "--no-code-enabled"]
+    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "reward", "--port", str(port), "--no-code-enabled"]
     return start_process(cmd, f"http://127.0.0.1:{port}", "/v1/verifiers", log_path=log_path)
 
 

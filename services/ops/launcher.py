@@ -8,7 +8,7 @@ before the next; streams every log line with a `[name]` prefix (and into `run_di
 stops in the reverse order on Ctrl-C, on SIGTERM, or when the trainer exits with 0 (it
 reached `max_steps`, or was told to stop).
 
-GPU placement (services/placement.py, `Launcher.placement`): on a machine with GPUs every process
+GPU placement (services/ops/placement.py, `Launcher.placement`): on a machine with GPUs every process
 gets CUDA_VISIBLE_DEVICES: started engines GPUs 0..k-1 (`engine_tp` each, SGLang's --tp-size),
 the trainer the next `trainer_nproc_per_node`, every other process none; `engine_gpus` /
 `trainer_gpus` choose others. A GPU given to two processes is refused before anything starts
@@ -54,8 +54,8 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.common import auth
-from services.placement import Placement, PlacementError, check_nccl_weight_group, place, visible_gpus
+from asyncrl.services.runtime import auth
+from asyncrl.services.ops.placement import Placement, PlacementError, check_nccl_weight_group, place, visible_gpus
 
 STOP_GRACE_S = 15.0
 PROBE_TIMEOUT_S = 2.0  # one liveness probe; a service too busy to answer this fast is failing one
@@ -119,7 +119,7 @@ class LaunchSection(BaseModel):
                                      "before it gives up (ASYNCRL_REDIS_RECONNECT_S)")
     metrics_port: int = Field(8004, ge=0, lt=65536, description="the launcher's /metrics on 127.0.0.1 "
                               "(restarts per service, up); 0: not served")
-    # GPU placement (services/placement.py): engines on GPUs 0..k-1, the trainer on the next ones
+    # GPU placement (services/ops/placement.py): engines on GPUs 0..k-1, the trainer on the next ones
     gpus: int | None = Field(None, ge=0, le=1024, description="GPUs the run may use; unset: those the "
                              "launcher's CUDA_VISIBLE_DEVICES lists, else `nvidia-smi -L`'s; 0: CPU, no placement")  # fmt: skip
     engine_tp: int = Field(1, ge=1, le=64, description="GPUs per started SGLang engine, passed as its "
@@ -227,7 +227,7 @@ class Launcher:
         self.stop_reason: str | None = None
         self._env: dict[str, str] = {}
         self._lock = threading.Lock()
-        # Engines always require a token (services/common/auth.py): the operator's, else a random
+        # Engines always require a token (services/runtime/auth.py): the operator's, else a random
         # one made for this run; every process started gets it as ASYNCRL_ENGINE_API_TOKEN.
         self.engine_token = auth.engine_token() or auth.generate_token()
         self._metrics_server: ThreadingHTTPServer | None = None
@@ -264,11 +264,11 @@ class Launcher:
         return f"http://127.0.0.1:{self.cfg.launch.trainer_metrics_port}"
 
     def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "services.cli", *args, "--config", str(self.config_path)]
+        return [sys.executable, "-m", "asyncrl.services.ops.cli", *args, "--config", str(self.config_path)]
 
     @functools.cached_property
     def placement(self) -> Placement:
-        """GPUs per process (services/placement.py), worked out once, before anything starts:
+        """GPUs per process (services/ops/placement.py), worked out once, before anything starts:
         started engines on GPUs 0..k-1 unless [engine] device = "cpu" (SGLang always uses GPUs),
         the trainer on the next trainer_nproc_per_node unless [trainer] device = "cpu"."""
         ln, cfg = self.cfg.launch, self.cfg
@@ -309,7 +309,7 @@ class Launcher:
         stages = [rewards, engines, rollouts]
         if ln.trainer:
             trainer = Proc("trainer", [
-                sys.executable, "-m", "services.cli", "train", "--nproc-per-node", str(ln.trainer_nproc_per_node),
+                sys.executable, "-m", "asyncrl.services.ops.cli", "train", "--nproc-per-node", str(ln.trainer_nproc_per_node),
                 "--max-restarts", str(ln.trainer_max_restarts),
                 "--config", str(self.config_path), "--redis-url", self.redis_url, "--run", run.id,
                 "--model-path", model, "--output-dir", str(self.run_dir / "trainer"),
@@ -335,7 +335,7 @@ class Launcher:
         sub = self.cfg.submit
         if sub is None:
             return
-        cmd = [sys.executable, "-m", "services.cli", "submit", str(Path(sub.file).resolve()), "--url", self.rollout_urls()[0]]
+        cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "submit", str(Path(sub.file).resolve()), "--url", self.rollout_urls()[0]]
         for flag, value in (("--group-size", sub.group_size), ("--idempotency-key", sub.idempotency_key)):
             if value is not None:
                 cmd += [flag, str(value)]
@@ -354,13 +354,13 @@ class Launcher:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         m = self.cfg.model
         if m.build_tiny and not (Path(m.path) / "config.json").exists():
-            from services.common.tinymodel import DEFAULT_CHARS, build_tiny_model
+            from asyncrl.services.ops.tinymodel import DEFAULT_CHARS, build_tiny_model
 
             self._say("launcher", f"building tiny model in {m.path}")
             build_tiny_model(m.path, chars=m.tiny_chars or DEFAULT_CHARS, hidden_size=m.tiny_hidden_size,
                              num_layers=m.tiny_layers, tie_word_embeddings=m.tiny_tie_embeddings, seed=m.seed)  # fmt: skip
         if not self.redis_url:
-            from buffer.server import ensure_redis
+            from asyncrl.buffer.server import ensure_redis
 
             self.redis_url, self.redis = ensure_redis(self.run_dir, fsync=self.cfg.launch.redis_appendfsync)
             self._say("launcher", f"embedded Redis at {self.redis_url}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from buffer.server import free_port
-from services.common.serving import ThreadServer, serve_app_in_thread
+from asyncrl.buffer.server import free_port
+from asyncrl.services.runtime.serving import ThreadServer, serve_app_in_thread
 
 __all__ = ["RunningEngine", "free_port", "serve_in_thread"]
 
@@ -26,9 +26,9 @@ def serve_in_thread(model: str, *, tokenless_control: bool = True, **overrides) 
     tests that drive control endpoints directly: without an `api_token` (override or env) its
     control endpoints stay open (`tokenless_control`; pass False for the production behaviour),
     and `weights_root` is "/" (any absolute path, symlinks resolved) unless overridden."""
-    from services.engine.app import build_app
-    from services.engine.config import EngineSettings
-    from services.engine.engine import InferenceEngine
+    from asyncrl.services.engine.app import build_app
+    from asyncrl.services.engine.config import EngineSettings
+    from asyncrl.services.engine.engine import InferenceEngine
 
     overrides.setdefault("weights_root", "/")
     settings = EngineSettings(

@@ -26,8 +26,8 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from proto.states import GroupState, JobState
-from services.common.heap import freeze_startup_heap
+from asyncrl.proto.states import GroupState, JobState
+from asyncrl.services.runtime.heap import freeze_startup_heap
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
@@ -35,7 +35,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 class DemoSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task: Literal["reverse", "math", "secret"] = Field(
-        "reverse", description="what to train on (services/tasks.py; secret: a tool-use episode, configs/demo-tools.toml)"
+        "reverse", description="what to train on (services/ops/tasks.py; secret: a tool-use episode, configs/demo-tools.toml)"
     )
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=2)
@@ -47,7 +47,7 @@ class DemoSection(BaseModel):
     max_new_tokens: int = Field(256, ge=1, description="math: answer budget (EOS-terminated)")
     temperature: float = Field(1.0, gt=0, description="math: sampling temperature of training rollouts")
     word_fraction: float = Field(0.4, ge=0, le=1, description="math: share of word problems")
-    level: Literal["easy", "hard"] = Field("easy", description="math: difficulty (services/tasks.py LEVELS)")
+    level: Literal["easy", "hard"] = Field("easy", description="math: difficulty (services/ops/tasks.py LEVELS)")
     eval_size: int = Field(200, ge=0, description="math: held-out problems (0: no evaluation)")
     eval_seed: int = Field(1234, description="math: seed of the held-out set (fixed across runs)")
     eval_every: int = Field(10, ge=0, description="math: evaluate at version 0 and every this many versions "
@@ -268,8 +268,8 @@ class Evals:
 
 
 def make_prompts(n: int, cfg: DemoSection, rng: random.Random) -> list[dict]:
-    """`n` training prompts of the demo's task (services/tasks.py)."""
-    from services.tasks import reverse_prompts
+    """`n` training prompts of the demo's task (services/ops/tasks.py)."""
+    from asyncrl.services.ops.tasks import reverse_prompts
 
     if cfg.task == "math":
         return math_task(cfg).train_prompts(n, rng)
@@ -291,7 +291,7 @@ def episode(cfg: DemoSection) -> dict:
 
 
 def math_task(cfg: DemoSection):
-    from services.tasks import MathTask
+    from asyncrl.services.ops.tasks import MathTask
 
     return MathTask(eval_seed=cfg.eval_seed, eval_size=cfg.eval_size, word_fraction=cfg.word_fraction, level=cfg.level)
 
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-staleness", type=int, help="η (0 = synchronous)")
     args = parser.parse_args(argv)
 
-    from services.launcher import Launcher, UpConfig, stop_on_first_signal
+    from asyncrl.services.ops.launcher import Launcher, UpConfig, stop_on_first_signal
 
     raw = tomllib.loads(args.config.read_text())
     demo = DemoSection.model_validate(raw.get("demo", {}))
