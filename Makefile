@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TEST_TIERS := test-unit test-static test-integration test-security test-e2e
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test $(TEST_TIERS) lint bench clean model-smollm2 demo-real compose-ci
+.PHONY: install system-packages demo test $(TEST_TIERS) lint bench clean model-smollm2 demo-real compose-ci
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,17 +35,25 @@ model-smollm2: $(SMOLLM2)/model.safetensors
 demo-real: $(SMOLLM2)/model.safetensors
 	$(BIN)/asyncrl demo --config configs/smollm2-math.toml $(ARGS)
 
-test: $(STAMP)
+# The Debian packages the tests need (redis-server, bubblewrap, util-linux, docker-compose,
+# prometheus for promtool), installed on first use when missing: apt-get as root or with
+# password-less sudo; otherwise it stops and prints the one command to run. The list is
+# deploy/ci/system-packages.txt, the same one .ci/run's stages use.
+system-packages:
+	deploy/ci/system-packages.sh test
+
+test: $(STAMP) system-packages
 	$(BIN)/python -m pytest -q -ra tests
 
 # `docker compose --profile cpu up` for real on a CI machine (root, no registry, no dockerd
 # running): its own dockerd, base images from Debian packages, the stack up, trained, killed
 # and restarted, torn down; the machine is left as found. See deploy/ci/compose-up.sh.
 compose-ci:
+	deploy/ci/system-packages.sh compose
 	deploy/ci/compose-up.sh
 
 # One tier of tests/ (what each may do: tests/README.md); `make test-unit` is the fast one.
-$(TEST_TIERS): test-%: $(STAMP)
+$(TEST_TIERS): test-%: $(STAMP) system-packages
 	$(BIN)/python -m pytest -q -ra tests/$*
 
 lint: $(STAMP)

@@ -3,7 +3,7 @@
 # (`make compose-ci`; a stage of .ci/run). Needs root, Debian bookworm's apt sources, and
 # no other dockerd running. What it does:
 #
-#   1. installs docker.io and debootstrap if missing; starts its own dockerd in the background
+#   1. installs docker.io, debootstrap and iptables if missing (deploy/ci/system-packages.sh); starts its own dockerd in the background
 #      (data, exec root, pid file and socket under $WORK; Docker's defaults otherwise:
 #      overlay2, iptables, the default bridge, DNS between containers);
 #   2. makes the base images the compose file names from Debian packages, since none can be
@@ -129,16 +129,8 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # --- 1. packages and the daemon ----------------------------------------------------------------
-need=()
-command -v dockerd >/dev/null || need+=(docker.io)
-command -v debootstrap >/dev/null || need+=(debootstrap)
-command -v iptables-save >/dev/null || need+=(iptables)
-if [ ${#need[@]} -gt 0 ]; then
-    log "apt-get install ${need[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-fi
+# docker.io, debootstrap, iptables: deploy/ci/system-packages.txt's `compose` group
+"$ROOT/deploy/ci/system-packages.sh" compose
 
 mkdir -p "$WORK"/{data,exec,docker-config/cli-plugins,ctx,index}
 save_network
