@@ -7,19 +7,16 @@ reward image installs only `asyncrl[reward]`: `test_service_extra` is what keeps
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import re
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
+from source_tree import FOLDERS, NAMESPACE, ROOT, imports, source_of
 
 from asyncrl.services.reward.verifiers import BUILTIN
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("proto", "buffer", "trainer", "services")
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # Each service's entry modules (what `asyncrl <command>` imports, the modules it imports by name
@@ -68,45 +65,6 @@ def declared(extras: list[str]) -> set[str]:
     return names
 
 
-def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-
-
-def source_of(module: str) -> Path | None:
-    path = ROOT / Path(*module.split("."))
-    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def imports(path: Path) -> set[str]:
-    """Absolute names of every module `path` imports (`from a import b` gives a and a.b)."""
-    tree = ast.parse(path.read_text())
-    skipped = {
-        id(sub)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for stmt in node.body
-        for sub in ast.walk(stmt)
-    }
-    module = module_name(path)
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    names = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
-            names.add(base)
-            names |= {f"{base}.{alias.name}" for alias in node.names}
-    return names
-
-
 def third_party(names: set[str], local: set[str]) -> set[str]:
     tops = {name.split(".")[0] for name in names}
     return {top for top in tops if top not in local | set(sys.stdlib_module_names) | {"__future__"}}
@@ -124,8 +82,8 @@ def closure(entries: list[str]) -> set[str]:
         parts = module.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # importing a.b runs a first
         names = imports(path)
-        todo += [name for name in names if name.split(".")[0] in PACKAGES]
-        found |= third_party(names, set(PACKAGES))
+        todo += [name for name in names if name.split(".")[0] == NAMESPACE]
+        found |= third_party(names, {NAMESPACE})
     return found
 
 
@@ -138,19 +96,19 @@ def distributions(modules: set[str]) -> set[str]:
 def imported_by(*dirs: str) -> set[str]:
     """Distributions imported anywhere under `dirs`, their own modules (tests' helpers) aside."""
     files = [path for d in dirs for path in (ROOT / d).rglob("*.py")]
-    local = {path.stem for path in files} | set(PACKAGES) | {"tests", "benchmarks", "deploy"}
+    local = {path.stem for path in files} | {NAMESPACE, "tests", "benchmarks", "deploy"}
     return distributions(set().union(*(third_party(imports(path), local) for path in files)))
 
 
 def test_every_import_is_declared():
-    undeclared = imported_by(*PACKAGES, "tests", "benchmarks", "deploy") - declared(
+    undeclared = imported_by(*FOLDERS, "tests", "benchmarks", "deploy") - declared(
         list(PROJECT["optional-dependencies"])
     )
     assert not undeclared, f"imported but not declared in pyproject.toml: {sorted(undeclared)}"
 
 
 def test_every_core_dependency_is_imported():
-    unused = declared([]) - imported_by(*PACKAGES) - PLUGINS
+    unused = declared([]) - imported_by(*FOLDERS) - PLUGINS
     assert not unused, f"core dependencies that no module of the package imports: {sorted(unused)}"
 
 

@@ -1,0 +1,142 @@
+"""The layers of the tree, and the names it installs.
+
+proto ← shared runtime ← buffer ← transport ← processes ← operator tools: a module imports only
+from its own layer and the layers below it, and no process imports another process's code
+(docs/architecture.md §2, CONTRIBUTING.md). Imports are read from the source, lazy ones and
+those under `if TYPE_CHECKING` included: a design dependency is one whether or not it runs.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from source_tree import (
+    FOLDERS,
+    NAMESPACE,
+    PACKAGE_DIRS,
+    ROOT,
+    SETUPTOOLS,
+    imports,
+    module_name,
+    source_files,
+    source_of,
+)
+
+# (prefix, layer, process): the longest prefix names a module's place.
+PLACES = [
+    ("asyncrl.proto", 0, None),
+    ("asyncrl.services.runtime", 1, None),
+    ("asyncrl.buffer", 2, None),
+    ("asyncrl.services.transport", 3, None),
+    ("asyncrl.trainer", 4, "trainer"),
+    ("asyncrl.services.engine", 4, "engine"),
+    ("asyncrl.services.rollout", 4, "rollout"),
+    ("asyncrl.services.reward", 4, "reward"),
+    ("asyncrl.services.ops", 5, None),
+    ("asyncrl.services", 0, None),  # the package's own __init__: empty
+]
+LAYER_NAMES = ["proto", "shared runtime", "buffer", "transport", "a process", "operator tools"]
+
+# Imports that break the layers today, each to be removed with its fix (the test also fails on
+# an entry here that no longer happens, so the list cannot go stale).
+KNOWN = {
+    ("asyncrl.trainer.weights", "asyncrl.services.engine.weight_sync"),
+    ("asyncrl.services.rollout.config", "asyncrl.services.reward.verifiers"),
+    ("asyncrl.services.rollout.intake", "asyncrl.services.reward.verifiers"),
+    ("asyncrl.services.rollout.reward_client", "asyncrl.services.reward.scoring"),
+    ("asyncrl.services.rollout.reward_client", "asyncrl.services.reward.verifiers"),
+    ("asyncrl.services.rollout.reward_client", "asyncrl.services.reward.verifiers.base"),
+}
+
+
+def place(module: str) -> tuple[int, str | None]:
+    for prefix, layer, process in PLACES:
+        if module == prefix or module.startswith(prefix + "."):
+            return layer, process
+    raise AssertionError(f"{module} has no place in the layers: add its folder to PLACES")
+
+
+def own_modules(names: set[str]) -> set[str]:
+    """The project's modules among imported names (`from a import b` also gives a.b, which is
+    only a module if a file says so: a name inside a module counts as its module)."""
+    found = set()
+    for name in names:
+        if name != NAMESPACE and not name.startswith(NAMESPACE + "."):
+            continue
+        parts = name.split(".")
+        while parts and source_of(".".join(parts)) is None:
+            parts.pop()
+        if parts:
+            found.add(".".join(parts))
+    return found
+
+
+def violations() -> set[tuple[str, str]]:
+    broken = set()
+    for path in source_files():
+        module = module_name(path)
+        layer, process = place(module)
+        for target in own_modules(imports(path, type_checking=True)):
+            target_layer, target_process = place(target)
+            if target_layer > layer or (process and target_process and target_process != process):
+                broken.add((module, target))
+    return broken
+
+
+def test_no_module_imports_a_higher_layer_or_another_process():
+    found = violations()
+    new = sorted(found - KNOWN)
+    assert not new, "imports that break the layers:\n" + "\n".join(
+        f"  {a} ({LAYER_NAMES[place(a)[0]]}) imports {b} ({LAYER_NAMES[place(b)[0]]})" for a, b in new
+    )
+    fixed = sorted(KNOWN - found)
+    assert not fixed, f"fixed, remove from KNOWN: {fixed}"
+
+
+def test_the_layer_rule_catches_a_reversed_import():
+    """The check itself: a proto module importing the buffer, or one process another's code,
+    is reported."""
+    assert place("asyncrl.proto.records")[0] < place("asyncrl.buffer.groups")[0]
+    assert place("asyncrl.services.rollout.app")[1] != place("asyncrl.services.reward.app")[1]
+    assert own_modules({"asyncrl.services.reward.verifiers.BUILTIN", "numpy"}) == {
+        "asyncrl.services.reward.verifiers"
+    }
+
+
+BARE = set(FOLDERS)  # proto, buffer, trainer, services: installed only as asyncrl.*
+
+
+def test_nothing_imports_a_bare_top_level_name():
+    """Everywhere in the repository (product code, tests, benchmarks, deploy), the packages are
+    imported by their installed names, never by folder (a bare `import trainer` would find
+    another distribution's `trainer`, or the folder only when run from the root)."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0].startswith(".") or rel.parts[0] in {"runs", "build"}:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            found += [f"{rel}:{node.lineno}: {name}" for name in names if name.split(".")[0] in BARE]
+    assert not found, "bare imports (use asyncrl.…):\n" + "\n".join(found)
+
+
+def test_the_installed_packages_are_the_tree():
+    """pyproject lists every package folder of the tree under `asyncrl` (a folder left out would
+    be missing from the wheel), and nothing else."""
+    listed = set(SETUPTOOLS["packages"])
+    tree = {module_name(init) for folder in PACKAGE_DIRS.values() for init in folder.rglob("__init__.py")}
+    assert listed == tree, (
+        f"in pyproject only: {sorted(listed - tree)}; in the tree only: {sorted(tree - listed)}"
+    )
+    assert all(name.split(".")[0] == NAMESPACE for name in listed)
+    loose = sorted(
+        str(path.parent.relative_to(ROOT))
+        for path in source_files()
+        if not (path.parent / "__init__.py").is_file()
+    )
+    assert not loose, f"folders with modules but no __init__.py (not installed): {sorted(set(loose))}"
