@@ -56,8 +56,10 @@ compose-ci:
 $(TEST_TIERS): test-%: $(STAMP) system-packages
 	$(BIN)/python -m pytest -q -ra tests/$*
 
+# ruff's lint rules and its formatter over the whole tree (.ci/run runs this first).
 lint: $(STAMP)
-	$(BIN)/ruff check proto buffer trainer services tests benchmarks deploy
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/buffer_throughput.py

@@ -31,7 +31,9 @@ def run_demo(eta: int, seed: int, time_limit: float, run_dir: Path) -> dict:
     # throughput over the steady window: from the first trained version to the last
     first, last = rows[0], rows[-1]
     steps = last["version"] - first["version"]
-    summary["samples_per_s"] = steps * summary["samples_per_step"] / (last["t"] - first["t"]) if steps else 0.0
+    summary["samples_per_s"] = (
+        steps * summary["samples_per_step"] / (last["t"] - first["t"]) if steps else 0.0
+    )
     summary["step_s"] = (last["t"] - first["t"]) / steps if steps else float("nan")
     return summary
 
@@ -40,7 +42,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-limit", type=float, default=300)
-    ap.add_argument("--eta", type=int, default=tomllib.loads((REPO / "configs" / "demo.toml").read_text())["trainer"]["max_staleness"])
+    ap.add_argument(
+        "--eta",
+        type=int,
+        default=tomllib.loads((REPO / "configs" / "demo.toml").read_text())["trainer"]["max_staleness"],
+    )
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench-async-vs-sync")
     args = ap.parse_args()
 
@@ -55,15 +61,19 @@ def main() -> int:
     def fmt(x, spec=".2f"):
         return "-" if x is None else format(x, spec)
 
-    print(f"demo workload, seed {args.seed}, time limit {args.time_limit:.0f} s; sync G = {g:.3f} s, T = {t:.3f} s per step")
+    print(
+        f"demo workload, seed {args.seed}, time limit {args.time_limit:.0f} s; sync G = {g:.3f} s, T = {t:.3f} s per step"
+    )
     print("| run | steps | samples/s | engine busy | trainer idle | time to 0.9 | final reward |")
     print("|---|---|---|---|---|---|---|")
     for name, s in (("sync (η=0)", sync), (f"async (η={args.eta})", asyn)):
         ttt = f"{s['time_to_target_s']:.0f} s" if s["time_to_target_s"] else "not reached"
         print(f"| {name} | {s['steps']} | {s['samples_per_s']:.0f} | {fmt(s['engine_busy_ratio'])} | "
               f"{fmt(s['trainer_idle_ratio'])} | {ttt} | {s['final_reward']:.3f} |")  # fmt: skip
-    print(f"\nasync/sync throughput ratio {ratio:.2f}; ideal overlap bound (G+T)/max(G,T) = {bound:.2f}; "
-          f"async reaches {ratio / bound:.0%} of the bound (target >= 90%)")
+    print(
+        f"\nasync/sync throughput ratio {ratio:.2f}; ideal overlap bound (G+T)/max(G,T) = {bound:.2f}; "
+        f"async reaches {ratio / bound:.0%} of the bound (target >= 90%)"
+    )
     return 0
 
 

@@ -506,11 +506,12 @@ def prepare_weights_root(tmp: Path, model_dir: Path) -> Path:
 
 def start_reward(stack: contextlib.ExitStack) -> tuple[str, bool]:
     """The reward service (1 MB body cap) with `code` when bubblewrap works here, else without."""
-    from asyncrl.services.runtime.serving import serve_app_in_thread
     from engine_server import free_port
+
     from asyncrl.services.reward.app import build_app
     from asyncrl.services.reward.config import RewardSettings
     from asyncrl.services.reward.sandbox import SandboxUnavailable
+    from asyncrl.services.runtime.serving import serve_app_in_thread
 
     code_enabled = shutil.which("bwrap") is not None
     common = {"max_body_bytes": REWARD_MAX_BODY, "math_workers": 1, "code_concurrency": 2}
@@ -527,11 +528,11 @@ def start_reward(stack: contextlib.ExitStack) -> tuple[str, bool]:
 
 def start_services(tmp: Path, stack: contextlib.ExitStack) -> tuple[dict[str, str], Setup]:
     import torch
+    from engine_server import serve_in_thread as serve_engine
+    from rollout_server import serve_in_thread as serve_rollout
 
     from asyncrl.buffer.server import RedisServer
     from asyncrl.services.ops.tinymodel import build_tiny_model
-    from engine_server import serve_in_thread as serve_engine
-    from rollout_server import serve_in_thread as serve_rollout
 
     torch.set_num_threads(1)
     model_dir = tmp / "model"

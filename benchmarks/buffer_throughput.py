@@ -45,11 +45,14 @@ def make_groups(n: int) -> list[Group]:
     for g in range(n):
         samples = [
             Sample(
-                prompt_id=f"p{g}", index=i,
+                prompt_id=f"p{g}",
+                index=i,
                 completion_ids=rng.integers(0, 150_000, TOKENS, dtype=np.int32),
                 behavior_logprobs=-rng.random(TOKENS, dtype=np.float32),
                 versions=np.full(TOKENS, 3, dtype=np.int32),
-                finish_reason="length", reward=1.0, reward_status=RewardStatus.scored,
+                finish_reason="length",
+                reward=1.0,
+                reward_status=RewardStatus.scored,
             )
             for i in range(SAMPLES)
         ]
@@ -207,7 +210,9 @@ def codec_removed(groups: list[Group], payloads: list[bytes]):
     by_head = {bytes(p[:1024]): g for g, p in zip(groups, payloads)}
     real_encode, real_decode = part.encode, part.decode
     part.encode = lambda record: by_group[id(record)]
-    part.decode = lambda data, cls=None: by_head[bytes(data[:1024])] if cls is Group else real_decode(data, cls)
+    part.decode = lambda data, cls=None: (
+        by_head[bytes(data[:1024])] if cls is Group else real_decode(data, cls)
+    )
     try:
         yield
     finally:
@@ -243,8 +248,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16, help="groups per take / per raw pipeline")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mode", choices=("sequential", "processes", "both"), default="both")
-    ap.add_argument("--codec-removed", action="store_true",
-                    help="also run the sequential buffer path with encode/decode replaced by lookups (diagnostic)")
+    ap.add_argument(
+        "--codec-removed",
+        action="store_true",
+        help="also run the sequential buffer path with encode/decode replaced by lookups (diagnostic)",
+    )
     args = ap.parse_args()
 
     # The buffer tunes glibc's allocator for large payloads on first use (buffer/alloc.py); apply it
@@ -261,18 +269,27 @@ def main() -> int:
         try:
             for rep in range(-1, args.repeats):  # interleaved, so drift hits both alike; round -1 warms up
                 if args.mode in ("sequential", "both"):
-                    runs.setdefault("raw", []).append(timed(server.url, run_raw, f"raw{rep}", payloads, args.batch))
+                    runs.setdefault("raw", []).append(
+                        timed(server.url, run_raw, f"raw{rep}", payloads, args.batch)
+                    )
                     runs.setdefault("buf", []).append(
-                        timed(server.url, run_buffer, f"buf{rep}", groups, args.batch, True))
+                        timed(server.url, run_buffer, f"buf{rep}", groups, args.batch, True)
+                    )
                     if args.codec_removed:
                         with codec_removed(groups, payloads):
                             runs.setdefault("nocodec", []).append(
-                                timed(server.url, run_buffer, f"nocodec{rep}", groups, args.batch, True))
+                                timed(server.url, run_buffer, f"nocodec{rep}", groups, args.batch, True)
+                            )
                     runs.setdefault("one", []).append(
-                        timed(server.url, run_buffer, f"one{rep}", groups, args.batch, False))
+                        timed(server.url, run_buffer, f"one{rep}", groups, args.batch, False)
+                    )
                 if args.mode in ("processes", "both"):
-                    runs.setdefault("praw", []).append(run_processes(server.url, f"praw{rep}", "raw", n, args.batch))
-                    runs.setdefault("pbuf", []).append(run_processes(server.url, f"pbuf{rep}", "buf", n, args.batch))
+                    runs.setdefault("praw", []).append(
+                        run_processes(server.url, f"praw{rep}", "raw", n, args.batch)
+                    )
+                    runs.setdefault("pbuf", []).append(
+                        run_processes(server.url, f"pbuf{rep}", "buf", n, args.batch)
+                    )
                 if rep < 0:
                     runs.clear()
             fetch = fetch_seconds(server.url, payloads, args.batch, args.repeats)
@@ -297,7 +314,9 @@ def main() -> int:
             print(f"| {arrangement} | {label} | {n / wall:,.0f} | {mb / wall:,.0f} | {client / n * 1e6:,.0f} | "
                   f"{srv / n * 1e6:,.0f} |")  # fmt: skip
     parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "pure Python"
-    print(f"| diagnostic | payload fetch alone, redis-py MGET ({parser} parser) | {n / fetch:,.0f} | {mb / fetch:,.0f} | | |")
+    print(
+        f"| diagnostic | payload fetch alone, redis-py MGET ({parser} parser) | {n / fetch:,.0f} | {mb / fetch:,.0f} | | |"
+    )
     print()
     for key, raw, label in (("buf", "raw", "sequential, put in batches"), ("one", "raw", "sequential, put one by one"),
                             ("nocodec", "raw", "sequential, put in batches, codec removed"),

@@ -121,7 +121,6 @@ _RUNNER = None
 
 def start_engine(model_dir: str, max_running: int, *extra: str) -> tuple[subprocess.Popen, str]:
     import httpx
-
     from engine_server import free_port
 
     port = free_port()

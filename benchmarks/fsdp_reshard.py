@@ -41,11 +41,11 @@ def worker(rank: int, port: int, model_dir: str, vocab: int, steps: int, out: st
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from benchmarks.trainer_memory import make_groups
     from asyncrl.trainer.batch import build_rows, micro_batches
     from asyncrl.trainer.losses import LossConfig
     from asyncrl.trainer.model import _decoder_layers, build_model, init_distributed
     from asyncrl.trainer.step import StepConfig, policy_step
+    from benchmarks.trainer_memory import make_groups
 
     gathered = [0]
     all_gather = dist.all_gather_single
@@ -81,8 +81,8 @@ def worker(rank: int, port: int, model_dir: str, vocab: int, steps: int, out: st
 
 
 def main() -> int:
-    from benchmarks.trainer_memory import SHAPE, VOCAB, build_model_dir
     from asyncrl.buffer.server import free_port
+    from benchmarks.trainer_memory import SHAPE, VOCAB, build_model_dir
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6, help="timed steps per policy")
@@ -111,7 +111,9 @@ def main() -> int:
                           "all_gathered_MiB_per_step": round(statistics.median(f["gathered_bytes"]) / 2**20, 1)}  # fmt: skip
     base, new = result["reshard_all"], result["keep_backward_start"]
     result["step_time_ratio"] = round(new["step_ms"] / base["step_ms"], 3)
-    result["all_gathered_ratio"] = round(new["all_gathered_MiB_per_step"] / max(base["all_gathered_MiB_per_step"], 1e-9), 3)
+    result["all_gathered_ratio"] = round(
+        new["all_gathered_MiB_per_step"] / max(base["all_gathered_MiB_per_step"], 1e-9), 3
+    )
     print(json.dumps(result, indent=1))
     return 0
 

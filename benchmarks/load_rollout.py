@@ -36,10 +36,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rollout_server import start_process, start_reward_service
+
 from asyncrl.buffer import AdmissionControl, Buffer, Jobs
 from asyncrl.buffer.server import RedisServer, free_port
 from asyncrl.services.ops.tinymodel import build_tiny_model
-from rollout_server import start_process, start_reward_service
 
 
 @dataclass
@@ -64,7 +65,9 @@ class RateResult:
             "offered_jobs_per_s": self.offered,
             "answered": answered,
             "wall_s": round(self.wall_s, 1),
-            "achieved_jobs_per_s": round(answered / max(self.wall_s, 1e-9), 1),  # what the service kept up with
+            "achieved_jobs_per_s": round(
+                answered / max(self.wall_s, 1e-9), 1
+            ),  # what the service kept up with
             "accepted": self.statuses.get(202, 0),
             "p50_ms": round(q(0.50), 1),
             "p99_ms": round(q(0.99), 1),
@@ -96,7 +99,10 @@ print(worst)
 def body(i: int, prompts: int, tag: str) -> dict:
     letters = "abcdefghij"
     return {
-        "prompts": [{"text": "".join(letters[(i * 7 + k * 3 + j) % 10] for j in range(4)) + ">"} for k in range(prompts)],
+        "prompts": [
+            {"text": "".join(letters[(i * 7 + k * 3 + j) % 10] for j in range(4)) + ">"}
+            for k in range(prompts)
+        ],
         "group_size": 4,
         "reward_spec": {"verifier": "reverse"},
         "sampling_params": {"max_new_tokens": 8, "temperature": 1.0},
@@ -104,10 +110,13 @@ def body(i: int, prompts: int, tag: str) -> dict:
     }
 
 
-async def run_rate(url: str, rate: float, seconds: float, prompts: int, tag: str, timeout_s: float) -> RateResult:
+async def run_rate(
+    url: str, rate: float, seconds: float, prompts: int, tag: str, timeout_s: float
+) -> RateResult:
     res = RateResult(offered=rate, seconds=seconds)
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+
         async def one(i: int, due: float) -> None:
             await asyncio.sleep(max(due - time.perf_counter(), 0))
             try:
@@ -189,7 +198,12 @@ def main() -> None:
     # 503 + Retry-After is the service shedding load on purpose (InflightLimit); any other 5xx fails
     fives = sum(c for r in results for s, c in r.statuses.items() if s >= 500 and s != 503)
     shed = sum(r.statuses.get(503, 0) for r in results)
-    summary = {"rates": [r.row() for r in results], "accounting": acc, "5xx_not_shed": fives, "shed_503": shed}
+    summary = {
+        "rates": [r.row() for r in results],
+        "accounting": acc,
+        "5xx_not_shed": fives,
+        "shed_503": shed,
+    }
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
     if fives or not acc["exact"]:

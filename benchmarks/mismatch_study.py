@@ -57,7 +57,12 @@ sys.path.insert(0, str(ROOT))
 
 BASE = ROOT / "configs" / "demo.toml"
 CORRECTIONS = ("none", "tis", "icepop", "token_mask", "seq_tis", "geo_mask")
-STUDY_CORRECTIONS = ("none", "tis", "icepop", "geo_mask")  # one of each family: truncated, token mask, sequence mask
+STUDY_CORRECTIONS = (
+    "none",
+    "tis",
+    "icepop",
+    "geo_mask",
+)  # one of each family: truncated, token mask, sequence mask
 COLLAPSE_ENTROPY = 0.05
 STEP_MARK = 200  # the reward at this step too: every η ≥ 1 run gets there within the budget
 CELL = ("slice", "eta", "mismatch", "correction", "bypass", "prefill")  # what names a cell
@@ -65,6 +70,8 @@ CELL = ("slice", "eta", "mismatch", "correction", "bypass", "prefill")  # what n
 
 def cell_key(row: dict) -> tuple:
     return tuple(row.get(k, False) for k in CELL)  # (rows from before `prefill` existed: False)
+
+
 TARGET = 0.9
 
 
@@ -83,7 +90,9 @@ def cells(slices: list[str], corrections: list[str], noise: float, full: bool = 
     once the buffer holds η·B groups (`[trainer] prefill_groups`): the lag a generation-rich
     deployment has from its first step."""
 
-    def cell(slice_: str, eta: int, mismatch: str, correction: str, bypass: bool = False, prefill: bool = False) -> dict:
+    def cell(
+        slice_: str, eta: int, mismatch: str, correction: str, bypass: bool = False, prefill: bool = False
+    ) -> dict:
         return {"slice": slice_, "eta": eta, "mismatch": mismatch, "correction": correction, "bypass": bypass,
                 "prefill": prefill}  # fmt: skip
 
@@ -93,9 +102,13 @@ def cells(slices: list[str], corrections: list[str], noise: float, full: bool = 
             out += [cell("lag", eta, "fp32", c) for eta, c in itertools.product((0, 2, 8, 32), corrections)]
             out += [cell("lag", 32, "fp32", c, prefill=True) for c in corrections]
         if "mismatch" in slices:
-            out += [cell("mismatch", 2, m, c) for m, c in itertools.product(("fp32", "bf16", noisy), corrections)]
+            out += [
+                cell("mismatch", 2, m, c) for m, c in itertools.product(("fp32", "bf16", noisy), corrections)
+            ]
         if "pi_old" in slices:
-            out += [cell("pi_old", 8, noisy, c, b) for b, c in itertools.product((True, False), ("none", "tis"))]
+            out += [
+                cell("pi_old", 8, noisy, c, b) for b, c in itertools.product((True, False), ("none", "tis"))
+            ]
         return out
     few = [c for c in ("none", "tis") if c in corrections]
     if "lag" in slices:
@@ -105,7 +118,9 @@ def cells(slices: list[str], corrections: list[str], noise: float, full: bool = 
     if "mismatch" in slices:
         out += [cell("mismatch", 2, "bf16", c) for c in few]
         out += [cell("mismatch", 2, noisy, c) for c in corrections]
-        out += [cell("mismatch", 2, "fp32", c) for c in few]  # the control (the same runs as lag η = 2, next to these)
+        out += [
+            cell("mismatch", 2, "fp32", c) for c in few
+        ]  # the control (the same runs as lag η = 2, next to these)
     if "pi_old" in slices:
         out += [cell("pi_old", 8, noisy, c) for c in few]
         out += [cell("pi_old", 8, noisy, corrections[0], bypass=True)]
@@ -139,7 +154,9 @@ def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
     subprocess.run([str(ROOT / ".venv" / "bin" / "asyncrl"), "demo", "--config", str(config), "--run-dir", str(run_dir),
                     "--max-staleness", str(cell["eta"])], cwd=ROOT, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, check=False)  # fmt: skip
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    summary = (
+        json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    )
     clean = clean_eval(run_dir, seed=seed)
     steps = trainer_steps(run_dir / "logs" / "trainer.log")
     last = steps[-5:] or [{}]
@@ -149,7 +166,9 @@ def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
         return statistics.fmean(values) if values else None
 
     final_reward = statistics.fmean(s.get("reward_mean", 0.0) for s in last) if steps else None
-    mark = steps[STEP_MARK - 5 : STEP_MARK] if len(steps) >= STEP_MARK else []  # (the machine's speed left out)
+    mark = (
+        steps[STEP_MARK - 5 : STEP_MARK] if len(steps) >= STEP_MARK else []
+    )  # (the machine's speed left out)
     final_entropy = statistics.fmean(s.get("entropy", 0.0) for s in last) if steps else None
     return {**cell, "seed": seed, "wall_s": round(time.time() - t0, 1), "steps": len(steps),
             "time_to_target_s": summary.get("time_to_target_s"), "final_reward": final_reward,
@@ -204,7 +223,9 @@ def clean_eval(run_dir: Path, samples: int = 8, seed: int = 0) -> dict:
     n = prompts.shape[1]
     rewards = [reverse_reward(words[i // samples][::-1], tok.decode(row[n:], skip_special_tokens=False))[0]
                for i, row in enumerate(ids.tolist())]  # fmt: skip
-    exact = [tok.decode(row[n:], skip_special_tokens=False) == w[::-1] for w, row in zip(words, greedy.tolist())]
+    exact = [
+        tok.decode(row[n:], skip_special_tokens=False) == w[::-1] for w, row in zip(words, greedy.tolist())
+    ]
     return {"clean_reward": statistics.fmean(rewards), "greedy_accuracy": statistics.fmean(exact),
             "eval_version": published[-1].name}  # fmt: skip
 
@@ -307,9 +328,13 @@ def figure(rows: list[dict], out: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--slices", nargs="+", default=["lag", "mismatch", "pi_old"], choices=["lag", "mismatch", "pi_old"])
+    ap.add_argument(
+        "--slices", nargs="+", default=["lag", "mismatch", "pi_old"], choices=["lag", "mismatch", "pi_old"]
+    )
     ap.add_argument("--corrections", nargs="+", default=list(STUDY_CORRECTIONS), choices=list(CORRECTIONS))
-    ap.add_argument("--full", action="store_true", help="every slice x every correction (46 cells with all six)")
+    ap.add_argument(
+        "--full", action="store_true", help="every slice x every correction (46 cells with all six)"
+    )
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--budget", type=float, default=60, help="seconds of training per run")
     ap.add_argument("--noise", type=float, default=1.0, help="std of the injected logit noise")

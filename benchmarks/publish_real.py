@@ -83,7 +83,6 @@ def load_state(model_dir: str) -> dict:
 
 def start_engine_process(model_dir: str, weights_root: str) -> tuple[subprocess.Popen, str]:
     import httpx
-
     from engine_server import free_port
 
     port = free_port()
@@ -238,8 +237,14 @@ def main(argv=None) -> int:
             else:
                 from engine_server import serve_in_thread
 
-                running = serve_in_thread(args.model, device="cpu", dtype="float32", log_level="warning",
-                                          api_token=ENGINE_TOKEN, weights_root=str(root))
+                running = serve_in_thread(
+                    args.model,
+                    device="cpu",
+                    dtype="float32",
+                    log_level="warning",
+                    api_token=ENGINE_TOKEN,
+                    weights_root=str(root),
+                )
                 threads.append(running)
                 url = running.url
             urls.append(url)

@@ -34,7 +34,9 @@ def report(run: Path, gain: float) -> tuple[str, list[str]]:
     summary = json.loads((run / "summary.json").read_text())
     ev, st = evals(run), trainer_steps((run / "logs" / "trainer.log").read_text().splitlines())
     base = next((e["accuracy"] for e in ev if e["version"] == 0), None)
-    reached = next((e for e in ev if base is not None and e["version"] > 0 and e["accuracy"] - base >= gain - 1e-9), None)
+    reached = next(
+        (e for e in ev if base is not None and e["version"] > 0 and e["accuracy"] - base >= gain - 1e-9), None
+    )
     best = max(ev, key=lambda e: e["accuracy"]) if ev else None
     train = [s for s in st if s["version"] > 1]  # the first step waits for the first rollouts
     med = {k: statistics.median(s[k] for s in train) for k in (*PHASES, "step_s", "tokens")} if train else {}
@@ -46,7 +48,10 @@ def report(run: Path, gain: float) -> tuple[str, list[str]]:
            f"{best_gain} | {when} | {step_s} |")  # fmt: skip
     detail = [f"\n{run.name}: evaluations (greedy, {ev[0]['prompts'] if ev else 0} held-out problems)\n",
               "| version | wall time | accuracy | mean length | eval s |", "|---|---|---|---|---|"]  # fmt: skip
-    detail += [f"| {e['version']} | {e['t']:.0f} s | {e['accuracy']:.3f} | {e['mean_length']:.0f} | {e['eval_s']:.0f} |" for e in ev]
+    detail += [
+        f"| {e['version']} | {e['t']:.0f} s | {e['accuracy']:.3f} | {e['mean_length']:.0f} | {e['eval_s']:.0f} |"
+        for e in ev
+    ]
     if med:
         detail += [f"\n{run.name}: median step (versions 2..{st[-1]['version']}, {len(train)} steps): "
                    f"{med['step_s']:.1f} s for {med['tokens']:.0f} completion tokens; "
@@ -57,10 +62,14 @@ def report(run: Path, gain: float) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--gain", type=float, default=0.10, help="absolute accuracy gain to time (0.10 = 10 points)")
+    parser.add_argument(
+        "--gain", type=float, default=0.10, help="absolute accuracy gain to time (0.10 = 10 points)"
+    )
     args = parser.parse_args(argv)
-    print("| run | seed | steps | wall | base acc | best acc | last acc | best gain | "
-          f"+{args.gain * 100:.0f} pts reached at | median step |")
+    print(
+        "| run | seed | steps | wall | base acc | best acc | last acc | best gain | "
+        f"+{args.gain * 100:.0f} pts reached at | median step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     details = []
     for run in args.runs:

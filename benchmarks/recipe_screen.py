@@ -76,11 +76,15 @@ def main() -> int:
             for _ in range(args.len):
                 probs = torch.softmax(sampler(input_ids=seq).logits[:, -1].float(), -1)
                 seq = torch.cat([seq, torch.multinomial(probs, 1)], 1)
-            completion = seq[:, prompt.shape[1]:]
-            behavior = torch.log_softmax(sampler(input_ids=seq).logits[:, prompt.shape[1] - 1 : -1].float(), -1)
+            completion = seq[:, prompt.shape[1] :]
+            behavior = torch.log_softmax(
+                sampler(input_ids=seq).logits[:, prompt.shape[1] - 1 : -1].float(), -1
+            )
             behavior = behavior.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         texts = [tok.decode(c.tolist(), skip_special_tokens=False) for c in completion]
-        rewards = torch.tensor([reverse_reward(words[i // args.group][::-1], t)[0] for i, t in enumerate(texts)])
+        rewards = torch.tensor(
+            [reverse_reward(words[i // args.group][::-1], t)[0] for i, t in enumerate(texts)]
+        )
         adv = group_advantages(rewards.view(args.prompts, args.group), args.adv).reshape(-1, 1)
         logp = torch.log_softmax(model(input_ids=seq).logits[:, prompt.shape[1] - 1 : -1].float(), -1)
         lp = logp.gather(-1, completion.unsqueeze(-1)).squeeze(-1)

@@ -94,7 +94,9 @@ def med_ms(xs: list[float]) -> float:
 
 
 # ----------------------------------------------------------------------------- (a) generation
-def inproc_generation(model_dir: str, prompts: list[list[int]], group: int, steps: int, new_tokens: int) -> list[float]:
+def inproc_generation(
+    model_dir: str, prompts: list[list[int]], group: int, steps: int, new_tokens: int
+) -> list[float]:
     """Seconds per step: every sample of the step submitted to the engine's scheduler at once,
     `new_tokens` each (no stop token: the demo's answers are fixed-length, `ignore_eos`)."""
     from asyncrl.services.engine.model_runner import ModelRunner
@@ -290,7 +292,9 @@ def demo_groups(n_groups: int, group: int, prompt_len: int, vocab: range, seed: 
     return out
 
 
-def plain_step(model_dir: str, groups, steps: int, lr: float, entropy_coef: float, share_prompts: bool) -> list[float]:
+def plain_step(
+    model_dir: str, groups, steps: int, lr: float, entropy_coef: float, share_prompts: bool
+) -> list[float]:
     """Forward (with entropy), policy loss, backward, clip, AdamW: the work of a step, nothing
     else, on the layout the trainer uses (padded rows, or one row per prompt: `share_prompts`)."""
     from transformers import AutoModelForCausalLM
@@ -428,8 +432,10 @@ def main() -> int:
     OVERRIDES.extend(args.set)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    result: dict = {"machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
-                    "overrides": [f"{t}.{f}={v}" for t, f, v in OVERRIDES]}
+    result: dict = {
+        "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
+        "overrides": [f"{t}.{f}={v}" for t, f, v in OVERRIDES],
+    }
     with tempfile.TemporaryDirectory(prefix="stack-overhead-") as tmp:
         tmp = Path(tmp)
         from asyncrl.services.ops.tinymodel import build_tiny_model
@@ -468,9 +474,17 @@ def main() -> int:
         if not args.skip_trainer:
             trainer_cfg = tomllib.loads(DEMO_CONFIG.read_text())["trainer"]
             shared = trainer_cfg.get("share_prompts", False)
-            steps_by_layout = {layout: plain_step(str(base), demo_groups(32, 8, 3, range(3, 13), seed=2, bos=1),
-                                                  args.steps, trainer_cfg["lr"], trainer_cfg["entropy_coef"], layout)
-                               for layout in dict.fromkeys((shared, False))}  # (padded once when it is the layout)
+            steps_by_layout = {
+                layout: plain_step(
+                    str(base),
+                    demo_groups(32, 8, 3, range(3, 13), seed=2, bos=1),
+                    args.steps,
+                    trainer_cfg["lr"],
+                    trainer_cfg["entropy_coef"],
+                    layout,
+                )
+                for layout in dict.fromkeys((shared, False))
+            }  # (padded once when it is the layout)
             plain, padded = steps_by_layout[shared], steps_by_layout[False]
             alone = trainer_standalone(tmp / "trainer", str(base), args.steps + 3)[3:]
             result["trainer"] = {"share_prompts": shared, "plain_ms": med_ms(plain), "plain_padded_ms": med_ms(padded),

@@ -42,7 +42,9 @@ def run(seed: int, tools: bool, time_limit: float, tmp: Path, figures: Path | No
     summary = json.loads((run_dir / "summary.json").read_text())
     if figures is not None and (run_dir / "demo.png").exists():
         figures.mkdir(parents=True, exist_ok=True)
-        shutil.copy(run_dir / "demo.png", figures / f"tools-demo-seed{seed}-{'tool' if tools else 'no-tool'}.png")
+        shutil.copy(
+            run_dir / "demo.png", figures / f"tools-demo-seed{seed}-{'tool' if tools else 'no-tool'}.png"
+        )
     return {"seed": seed, "tools": tools, "time_to_0.9_s": summary.get("time_to_target_s"), "steps": summary["steps"],
             "wall_s": summary["wall_s"], "final_reward": summary["final_reward"]}  # fmt: skip
 
@@ -62,14 +64,20 @@ def main() -> int:
         for seed in args.baseline_seeds:
             rows.append(run(seed, False, args.time_limit, Path(tmp), args.figures))
             print(json.dumps(rows[-1]), flush=True)
-    reached = [r for r in rows if r["tools"] and r["time_to_0.9_s"] is not None and r["time_to_0.9_s"] <= args.time_limit]
+    reached = [
+        r
+        for r in rows
+        if r["tools"] and r["time_to_0.9_s"] is not None and r["time_to_0.9_s"] <= args.time_limit
+    ]
     out = {"machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end", "runs": rows,
            "with_tool_reached_0.9": f"{len(reached)} of {sum(r['tools'] for r in rows)}"}  # fmt: skip
     print(json.dumps(out, indent=2))
     print("\n| seed | tool | time to 0.9 | steps | final reward | wall |\n|---|---|---|---|---|---|")
     for r in rows:
         t = f"{r['time_to_0.9_s']:.0f} s" if r["time_to_0.9_s"] is not None else "not reached"
-        print(f"| {r['seed']} | {'yes' if r['tools'] else 'no'} | {t} | {r['steps']} | {r['final_reward']:.3f} | {r['wall_s']:.0f} s |")
+        print(
+            f"| {r['seed']} | {'yes' if r['tools'] else 'no'} | {t} | {r['steps']} | {r['final_reward']:.3f} | {r['wall_s']:.0f} s |"
+        )
     return 0
 
 

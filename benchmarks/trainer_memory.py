@@ -47,8 +47,14 @@ import numpy as np
 import torch
 
 VOCAB = 151_936
-SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 28, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 64}  # Qwen3-1.7B's depth and proportions, hidden 2048 → 256
+SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}  # Qwen3-1.7B's depth and proportions, hidden 2048 → 256
 VARIANTS = {
     "today": {"layout": "padded", "micro": 4, "chunk": 0, "ac": False, "legacy": True},
     "chunked": {"layout": "padded", "micro": 4, "chunk": 1024, "ac": False, "legacy": False},
@@ -96,9 +102,13 @@ def legacy_token_logprobs(model, batch, temperature=1.0, with_entropy=False, chu
     rows = torch.arange(n)[:, None]
     pos = batch.token_index - rows * width  # column of the position predicting token t
     first = int(pos[batch.present].min())
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=width - first).logits
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=width - first
+    ).logits
     vocab = logits.shape[-1]
-    sel = logits.gather(1, (pos - first).clamp(min=0).unsqueeze(-1).expand(-1, -1, vocab)).float() / temperature
+    sel = (
+        logits.gather(1, (pos - first).clamp(min=0).unsqueeze(-1).expand(-1, -1, vocab)).float() / temperature
+    )
     logp = torch.log_softmax(sel, dim=-1)
     lp = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1) * batch.present
     entropy = -(logp.exp() * logp).sum(-1) * batch.present if with_entropy else None
@@ -126,7 +136,9 @@ class Peak:
         else:
             import ctypes
 
-            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back first: the baseline is what is live
+            ctypes.CDLL("libc.so.6").malloc_trim(
+                0
+            )  # hand freed heap back first: the baseline is what is live
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
             self.base = self._status("VmRSS")
 
@@ -152,7 +164,9 @@ def variant_worker(name: str, model_dir: str, vocab: int, out_dir: str, device: 
     model = build_model(model_dir, d, activation_checkpointing=v["ac"], packing=v["layout"] == "packed")
     rows = build_rows(make_groups(vocab), "grpo").rows
     tokens = sum(len(r.prompt_tokens) + len(r.completion_ids) for r in rows)
-    micro = micro_batches(rows, 0, 1, 1, v["micro"], 0, d.device, PACK_TOKENS if v["layout"] == "packed" else 0)
+    micro = micro_batches(
+        rows, 0, 1, 1, v["micro"], 0, d.device, PACK_TOKENS if v["layout"] == "packed" else 0
+    )
     cfg = StepConfig(loss=LossConfig(), grad_clip=1e9, entropy_coef=0.001, chunk_tokens=v["chunk"])
     grads: dict[str, torch.Tensor] = {}
 
@@ -176,7 +190,9 @@ def variant_worker(name: str, model_dir: str, vocab: int, out_dir: str, device: 
     peak.reset()
     t0 = time.perf_counter()
     policy_step(model, opt, micro, [None] * len(micro), [None] * len(micro), cfg, d.device)
-    seconds = min(seconds, time.perf_counter() - t0)  # the faster of the two steps: less noise from other load
+    seconds = min(
+        seconds, time.perf_counter() - t0
+    )  # the faster of the two steps: less noise from other load
     padded = sum(mb.input_ids.numel() for mb in micro)
     result = {"step_peak_bytes": peak.bytes(), "step_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
               "computed_positions": padded, "micro_batches": len(micro), "loss": first["loss"],
@@ -235,13 +251,21 @@ def main() -> int:
         base_grads = torch.load(Path(tmp) / f"{names[0]}.grads.pt", weights_only=True)
         for name in names[1:]:
             grads = torch.load(Path(tmp) / f"{name}.grads.pt", weights_only=True)
-            out[name]["max_grad_diff_vs_" + names[0]] = max(float((grads[k] - base_grads[k]).abs().max()) for k in grads)
+            out[name]["max_grad_diff_vs_" + names[0]] = max(
+                float((grads[k] - base_grads[k]).abs().max()) for k in grads
+            )
             out[name]["loss_diff_vs_" + names[0]] = abs(out[name]["loss"] - out[names[0]]["loss"])
-            out[name]["step_peak_ratio_vs_" + names[0]] = out[names[0]]["step_peak_bytes"] / max(out[name]["step_peak_bytes"], 1)
-            out[name]["tokens_per_s_ratio_vs_" + names[0]] = out[name]["tokens_per_s"] / out[names[0]]["tokens_per_s"]
+            out[name]["step_peak_ratio_vs_" + names[0]] = out[names[0]]["step_peak_bytes"] / max(
+                out[name]["step_peak_bytes"], 1
+            )
+            out[name]["tokens_per_s_ratio_vs_" + names[0]] = (
+                out[name]["tokens_per_s"] / out[names[0]]["tokens_per_s"]
+            )
         for padded in ("chunked", "chunked_mb8"):
             if "packed" in out and padded in out:
-                out["packed"][f"tokens_per_s_ratio_vs_{padded}"] = out["packed"]["tokens_per_s"] / out[padded]["tokens_per_s"]
+                out["packed"][f"tokens_per_s_ratio_vs_{padded}"] = (
+                    out["packed"]["tokens_per_s"] / out[padded]["tokens_per_s"]
+                )
     part = out["logits_part_4096_tokens"]
     part["ratio"] = part["full"] / max(part["chunked"], 1)
     print(json.dumps(out, indent=1))

@@ -53,7 +53,9 @@ def make_groups(n_groups: int, group_size: int, prompt_len: int, completion_len:
 
 
 # ----------------------------------------------------------------------------- 1. step throughput
-def fsdp_step_worker(rank: int, world: int, port: int, model_dir: str, shape: dict, steps: int, micro: int, out: str):
+def fsdp_step_worker(
+    rank: int, world: int, port: int, model_dir: str, shape: dict, steps: int, micro: int, out: str
+):
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
@@ -154,7 +156,9 @@ def bench_step(tmp: Path, quick: bool, steps: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- 2. weight publishing
-def publish_worker(rank: int, world: int, port: int, settings: dict, steps: int, engine_url: str | None, out: str):
+def publish_worker(
+    rank: int, world: int, port: int, settings: dict, steps: int, engine_url: str | None, out: str
+):
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip

@@ -12,6 +12,22 @@ from asyncrl.buffer.server import RedisServer, ensure_redis
 from asyncrl.buffer.sessions import ClosedSession, SessionStore
 from asyncrl.buffer.weights import Weights, WeightsSubscription
 
-__all__ = ["AdmissionControl", "Buffer", "ClaimedEval", "ClaimedJob", "ClosedSession", "EvalStore", "GroupReport", "Groups",
-           "JobProgress", "Jobs", "RedisServer", "SessionStore", "TakeResult", "Weights", "WeightsSubscription",
-           "ensure_redis", "stats"]  # fmt: skip
+__all__ = [
+    "AdmissionControl",
+    "Buffer",
+    "ClaimedEval",
+    "ClaimedJob",
+    "ClosedSession",
+    "EvalStore",
+    "GroupReport",
+    "Groups",
+    "JobProgress",
+    "Jobs",
+    "RedisServer",
+    "SessionStore",
+    "TakeResult",
+    "Weights",
+    "WeightsSubscription",
+    "ensure_redis",
+    "stats",
+]

@@ -20,7 +20,10 @@ from asyncrl.proto.states import Admission
 # call: the groups after it are answered `full` unasked, so admission stays first come, first
 # served (a later group never takes the slot an earlier one waits for). One call for a whole
 # queue of waiting groups is one round trip and, on a Redis that fsyncs every write, one fsync.
-TRY_ADMIT = Script("admission running version config state", "now default_eta default_batch_groups *group_ids", """
+TRY_ADMIT = Script(
+    "admission running version config state",
+    "now default_eta default_batch_groups *group_ids",
+    """
 local accepted = tonumber(redis.call('HGET', admission, 'accepted') or '0')
 local v = tonumber(redis.call('GET', version) or '0')
 local eta = tonumber(redis.call('HGET', config, 'max_staleness') or default_eta)
@@ -39,17 +42,22 @@ for i, group_id in ipairs(group_ids) do
   end
 end
 return out
-""")
+""",
+)
 
 # After a trainer restart at `trained_version`: what it trained is v·B groups; what is still in
 # the groups stream (undelivered or pending) is accepted but untrained.
-REBUILD = Script("admission groups version config", "trained_version default_batch_groups", """
+REBUILD = Script(
+    "admission groups version config",
+    "trained_version default_batch_groups",
+    """
 local b = tonumber(redis.call('HGET', config, 'batch_groups') or default_batch_groups)
 local accepted = tonumber(trained_version) * b + redis.call('XLEN', groups)
 redis.call('HSET', admission, 'accepted', accepted)
 redis.call('SET', version, trained_version)
 return accepted
-""")
+""",
+)
 
 
 class AdmissionControl:
@@ -64,7 +72,9 @@ class AdmissionControl:
         if batch_groups < 1 or max_staleness < 0:
             raise ValueError("batch_groups must be >= 1 and max_staleness >= 0")
         self.batch_groups, self.max_staleness = batch_groups, max_staleness
-        self.buf.r.hset(self.keys.config, mapping={"batch_groups": batch_groups, "max_staleness": max_staleness})
+        self.buf.r.hset(
+            self.keys.config, mapping={"batch_groups": batch_groups, "max_staleness": max_staleness}
+        )
 
     def try_admit(self, group_id: str) -> Admission:
         """Take a slot for `group_id` if the rule allows (or say why not)."""
@@ -76,9 +86,18 @@ class AdmissionControl:
         if not group_ids:
             return []
         k = self.keys
-        raw = self.buf.call(TRY_ADMIT, admission=k.admission, running=k.running, version=k.version, config=k.config,
-                            state=k.group_state, now=time.time(), default_eta=self.max_staleness,
-                            default_batch_groups=self.batch_groups, group_ids=list(group_ids))  # fmt: skip
+        raw = self.buf.call(
+            TRY_ADMIT,
+            admission=k.admission,
+            running=k.running,
+            version=k.version,
+            config=k.config,
+            state=k.group_state,
+            now=time.time(),
+            default_eta=self.max_staleness,
+            default_batch_groups=self.batch_groups,
+            group_ids=list(group_ids),
+        )
         results = [Admission(r.decode()) for r in raw]
         for r in results:  # the groups behind the first `full` were not asked: not counted
             m.ADMISSION.labels(r.value).inc()
@@ -93,17 +112,33 @@ class AdmissionControl:
     def rebuild(self, version: int) -> int:
         """After a trainer restart: accepted := version·B + groups still in the buffer; sets v."""
         k = self.keys
-        return int(self.buf.call(REBUILD, admission=k.admission, groups=k.groups, version=k.version, config=k.config,
-                                 trained_version=int(version), default_batch_groups=self.batch_groups))  # fmt: skip
+        return int(
+            self.buf.call(
+                REBUILD,
+                admission=k.admission,
+                groups=k.groups,
+                version=k.version,
+                config=k.config,
+                trained_version=int(version),
+                default_batch_groups=self.batch_groups,
+            )
+        )
 
     def snapshot(self) -> dict[str, int]:
         """The rule's numbers now: accepted, running, version, B, η and the capacity they give."""
         k = self.keys
         pipe = self.buf.r.pipeline(transaction=False)
-        accepted, running, version, cfg = pipe.hget(k.admission, "accepted").hlen(k.running).get(k.version)\
-            .hgetall(k.config).execute()  # fmt: skip
+        accepted, running, version, cfg = (
+            pipe.hget(k.admission, "accepted").hlen(k.running).get(k.version).hgetall(k.config).execute()
+        )
         b = int(cfg.get(b"batch_groups", self.batch_groups))
         eta = int(cfg.get(b"max_staleness", self.max_staleness))
         v = int(version or 0)
-        return {"accepted": int(accepted or 0), "running": running, "version": v,
-                "batch_groups": b, "max_staleness": eta, "capacity": (eta + v + 1) * b}  # fmt: skip
+        return {
+            "accepted": int(accepted or 0),
+            "running": running,
+            "version": v,
+            "batch_groups": b,
+            "max_staleness": eta,
+            "capacity": (eta + v + 1) * b,
+        }

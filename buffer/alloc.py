@@ -38,5 +38,11 @@ def _apply() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in
-               ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))  # fmt: skip
+    return all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (M_TOP_PAD, TOP_PAD),
+        )
+    )

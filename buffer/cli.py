@@ -19,7 +19,9 @@ def stats(buf: Buffer) -> dict:
     pipe = buf.r.pipeline(transaction=False)
     for stream in (k.jobs, k.groups, k.deadletter, k.stale):
         pipe.xlen(stream)
-    pipe.hgetall(k.stats).hgetall(k.staleness).xpending(k.groups, TRAINER_GROUP).xpending(k.jobs, ROLLOUT_GROUP)
+    pipe.hgetall(k.stats).hgetall(k.staleness).xpending(k.groups, TRAINER_GROUP).xpending(
+        k.jobs, ROLLOUT_GROUP
+    )
     jobs, groups, dead, stale, counters, hist, pending_groups, pending_jobs = pipe.execute()
     for name, depth in (("jobs", jobs), ("groups", groups), ("deadletter", dead), ("stale", stale)):
         m.DEPTH.labels(name).set(depth)
@@ -31,9 +33,12 @@ def stats(buf: Buffer) -> dict:
         "pending": {"groups": pending_groups["pending"], "jobs": pending_jobs["pending"]},
         "counters": {key.decode(): int(v) for key, v in counters.items()},
         "admission": AdmissionControl(buf).snapshot(),
-        "staleness": {"histogram": dict(sorted(histogram.items())), "count": total,
-                      "mean": sum(s * c for s, c in histogram.items()) / total if total else 0.0,
-                      "max": max(histogram) if histogram else None},  # fmt: skip
+        "staleness": {
+            "histogram": dict(sorted(histogram.items())),
+            "count": total,
+            "mean": sum(s * c for s, c in histogram.items()) / total if total else 0.0,
+            "max": max(histogram) if histogram else None,
+        },
     }
 
 
@@ -55,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncrl buffer", description="Inspect the replay buffer.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     cmd = sub.add_parser("stats", help="print depths, version, pending, counters and staleness")
-    cmd.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL or the run dir's embedded Redis")
+    cmd.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="default: $REDIS_URL or the run dir's embedded Redis",
+    )
     cmd.add_argument("--run", default=os.environ.get("ASYNCRL_RUN", "default"))
     cmd.add_argument("--run-dir", type=Path, default=Path(os.environ.get("ASYNCRL_RUN_DIR", "runs/default")))
     cmd.add_argument("--json", action="store_true", help="machine-readable output")

@@ -98,10 +98,14 @@ class ReconnectRetry(Retry):
     """One per client: shared by all its connections (redis-py deep-copies a `Retry` into each
     connection; this one returns itself), so `outages` counts the client's outages."""
 
-    def __init__(self, name: str, budget_s: float | None = None, base_s: float = BASE_S, cap_s: float = CAP_S):
+    def __init__(
+        self, name: str, budget_s: float | None = None, base_s: float = BASE_S, cap_s: float = CAP_S
+    ):
         from redis.backoff import ExponentialBackoff
 
-        super().__init__(ExponentialBackoff(cap=cap_s, base=base_s), retries=-1, supported_errors=RETRY_ERRORS)
+        super().__init__(
+            ExponentialBackoff(cap=cap_s, base=base_s), retries=-1, supported_errors=RETRY_ERRORS
+        )
         self.name = name
         self.budget_s = budget_from_env() if budget_s is None else budget_s
         self.outages = 0  # spells of failures this client went through (recovered or not)
@@ -137,8 +141,11 @@ class ReconnectRetry(Retry):
                         if depth == 0:
                             with self._lock:
                                 self.outages += 1
-                            log.warning("redis unreachable; retrying for up to %.0f s", self.budget_s,
-                                        extra={"fields": {"client": self.name, "error": str(error)}})  # fmt: skip
+                            log.warning(
+                                "redis unreachable; retrying for up to %.0f s",
+                                self.budget_s,
+                                extra={"fields": {"client": self.name, "error": str(error)}},
+                            )
                     if depth == 0:
                         RETRIES.inc()
                     fail(error, failures) if with_failure_count else fail(error)
@@ -146,15 +153,22 @@ class ReconnectRetry(Retry):
                     if left <= 0:
                         if depth == 0:
                             OUTAGES.labels("gave_up").inc()
-                            log.error("redis unreachable for %.0f s; giving up", now - first,
-                                      extra={"fields": {"client": self.name, "error": str(error)}})  # fmt: skip
+                            log.error(
+                                "redis unreachable for %.0f s; giving up",
+                                now - first,
+                                extra={"fields": {"client": self.name, "error": str(error)}},
+                            )
                         raise
                     time.sleep(min(self._backoff.compute(failures), left))
                     continue
                 if failures and depth == 0:
                     OUTAGES.labels("recovered").inc()
-                    log.warning("redis reachable again after %.1f s, %d retries", time.monotonic() - first, failures,
-                                extra={"fields": {"client": self.name}})  # fmt: skip
+                    log.warning(
+                        "redis reachable again after %.1f s, %d retries",
+                        time.monotonic() - first,
+                        failures,
+                        extra={"fields": {"client": self.name}},
+                    )
                 return result
         finally:
             self._local.depth = depth
@@ -172,8 +186,17 @@ class Keys:
         self.group_job, self.payload_prefix, self.stale = p + "groups:job", p + "payload:", p + "stale"
         self.jobs, self.job_state, self.job_entry = p + "jobs", p + "jobs:state", p + "jobs:entry"
         self.job_prefix, self.cancelled = p + "job:", p + "cancelled"
-        self.admission, self.running, self.config, self.version = p + "admission", p + "running", p + "config", p + "version"
-        self.weights, self.latest_weights, self.weights_channel = p + "weights", p + "weights:latest", p + "weights"
+        self.admission, self.running, self.config, self.version = (
+            p + "admission",
+            p + "running",
+            p + "config",
+            p + "version",
+        )
+        self.weights, self.latest_weights, self.weights_channel = (
+            p + "weights",
+            p + "weights:latest",
+            p + "weights",
+        )
         self.epoch, self.forks = p + "epoch", p + "forks"
         self.deadletter, self.stats, self.staleness = p + "deadletter", p + "stats", p + "staleness"
 
@@ -201,13 +224,31 @@ class Script:
 
 
 # Globals the scripts use: a KEYS/ARGV local of one of these names would hide it.
-LUA_GLOBALS = {"redis", "type", "unpack", "tonumber", "tostring", "pairs", "ipairs", "next", "select", "string",
-               "table", "math", "KEYS", "ARGV"}  # fmt: skip
+LUA_GLOBALS = {
+    "redis",
+    "type",
+    "unpack",
+    "tonumber",
+    "tostring",
+    "pairs",
+    "ipairs",
+    "next",
+    "select",
+    "string",
+    "table",
+    "math",
+    "KEYS",
+    "ARGV",
+}
 
 
 def _locals(table: str, names: list[str]) -> str:
     fixed = [n for n in names if not n.startswith("*")]
-    lua = f"local {', '.join(fixed)} = {', '.join(f'{table}[{i}]' for i in range(1, len(fixed) + 1))}\n" if fixed else ""
+    lua = (
+        f"local {', '.join(fixed)} = {', '.join(f'{table}[{i}]' for i in range(1, len(fixed) + 1))}\n"
+        if fixed
+        else ""
+    )
     if len(fixed) < len(names):  # (a loop, not `unpack`: Lua's stack would bound the length)
         rest = names[-1][1:]
         lua += f"local {rest} = {{}}\nfor i = {len(fixed) + 1}, #{table} do {rest}[#{rest} + 1] = {table}[i] end\n"
@@ -240,7 +281,9 @@ class Buffer:
         tune_malloc()  # large payloads: keep freed memory instead of faulting it in again (buffer/alloc.py)
         self.run, self.keys = run, Keys(run)
         self.retry = ReconnectRetry(f"buffer:{run}")  # its `outages` tell a consumer to look for lost reads
-        self.r = redis.Redis.from_url(redis_url, socket_keepalive=True, health_check_interval=30, retry=self.retry)
+        self.r = redis.Redis.from_url(
+            redis_url, socket_keepalive=True, health_check_interval=30, retry=self.retry
+        )
         self._scripts: dict[str, Script] = {}
         for stream, group in ((self.keys.groups, TRAINER_GROUP), (self.keys.jobs, ROLLOUT_GROUP)):
             try:
@@ -293,8 +336,15 @@ class Buffer:
         replies = self.pipeline(fill)
         return [part.finish(replies[a:b]) for part, (a, b) in zip(parts, bounds)]
 
-    def read(self, stream: str, group: str, consumer: str, start: str = ">", count: int = 100_000,
-             block_ms: int = 0) -> list[tuple[str, dict]]:  # fmt: skip
+    def read(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        start: str = ">",
+        count: int = 100_000,
+        block_ms: int = 0,
+    ) -> list[tuple[str, dict]]:
         """`consumer`'s entries of `stream`: new ones (`>`, waiting up to `block_ms`) or its own
         pending ones (`0`); entries deleted since they were delivered are left out."""
         resp = self.r.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms or None)
@@ -304,8 +354,9 @@ class Buffer:
         """Every entry of `group` pending for ≥ idle_ms, now `consumer`'s (deleted ones left out)."""
         out, start = [], "0-0"
         while True:
-            start, entries, *_ = self.r.xautoclaim(stream, group, consumer, min_idle_time=idle_ms, start_id=start,
-                                                   count=100)  # fmt: skip
+            start, entries, *_ = self.r.xautoclaim(
+                stream, group, consumer, min_idle_time=idle_ms, start_id=start, count=100
+            )
             out += [(eid.decode(), fields) for eid, fields in entries if fields]
             if start in (b"0-0", "0-0"):
                 return out

@@ -117,8 +117,9 @@ class EvalStore:
     def __init__(self, redis_url: str, run: str = "default", *, client: redis.Redis | None = None):
         p = Keys(run).prefix
         self.evals, self.queue, self.prefix = p + "evals", p + "evalq", p + "eval:"
-        self.r = client or redis.Redis.from_url(redis_url, decode_responses=True, socket_keepalive=True,
-                                                retry=ReconnectRetry("evals"))  # buffer/connection.py
+        self.r = client or redis.Redis.from_url(
+            redis_url, decode_responses=True, socket_keepalive=True, retry=ReconnectRetry("evals")
+        )  # buffer/connection.py
         self._create, self._claim, self._touch, self._write = (
             self.r.register_script(s) for s in (CREATE, CLAIM, TOUCH, WRITE)
         )
@@ -148,8 +149,14 @@ class EvalStore:
         try:
             summary = EvalSummary.model_validate_json(summary_json)
         except ValidationError as exc:
-            summary = EvalSummary(eval_id=eval_id, name="unknown", source="api", state=JobState.queued, prompts=0,
-                                  created_at=0.0)  # fmt: skip
+            summary = EvalSummary(
+                eval_id=eval_id,
+                name="unknown",
+                source="api",
+                state=JobState.queued,
+                prompts=0,
+                created_at=0.0,
+            )
             return ClaimedEval(
                 summary, None, int(attempts), f"stored summary does not decode: {exc.errors()[:1]}"
             )
@@ -178,8 +185,13 @@ class EvalStore:
     def _write_summary(self, owner: str, summary: EvalSummary, items: list[EvalItem] | None) -> bool:
         final = items is not None
         keys = [self.evals, self.queue, self.prefix + summary.eval_id]
-        args = [owner, summary.eval_id, summary.model_dump_json(), "1" if final else "0",
-                _ITEMS.dump_json(items or []).decode()]  # fmt: skip
+        args = [
+            owner,
+            summary.eval_id,
+            summary.model_dump_json(),
+            "1" if final else "0",
+            _ITEMS.dump_json(items or []).decode(),
+        ]
         return bool(self._write(keys=keys, args=args))
 
     def summary(self, eval_id: str) -> EvalSummary | None:

@@ -54,7 +54,11 @@ end
 # pipeline (~200 kB through a Lua argument costs as much as the XADD); the entry holds the id and
 # the oldest token version (for inspection). The group's admission slot moves from `running` to
 # `accepted`.
-PUT = Script("state entry job groups admission stats running *payloads", "*puts", _SLICED + """
+PUT = Script(
+    "state entry job groups admission stats running *payloads",
+    "*puts",
+    _SLICED
+    + """
 local gids = {}
 for i = 1, #puts / 3 do gids[i] = puts[3 * i - 2] end
 sliced(gids, 'HDEL', running)
@@ -83,15 +87,19 @@ if new > 0 then
 end
 if new < #gids then redis.call('HINCRBY', stats, 'duplicates', #gids - new) end
 return out
-""")
+""",
+)
 
 # `buffered` → `exit` for each buffered group of `gids` (others, and repeats, are skipped): XACK
 # and XDEL of its entry, payload unlinked (freed off Redis's main thread where it judges it
 # worth it), counted in `stats` and in its job's hash. `trained` keeps its place in `accepted`;
 # any other exit gives it back (never to be trained, it must not hold capacity). Returns how
 # many left. (Job and payload keys are built from prefixes that carry the run's hash tag.)
-EXIT = Script("state entry job groups admission stats job_prefix payload_prefix", "consumer_group exit *gids",
-              _SLICED + """
+EXIT = Script(
+    "state entry job groups admission stats job_prefix payload_prefix",
+    "consumer_group exit *gids",
+    _SLICED
+    + """
 local states, entries, jobs_of = sliced(gids, 'HMGET', state), sliced(gids, 'HMGET', entry), sliced(gids, 'HMGET', job)
 local done, acks, payloads, moved, left, per_job = {}, {}, {}, {}, {}, {}
 for i, gid in ipairs(gids) do
@@ -113,13 +121,16 @@ redis.call('HINCRBY', stats, exit, #left)
 if exit ~= 'trained' then redis.call('HINCRBY', admission, 'accepted', -#left) end
 for j, count in pairs(per_job) do redis.call('HINCRBY', job_prefix .. j, exit, count) end
 return #left
-""")  # fmt: skip
+""",
+)
 
 # An entry whose group has no payload or does not decode. It was just delivered, so it is pending:
 # an XACK that finds nothing means this ran before (a re-sent call): nothing is dead-lettered
 # twice. If it is the group's recorded entry, the group leaves as `dead_lettered` (slot given back).
-DEAD_LETTER = Script("groups deadletter stats state entry job admission payload",
-                     "consumer_group eid gid reason data maxlen", """
+DEAD_LETTER = Script(
+    "groups deadletter stats state entry job admission payload",
+    "consumer_group eid gid reason data maxlen",
+    """
 if redis.call('XACK', groups, consumer_group, eid) == 0 then return 0 end
 redis.call('XDEL', groups, eid)
 redis.call('XADD', deadletter, 'MAXLEN', '~', maxlen, '*', 'stream', 'groups', 'entry', eid, 'gid', gid,
@@ -133,7 +144,8 @@ if redis.call('HGET', entry, gid) == eid then
   redis.call('HINCRBY', admission, 'accepted', -1)
 end
 return 1
-""")  # fmt: skip
+""",
+)
 
 
 @dataclass
@@ -180,8 +192,19 @@ class Groups:
         def fill(pipe) -> None:
             for key, payload in zip(payload_keys, payloads):
                 pipe.execute_command("SET", key, payload, "NX")
-            self.buf.call(PUT, pipe, state=k.group_state, entry=k.group_entry, job=k.group_job, groups=k.groups,
-                          admission=k.admission, stats=k.stats, running=k.running, payloads=payload_keys, puts=puts)  # fmt: skip
+            self.buf.call(
+                PUT,
+                pipe,
+                state=k.group_state,
+                entry=k.group_entry,
+                job=k.group_job,
+                groups=k.groups,
+                admission=k.admission,
+                stats=k.stats,
+                running=k.running,
+                payloads=payload_keys,
+                puts=puts,
+            )
 
         def finish(replies: list) -> list[bool]:
             new = [bool(flag) for flag in replies[-1]]
@@ -196,8 +219,9 @@ class Groups:
         return Part(fill, finish)
 
     # ------------------------------------------------------------------ consumer side
-    def take(self, n: int, current_version: int, max_staleness: int = 0, block_ms: int = 1000,
-             policy: str = "drop") -> TakeResult:  # fmt: skip
+    def take(
+        self, n: int, current_version: int, max_staleness: int = 0, block_ms: int = 1000, policy: str = "drop"
+    ) -> TakeResult:
         """Up to `n` groups with `current_version − min_version ≤ max_staleness`, waiting up to
         `block_ms`. Stale groups leave at once (counted; `withhold` also returns them in
         `withheld` for group statistics); groups with a token from a lost history (a trainer
@@ -214,7 +238,9 @@ class Groups:
             entries = self._next_entries(n - len(out.groups), deadline)
             if not entries:
                 break
-            keys = [self.keys.payload_prefix + f.get(b"gid", b"").decode(errors="replace") for _, f in entries]
+            keys = [
+                self.keys.payload_prefix + f.get(b"gid", b"").decode(errors="replace") for _, f in entries
+            ]
             payloads = self.buf.r.mget(keys)
             history = history or Weights(self.buf).lineage()  # read once per take, after the wait
             for (eid, fields), data in zip(entries, payloads):
@@ -264,7 +290,9 @@ class Groups:
         """Take groups out of training for a counted reason (`DISCARD_REASONS`). Idempotent."""
         reason = GroupState(reason)
         if reason not in DISCARD_REASONS:
-            raise ValueError(f"invalid discard reason {reason!r}: one of {[r.value for r in DISCARD_REASONS]}")
+            raise ValueError(
+                f"invalid discard reason {reason!r}: one of {[r.value for r in DISCARD_REASONS]}"
+            )
         n = self._exit(group_ids, reason)
         if n:
             m.DROPPED.labels(reason.value).inc(n)
@@ -274,7 +302,11 @@ class Groups:
         """Claim groups pending (delivered, not left) for ≥ idle_ms, e.g. those of a dead trainer
         or of this consumer before a restart; the next `take` returns them first."""
         held = set(self._held.values()) | {eid for eid, _ in self._redelivery}
-        claimed = [e for e in self.buf.autoclaim(self.keys.groups, TRAINER_GROUP, self.consumer, idle_ms) if e[0] not in held]
+        claimed = [
+            e
+            for e in self.buf.autoclaim(self.keys.groups, TRAINER_GROUP, self.consumer, idle_ms)
+            if e[0] not in held
+        ]
         self._redelivery.extend(claimed)
         return len(claimed)
 
@@ -293,7 +325,9 @@ class Groups:
         left entries in this consumer's pending list that it never saw. Hand those (and only
         those: not the ones it holds) out next, so nothing waits for a restart."""
         held = set(self._held.values()) | {eid for eid, _ in self._redelivery}
-        unseen = [e for e in self.buf.read(self.keys.groups, TRAINER_GROUP, self.consumer, "0") if e[0] not in held]
+        unseen = [
+            e for e in self.buf.read(self.keys.groups, TRAINER_GROUP, self.consumer, "0") if e[0] not in held
+        ]
         self._redelivery.extend(unseen)
         m.RECLAIMED_AFTER_OUTAGE.inc(len(unseen))
 
@@ -306,10 +340,23 @@ class Groups:
             return decode(data, Group)
         except RecordDecodeError as exc:
             k = self.keys
-            moved = self.buf.call(DEAD_LETTER, groups=k.groups, deadletter=k.deadletter, stats=k.stats, state=k.group_state,
-                          entry=k.group_entry, job=k.group_job, admission=k.admission, payload=k.payload_prefix + gid,
-                          consumer_group=TRAINER_GROUP, eid=eid, gid=gid, reason=exc.reason, data=data or b"",
-                          maxlen=DEADLETTER_MAXLEN)  # fmt: skip
+            moved = self.buf.call(
+                DEAD_LETTER,
+                groups=k.groups,
+                deadletter=k.deadletter,
+                stats=k.stats,
+                state=k.group_state,
+                entry=k.group_entry,
+                job=k.group_job,
+                admission=k.admission,
+                payload=k.payload_prefix + gid,
+                consumer_group=TRAINER_GROUP,
+                eid=eid,
+                gid=gid,
+                reason=exc.reason,
+                data=data or b"",
+                maxlen=DEADLETTER_MAXLEN,
+            )
             if moved:  # (0: a re-sent call found it done: counted the first time)
                 m.DEAD_LETTERED.labels("groups").inc()
                 out.dead_lettered += 1
@@ -321,16 +368,32 @@ class Groups:
         for gid in group_ids:
             self._held.pop(gid, None)
         k = self.keys
-        return int(self.buf.call(EXIT, state=k.group_state, entry=k.group_entry, job=k.group_job, groups=k.groups,
-                                 admission=k.admission, stats=k.stats, job_prefix=k.job_prefix,
-                                 payload_prefix=k.payload_prefix, consumer_group=TRAINER_GROUP, exit=exit.value,
-                                 gids=group_ids))  # fmt: skip
+        return int(
+            self.buf.call(
+                EXIT,
+                state=k.group_state,
+                entry=k.group_entry,
+                job=k.group_job,
+                groups=k.groups,
+                admission=k.admission,
+                stats=k.stats,
+                job_prefix=k.job_prefix,
+                payload_prefix=k.payload_prefix,
+                consumer_group=TRAINER_GROUP,
+                exit=exit.value,
+                gids=group_ids,
+            )
+        )
 
     def _exit_stale(self, group_id: str, exit: GroupState, payload: bytes) -> None:
         """Leave untrained at `take`, and keep the payload in the `stale` stream for inspection."""
         if self._exit([group_id], exit):
-            self.buf.r.xadd(self.keys.stale, {"gid": group_id, "reason": exit.value, "data": payload},
-                            maxlen=STALE_STREAM_MAXLEN, approximate=True)  # fmt: skip
+            self.buf.r.xadd(
+                self.keys.stale,
+                {"gid": group_id, "reason": exit.value, "data": payload},
+                maxlen=STALE_STREAM_MAXLEN,
+                approximate=True,
+            )
 
 
 def sampled_lineage(group: Group) -> dict[int, int]:

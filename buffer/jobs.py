@@ -31,18 +31,25 @@ from asyncrl.proto.states import JOB_ENDS, GroupState
 ENQUEUE_CHUNK = 512  # jobs per pipeline
 MAX_ERROR_CHARS = 500  # of a group's error in its job's record
 
-ENQUEUE = Script("state entry jobs stats", "group_id data", """
+ENQUEUE = Script(
+    "state entry jobs stats",
+    "group_id data",
+    """
 if redis.call('HEXISTS', state, group_id) == 1 then return 0 end
 redis.call('HSET', state, group_id, 'queued')
 redis.call('HSET', entry, group_id, redis.call('XADD', jobs, '*', 'gid', group_id, 'data', data))
 redis.call('HINCRBY', stats, 'jobs_enqueued', 1)
 return 1
-""")
+""",
+)
 
 # Per group of `ends` (group_id, final, n, then n field/value pairs for its job's record, the
 # key in `records`): the record's fields written, then `queued` → `final` (buffered, failed or
 # cancelled), once: the entry is acked and deleted. One command for a batch of groups.
-END = Script("state entry jobs stats *records", "consumer_group *ends", """
+END = Script(
+    "state entry jobs stats *records",
+    "consumer_group *ends",
+    """
 local out, i = {}, 1
 for r = 1, #records do
   local group_id, final, n = ends[i], ends[i + 1], tonumber(ends[i + 2])
@@ -62,10 +69,14 @@ for r = 1, #records do
   end
 end
 return out
-""")
+""",
+)
 
 # As the groups stream's (buffer/groups.py): guarded by its XACK, so a re-sent call does nothing.
-DEAD_LETTER = Script("jobs deadletter stats state entry", "consumer_group eid gid reason data maxlen", """
+DEAD_LETTER = Script(
+    "jobs deadletter stats state entry",
+    "consumer_group eid gid reason data maxlen",
+    """
 if redis.call('XACK', jobs, consumer_group, eid) == 0 then return 0 end
 redis.call('XDEL', jobs, eid)
 redis.call('XADD', deadletter, 'MAXLEN', '~', maxlen, '*', 'stream', 'jobs', 'entry', eid, 'gid', gid,
@@ -76,7 +87,8 @@ if redis.call('HGET', entry, gid) == eid then
   redis.call('HDEL', entry, gid)
 end
 return 1
-""")  # fmt: skip
+""",
+)
 
 
 @dataclass
@@ -130,14 +142,24 @@ class Jobs:
 
             def fill(pipe, chunk=chunk) -> None:
                 for group_id, data in chunk:
-                    self.buf.call(ENQUEUE, pipe, state=k.job_state, entry=k.job_entry, jobs=k.jobs, stats=k.stats,
-                                  group_id=group_id, data=data)  # fmt: skip
+                    self.buf.call(
+                        ENQUEUE,
+                        pipe,
+                        state=k.job_state,
+                        entry=k.job_entry,
+                        jobs=k.jobs,
+                        stats=k.stats,
+                        group_id=group_id,
+                        data=data,
+                    )
 
             new += sum(self.buf.pipeline(fill))
         return new
 
     def claim(self, n: int, block_ms: int = 1000) -> list[ClaimedJob]:
-        return self._decode(self.buf.read(self.keys.jobs, ROLLOUT_GROUP, self.consumer, count=n, block_ms=block_ms))
+        return self._decode(
+            self.buf.read(self.keys.jobs, ROLLOUT_GROUP, self.consumer, count=n, block_ms=block_ms)
+        )
 
     def recover(self, idle_ms: int) -> list[ClaimedJob]:
         """Claim jobs another replica left pending for ≥ idle_ms (a dead replica's work)."""
@@ -148,8 +170,9 @@ class Jobs:
     def resume_own(self) -> list[ClaimedJob]:
         """After a restart under the same consumer name: the jobs this consumer had claimed."""
         held = set(self._held.values())
-        return self._decode([e for e in self.buf.read(self.keys.jobs, ROLLOUT_GROUP, self.consumer, "0")
-                             if e[0] not in held])  # fmt: skip
+        return self._decode(
+            [e for e in self.buf.read(self.keys.jobs, ROLLOUT_GROUP, self.consumer, "0") if e[0] not in held]
+        )
 
     def touch(self, entry_ids: list[str]) -> None:
         """Reset the idle time of jobs still being worked on, so no one reclaims them."""
@@ -179,11 +202,25 @@ class Jobs:
         ends: list = []
         for report in reports:
             fields = self._fields(report)
-            ends += [report.group_id, report.state.value, len(fields), *(x for kv in fields.items() for x in kv)]
+            ends += [
+                report.group_id,
+                report.state.value,
+                len(fields),
+                *(x for kv in fields.items() for x in kv),
+            ]
 
         def fill(pipe) -> None:
-            self.buf.call(END, pipe, state=k.job_state, entry=k.job_entry, jobs=k.jobs, stats=k.stats,
-                          records=[k.job_prefix + r.job_id for r in reports], consumer_group=ROLLOUT_GROUP, ends=ends)  # fmt: skip
+            self.buf.call(
+                END,
+                pipe,
+                state=k.job_state,
+                entry=k.job_entry,
+                jobs=k.jobs,
+                stats=k.stats,
+                records=[k.job_prefix + r.job_id for r in reports],
+                consumer_group=ROLLOUT_GROUP,
+                ends=ends,
+            )
 
         return Part(fill, lambda replies: [bool(r) for r in replies[0]])
 
@@ -197,9 +234,20 @@ class Jobs:
                 job = decode(fields[b"data"], GroupJob)
             except RecordDecodeError as exc:
                 k = self.keys
-                moved = self.buf.call(DEAD_LETTER, jobs=k.jobs, deadletter=k.deadletter, stats=k.stats, state=k.job_state,
-                              entry=k.job_entry, consumer_group=ROLLOUT_GROUP, eid=eid, gid=gid, reason=exc.reason,
-                              data=fields.get(b"data", b""), maxlen=DEADLETTER_MAXLEN)  # fmt: skip
+                moved = self.buf.call(
+                    DEAD_LETTER,
+                    jobs=k.jobs,
+                    deadletter=k.deadletter,
+                    stats=k.stats,
+                    state=k.job_state,
+                    entry=k.job_entry,
+                    consumer_group=ROLLOUT_GROUP,
+                    eid=eid,
+                    gid=gid,
+                    reason=exc.reason,
+                    data=fields.get(b"data", b""),
+                    maxlen=DEADLETTER_MAXLEN,
+                )
                 if moved:  # (0: a re-sent call found it done: counted the first time)
                     m.DEAD_LETTERED.labels("jobs").inc()
                 continue
@@ -210,8 +258,10 @@ class Jobs:
     # ------------------------------------------------------------------ the job's record
     def describe(self, job_id: str, groups: int, body_hash: str) -> None:
         """A new job: how many groups it has, when it came, and the hash of its request."""
-        self.buf.r.hset(self.keys.job_prefix + job_id,
-                        mapping={"groups": groups, "created_at": time.time(), "body_hash": body_hash})  # fmt: skip
+        self.buf.r.hset(
+            self.keys.job_prefix + job_id,
+            mapping={"groups": groups, "created_at": time.time(), "body_hash": body_hash},
+        )
 
     def report(self, reports: list[GroupReport]) -> None:
         """Record groups' rollout states (one round trip)."""
@@ -237,13 +287,21 @@ class Jobs:
 
     def progress(self, job_id: str) -> JobProgress | None:
         """The job's record, or None for a job never described."""
-        raw, cancelled = self.buf.r.pipeline(transaction=False).hgetall(self.keys.job_prefix + job_id)\
-            .sismember(self.keys.cancelled, job_id).execute()  # fmt: skip
+        raw, cancelled = (
+            self.buf.r.pipeline(transaction=False)
+            .hgetall(self.keys.job_prefix + job_id)
+            .sismember(self.keys.cancelled, job_id)
+            .execute()
+        )
         fields = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
         if "groups" not in fields:
             return None
-        out = JobProgress(int(fields["groups"]), float(fields.get("created_at", 0.0)), fields.get("body_hash", ""),
-                          bool(cancelled))  # fmt: skip
+        out = JobProgress(
+            int(fields["groups"]),
+            float(fields.get("created_at", 0.0)),
+            fields.get("body_hash", ""),
+            bool(cancelled),
+        )
         exits = {s.value: s for s in GroupState}
         for key, value in fields.items():
             kind, _, gid = key.partition(":")

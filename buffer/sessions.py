@@ -68,8 +68,11 @@ end
 _PREFIXES = "group_prefix members_prefix session_prefix calls_prefix ttl_ms"
 
 # A session joins its group (created by the first session); refusals name what differs.
-OPEN = Script("group members session deadlines", f"{_PREFIXES} sid gid size prompt_id spec submit_version now deadline",
-              _TOUCH + """
+OPEN = Script(
+    "group members session deadlines",
+    f"{_PREFIXES} sid gid size prompt_id spec submit_version now deadline",
+    _TOUCH
+    + """
 local state = redis.call('HGET', group, 'state')
 if state then
   if state ~= 'open' then return {'complete', state} end
@@ -88,10 +91,15 @@ redis.call('HSET', session, 'group_id', gid, 'index', index, 'state', 'open', 'c
 touch(gid)
 redis.call('ZADD', deadlines, deadline, gid)
 return {'ok', tostring(index)}
-""")  # fmt: skip
+""",
+)
 
 # A finished call joins its session's calls, if the session is still open.
-RECORD = Script("session calls deadlines", f"{_PREFIXES} record engine deadline", _TOUCH + """
+RECORD = Script(
+    "session calls deadlines",
+    f"{_PREFIXES} record engine deadline",
+    _TOUCH
+    + """
 local s = redis.call('HMGET', session, 'state', 'group_id')
 if not s[1] then return 'unknown' end
 if s[1] ~= 'open' then return s[1] end
@@ -101,11 +109,16 @@ redis.call('HSET', session, 'engine', engine)
 touch(s[2])
 redis.call('ZADD', deadlines, 'XX', deadline, s[2])
 return 'ok'
-""")  # fmt: skip
+""",
+)
 
 # Close a session with its reward result. The close that closes the group's last session
 # marks the group complete and takes the lease to put it ({'complete', gid}).
-CLOSE = Script("session deadlines", f"{_PREFIXES} result now deadline lease", _TOUCH + """
+CLOSE = Script(
+    "session deadlines",
+    f"{_PREFIXES} result now deadline lease",
+    _TOUCH
+    + """
 local s = redis.call('HMGET', session, 'state', 'group_id', 'calls')
 if not s[1] then return {'unknown'} end
 if s[1] ~= 'open' then return {s[1]} end
@@ -121,21 +134,30 @@ if closed == tonumber(redis.call('HGET', group, 'size')) then
 end
 redis.call('ZADD', deadlines, 'XX', deadline, s[2])
 return {'open', s[2]}
-""")  # fmt: skip
+""",
+)
 
 # The group is in the buffer: drop its calls, keep its hashes (a late call or close answers
 # 409, not 404) until their TTL.
-FINISH = Script("group members deadlines", f"{_PREFIXES} gid", _TOUCH + """
+FINISH = Script(
+    "group members deadlines",
+    f"{_PREFIXES} gid",
+    _TOUCH
+    + """
 if not redis.call('HGET', group, 'state') then return 0 end
 redis.call('HSET', group, 'state', 'put')
 for _, sid in ipairs(redis.call('LRANGE', members, 0, -1)) do redis.call('DEL', calls_prefix .. sid) end
 touch(gid)
 redis.call('ZREM', deadlines, gid)
 return 1
-""")  # fmt: skip
+""",
+)
 
 # Groups whose deadline passed, each leased to the caller until `lease` (ms): {gid, state, …}.
-CLAIM = Script("deadlines", "group_prefix now lease count", """
+CLAIM = Script(
+    "deadlines",
+    "group_prefix now lease count",
+    """
 local out = {}
 for _, gid in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now, 'LIMIT', 0, count)) do
   redis.call('ZADD', deadlines, lease, gid)
@@ -143,11 +165,16 @@ for _, gid in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now, 'LIMIT'
   out[#out + 1] = redis.call('HGET', group_prefix .. gid, 'state') or ''
 end
 return out
-""")
+""",
+)
 
 # Expire (or fail) a group still leased to the caller (any activity since moved its deadline):
 # its admission slot is given back and its keys deleted. {opened, closed} or {} when not ours.
-DROP = Script("group members deadlines running", f"{_PREFIXES} gid lease", _TOUCH + """
+DROP = Script(
+    "group members deadlines running",
+    f"{_PREFIXES} gid lease",
+    _TOUCH
+    + """
 if tonumber(redis.call('ZSCORE', deadlines, gid)) ~= tonumber(lease) then return {} end
 local have = redis.call('HMGET', group, 'opened', 'closed')
 for _, sid in ipairs(redis.call('LRANGE', members, 0, -1)) do
@@ -157,7 +184,8 @@ redis.call('DEL', group, members)
 redis.call('ZREM', deadlines, gid)
 redis.call('HDEL', running, gid)
 return {tonumber(have[1] or '0'), tonumber(have[2] or '0')}
-""")  # fmt: skip
+""",
+)
 
 
 class SessionStore:
@@ -172,9 +200,13 @@ class SessionStore:
         self.group_prefix, self.members_prefix, self.deadlines = p + "group:", p + "members:", p + "deadlines"
         self.ttl_s = ttl_s
         self.lease_s = lease_s
-        self._prefixes = {"group_prefix": self.group_prefix, "members_prefix": self.members_prefix,
-                          "session_prefix": self.session_prefix, "calls_prefix": self.calls_prefix,
-                          "ttl_ms": int(ttl_s * KEY_TTL_FACTOR * 1000)}  # fmt: skip
+        self._prefixes = {
+            "group_prefix": self.group_prefix,
+            "members_prefix": self.members_prefix,
+            "session_prefix": self.session_prefix,
+            "calls_prefix": self.calls_prefix,
+            "ttl_ms": int(ttl_s * KEY_TTL_FACTOR * 1000),
+        }
 
     def _deadline(self) -> int:
         return int((time.time() + self.ttl_s) * 1000)
@@ -185,11 +217,25 @@ class SessionStore:
     def group_exists(self, gid: str) -> bool:
         return bool(self.buf.r.exists(self.group_prefix + gid))
 
-    def open(self, sid: str, gid: str, size: int, prompt_id: str, spec: str, submit_version: int) -> list[str]:
-        raw = self.buf.call(OPEN, group=self.group_prefix + gid, members=self.members_prefix + gid,
-                            session=self.session_prefix + sid, deadlines=self.deadlines, sid=sid, gid=gid, size=size,
-                            prompt_id=prompt_id, spec=spec, submit_version=submit_version, now=time.time(),
-                            deadline=self._deadline(), **self._prefixes)  # fmt: skip
+    def open(
+        self, sid: str, gid: str, size: int, prompt_id: str, spec: str, submit_version: int
+    ) -> list[str]:
+        raw = self.buf.call(
+            OPEN,
+            group=self.group_prefix + gid,
+            members=self.members_prefix + gid,
+            session=self.session_prefix + sid,
+            deadlines=self.deadlines,
+            sid=sid,
+            gid=gid,
+            size=size,
+            prompt_id=prompt_id,
+            spec=spec,
+            submit_version=submit_version,
+            now=time.time(),
+            deadline=self._deadline(),
+            **self._prefixes,
+        )
         return [x.decode() for x in raw]
 
     def session(self, sid: str) -> dict[str, str]:
@@ -205,21 +251,36 @@ class SessionStore:
         return None if raw is None else _CALL_DECODER.decode(raw)
 
     def record(self, sid: str, call: Call, engine: int) -> str:
-        return self.buf.call(RECORD, session=self.session_prefix + sid, calls=self.calls_prefix + sid,
-                             deadlines=self.deadlines, record=_CALL_ENCODER.encode(call), engine=engine,
-                             deadline=self._deadline(), **self._prefixes).decode()  # fmt: skip
+        return self.buf.call(
+            RECORD,
+            session=self.session_prefix + sid,
+            calls=self.calls_prefix + sid,
+            deadlines=self.deadlines,
+            record=_CALL_ENCODER.encode(call),
+            engine=engine,
+            deadline=self._deadline(),
+            **self._prefixes,
+        ).decode()
 
     def close(self, sid: str, result: dict[str, Any]) -> list[str]:
         now = time.time()
-        raw = self.buf.call(CLOSE, session=self.session_prefix + sid, deadlines=self.deadlines, result=json.dumps(result),
-                            now=now, deadline=self._deadline(), lease=self.new_lease(now),
-                            **self._prefixes)  # fmt: skip
+        raw = self.buf.call(
+            CLOSE,
+            session=self.session_prefix + sid,
+            deadlines=self.deadlines,
+            result=json.dumps(result),
+            now=now,
+            deadline=self._deadline(),
+            lease=self.new_lease(now),
+            **self._prefixes,
+        )
         return [x.decode() for x in raw]
 
     def group(self, gid: str) -> tuple[dict[str, str], list[ClosedSession]]:
         """A complete group's meta and its closed sessions (two round trips)."""
-        meta, sids = self.buf.pipeline(lambda p: [p.hgetall(self.group_prefix + gid),
-                                                  p.lrange(self.members_prefix + gid, 0, -1)])  # fmt: skip
+        meta, sids = self.buf.pipeline(
+            lambda p: [p.hgetall(self.group_prefix + gid), p.lrange(self.members_prefix + gid, 0, -1)]
+        )
 
         def fill(pipe) -> None:
             for sid in sids:
@@ -232,29 +293,53 @@ class SessionStore:
             info = {k.decode(): v.decode() for k, v in info.items()}
             if info.get("state") != "closed":
                 raise ValueError(f"group {gid}: session {info.get('index')} is {info.get('state') or 'gone'}")
-            sessions.append(ClosedSession(index=int(info["index"]), calls=[_CALL_DECODER.decode(c) for c in calls],
-                                          result=json.loads(info["result"]), closed_at=float(info["closed_at"])))  # fmt: skip
+            sessions.append(
+                ClosedSession(
+                    index=int(info["index"]),
+                    calls=[_CALL_DECODER.decode(c) for c in calls],
+                    result=json.loads(info["result"]),
+                    closed_at=float(info["closed_at"]),
+                )
+            )
         return {k.decode(): v.decode() for k, v in meta.items()}, sessions
 
     def finish(self, gid: str) -> None:
-        self.buf.call(FINISH, group=self.group_prefix + gid, members=self.members_prefix + gid,
-                      deadlines=self.deadlines, gid=gid, **self._prefixes)  # fmt: skip
+        self.buf.call(
+            FINISH,
+            group=self.group_prefix + gid,
+            members=self.members_prefix + gid,
+            deadlines=self.deadlines,
+            gid=gid,
+            **self._prefixes,
+        )
 
     def claim(self, count: int) -> tuple[list[tuple[str, str]], int]:
         """Up to `count` groups past their deadline, leased to the caller: [(gid, state)], lease."""
         now = time.time()
         lease = self.new_lease(now)
-        raw = self.buf.call(CLAIM, deadlines=self.deadlines, group_prefix=self.group_prefix, now=int(now * 1000),
-                            lease=lease, count=count)  # fmt: skip
+        raw = self.buf.call(
+            CLAIM,
+            deadlines=self.deadlines,
+            group_prefix=self.group_prefix,
+            now=int(now * 1000),
+            lease=lease,
+            count=count,
+        )
         return [(raw[i].decode(), raw[i + 1].decode()) for i in range(0, len(raw), 2)], lease
 
     def drop(self, gid: str, lease: int) -> tuple[int, int] | None:
         """Expire a group leased to us: (sessions opened, closed), or None when it is not ours."""
-        raw = self.buf.call(DROP, group=self.group_prefix + gid, members=self.members_prefix + gid,
-                            deadlines=self.deadlines, running=self.keys.running, gid=gid, lease=lease,
-                            **self._prefixes)  # fmt: skip
+        raw = self.buf.call(
+            DROP,
+            group=self.group_prefix + gid,
+            members=self.members_prefix + gid,
+            deadlines=self.deadlines,
+            running=self.keys.running,
+            gid=gid,
+            lease=lease,
+            **self._prefixes,
+        )
         return (int(raw[0]), int(raw[1])) if raw else None
 
     def lease(self, gid: str, lease: int) -> None:
         self.buf.r.zadd(self.deadlines, {gid: lease}, xx=True)
-

@@ -21,7 +21,10 @@ WEIGHTS_KEEP = 16  # weight locations kept per run
 
 # `latest` only moves forward, except on rollback (a trainer resumed from a checkpoint older than
 # what it had published): then the versions above this one are forgotten with their weights.
-PUBLISH = Script("weights latest", "version data channel keep rollback", """
+PUBLISH = Script(
+    "weights latest",
+    "version data channel keep rollback",
+    """
 local v = tonumber(version)
 redis.call('HSET', weights, version, data)
 if v >= tonumber(redis.call('HGET', latest, 'version') or '-1') or rollback == '1' then
@@ -33,14 +36,19 @@ for _, key in ipairs(redis.call('HKEYS', weights)) do
 end
 redis.call('PUBLISH', channel, data)
 return 1
-""")
+""",
+)
 
 # A resumed trainer's new epoch and the version it forked from.
-BEGIN_EPOCH = Script("epoch forks", "fork_version", """
+BEGIN_EPOCH = Script(
+    "epoch forks",
+    "fork_version",
+    """
 local e = redis.call('INCR', epoch)
 redis.call('HSET', forks, e, fork_version)
 return e
-""")
+""",
+)
 
 
 class Weights:
@@ -64,9 +72,17 @@ class Weights:
         k = self.keys
 
         def fill(pipe) -> None:
-            self.buf.call(PUBLISH, pipe, weights=k.weights, latest=k.latest_weights, version=info.version,
-                          data=encode(info), channel=k.weights_channel, keep=WEIGHTS_KEEP,
-                          rollback="1" if rollback else "0")  # fmt: skip
+            self.buf.call(
+                PUBLISH,
+                pipe,
+                weights=k.weights,
+                latest=k.latest_weights,
+                version=info.version,
+                data=encode(info),
+                channel=k.weights_channel,
+                keep=WEIGHTS_KEEP,
+                rollback="1" if rollback else "0",
+            )
             if set_version:
                 pipe.set(k.version, int(info.version))
 
@@ -82,10 +98,16 @@ class Weights:
     def begin_epoch(self, fork_version: int) -> int:
         """A trainer resumed at `fork_version`: open a new epoch and return it. Versions of older
         epochs above `fork_version` are from now on a lost history."""
-        return int(self.buf.call(BEGIN_EPOCH, epoch=self.keys.epoch, forks=self.keys.forks, fork_version=int(fork_version)))
+        return int(
+            self.buf.call(
+                BEGIN_EPOCH, epoch=self.keys.epoch, forks=self.keys.forks, fork_version=int(fork_version)
+            )
+        )
 
     def lineage(self) -> Lineage:
-        epoch, forks = self.buf.r.pipeline(transaction=False).get(self.keys.epoch).hgetall(self.keys.forks).execute()
+        epoch, forks = (
+            self.buf.r.pipeline(transaction=False).get(self.keys.epoch).hgetall(self.keys.forks).execute()
+        )
         return Lineage(int(epoch or 0), {int(e): int(v) for e, v in forks.items()})
 
 

@@ -46,4 +46,6 @@ _CODEC = {"RecordDecodeError", "decode", "encode"}  # the others are in proto.re
 def __getattr__(name: str) -> object:
     if name not in __all__:
         raise AttributeError(f"module 'proto' has no attribute {name!r}")
-    return getattr(importlib.import_module("asyncrl.proto.codec" if name in _CODEC else "asyncrl.proto.records"), name)
+    return getattr(
+        importlib.import_module("asyncrl.proto.codec" if name in _CODEC else "asyncrl.proto.records"), name
+    )

@@ -21,7 +21,9 @@ from asyncrl.proto.records import FIELDS_CHECKED, SCHEMA_VERSION, Group, GroupJo
 
 R = TypeVar("R", bound=Record)
 
-TYPES: dict[str, type[Record]] = {cls.__struct_config__.tag: cls for cls in (Group, Sample, GroupJob, WeightsInfo)}
+TYPES: dict[str, type[Record]] = {
+    cls.__struct_config__.tag: cls for cls in (Group, Sample, GroupJob, WeightsInfo)
+}
 MAX_ERROR_CHARS = 200  # characters of a decode error kept in the message
 
 
@@ -39,7 +41,9 @@ class RecordEncodeError(ValueError):
 
 # The token arrays of the record being encoded (by id): the only arrays that go on the wire. An
 # array anywhere else (a free-form map) would come back as bytes.
-_TOKEN_ARRAYS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("token_arrays", default=frozenset())
+_TOKEN_ARRAYS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "token_arrays", default=frozenset()
+)
 
 
 def _enc_hook(value: Any) -> Any:
@@ -90,7 +94,9 @@ def decode(data: bytes | bytearray | memoryview, expected: type[R] | None = None
     finally:
         FIELDS_CHECKED.reset(token)
     if expected is not None and type(record) is not expected:
-        raise RecordDecodeError(f"expected a {expected.__struct_config__.tag} record, got {record.__struct_config__.tag}")
+        raise RecordDecodeError(
+            f"expected a {expected.__struct_config__.tag} record, got {record.__struct_config__.tag}"
+        )
     return record  # type: ignore[return-value]
 
 

@@ -72,7 +72,9 @@ class ResetRequest(BaseModel):
 class ResetResponse(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    observation: str = Field(default="", max_length=MAX_OBSERVATION_CHARS)  # appended to the prompt when not empty
+    observation: str = Field(
+        default="", max_length=MAX_OBSERVATION_CHARS
+    )  # appended to the prompt when not empty
     state: dict[str, Any] = Field(default_factory=dict)
     tools: list[dict[str, Any]] = Field(default_factory=list)  # OpenAI function schemas of the tools
 

@@ -41,12 +41,16 @@ class SessionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    group_id: str | None = Field(None, min_length=1, max_length=128, pattern=ID_PATTERN,
-                                 description="default: a new group")  # fmt: skip
+    group_id: str | None = Field(
+        None, min_length=1, max_length=128, pattern=ID_PATTERN, description="default: a new group"
+    )
     group_size: int = Field(1, ge=1, le=MAX_GROUP_SIZE)
-    prompt_id: str | None = Field(None, min_length=1, max_length=128, pattern=ID_PATTERN,
-                                  description="default: the group id")  # fmt: skip
-    reward_spec: RewardSpec | None = Field(None, description="scores the session's last answer when it is closed without a reward")
+    prompt_id: str | None = Field(
+        None, min_length=1, max_length=128, pattern=ID_PATTERN, description="default: the group id"
+    )
+    reward_spec: RewardSpec | None = Field(
+        None, description="scores the session's last answer when it is closed without a reward"
+    )
 
 
 class SessionCreated(BaseModel):
@@ -142,7 +146,9 @@ class ChatRequest(BaseModel):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = Field(None, description="auto (the default with tools) or none")
+    tool_choice: Literal["auto", "none"] | None = Field(
+        None, description="auto (the default with tools) or none"
+    )
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
@@ -150,13 +156,17 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=SEED_MOD)
     n: int = Field(1, ge=1, le=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="0 only: top alternatives are not returned")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=0, description="0 only: top alternatives are not returned"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    session_id: str | None = Field(None, min_length=1, max_length=128, description="or the X-Session-Id header")
+    session_id: str | None = Field(
+        None, min_length=1, max_length=128, description="or the X-Session-Id header"
+    )
 
 
 class ToolCallOut(BaseModel):
@@ -216,13 +226,22 @@ class Call(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     finished: float
 
     @classmethod
-    def of(cls, prompt: list[int], tokens: list[int], logprobs: list[float], versions: list[int], **fields) -> Call:
-        return cls(prompt_ids=np.asarray(prompt, "<i4").tobytes(), completion_ids=np.asarray(tokens, "<i4").tobytes(),
-                   logprobs=np.asarray(logprobs, "<f4").tobytes(), versions=np.asarray(versions, "<i4").tobytes(),
-                   **fields)  # fmt: skip
+    def of(
+        cls, prompt: list[int], tokens: list[int], logprobs: list[float], versions: list[int], **fields
+    ) -> Call:
+        return cls(
+            prompt_ids=np.asarray(prompt, "<i4").tobytes(),
+            completion_ids=np.asarray(tokens, "<i4").tobytes(),
+            logprobs=np.asarray(logprobs, "<f4").tobytes(),
+            versions=np.asarray(versions, "<i4").tobytes(),
+            **fields,
+        )
 
     def arrays(self) -> tuple[list[int], list[int], list[float], list[int]]:
         """(prompt ids, completion ids, logprobs, versions) as lists."""
-        return (np.frombuffer(self.prompt_ids, "<i4").tolist(), np.frombuffer(self.completion_ids, "<i4").tolist(),
-                np.frombuffer(self.logprobs, "<f4").tolist(), np.frombuffer(self.versions, "<i4").tolist())  # fmt: skip
-
+        return (
+            np.frombuffer(self.prompt_ids, "<i4").tolist(),
+            np.frombuffer(self.completion_ids, "<i4").tolist(),
+            np.frombuffer(self.logprobs, "<f4").tolist(),
+            np.frombuffer(self.versions, "<i4").tolist(),
+        )

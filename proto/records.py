@@ -195,8 +195,12 @@ def _check_episode(loss_mask: np.ndarray, tokens: int, behavior_logprobs: np.nda
 
 def _check_turns(turn_starts: list[int], turn_rewards: list[float], tokens: int, where: str = "") -> None:
     """Turn offsets ascending inside the completion; a finite reward per turn, or none at all."""
-    if any(b <= a for a, b in zip(turn_starts, turn_starts[1:])) or (turn_starts and turn_starts[-1] >= max(tokens, 1)):
-        raise ValueError(f"{where}turn_starts must ascend within the {tokens} completion tokens, got {turn_starts[:8]}")
+    if any(b <= a for a, b in zip(turn_starts, turn_starts[1:])) or (
+        turn_starts and turn_starts[-1] >= max(tokens, 1)
+    ):
+        raise ValueError(
+            f"{where}turn_starts must ascend within the {tokens} completion tokens, got {turn_starts[:8]}"
+        )
     if turn_rewards and len(turn_rewards) != len(turn_starts):
         raise ValueError(f"{where}{len(turn_rewards)} turn_rewards for {len(turn_starts)} turns")
     if not all(math.isfinite(r) for r in turn_rewards):
@@ -218,7 +222,9 @@ def _check_tokens(ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -
     if not (float(_MIN(logprobs)) > -math.inf and float(_MAX(logprobs)) <= MAX_LOGPROB):
         if not np.all(np.isfinite(logprobs)):
             raise ValueError("behavior_logprobs contain NaN or inf")
-        raise ValueError(f"behavior_logprobs must be <= {MAX_LOGPROB} (0, up to rounding), found {float(logprobs.max())}")
+        raise ValueError(
+            f"behavior_logprobs must be <= {MAX_LOGPROB} (0, up to rounding), found {float(logprobs.max())}"
+        )
     if int(_MIN(ids)) < 0:
         raise ValueError("negative token id")
 
@@ -321,21 +327,29 @@ class Samples(_Struct):
         _check_episode(self.loss_mask, tokens, self.behavior_logprobs)
         if self.turn_starts or self.turn_rewards:
             for i, length in enumerate(self.lengths):
-                _check_turns(self.turn_starts[i] if self.turn_starts else [],
-                             self.turn_rewards[i] if self.turn_rewards else [], length, f"sample {i}: ")  # fmt: skip
+                _check_turns(
+                    self.turn_starts[i] if self.turn_starts else [],
+                    self.turn_rewards[i] if self.turn_rewards else [],
+                    length,
+                    f"sample {i}: ",
+                )
         for i, (reward, status) in enumerate(zip(self.reward, self.reward_status)):
             check_reward(reward, status, i)
         if self.prompt_lengths and len(self.prompt_lengths) != n:
             raise ValueError(f"{len(self.prompt_lengths)} prompt_lengths entries for {n} samples")
         if sum(self.prompt_lengths) != len(self.prompt_ids):
-            raise ValueError(f"prompt_lengths add up to {sum(self.prompt_lengths)}, prompt_ids holds {len(self.prompt_ids)}")
+            raise ValueError(
+                f"prompt_lengths add up to {sum(self.prompt_lengths)}, prompt_ids holds {len(self.prompt_ids)}"
+            )
         if len(self.prompt_ids) and int(_MIN(self.prompt_ids)) < 0:
             raise ValueError("negative token id in prompt_ids")
         for i, first in enumerate(self.episode):
             if first is None:
                 continue
             if first > i or self.episode[first] not in (None, first):
-                raise ValueError(f"sample {i}: episode {first} is not the first piece of an episode before it")
+                raise ValueError(
+                    f"sample {i}: episode {first} is not the first piece of an episode before it"
+                )
             if (self.reward[i], self.reward_status[i]) != (self.reward[first], self.reward_status[first]):
                 raise ValueError(f"sample {i}: the pieces of an episode carry its reward (sample {first}'s)")
 
@@ -385,7 +399,9 @@ class Samples(_Struct):
 
     def _view(self, i: int, start: int, end: int) -> Sample:
         """Sample i: its arrays view the columns and its `reward_details` is the group's own dict."""
-        values = {name: getattr(self, name)[i] for name in PER_SAMPLE if name not in TIMINGS and name not in EPISODE}
+        values = {
+            name: getattr(self, name)[i] for name in PER_SAMPLE if name not in TIMINGS and name not in EPISODE
+        }
         values |= {name: getattr(self, name)[i] for name in EPISODE if getattr(self, name)}
         tokens = {name: getattr(self, name)[start:end] for name in TOKEN_COLUMNS}
         if len(self.loss_mask):
@@ -413,10 +429,15 @@ class Samples(_Struct):
 TOKEN_COLUMNS = ("completion_ids", "behavior_logprobs", "versions")
 # per-sample columns that may be empty (no episode in the group), and their samples' defaults
 EPISODE = {"turn_starts": [], "turn_rewards": [], "episode": None}
-PER_SAMPLE = tuple(name for name in Samples.__struct_fields__
-                   if name not in TOKEN_COLUMNS and name not in ("lengths", "loss_mask", "prompt_ids", "prompt_lengths"))  # fmt: skip
+PER_SAMPLE = tuple(
+    name
+    for name in Samples.__struct_fields__
+    if name not in TOKEN_COLUMNS and name not in ("lengths", "loss_mask", "prompt_ids", "prompt_lengths")
+)
 TIMINGS = Timings.__struct_fields__
-assert {*PER_SAMPLE, *TOKEN_COLUMNS, "loss_mask", "prompt_ids"} - set(TIMINGS) == set(Sample.__struct_fields__) - {"index", "timings"}
+assert {*PER_SAMPLE, *TOKEN_COLUMNS, "loss_mask", "prompt_ids"} - set(TIMINGS) == set(
+    Sample.__struct_fields__
+) - {"index", "timings"}
 
 
 class Group(Record, tag="group"):

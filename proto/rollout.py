@@ -85,13 +85,19 @@ class EpisodeSpec(BaseModel):
     environment: str = Field(min_length=1, max_length=64)
     max_turns: int = Field(default=4, ge=1, le=MAX_TURNS)
     tool_format: Literal["hermes", "tagged"] = "hermes"
-    tool_open: str = Field(default="", max_length=64, description="default: <tool_call> (hermes), <tool> (tagged)")
+    tool_open: str = Field(
+        default="", max_length=64, description="default: <tool_call> (hermes), <tool> (tagged)"
+    )
     tool_close: str | None = Field(default=None, max_length=64, description="default: </tool_call>, </tool>")
     default_tool: str = Field(default="", max_length=128)
     observation_template: str = Field(default="{observation}", max_length=4096)
     env_args: dict[str, Any] = Field(default_factory=dict)
-    max_episode_tokens: int | None = Field(default=None, ge=1, description="completion + observations; default: the context")
-    retries: int = Field(default=2, ge=0, le=10, description="times a failed episode starts again before its group fails")
+    max_episode_tokens: int | None = Field(
+        default=None, ge=1, description="completion + observations; default: the context"
+    )
+    retries: int = Field(
+        default=2, ge=0, le=10, description="times a failed episode starts again before its group fails"
+    )
     tools: bool = True
 
     @field_validator("observation_template")

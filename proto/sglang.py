@@ -142,8 +142,11 @@ class GenerateReqInput(BaseModel):
     def _one_input(self) -> GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of `text` or `input_ids` must be given")
-        unsupported = [name for name in ("return_hidden_states", "return_entropy", "return_bytes", "background")
-                       if any(getattr(self, name) if isinstance(getattr(self, name), list) else [getattr(self, name)])]  # fmt: skip
+        unsupported = [
+            name
+            for name in ("return_hidden_states", "return_entropy", "return_bytes", "background")
+            if any(getattr(self, name) if isinstance(getattr(self, name), list) else [getattr(self, name)])
+        ]
         if unsupported:
             raise ValueError(f"not supported by the reference engine: {', '.join(unsupported)}")
         return self
@@ -170,7 +173,9 @@ class GenerateReqInput(BaseModel):
                 return default
             if isinstance(value, list):
                 if not batch or len(value) != n:
-                    raise ValueError(f"a per-item list has {len(value)} entries for a batch of {n if batch else 'one'}")
+                    raise ValueError(
+                        f"a per-item list has {len(value)} entries for a batch of {n if batch else 'one'}"
+                    )
                 return value[i]
             return value
 

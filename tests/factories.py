@@ -25,7 +25,8 @@ def make_sample(prompt_id="p0", index=0, n_tokens=5, version=0, reward=0.5, stat
 
 def make_group(group_id="g0", job_id="j0", n=4, n_tokens=5, version=0, submit_version=None, seed=0) -> Group:
     samples = [
-        make_sample(group_id, i, n_tokens, version, reward=float(i) / n, seed=seed * 1000 + i) for i in range(n)
+        make_sample(group_id, i, n_tokens, version, reward=float(i) / n, seed=seed * 1000 + i)
+        for i in range(n)
     ]
     return Group.build(
         group_id=group_id,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from asyncrl.buffer.server import free_port
 from asyncrl.proto.states import JobState
-from asyncrl.services.runtime.serving import STARTUP_TIMEOUT_S, ThreadServer, serve_app_in_thread
 from asyncrl.services.rollout.config import RolloutSettings
+from asyncrl.services.runtime.serving import STARTUP_TIMEOUT_S, ThreadServer, serve_app_in_thread
 
 __all__ = ["RunningProcess", "RunningRollout", "free_port", "serve_in_thread", "start_process",
            "start_reward_service", "wait_job"]  # fmt: skip
@@ -87,7 +87,15 @@ def start_reward_service(port: int | None = None, *, log_path=None) -> RunningPr
     import sys
 
     port = port or free_port()
-    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "reward", "--port", str(port), "--no-code-enabled"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.services.ops.cli",
+        "reward",
+        "--port",
+        str(port),
+        "--no-code-enabled",
+    ]
     return start_process(cmd, f"http://127.0.0.1:{port}", "/v1/verifiers", log_path=log_path)
 
 

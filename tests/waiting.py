@@ -32,4 +32,3 @@ def wait_until(predicate: Callable[[], T], *, message: str, timeout: float = TIM
         if late:
             raise AssertionError(f"timed out after {timeout:g} s waiting until {message}")
         time.sleep(interval)
-

@@ -28,20 +28,32 @@ def segment_bounds(position_ids: Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [int(position_ids.numel())]))
 
 
-def segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                      dropout: float = 0.0, scaling: float | None = None, position_ids: Tensor | None = None,
-                      sliding_window: int | None = None, **kwargs) -> tuple[Tensor, None]:  # fmt: skip
+def segment_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_ids: Tensor | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """query [B, Hq, L, D], key/value [B, Hkv, L, D] → ([B, L, Hq, D], None). A sliding window
     (Mistral, Qwen2's `use_sliding_window`, …) applies within each sample: query i sees keys
     i − window < j ≤ i of its own sample."""
     if attention_mask is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)  # fmt: skip
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if position_ids is None:  # attending over the whole row would cross samples without a word
-        raise ValueError(f"{type(module).__name__} does not pass position_ids to its attention: it cannot run "
-                         f"packed rows with {NAME}")  # fmt: skip
+        raise ValueError(
+            f"{type(module).__name__} does not pass position_ids to its attention: it cannot run "
+            f"packed rows with {NAME}"
+        )
     gqa = query.shape[1] != key.shape[1]
     rows = []
     for b in range(query.shape[0]):
@@ -51,9 +63,18 @@ def segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             if sliding_window is not None and e - s > sliding_window:
                 i = torch.arange(e - s, device=query.device)
                 band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
-            parts.append(torch.nn.functional.scaled_dot_product_attention(
-                query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], attn_mask=band,
-                dropout_p=dropout, scale=scaling, is_causal=band is None, enable_gqa=gqa))  # fmt: skip
+            parts.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    query[b : b + 1, :, s:e],
+                    key[b : b + 1, :, s:e],
+                    value[b : b + 1, :, s:e],
+                    attn_mask=band,
+                    dropout_p=dropout,
+                    scale=scaling,
+                    is_causal=band is None,
+                    enable_gqa=gqa,
+                )
+            )
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
 

@@ -70,8 +70,11 @@ def rewards_matrix(groups: list[Group], shaping: Shaping | None = None) -> tuple
             if status is RewardStatus.scored:
                 r = float(reward)
                 if shaping is not None and shaping.max_len is not None:
-                    r += float(overlong_penalty(torch.tensor([length]), shaping.max_len,
-                                                shaping.cache_len, shaping.factor)[0])  # fmt: skip
+                    r += float(
+                        overlong_penalty(
+                            torch.tensor([length]), shaping.max_len, shaping.cache_len, shaping.factor
+                        )[0]
+                    )
                 rewards[gi, i], valid[gi, i] = r, True
     return torch.from_numpy(rewards), torch.from_numpy(valid)
 
@@ -94,16 +97,25 @@ def build_rows(groups: list[Group], kind: AdvantageKind, shaping: Shaping | None
         s, start, p = g.samples, 0, 0  # sample i's tokens: the next lengths[i] of each token column
         masks = s.loss_mask if len(s.loss_mask) else None
         for i, (length, status, truncated) in enumerate(zip(s.lengths, s.reward_status, s.truncated)):
-            first = s.episode[i] if s.episode and s.episode[i] is not None else i  # pieces share their episode's advantage
+            first = (
+                s.episode[i] if s.episode and s.episode[i] is not None else i
+            )  # pieces share their episode's advantage
             ok, end = valid[gi][first], start + length
             prompt = g.prompt_tokens
             if s.prompt_lengths and s.prompt_lengths[i]:
                 prompt, p = s.prompt_ids[p : p + s.prompt_lengths[i]], p + s.prompt_lengths[i]
             if not ok:
                 out.masked[status.value if status else "unscored"] += 1
-            out.rows.append(Row(prompt, s.completion_ids[start:end], s.behavior_logprobs[start:end],
-                                float(adv[gi][first]) if ok else 0.0, ok,
-                                masks[start:end] if masks is not None else None))  # fmt: skip
+            out.rows.append(
+                Row(
+                    prompt,
+                    s.completion_ids[start:end],
+                    s.behavior_logprobs[start:end],
+                    float(adv[gi][first]) if ok else 0.0,
+                    ok,
+                    masks[start:end] if masks is not None else None,
+                )
+            )
             out.lengths.append(length)
             out.truncated += int(truncated)
             start = end
@@ -143,7 +155,9 @@ class Batch:
         return self.position_ids is not None
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
+        return Batch(
+            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+        )
 
 
 class _Tokens:
@@ -159,7 +173,9 @@ class _Tokens:
         self.behavior = np.zeros((n, t_max), dtype=np.float32)
         self.adv = np.zeros((n, t_max), dtype=np.float32)
 
-    def fill(self, index: list[int], rows: list[Row], first: list[int], rest: list[int] | None = None) -> None:
+    def fill(
+        self, index: list[int], rows: list[Row], first: list[int], rest: list[int] | None = None
+    ) -> None:
         """Sample index[k] is rows[k]: its completion token 0 is predicted by flat position
         first[k], token t > 0 by first[k] + t, or by rest[k] + t − 1 when given (a shared-prompt
         row, where a completion's own tokens start elsewhere)."""
@@ -173,7 +189,9 @@ class _Tokens:
         t = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         position = np.repeat(np.asarray(first, dtype=np.int64), lengths) + t
         if rest is not None:
-            position = np.where(t == 0, position, np.repeat(np.asarray(rest, dtype=np.int64), lengths) + t - 1)
+            position = np.where(
+                t == 0, position, np.repeat(np.asarray(rest, dtype=np.int64), lengths) + t - 1
+            )
         valid = np.fromiter((r.valid for r in rows), dtype=bool, count=len(rows))
         self.token_index[sample, t] = position
         self.present[sample, t] = True
@@ -182,19 +200,40 @@ class _Tokens:
         if all(r.loss_mask is None for r in rows):
             self.mask[sample, t] = np.repeat(valid.astype(np.float32), lengths)
         else:
-            self.mask[sample, t] = np.concatenate([
-                (np.ones(n, np.float32) if r.loss_mask is None else np.asarray(r.loss_mask, np.float32)) * r.valid
-                for r, n in zip(rows, lengths.tolist())])  # fmt: skip
-        advantages = np.fromiter((r.advantage if r.valid else 0.0 for r in rows), dtype=np.float32, count=len(rows))
+            self.mask[sample, t] = np.concatenate(
+                [
+                    (np.ones(n, np.float32) if r.loss_mask is None else np.asarray(r.loss_mask, np.float32))
+                    * r.valid
+                    for r, n in zip(rows, lengths.tolist())
+                ]
+            )
+        advantages = np.fromiter(
+            (r.advantage if r.valid else 0.0 for r in rows), dtype=np.float32, count=len(rows)
+        )
         self.adv[sample, t] = np.repeat(advantages, lengths)
 
-    def batch(self, input_ids: np.ndarray, attention_mask: np.ndarray | None, position_ids: np.ndarray | None,
-              real_rows: int) -> Batch:  # fmt: skip
+    def batch(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray | None,
+        position_ids: np.ndarray | None,
+        real_rows: int,
+    ) -> Batch:
         def t(a):
             return None if a is None else torch.from_numpy(a)
 
-        return Batch(t(input_ids), t(attention_mask), t(position_ids), t(self.token_index), t(self.present),
-                     t(self.targets), t(self.mask), t(self.behavior), t(self.adv), real_rows)  # fmt: skip
+        return Batch(
+            t(input_ids),
+            t(attention_mask),
+            t(position_ids),
+            t(self.token_index),
+            t(self.present),
+            t(self.targets),
+            t(self.mask),
+            t(self.behavior),
+            t(self.adv),
+            real_rows,
+        )
 
 
 def _sequence(row: Row) -> np.ndarray:
@@ -210,7 +249,9 @@ def collate(rows: list[Row | None], pad_id: int) -> Batch:
     tokens = _Tokens(n, max(1, max(c for _, c in lengths)))
     input_ids = np.full((n, seq_len), pad_id, dtype=np.int64)
     attention = np.zeros((n, seq_len), dtype=np.int64)
-    real = [(i, row, i * seq_len + p - 1) for i, (row, (p, _)) in enumerate(zip(rows, lengths)) if row is not None]
+    real = [
+        (i, row, i * seq_len + p - 1) for i, (row, (p, _)) in enumerate(zip(rows, lengths)) if row is not None
+    ]
     for i, (row, (p, c)) in enumerate(zip(rows, lengths)):
         attention[i, : p + c] = 1
         if row is not None:
@@ -225,7 +266,9 @@ def collate_packed(rows: list[Row | None], pad_id: int) -> Batch:
     Filler rows (None) are left out; a bin of fillers only is one padding token."""
     real = [r for r in rows if r is not None]
     if not real:
-        return _Tokens(1, 1).batch(np.full((1, 1), pad_id, dtype=np.int64), None, np.zeros((1, 1), dtype=np.int64), 0)
+        return _Tokens(1, 1).batch(
+            np.full((1, 1), pad_id, dtype=np.int64), None, np.zeros((1, 1), dtype=np.int64), 0
+        )
     tokens = _Tokens(len(real), max(1, max(len(r.completion_ids) for r in real)))
     seqs, positions, firsts, offset = [], [], [], 0
     for row in real:
@@ -245,7 +288,9 @@ def _trees(rows: list[Row]) -> list[list[tuple[int, Row]]]:
     """(index, row) grouped by identical prompt tokens, in first-seen order."""
     trees: dict[bytes, list[tuple[int, Row]]] = {}
     for i, row in enumerate(rows):
-        trees.setdefault(np.ascontiguousarray(row.prompt_tokens, dtype=np.int64).tobytes(), []).append((i, row))
+        trees.setdefault(np.ascontiguousarray(row.prompt_tokens, dtype=np.int64).tobytes(), []).append(
+            (i, row)
+        )
     return list(trees.values())
 
 
@@ -284,8 +329,9 @@ def collate_shared(rows: list[Row | None], pad_id: int) -> Batch:
         spans = np.array([max(len(row.completion_ids) - 1, 0) for _, row in tree], dtype=np.int64)
         starts = np.cumsum(spans) - spans  # of each completion, after the prompt
         end = p + int(spans.sum())
-        input_ids[r, :end] = np.concatenate([prompt, *(row.completion_ids[: max(len(row.completion_ids) - 1, 0)]
-                                                       for _, row in tree)])  # fmt: skip
+        input_ids[r, :end] = np.concatenate(
+            [prompt, *(row.completion_ids[: max(len(row.completion_ids) - 1, 0)] for _, row in tree)]
+        )
         segment[r, :p] = 0
         segment[r, p:end] = np.repeat(np.arange(1, len(tree) + 1), spans)
         positions[r, :p] = np.arange(p)
@@ -321,8 +367,17 @@ def pack(rows: list[Row], max_tokens: int) -> list[list[Row]]:
     return bins
 
 
-def micro_batches(rows: list[Row], rank: int, world: int, minibatches: int, micro_batch_size: int, pad_id: int,
-                  device: torch.device, max_tokens: int = 0, share_prompts: bool = False) -> list[Batch]:  # fmt: skip
+def micro_batches(
+    rows: list[Row],
+    rank: int,
+    world: int,
+    minibatches: int,
+    micro_batch_size: int,
+    pad_id: int,
+    device: torch.device,
+    max_tokens: int = 0,
+    share_prompts: bool = False,
+) -> list[Batch]:
     """This rank's share of the rows as micro-batches on `device`, minibatch by minibatch: every
     minibatch has the same number of micro-batches on every rank (FSDP needs every rank to run
     the same number of forwards).
@@ -336,15 +391,26 @@ def micro_batches(rows: list[Row], rank: int, world: int, minibatches: int, micr
     minibatch's."""
     mine = shard_rows(rows, rank, world, multiple=minibatches)
     per_mb = len(mine) // minibatches
-    chunks = [sorted(mine[m * per_mb : (m + 1) * per_mb], key=_row_length, reverse=True) for m in range(minibatches)]
+    chunks = [
+        sorted(mine[m * per_mb : (m + 1) * per_mb], key=_row_length, reverse=True) for m in range(minibatches)
+    ]
     if share_prompts:  # a prompt's samples next to each other, fillers last
-        chunks = [[row for tree in _trees([r for r in c if r is not None]) for _, row in tree] + [r for r in c if r is None]
-                  for c in chunks]  # fmt: skip
-        return [collate_shared(c[i : i + micro_batch_size], pad_id).to(device)
-                for c in chunks for i in range(0, len(c), micro_batch_size)]  # fmt: skip
+        chunks = [
+            [row for tree in _trees([r for r in c if r is not None]) for _, row in tree]
+            + [r for r in c if r is None]
+            for c in chunks
+        ]
+        return [
+            collate_shared(c[i : i + micro_batch_size], pad_id).to(device)
+            for c in chunks
+            for i in range(0, len(c), micro_batch_size)
+        ]
     if max_tokens <= 0:
-        return [collate(c[i : i + micro_batch_size], pad_id).to(device)
-                for c in chunks for i in range(0, len(c), micro_batch_size)]  # fmt: skip
+        return [
+            collate(c[i : i + micro_batch_size], pad_id).to(device)
+            for c in chunks
+            for i in range(0, len(c), micro_batch_size)
+        ]
     bins = [pack([r for r in c if r is not None], max_tokens) for c in chunks]
     most = torch.tensor([max(len(b) for b in bins)], dtype=torch.long)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -359,13 +425,28 @@ def _row_length(row: Row | None) -> int:
     return -1 if row is None else len(row.prompt_tokens) + len(row.completion_ids)
 
 
-def token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
-                   chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def token_logprobs(
+    model: nn.Module,
+    batch: Batch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(target_t) [N, T] at the sampling temperature (fp32, 0 where no token), and the
     entropy [N, T] if asked. Only the hidden states that predict a completion token go through
     the LM head, `chunk_tokens` of them at a time when > 0 (trainer/logprobs.py)."""
-    lp, ent = model_logprobs(model, batch.input_ids, batch.attention_mask, batch.position_ids,
-                             batch.token_index[batch.present], batch.targets[batch.present], temperature,
-                             chunk_tokens, with_entropy)  # fmt: skip
+    lp, ent = model_logprobs(
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        batch.token_index[batch.present],
+        batch.targets[batch.present],
+        temperature,
+        chunk_tokens,
+        with_entropy,
+    )
     zeros = torch.zeros(batch.targets.shape, dtype=lp.dtype, device=lp.device)
-    return zeros.masked_scatter(batch.present, lp), (zeros.masked_scatter(batch.present, ent) if with_entropy else None)
+    return zeros.masked_scatter(batch.present, lp), (
+        zeros.masked_scatter(batch.present, ent) if with_entropy else None
+    )

@@ -61,15 +61,24 @@ PREFIX = "step_"
 # the torch sizes, dtypes and layouts and the paths they hold. Names, not modules: a module-wide
 # allowance would admit whatever else the module imports.
 _METADATA_TYPES = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
     "torch.serialization": frozenset({"_get_layout"}),
     "torch": frozenset({"Size"}),
     "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath"}),
     "collections": frozenset({"OrderedDict"}),
-}  # fmt: skip
+}
 
 
 class UnsafeCheckpoint(pickle.UnpicklingError):
@@ -82,20 +91,31 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str):
-        if name in _METADATA_TYPES.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if name in _METADATA_TYPES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         if (module, name) == ("builtins", "getattr"):  # how some Pythons pickle an enum member: by name
             return self._enum_member
-        raise UnsafeCheckpoint(f"{self.path} refers to {module}.{name}, which is not checkpoint metadata: "
-                               "refusing to load it (a checkpoint directory written by this trainer never does)")  # fmt: skip
+        raise UnsafeCheckpoint(
+            f"{self.path} refers to {module}.{name}, which is not checkpoint metadata: "
+            "refusing to load it (a checkpoint directory written by this trainer never does)"
+        )
 
     def _enum_member(self, cls, name):
         """`getattr` as an enum member's pickle uses it, `getattr(EnumClass, member_name)`, and
         nothing else: a general getattr would reach the methods of the objects built here."""
-        if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, enum.Enum)
+            and isinstance(name, str)
+            and name in cls.__members__
+        ):
             return cls[name]
-        raise UnsafeCheckpoint(f"{self.path} asks for getattr({type(cls).__name__} object, {name!r}): only an enum "
-                               "member's lookup is checkpoint metadata")  # fmt: skip
+        raise UnsafeCheckpoint(
+            f"{self.path} asks for getattr({type(cls).__name__} object, {name!r}): only an enum "
+            "member's lookup is checkpoint metadata"
+        )
 
 
 class CheckedReader(FileSystemReader):
@@ -172,8 +192,14 @@ class Checkpointer:
         dist.all_gather(out, mine.to(dev))
         return torch.stack([t.cpu() for t in out])
 
-    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler, version: int,
-             consumed_ids: list[str]) -> Path | None:  # fmt: skip
+    def save(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LRScheduler,
+        version: int,
+        consumed_ids: list[str],
+    ) -> Path | None:
         """Collective. Returns the durable directory on rank 0 (None elsewhere)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -181,10 +207,14 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no gather
         cuda = self.d.device.type == "cuda"
         python_rng = random.getstate()
-        extra = {"rng": self._gather(torch.get_rng_state()),
-                 "cuda_rng": self._gather(torch.cuda.get_rng_state(self.d.device)) if cuda else None,
-                 "python_rng": list(python_rng[1]), "python_rng_gauss": python_rng[2],
-                 "param_groups": optim_sd["param_groups"], "scheduler": scheduler.state_dict()}  # fmt: skip
+        extra = {
+            "rng": self._gather(torch.get_rng_state()),
+            "cuda_rng": self._gather(torch.cuda.get_rng_state(self.d.device)) if cuda else None,
+            "python_rng": list(python_rng[1]),
+            "python_rng_gauss": python_rng[2],
+            "param_groups": optim_sd["param_groups"],
+            "scheduler": scheduler.state_dict(),
+        }
         final = self.root / f"{PREFIX}{version:08d}"
         tmp = self.root / f".tmp-{final.name}"  # one name on every rank: they all write into it
         if self.d.is_main:
@@ -195,8 +225,12 @@ class Checkpointer:
         path = None
         if self.d.is_main:
             torch.save(extra, tmp / "extra.pt")
-            meta = {"version": version, "consumed_ids": list(consumed_ids), "world": self.d.world,
-                    "saved_at": time.time()}  # fmt: skip
+            meta = {
+                "version": version,
+                "consumed_ids": list(consumed_ids),
+                "world": self.d.world,
+                "saved_at": time.time(),
+            }
             (tmp / "meta.json").write_text(json.dumps(meta))
             atomic_publish_dir(tmp, final)
             self._prune()
@@ -227,8 +261,10 @@ class Checkpointer:
         seen = self._gather(torch.tensor([(path / ".metadata").is_file()], dtype=torch.uint8))[:, 0]
         if not bool(seen.all()):  # every rank raises, rather than the others waiting in dcp.load
             blind = [r for r, ok in enumerate(seen.tolist()) if not ok]
-            raise RuntimeError(f"ranks {blind} find no {path / '.metadata'}: checkpoints need a directory every "
-                               "rank sees, written in this (sharded) format")  # fmt: skip
+            raise RuntimeError(
+                f"ranks {blind} find no {path / '.metadata'}: checkpoints need a directory every "
+                "rank sees, written in this (sharded) format"
+            )
         # Freshly made state dicts of this world's shards (the optimizer's state is initialised by
         # a zero-lr step if empty); dcp.load fills them in place from whatever world saved them.
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -237,8 +273,12 @@ class Checkpointer:
         reader.read_metadata()  # a tampered index raises UnsafeCheckpoint here (dcp.load would wrap it)
         dcp.load({"model": model_sd, "optim": optim_sd["state"]}, checkpoint_id=path, storage_reader=reader)
         extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
-        set_state_dict(model, optimizer, model_state_dict=model_sd,
-                       optim_state_dict={"state": optim_sd["state"], "param_groups": extra["param_groups"]})  # fmt: skip
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=model_sd,
+            optim_state_dict={"state": optim_sd["state"], "param_groups": extra["param_groups"]},
+        )
         scheduler.load_state_dict(extra["scheduler"])
         changed = _apply_hyperparameters(optimizer, scheduler, configured)
         rng = extra["rng"]
@@ -257,12 +297,15 @@ HYPERPARAMETERS = ("betas", "eps", "weight_decay")  # of an AdamW param group, b
 def _hyperparameters(optimizer: torch.optim.Optimizer, scheduler: LRScheduler) -> list[dict]:
     """Per param group: the configured peak lr (the scheduler's base lr) and the other
     hyperparameters, as built from this start's config."""
-    return [{**{k: g[k] for k in HYPERPARAMETERS if k in g}, "lr": base}
-            for g, base in zip(optimizer.param_groups, scheduler.base_lrs)]  # fmt: skip
+    return [
+        {**{k: g[k] for k in HYPERPARAMETERS if k in g}, "lr": base}
+        for g, base in zip(optimizer.param_groups, scheduler.base_lrs)
+    ]
 
 
-def _apply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
-                           configured: list[dict]) -> dict[str, tuple]:  # fmt: skip
+def _apply_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: LRScheduler, configured: list[dict]
+) -> dict[str, tuple]:
     """After a load: the configured hyperparameters replace the saved ones (the checkpoint holds
     the state: moments, step counts, the schedule's position), and the lr of the next update is
     the configured peak times the schedule's factor there. Unchanged, this is the saved lr

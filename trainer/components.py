@@ -92,7 +92,9 @@ class Parts:
             if self._shipper is None:
                 self._shipper = ThreadPoolExecutor(1, thread_name_prefix="weights-publish")
             self._shipping = self._shipper.submit(self._ship, version, state, rollback, t0)
-            self._shipping.add_done_callback(partial(_log_failed_publish, version))  # seen even if never awaited
+            self._shipping.add_done_callback(
+                partial(_log_failed_publish, version)
+            )  # seen even if never awaited
         else:
             self._ship(version, state, rollback, t0)
 
@@ -105,18 +107,32 @@ class Parts:
     def _ship(self, version: int, state: dict[str, torch.Tensor], rollback: bool, t0: float) -> None:
         if self.disk is not None:
             out = self.disk.write(version, state, self.epoch)
-            info = WeightsInfo(version=version, epoch=self.epoch, method="disk", path=out.path,
-                               published_at=time.time())  # fmt: skip
+            info = WeightsInfo(
+                version=version, epoch=self.epoch, method="disk", path=out.path, published_at=time.time()
+            )
         else:
             out = self.broadcast.publish(version, state, self.epoch)
-            info = WeightsInfo(version=version, epoch=self.epoch, method="distributed", published_at=time.time(),
-                               extra={"group_name": self.broadcast.group_name})  # fmt: skip
+            info = WeightsInfo(
+                version=version,
+                epoch=self.epoch,
+                method="distributed",
+                published_at=time.time(),
+                extra={"group_name": self.broadcast.group_name},
+            )
         self.weights.publish(info, rollback=rollback, set_version=True)  # announced, then `version` set
         seconds = time.perf_counter() - t0
         tm.PUBLISH_SECONDS.labels(info.method).observe(seconds)
         tm.PUBLISH_BYTES.labels(info.method).inc(out.nbytes)
-        log_event(log, "weights published", version=version, epoch=self.epoch, method=info.method, bytes=out.nbytes,
-                  seconds=round(seconds, 4), path=info.path)  # fmt: skip
+        log_event(
+            log,
+            "weights published",
+            version=version,
+            epoch=self.epoch,
+            method=info.method,
+            bytes=out.nbytes,
+            seconds=round(seconds, 4),
+            path=info.path,
+        )
 
     def audit(self, event: str, version: int, **fields) -> None:
         """Rank 0: append one JSON line (one write: a killed process leaves whole lines)."""
@@ -133,7 +149,9 @@ class Parts:
 def _log_failed_publish(version: int, shipping: Future) -> None:
     if not shipping.cancelled() and shipping.exception() is not None:
         tm.PUBLISH_FAILURES.inc()
-        log_event(log, "weights publish failed", logging.ERROR, version=version, error=repr(shipping.exception()))
+        log_event(
+            log, "weights publish failed", logging.ERROR, version=version, error=repr(shipping.exception())
+        )
 
 
 def build(cfg: TrainerSettings, d: Dist) -> Parts:
@@ -142,25 +160,54 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
     out = Path(cfg.output_dir)
     if d.is_main:
         out.mkdir(parents=True, exist_ok=True)
-    tracker = build_tracker(cfg, d.rank, d.world, d.backend)  # enabled without wandb: stop before the model loads
+    tracker = build_tracker(
+        cfg, d.rank, d.world, d.backend
+    )  # enabled without wandb: stop before the model loads
     compute_dtype = resolve_mixed_precision(cfg.mixed_precision, d.device)
     if d.is_main:
-        log_event(log, "compute dtype", setting=cfg.mixed_precision, dtype=compute_dtype, device=d.device.type)
-    model = build_model(cfg.model_path, d, random_init=cfg.random_init, seed=cfg.seed, mixed_precision=compute_dtype,
-                        activation_checkpointing=cfg.activation_checkpointing,
-                        packing=cfg.max_tokens_per_micro_batch > 0)  # fmt: skip
+        log_event(
+            log, "compute dtype", setting=cfg.mixed_precision, dtype=compute_dtype, device=d.device.type
+        )
+    model = build_model(
+        cfg.model_path,
+        d,
+        random_init=cfg.random_init,
+        seed=cfg.seed,
+        mixed_precision=compute_dtype,
+        activation_checkpointing=cfg.activation_checkpointing,
+        packing=cfg.max_tokens_per_micro_batch > 0,
+    )
     ref_model = None
     if cfg.kl_coef > 0:
-        ref_model = build_model(cfg.model_path, d, random_init=cfg.random_init, seed=cfg.seed,
-                                mixed_precision=compute_dtype, trainable=False,
-                                packing=cfg.max_tokens_per_micro_batch > 0)  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)  # fmt: skip
-    scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.lr_warmup_steps, cfg.lr_decay_steps or cfg.max_steps,
-                                cfg.lr_min_ratio)  # fmt: skip
-    step_cfg = StepConfig(loss=cfg.loss, temperature=cfg.temperature, grad_clip=cfg.grad_clip,
-                          minibatches=cfg.minibatches, kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind,
-                          entropy_coef=cfg.entropy_coef, chunk_tokens=cfg.logprob_chunk_tokens)  # fmt: skip
+        ref_model = build_model(
+            cfg.model_path,
+            d,
+            random_init=cfg.random_init,
+            seed=cfg.seed,
+            mixed_precision=compute_dtype,
+            trainable=False,
+            packing=cfg.max_tokens_per_micro_batch > 0,
+        )
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+    )
+    scheduler = build_scheduler(
+        optimizer, cfg.lr_schedule, cfg.lr_warmup_steps, cfg.lr_decay_steps or cfg.max_steps, cfg.lr_min_ratio
+    )
+    step_cfg = StepConfig(
+        loss=cfg.loss,
+        temperature=cfg.temperature,
+        grad_clip=cfg.grad_clip,
+        minibatches=cfg.minibatches,
+        kl_coef=cfg.kl_coef,
+        kl_kind=cfg.kl_kind,
+        entropy_coef=cfg.entropy_coef,
+        chunk_tokens=cfg.logprob_chunk_tokens,
+    )
     shaping = Shaping(cfg.overlong_max_len, cfg.overlong_cache_len, cfg.overlong_factor)
     groups = weights = admission = disk = broadcast = None
     health = tm.Health()
@@ -177,15 +224,30 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
             from asyncrl.buffer.server import free_port
 
             backend = cfg.broadcast_backend if cfg.broadcast_backend != "auto" else d.backend
-            broadcast = BroadcastPublisher(cfg.engine_urls, cfg.broadcast_master_addr, cfg.broadcast_port or free_port(),
-                                           backend, cfg.bucket_mb << 20, group_name=f"asyncrl-{cfg.run}-{time.time_ns()}",
-                                           api_token=engine_token())  # fmt: skip
+            broadcast = BroadcastPublisher(
+                cfg.engine_urls,
+                cfg.broadcast_master_addr,
+                cfg.broadcast_port or free_port(),
+                backend,
+                cfg.bucket_mb << 20,
+                group_name=f"asyncrl-{cfg.run}-{time.time_ns()}",
+                api_token=engine_token(),
+            )
             # a fresh group name per trainer start: engines still hold the dead group of a crashed one
         if cfg.metrics_port:
             tm.serve(cfg.metrics_host, cfg.metrics_port, health)
-    source = GroupSource(d, groups, cfg.batch_groups, cfg.max_staleness, cfg.staleness_policy, cfg.block_ms,
-                         cfg.dynamic_sampling, shaping if cfg.overlong_max_len else None, cfg.heartbeat_s,
-                         prefill=cfg.prefill_groups)  # fmt: skip
+    source = GroupSource(
+        d,
+        groups,
+        cfg.batch_groups,
+        cfg.max_staleness,
+        cfg.staleness_policy,
+        cfg.block_ms,
+        cfg.dynamic_sampling,
+        shaping if cfg.overlong_max_len else None,
+        cfg.heartbeat_s,
+        prefill=cfg.prefill_groups,
+    )
     pad_id = AutoConfig.from_pretrained(cfg.model_path).pad_token_id or 0
     fetch = None
     if tracker is not None and d.is_main:
@@ -196,6 +258,24 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
         def fetch() -> list[dict]:
             return [e.model_dump() for e in evals.list()]
 
-    return Parts(cfg, d, model, ref_model, optimizer, scheduler, step_cfg, source,
-                 Checkpointer(out / "checkpoints", d, cfg.keep_checkpoints), groups, weights, admission, disk, broadcast,
-                 health, int(pad_id), out / "trained.jsonl" if cfg.audit_log else None, tracker, fetch)  # fmt: skip
+    return Parts(
+        cfg,
+        d,
+        model,
+        ref_model,
+        optimizer,
+        scheduler,
+        step_cfg,
+        source,
+        Checkpointer(out / "checkpoints", d, cfg.keep_checkpoints),
+        groups,
+        weights,
+        admission,
+        disk,
+        broadcast,
+        health,
+        int(pad_id),
+        out / "trained.jsonl" if cfg.audit_log else None,
+        tracker,
+        fetch,
+    )

@@ -51,8 +51,19 @@ class Taken:
 
 
 class GroupSource:
-    def __init__(self, d: Dist, groups: Groups | None, batch_groups: int, max_staleness: int, policy: str, block_ms: int,
-                 dynamic_sampling: bool, shaping: Shaping | None, heartbeat_s: float = 30.0, prefill: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        d: Dist,
+        groups: Groups | None,
+        batch_groups: int,
+        max_staleness: int,
+        policy: str,
+        block_ms: int,
+        dynamic_sampling: bool,
+        shaping: Shaping | None,
+        heartbeat_s: float = 30.0,
+        prefill: int = 0,
+    ):
         self.d, self.groups = d, groups  # (the buffer's groups: rank 0 only)
         self.batch_groups, self.max_staleness, self.policy = batch_groups, max_staleness, policy
         self.block_ms, self.dynamic_sampling, self.shaping = block_ms, dynamic_sampling, shaping
@@ -67,17 +78,30 @@ class GroupSource:
 
     def _read(self, version: int, taken: Taken, deadline: float) -> None:
         """Rank 0: add to `taken` until it holds B trainable groups, a stop request, or `deadline`."""
-        while len(taken.groups) < self.batch_groups and not self.stop_requested.is_set() and time.monotonic() < deadline:
-            res = self.groups.take(self.batch_groups - len(taken.groups), version, self.max_staleness,
-                                   self.block_ms, self.policy)  # fmt: skip
+        while (
+            len(taken.groups) < self.batch_groups
+            and not self.stop_requested.is_set()
+            and time.monotonic() < deadline
+        ):
+            res = self.groups.take(
+                self.batch_groups - len(taken.groups), version, self.max_staleness, self.block_ms, self.policy
+            )
             taken.withheld += res.withheld
             taken.dropped += res.dropped
             taken.lost += res.lost
             taken.dead_lettered += res.dead_lettered
-            for outcome, n in ((GroupState.lost, len(res.lost)), (GroupState.dropped, len(res.dropped)),
-                               (GroupState.withheld, len(res.withheld)), (GroupState.dead_lettered, res.dead_lettered)):
-                tm.GROUPS.labels(outcome.value).inc(n)  # fmt: skip
-            flat = zero_spread_groups(res.groups, self.shaping) if self.dynamic_sampling else [False] * len(res.groups)
+            for outcome, n in (
+                (GroupState.lost, len(res.lost)),
+                (GroupState.dropped, len(res.dropped)),
+                (GroupState.withheld, len(res.withheld)),
+                (GroupState.dead_lettered, res.dead_lettered),
+            ):
+                tm.GROUPS.labels(outcome.value).inc(n)
+            flat = (
+                zero_spread_groups(res.groups, self.shaping)
+                if self.dynamic_sampling
+                else [False] * len(res.groups)
+            )
             skip = [g.group_id for g, z in zip(res.groups, flat) if z]
             if skip:
                 self.groups.discard(skip, GroupState.zero_spread)
@@ -123,7 +147,11 @@ class GroupSource:
                     continue
                 taken.stop = state == STOP
                 return taken
-            payload = msgspec.msgpack.encode([encode(g) for g in taken.groups]) if self.d.is_main and state == READY else b""
+            payload = (
+                msgspec.msgpack.encode([encode(g) for g in taken.groups])
+                if self.d.is_main and state == READY
+                else b""
+            )
             header = torch.tensor([state, len(payload)], dtype=torch.long)
             broadcast_from_main(self.d, header)
             state = int(header[0])
@@ -133,9 +161,15 @@ class GroupSource:
                 continue
             taken.stop = state == STOP
             if state == READY:
-                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.d.is_main else \
-                    torch.empty(int(header[1]), dtype=torch.uint8)  # fmt: skip
+                data = (
+                    torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                    if self.d.is_main
+                    else torch.empty(int(header[1]), dtype=torch.uint8)
+                )
                 broadcast_from_main(self.d, data)
                 if not self.d.is_main:
-                    taken.groups = [decode(b, Group) for b in msgspec.msgpack.decode(data.numpy().tobytes(), type=list[bytes])]
+                    taken.groups = [
+                        decode(b, Group)
+                        for b in msgspec.msgpack.decode(data.numpy().tobytes(), type=list[bytes])
+                    ]
             return taken

@@ -89,7 +89,11 @@ class _ChunkedHead(torch.autograd.Function):
             grad_lp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
+        grad_b = (
+            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+            if bias is not None
+            else None
+        )
         for s in range(0, hidden.shape[0], chunk):
             h, y, g_lp = hidden[s : s + chunk], targets[s : s + chunk, None], grad_lp[s : s + chunk, None]
             logp, p, log_sum = _shifted_softmax(_logits(h, weight, bias, t))
@@ -115,8 +119,15 @@ class _ChunkedHead(torch.autograd.Function):
         return grad_h, grad_w.to(weight.dtype), grad_b, None, None, None, None
 
 
-def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float = 1.0,
-                  chunk_tokens: int = 0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def head_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """log π(targets) [K] and, if asked, the entropy [K] of hidden states [K, d] through an LM
     head (W [V, d], optional bias), both fp32. `chunk_tokens` > 0 never holds more than that many
     tokens' logits (forward or backward); 0 builds them all (plain autograd)."""
@@ -132,25 +143,44 @@ def check_linear_head(model: nn.Module) -> None:
     """Refuse models whose logits are not `lm_head(h)`: computing them from the hidden state
     here would silently drop their soft-capping or scaling."""
     config = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling",
-                 "lm_head_multiplier", "scale_width"):  # fmt: skip
+    for attr in (
+        "final_logit_softcapping",
+        "logit_scale",
+        "output_multiplier_scale",
+        "logits_scaling",
+        "lm_head_multiplier",
+        "scale_width",
+    ):
         value = getattr(config, attr, None)
         if value is True or (value is not None and value is not False and value != 1):  # True == 1 in Python
-            raise ValueError(f"{type(model).__name__} sets {attr}={value}: the trainer supports {SUPPORTED_HEAD}")
+            raise ValueError(
+                f"{type(model).__name__} sets {attr}={value}: the trainer supports {SUPPORTED_HEAD}"
+            )
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
-        raise ValueError(f"{type(model).__name__}'s output embedding is {type(head).__name__}: the trainer supports "
-                         f"{SUPPORTED_HEAD}")  # fmt: skip
+        raise ValueError(
+            f"{type(model).__name__}'s output embedding is {type(head).__name__}: the trainer supports "
+            f"{SUPPORTED_HEAD}"
+        )
 
 
-def policy_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
-                    flat_index: Tensor, targets: Tensor, temperature: float, chunk_tokens: int,
-                    with_entropy: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def policy_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+    flat_index: Tensor,
+    targets: Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
     """The decoder's last hidden state at `flat_index` (into the flattened [rows · L] positions)
     through the LM head. A method of the model under FSDP2 (`install`), so the root's parameters
     (embeddings, final norm, head) are gathered for it like for `forward`."""
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False)  # fmt: skip
+    out = model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
     hidden = out.last_hidden_state
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
     head = model.get_output_embeddings()

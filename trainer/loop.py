@@ -51,8 +51,13 @@ def resume(p: Parts) -> int:
     meta = p.ckpt.load(p.model, p.optimizer, p.scheduler)
     version = meta.version if meta else 0
     if p.d.is_main and meta is not None and meta.changed:
-        log_event(log, "hyperparameters changed since the checkpoint: the configured ones apply from this update on",
-                  logging.WARNING, version=version, changed={k: list(v) for k, v in meta.changed.items()})  # fmt: skip
+        log_event(
+            log,
+            "hyperparameters changed since the checkpoint: the configured ones apply from this update on",
+            logging.WARNING,
+            version=version,
+            changed={k: list(v) for k, v in meta.changed.items()},
+        )
     if p.d.is_main:
         if meta is not None or p.weights.latest() is not None or p.weights.version() > 0:
             p.epoch = p.weights.begin_epoch(version)
@@ -60,8 +65,15 @@ def resume(p: Parts) -> int:
             p.groups.ack(meta.consumed_ids)  # a crash between checkpoint and ack: finish the ack
         reclaimed = p.groups.recover(0)  # consumed after the checkpoint: train them again
         accepted = p.admission.rebuild(version)
-        log_event(log, "trainer resumed", version=version, epoch=p.epoch, reclaimed=reclaimed, accepted=accepted,
-                  checkpoint=str(meta.path) if meta else None)  # fmt: skip
+        log_event(
+            log,
+            "trainer resumed",
+            version=version,
+            epoch=p.epoch,
+            reclaimed=reclaimed,
+            accepted=accepted,
+            checkpoint=str(meta.path) if meta else None,
+        )
         p.audit("resume", version, epoch=p.epoch, reclaimed=reclaimed)
     epoch = torch.tensor([p.epoch], dtype=torch.long)
     broadcast_from_main(p.d, epoch)  # rank 0 alone reads the buffer; publishing is collective
@@ -91,11 +103,23 @@ def train_steps(p: Parts) -> int:
             break
         with timer("recompute"):
             rows = build_rows(taken.groups, cfg.advantage, p.source.shaping)
-            micro = micro_batches(rows.rows, d.rank, d.world, cfg.minibatches, cfg.micro_batch_size, p.pad_id, d.device,
-                                  cfg.max_tokens_per_micro_batch, cfg.share_prompts)  # fmt: skip
+            micro = micro_batches(
+                rows.rows,
+                d.rank,
+                d.world,
+                cfg.minibatches,
+                cfg.micro_batch_size,
+                p.pad_id,
+                d.device,
+                cfg.max_tokens_per_micro_batch,
+                cfg.share_prompts,
+            )
             old = old_logprobs(p, micro)
-            ref = (recompute_logprobs(p.ref_model, micro, cfg.temperature, cfg.logprob_chunk_tokens) if p.ref_model is not None
-                   else [None] * len(micro))  # fmt: skip
+            ref = (
+                recompute_logprobs(p.ref_model, micro, cfg.temperature, cfg.logprob_chunk_tokens)
+                if p.ref_model is not None
+                else [None] * len(micro)
+            )
         stats = policy_step(p.model, p.optimizer, micro, old, ref, p.step_cfg, d.device)
         stats["lr"] = p.scheduler.get_last_lr()[0]  # the lr this version's update used
         p.scheduler.step()  # once per version (trainer/schedule.py), before a checkpoint saves it
@@ -106,9 +130,17 @@ def train_steps(p: Parts) -> int:
             p.publish(version)
         ids = [g.group_id for g in taken.groups]
         consumed += ids
-        p.audit("step", version, groups=ids, sampled=[sampled_lineage(g) for g in taken.groups], dropped=taken.dropped,
-                lost=taken.lost, discarded=taken.discarded,
-                withheld=[g.group_id for g in taken.withheld], dead_lettered=taken.dead_lettered)  # fmt: skip
+        p.audit(
+            "step",
+            version,
+            groups=ids,
+            sampled=[sampled_lineage(g) for g in taken.groups],
+            dropped=taken.dropped,
+            lost=taken.lost,
+            discarded=taken.discarded,
+            withheld=[g.group_id for g in taken.withheld],
+            dead_lettered=taken.dead_lettered,
+        )
         if version % cfg.checkpoint_every == 0 or version == cfg.max_steps:
             with timer("checkpoint"):
                 checkpoint_and_ack(p, version, consumed)
@@ -171,27 +203,51 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
     withheld_rewards = [r for g in taken.withheld for r in g.rewards if r is not None]
     all_rewards = rows.rewards + withheld_rewards
     reward_mean = sum(all_rewards) / len(all_rewards) if all_rewards else 0.0
-    gauges = {"loss": stats["loss"], "clip_fraction": stats["clip_frac"], "is_weight_mean": stats["is_weight_mean"],
-              "is_weight_max": stats["is_weight_max"], "is_masked_fraction": stats["is_masked_frac"],
-              "mismatch_kl": stats["mismatch_kl"], "approx_kl": stats["approx_kl"], "entropy": stats["entropy"],
-              "ref_kl": stats["ref_kl"], "grad_norm": stats["grad_norm"], "reward_mean": reward_mean,
-              "lr": stats["lr"]}  # fmt: skip
+    gauges = {
+        "loss": stats["loss"],
+        "clip_fraction": stats["clip_frac"],
+        "is_weight_mean": stats["is_weight_mean"],
+        "is_weight_max": stats["is_weight_max"],
+        "is_masked_fraction": stats["is_masked_frac"],
+        "mismatch_kl": stats["mismatch_kl"],
+        "approx_kl": stats["approx_kl"],
+        "entropy": stats["entropy"],
+        "ref_kl": stats["ref_kl"],
+        "grad_norm": stats["grad_norm"],
+        "reward_mean": reward_mean,
+        "lr": stats["lr"],
+    }
     tm.observe_step(gauges)
     tm.VERSION.set(version)  # last: a scrape that sees version v sees step v's figures
     p.health.version, p.health.last_step_at = version, time.time()
-    log_event(log, "step", version=version, groups=len(taken.groups), tokens=int(stats["tokens"]),
-              step_s=round(step_s, 4), **{k: round(v, 6) for k, v in gauges.items() if k != "lr"},
-              lr=float(f"{stats['lr']:.6g}"),  # ~1e-6: six decimals would print 0
-              **{f"{k}_s": round(v, 4) for k, v in phases.items()})  # fmt: skip
+    log_event(
+        log,
+        "step",
+        version=version,
+        groups=len(taken.groups),
+        tokens=int(stats["tokens"]),
+        step_s=round(step_s, 4),
+        **{k: round(v, 6) for k, v in gauges.items() if k != "lr"},
+        lr=float(f"{stats['lr']:.6g}"),  # ~1e-6: six decimals would print 0
+        **{f"{k}_s": round(v, 4) for k, v in phases.items()},
+    )
     if p.tracker is not None:
-        p.tracker.log_step(version, {
-            **{f"train/{k}": v for k, v in gauges.items()},
-            "perf/tokens": stats["tokens"], "perf/tokens_per_second": stats["tokens"] / busy, "perf/step_seconds": step_s,
-            **{f"perf/{k}_seconds": v for k, v in phases.items()},
-            "data/staleness_mean": sum(taken.staleness) / max(len(taken.staleness), 1),
-            "data/staleness_max": max(taken.staleness, default=0),
-            "data/response_length_mean": sum(rows.lengths) / max(len(rows.lengths), 1),
-            "data/truncation_rate": truncation, "data/zero_spread_groups": zero_spread,
-            "data/groups_trained": len(taken.groups), "data/groups_dropped": len(taken.dropped)})  # fmt: skip
+        p.tracker.log_step(
+            version,
+            {
+                **{f"train/{k}": v for k, v in gauges.items()},
+                "perf/tokens": stats["tokens"],
+                "perf/tokens_per_second": stats["tokens"] / busy,
+                "perf/step_seconds": step_s,
+                **{f"perf/{k}_seconds": v for k, v in phases.items()},
+                "data/staleness_mean": sum(taken.staleness) / max(len(taken.staleness), 1),
+                "data/staleness_max": max(taken.staleness, default=0),
+                "data/response_length_mean": sum(rows.lengths) / max(len(rows.lengths), 1),
+                "data/truncation_rate": truncation,
+                "data/zero_spread_groups": zero_spread,
+                "data/groups_trained": len(taken.groups),
+                "data/groups_dropped": len(taken.dropped),
+            },
+        )
         if p.fetch_evaluations is not None:
             p.tracker.log_evaluations(p.fetch_evaluations)

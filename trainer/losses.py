@@ -24,8 +24,19 @@ from torch import Tensor
 
 from asyncrl.trainer.loss_config import Aggregation, ISCorrection, LossConfig, LossKind
 
-__all__ = ["MAX_LOG_RATIO", "Aggregation", "ISCorrection", "LossConfig", "LossKind", "aggregate", "entropy_bonus",
-           "entropy_from_logits", "is_weights", "kl_penalty", "policy_loss"]  # fmt: skip
+__all__ = [
+    "MAX_LOG_RATIO",
+    "Aggregation",
+    "ISCorrection",
+    "LossConfig",
+    "LossKind",
+    "aggregate",
+    "entropy_bonus",
+    "entropy_from_logits",
+    "is_weights",
+    "kl_penalty",
+    "policy_loss",
+]
 
 MAX_LOG_RATIO = 20.0  # keeps exp() finite when trainer and engine disagree wildly (e^20 ≈ 4.9e8)
 
@@ -48,7 +59,9 @@ def _row_mean(x: Tensor, mask: Tensor) -> Tensor:
     return _row_sum(x, mask) / mask.sum(dim=-1).clamp(min=1.0)
 
 
-def is_weights(log_rho: Tensor, mask: Tensor, correction: ISCorrection, is_low: float, is_high: float) -> Tensor:
+def is_weights(
+    log_rho: Tensor, mask: Tensor, correction: ISCorrection, is_low: float, is_high: float
+) -> Tensor:
     """Behaviour-correction weight w [B, T] from log ρ = log π_old − log μ [B, T] (no grad)."""
     log_rho = log_rho.detach()
     ones = torch.ones_like(log_rho)
@@ -75,7 +88,11 @@ def is_weights(log_rho: Tensor, mask: Tensor, correction: ISCorrection, is_low: 
 
 
 def aggregate(
-    values: Tensor, mask: Tensor, agg: Aggregation, max_tokens: int | None = None, denominator: float | None = None
+    values: Tensor,
+    mask: Tensor,
+    agg: Aggregation,
+    max_tokens: int | None = None,
+    denominator: float | None = None,
 ) -> Tensor:
     """Reduce per-token values [B, T] to a scalar.
 
@@ -194,7 +211,13 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-def entropy_bonus(entropy: Tensor, mask: Tensor, coef: float, agg: Aggregation = "token_mean",
-                  max_tokens: int | None = None, denominator: float | None = None) -> Tensor:
+def entropy_bonus(
+    entropy: Tensor,
+    mask: Tensor,
+    coef: float,
+    agg: Aggregation = "token_mean",
+    max_tokens: int | None = None,
+    denominator: float | None = None,
+) -> Tensor:
     """Loss term −coef · agg(entropy): subtracting it rewards a spread-out policy."""
     return -coef * aggregate(entropy, mask, agg, max_tokens, denominator)

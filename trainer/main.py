@@ -12,8 +12,16 @@ import argparse
 import os
 import sys
 
-TORCHRUN_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--master-port",
-                  "--master-addr", "--max-restarts")  # fmt: skip
+TORCHRUN_FLAGS = (
+    "--nnodes",
+    "--node-rank",
+    "--rdzv-endpoint",
+    "--rdzv-backend",
+    "--rdzv-id",
+    "--master-port",
+    "--master-addr",
+    "--max-restarts",
+)
 
 
 def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -35,11 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.services.runtime.config import load_settings
     from asyncrl.trainer.config import TrainerSettings
 
-    load_settings(TrainerSettings, rest, prog="asyncrl train", section="trainer")  # fails fast, or --print-config
+    load_settings(
+        TrainerSettings, rest, prog="asyncrl train", section="trainer"
+    )  # fails fast, or --print-config
     # torchrun's agent polls its workers every 0.1 s by default; once a second still notices a
     # dead worker promptly and leaves the cores to the work.
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={launch.nproc_per_node}",
-           "--monitor-interval=1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={launch.nproc_per_node}",
+        "--monitor-interval=1",
+    ]
     passthrough = {f: getattr(launch, f[2:].replace("-", "_")) for f in TORCHRUN_FLAGS}
     cmd += [f"{f}={v}" for f, v in passthrough.items() if v is not None]
     if launch.nnodes is None and launch.rdzv_endpoint is None:

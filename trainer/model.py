@@ -73,8 +73,9 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
         if "RANK" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    timeout=timeout)  # fmt: skip
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timeout
+            )
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
 
 
@@ -162,8 +163,11 @@ def build_model(
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
         layers = _decoder_layers(model)
         for i, layer in enumerate(layers):
-            fully_shard(layer, mp_policy=mp,
-                        reshard_after_forward=reshard_after_forward and not (trainable and i == len(layers) - 1))
+            fully_shard(
+                layer,
+                mp_policy=mp,
+                reshard_after_forward=reshard_after_forward and not (trainable and i == len(layers) - 1),
+            )
         fully_shard(model, mp_policy=mp, reshard_after_forward=not trainable)
     model.to_empty(device=d.device)
     if not sharded and getattr(config, "tie_word_embeddings", False):

@@ -30,8 +30,9 @@ from torch.optim.lr_scheduler import LambdaLR
 Schedule = Literal["constant", "cosine"]
 
 
-def lr_factor(n: int, schedule: Schedule, warmup_steps: int = 0, decay_steps: int | None = None,
-              min_ratio: float = 0.0) -> float:  # fmt: skip
+def lr_factor(
+    n: int, schedule: Schedule, warmup_steps: int = 0, decay_steps: int | None = None, min_ratio: float = 0.0
+) -> float:
     """f(n), the multiplier of the configured lr for update n ≥ 1 (module docstring)."""
     if n <= warmup_steps:
         return n / warmup_steps
@@ -43,8 +44,13 @@ def lr_factor(n: int, schedule: Schedule, warmup_steps: int = 0, decay_steps: in
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule, warmup_steps: int = 0,
-                    decay_steps: int | None = None, min_ratio: float = 0.0) -> LambdaLR:  # fmt: skip
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    schedule: Schedule,
+    warmup_steps: int = 0,
+    decay_steps: int | None = None,
+    min_ratio: float = 0.0,
+) -> LambdaLR:
     """A `LambdaLR` over `optimizer` following `lr_factor`; sets the lr of update 1 at once."""
     if schedule == "cosine":  # refuse a bad horizon now, not at the first step past warmup
         lr_factor(warmup_steps + 1, schedule, warmup_steps, decay_steps, min_ratio)

@@ -31,11 +31,15 @@ class StepConfig:
     kl_coef: float = 0.0
     kl_kind: str = "k3"
     entropy_coef: float = 0.0
-    chunk_tokens: int = 0  # LM-head tokens per chunk in log-prob/entropy (trainer/logprobs.py); 0: all at once
+    chunk_tokens: int = (
+        0  # LM-head tokens per chunk in log-prob/entropy (trainer/logprobs.py); 0: all at once
+    )
 
 
 @torch.no_grad()
-def recompute_logprobs(model: nn.Module, micro: list[Batch], temperature: float, chunk_tokens: int = 0) -> list[torch.Tensor]:
+def recompute_logprobs(
+    model: nn.Module, micro: list[Batch], temperature: float, chunk_tokens: int = 0
+) -> list[torch.Tensor]:
     """log π_old (or the reference model's log π_ref) for every micro-batch, with the weights as
     they are before the update."""
     return [token_logprobs(model, mb, temperature, chunk_tokens=chunk_tokens)[0] for mb in micro]
@@ -78,17 +82,25 @@ def policy_step(
     w_max, t_fb, t_opt = 0.0, 0.0, 0.0
     for m in range(cfg.minibatches):
         idx = range(m * per_mb, min((m + 1) * per_mb, len(micro)))
-        denom = _all_reduce([sum(_local_denominator(micro[i], cfg.loss) for i in idx),
-                             sum(float(micro[i].mask.sum()) for i in idx)], device)  # fmt: skip
+        denom = _all_reduce(
+            [
+                sum(_local_denominator(micro[i], cfg.loss) for i in idx),
+                sum(float(micro[i].mask.sum()) for i in idx),
+            ],
+            device,
+        )
         loss_den, tok_den = denom[0] / world, denom[1] / world  # FSDP averages grads over ranks
         t0 = time.perf_counter()
         mb_loss = 0.0
         for i in idx:
             mb = micro[i]
-            logprobs, entropy = token_logprobs(model, mb, cfg.temperature, with_entropy=True, chunk_tokens=cfg.chunk_tokens)
+            logprobs, entropy = token_logprobs(
+                model, mb, cfg.temperature, with_entropy=True, chunk_tokens=cfg.chunk_tokens
+            )
             old = logprobs.detach() if old_logprobs[i] is None else old_logprobs[i]  # None: π_old = π_θ now
-            loss, stats = policy_loss(logprobs, old, mb.behavior_logprobs, mb.advantages, mb.mask,
-                                      cfg.loss, denominator=loss_den)  # fmt: skip
+            loss, stats = policy_loss(
+                logprobs, old, mb.behavior_logprobs, mb.advantages, mb.mask, cfg.loss, denominator=loss_den
+            )
             if cfg.entropy_coef > 0:
                 loss = loss + entropy_bonus(entropy, mb.mask, cfg.entropy_coef, denominator=tok_den)
             if ref_logprobs[i] is not None:

@@ -58,9 +58,16 @@ GIT_TIMEOUT_S = 5.0  # a hung git (network filesystem, lock) must not hold up th
 # Quiet and light on a small machine: no console capture, no system-metric sampling process,
 # no machine/git/code/requirements probing (the `meta` config says what matters). The `x_`
 # settings are wandb-private; the ones an installed wandb does not know are left out.
-WANDB_SETTINGS = {"console": "off", "silent": True, "disable_code": True, "disable_git": True,
-                  "x_disable_stats": True, "x_disable_meta": True, "x_disable_machine_info": True,
-                  "x_save_requirements": False}  # fmt: skip
+WANDB_SETTINGS = {
+    "console": "off",
+    "silent": True,
+    "disable_code": True,
+    "disable_git": True,
+    "x_disable_stats": True,
+    "x_disable_meta": True,
+    "x_disable_machine_info": True,
+    "x_save_requirements": False,
+}
 
 
 class TrackingUnavailable(RuntimeError):
@@ -70,8 +77,9 @@ class TrackingUnavailable(RuntimeError):
 def require_wandb() -> None:
     """Fail fast (without importing wandb) when tracking is enabled and wandb is missing."""
     if importlib.util.find_spec("wandb") is None:
-        raise TrackingUnavailable(f"[trainer.wandb] enabled = true needs wandb: {INSTALL_HINT} "
-                                  "(or set enabled = false)")  # fmt: skip
+        raise TrackingUnavailable(
+            f"[trainer.wandb] enabled = true needs wandb: {INSTALL_HINT} (or set enabled = false)"
+        )
 
 
 def build_tracker(cfg: TrainerSettings, rank: int, world: int, backend: str) -> Tracker | None:
@@ -100,10 +108,16 @@ class Tracker:
         known = getattr(wandb.Settings, "model_fields", {})
         self.dir = Path(ws.dir or cfg.output_dir)
         self.init_kwargs: dict[str, Any] = {
-            "project": ws.project, "entity": ws.entity, "name": ws.name or cfg.run, "group": ws.group or cfg.run,
-            "tags": list(ws.tags), "mode": ws.mode, "dir": str(self.dir), "config": {**public_config(cfg), "meta": meta},
+            "project": ws.project,
+            "entity": ws.entity,
+            "name": ws.name or cfg.run,
+            "group": ws.group or cfg.run,
+            "tags": list(ws.tags),
+            "mode": ws.mode,
+            "dir": str(self.dir),
+            "config": {**public_config(cfg), "meta": meta},
             "settings": wandb.Settings(**{k: v for k, v in WANDB_SETTINGS.items() if k in known}),
-        }  # fmt: skip
+        }
         self.run = None
         self.step = 0  # the W&B step evaluations are logged at: the last trained version
         self.logged_evals: set[str] = set()
@@ -120,8 +134,14 @@ class Tracker:
         with self._contain("init"):
             self.dir.mkdir(parents=True, exist_ok=True)
             self.run = self._wandb.init(**self.init_kwargs)
-            log_event(log, "tracking started", mode=self.init_kwargs["mode"], dir=str(self.dir),
-                      project=self.init_kwargs["project"], name=self.init_kwargs["name"])  # fmt: skip
+            log_event(
+                log,
+                "tracking started",
+                mode=self.init_kwargs["mode"],
+                dir=str(self.dir),
+                project=self.init_kwargs["project"],
+                name=self.init_kwargs["name"],
+            )
 
     def log_step(self, version: int, metrics: dict[str, float]) -> None:
         """One row at W&B step `version`."""
@@ -156,7 +176,11 @@ class Tracker:
             return
         todo: list[dict] = []
         with self._contain("fetch_evaluations"):
-            done = [s for s in fetch() if s.get("state") == JobState.done and str(s.get("eval_id")) not in self.logged_evals]
+            done = [
+                s
+                for s in fetch()
+                if s.get("state") == JobState.done and str(s.get("eval_id")) not in self.logged_evals
+            ]
             names: set[str] = set()
             for s in sorted(done, key=lambda s: s["version"]):
                 if s["name"] not in names:
@@ -181,8 +205,14 @@ class Tracker:
             yield
         except Exception as exc:  # noqa: BLE001 — any W&B or evaluation-source failure: tracking must not stop training
             tm.TRACKING_ERRORS.labels(op).inc()
-            log_event(log, "tracking failed", level=logging.WARNING, op=op, error=f"{type(exc).__name__}: {exc}",
-                      inert=op == "init")  # fmt: skip
+            log_event(
+                log,
+                "tracking failed",
+                level=logging.WARNING,
+                op=op,
+                error=f"{type(exc).__name__}: {exc}",
+                inert=op == "init",
+            )
 
 
 def public_config(cfg: TrainerSettings) -> dict[str, Any]:
@@ -201,9 +231,16 @@ def redact_url(url: str) -> str:
 
 
 def run_metadata(cfg: TrainerSettings, world: int, backend: str) -> dict[str, Any]:
-    return {"run_id": cfg.run, "model_path": cfg.model_path, "world_size": world, "backend": backend,
-            "torch": _version("torch"), "transformers": _version("transformers"),
-            "git_commit": git_commit(PACKAGE_DIR), "host": socket.gethostname()}  # fmt: skip
+    return {
+        "run_id": cfg.run,
+        "model_path": cfg.model_path,
+        "world_size": world,
+        "backend": backend,
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "git_commit": git_commit(PACKAGE_DIR),
+        "host": socket.gethostname(),
+    }
 
 
 def _version(dist: str) -> str | None:
@@ -218,8 +255,13 @@ def git_commit(root: Path) -> str | None:
     if not (root / ".git").exists():
         return None
     try:
-        res = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=GIT_TIMEOUT_S, check=False)  # fmt: skip
+        res = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):  # no git binary, or it hung
         return None
     commit = res.stdout.strip()

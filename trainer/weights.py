@@ -108,8 +108,11 @@ class DiskPublisher:
             if not _link_or_copy(f, tmp / f.name) or f.name not in self._synced:
                 written.append(tmp / f.name)
                 self._synced.add(f.name)
-        save_file(state, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt", "asyncrl_version": str(version), "asyncrl_epoch": str(epoch)})  # fmt: skip
+        save_file(
+            state,
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt", "asyncrl_version": str(version), "asyncrl_epoch": str(epoch)},
+        )
         atomic_publish_dir(tmp, final, written)  # at one publish per step every fsync counts (~2-3 ms each)
         self._prune()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -162,9 +165,17 @@ class BroadcastPublisher:
     engine-side choreography around it: group membership from each engine's TP size, pausing
     generation for the duration of an update, and a typed error when an engine refuses."""
 
-    def __init__(self, engine_urls: list[str], master_address: str, master_port: int, backend: str,
-                 bucket_bytes: int, group_name: str = "asyncrl_weights", timeout_s: float = 600.0,
-                 api_token: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine_urls: list[str],
+        master_address: str,
+        master_port: int,
+        backend: str,
+        bucket_bytes: int,
+        group_name: str = "asyncrl_weights",
+        timeout_s: float = 600.0,
+        api_token: str | None = None,
+    ):
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.bucket_bytes, self.group_name, self.timeout_s = bucket_bytes, group_name, timeout_s
@@ -182,7 +193,9 @@ class BroadcastPublisher:
 
     def _post_all(self, path: str, bodies: list[dict]) -> None:
         with ThreadPoolExecutor(max_workers=max(len(bodies), 1)) as pool:
-            answers = list(pool.map(lambda ub: self._post(ub[0] + path, ub[1]), zip(self.engine_urls, bodies)))
+            answers = list(
+                pool.map(lambda ub: self._post(ub[0] + path, ub[1]), zip(self.engine_urls, bodies))
+            )
         failed = [a for a in answers if a]
         if failed:
             raise WeightSyncError("; ".join(failed))
@@ -201,9 +214,17 @@ class BroadcastPublisher:
 
         sizes = [self._engine_world_size(u) for u in self.engine_urls]
         world = 1 + sum(sizes)
-        bodies = [{"master_address": self.master_address, "master_port": self.master_port,
-                   "rank_offset": 1 + sum(sizes[:i]), "world_size": world, "group_name": self.group_name,
-                   "backend": self.backend} for i in range(len(sizes))]  # fmt: skip
+        bodies = [
+            {
+                "master_address": self.master_address,
+                "master_port": self.master_port,
+                "rank_offset": 1 + sum(sizes[:i]),
+                "world_size": world,
+                "group_name": self.group_name,
+                "backend": self.backend,
+            }
+            for i in range(len(sizes))
+        ]
         # The rendezvous needs both sides at once: rank 0 hosts it on a thread of its own while the
         # engines are asked to join. An engine that refuses (a backend it cannot run, a group of
         # that name already there) answers at once, and that answer is raised at once, instead of
@@ -213,8 +234,17 @@ class BroadcastPublisher:
 
         def host() -> None:
             try:
-                hosted.set_result(init_weight_update_group(self.master_address, self.master_port, 0, world,
-                                                           self.group_name, self.backend, self.timeout_s))  # fmt: skip
+                hosted.set_result(
+                    init_weight_update_group(
+                        self.master_address,
+                        self.master_port,
+                        0,
+                        world,
+                        self.group_name,
+                        self.backend,
+                        self.timeout_s,
+                    )
+                )
             except BaseException as exc:  # noqa: BLE001 — handed to connect(), which raises it
                 hosted.set_exception(exc)
 
@@ -228,13 +258,26 @@ class BroadcastPublisher:
         if self.group is None:
             self.connect()
         t0 = time.perf_counter()
-        device = torch.device("cpu") if self.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        announce = http_announcer(self.engine_urls, weight_version=weight_version_name(version, epoch),
-                                  group_name=self.group_name, timeout_s=self.timeout_s, headers=self.headers)  # fmt: skip
+        device = (
+            torch.device("cpu")
+            if self.backend == "gloo"
+            else torch.device("cuda", torch.cuda.current_device())
+        )
+        announce = http_announcer(
+            self.engine_urls,
+            weight_version=weight_version_name(version, epoch),
+            group_name=self.group_name,
+            timeout_s=self.timeout_s,
+            headers=self.headers,
+        )
         self._post_all("/pause_generation", [{}] * len(self.engine_urls))
         try:
-            broadcast_weights(((n, t.to(device)) for n, t in state.items()), self.group, self.bucket_bytes,
-                              announce=announce)  # fmt: skip
+            broadcast_weights(
+                ((n, t.to(device)) for n, t in state.items()),
+                self.group,
+                self.bucket_bytes,
+                announce=announce,
+            )
         except RuntimeError as exc:
             raise WeightSyncError(str(exc)) from exc
         finally:

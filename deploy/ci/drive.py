@@ -55,7 +55,9 @@ def compose(*args: str, check: bool = True, capture: bool = True) -> str:
     return out.stdout or ""
 
 
-def http(method: str, url: str, body: dict | None = None, auth: bool = True, timeout: float = 10) -> tuple[int, bytes]:
+def http(
+    method: str, url: str, body: dict | None = None, auth: bool = True, timeout: float = 10
+) -> tuple[int, bytes]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     if data is not None:
@@ -99,7 +101,9 @@ def wait_healthy(services: list[str], timeout_s: float = 300) -> None:
 
 
 def buffer_stats() -> dict:
-    return json.loads(compose("exec", "-T", "rollout", "asyncrl", "buffer", "stats", "--json", "--run", "demo"))
+    return json.loads(
+        compose("exec", "-T", "rollout", "asyncrl", "buffer", "stats", "--json", "--run", "demo")
+    )
 
 
 def version() -> int:
@@ -116,7 +120,9 @@ def wait_version(target: int, timeout_s: float = 600) -> int:
         if v >= target:
             return v
         time.sleep(5)
-    raise Failed(f"trainer did not reach version {target} in {timeout_s:.0f}s:\n{compose('logs', '--tail', '40', 'trainer')}")
+    raise Failed(
+        f"trainer did not reach version {target} in {timeout_s:.0f}s:\n{compose('logs', '--tail', '40', 'trainer')}"
+    )
 
 
 def steps_from_logs() -> list[dict]:
@@ -124,7 +130,7 @@ def steps_from_logs() -> list[dict]:
     steps = []
     for line in out.splitlines():
         try:
-            event = json.loads(line[line.index("{"):])
+            event = json.loads(line[line.index("{") :])
         except ValueError:
             continue
         if isinstance(event, dict) and event.get("msg") == "step":
@@ -157,9 +163,13 @@ def accounting(jobs: list[str], settled: bool) -> dict[str, int]:
             raise Failed(f"job {job}: phases do not add up to its groups: {p}")
         consumed = p["trained"] + p["dropped"] + p["withheld"] + p["zero_spread"] + sum(p["other"].values())
         if consumed > p["buffered"]:
-            raise Failed(f"job {job}: the trainer consumed {consumed} groups of {p['buffered']} buffered: {p}")
+            raise Failed(
+                f"job {job}: the trainer consumed {consumed} groups of {p['buffered']} buffered: {p}"
+            )
         if settled and consumed + p["in_buffer"] != p["buffered"]:
-            raise Failed(f"job {job}: buffered {p['buffered']} != consumed {consumed} + in buffer {p['in_buffer']}")
+            raise Failed(
+                f"job {job}: buffered {p['buffered']} != consumed {consumed} + in buffer {p['in_buffer']}"
+            )
         for k in (*phases, "groups", "trained", "dropped", "withheld", "zero_spread", "in_buffer"):
             totals[k] = totals.get(k, 0) + p[k]
     audit = compose("exec", "-T", "trainer", "cat", "/weights/trainer/trained.jsonl", check=False)
@@ -185,8 +195,10 @@ def accounting(jobs: list[str], settled: bool) -> dict[str, int]:
     totals["audit_acked"] = len(trained_ids)
     totals["audit_checkpoint"] = checkpointed
     if settled and len(trained_ids) != totals["trained"]:
-        raise Failed(f"trained.jsonl: {len(trained_ids)} groups up to checkpoint v{checkpointed}, "
-                     f"the jobs say {totals['trained']} were trained (acked)")
+        raise Failed(
+            f"trained.jsonl: {len(trained_ids)} groups up to checkpoint v{checkpointed}, "
+            f"the jobs say {totals['trained']} were trained (acked)"
+        )
     log(f"accounting over {len(jobs)} jobs: {totals}")
     return totals
 
@@ -210,7 +222,12 @@ def check_metrics() -> None:
 
 
 def submit_from_host() -> str:
-    rows = [json.loads(line) for line in compose("exec", "-T", "rollout", "head", "-n", "16", "/weights/data/reverse.jsonl").splitlines()]
+    rows = [
+        json.loads(line)
+        for line in compose(
+            "exec", "-T", "rollout", "head", "-n", "16", "/weights/data/reverse.jsonl"
+        ).splitlines()
+    ]
     body = {"prompts": [{**r, "prompt_id": f"host-{r['prompt_id']}"} for r in rows], "group_size": 8,
             "sampling_params": {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True, "skip_special_tokens": False},
             "reward_spec": {"verifier": "reverse"}, "idempotency_key": "ci-from-host"}  # fmt: skip

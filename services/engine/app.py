@@ -42,12 +42,12 @@ from asyncrl.proto.sglang import (
     UpdateWeightsFromDistributedReqInput,
     WeightUpdateOutput,
 )
-from asyncrl.services.runtime.auth import API_TOKEN_ENV, install_engine_auth
-from asyncrl.services.runtime.limits import BodyLimit, install_validation_handler
-from asyncrl.services.runtime.metrics import router as metrics_router
 from asyncrl.services.engine import metrics
 from asyncrl.services.engine.config import is_loopback
 from asyncrl.services.engine.engine import InferenceEngine, InvalidRequest
+from asyncrl.services.runtime.auth import API_TOKEN_ENV, install_engine_auth
+from asyncrl.services.runtime.limits import BodyLimit, install_validation_handler
+from asyncrl.services.runtime.metrics import router as metrics_router
 
 _JSON = msgspec.json.Encoder()
 
@@ -239,8 +239,10 @@ async def _chat(engine: InferenceEngine, body: ChatCompletionRequest) -> ChatCom
     ids = await asyncio.to_thread(render)
     room = engine.runner.context_length - len(ids)
     if room <= 0:
-        raise InvalidRequest(f"the rendered prompt has {len(ids)} tokens: no room left in the context length "
-                             f"{engine.runner.context_length}")  # fmt: skip
+        raise InvalidRequest(
+            f"the rendered prompt has {len(ids)} tokens: no room left in the context length "
+            f"{engine.runner.context_length}"
+        )
     max_tokens = (
         body.max_completion_tokens or body.max_tokens or min(room, engine.settings.max_new_tokens_cap)
     )

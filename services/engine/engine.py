@@ -28,13 +28,13 @@ from asyncrl.proto.sglang import (
     UpdateWeightsFromDistributedReqInput,
     refused_by_reference_engine,
 )
-from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.engine import metrics, weight_sync
 from asyncrl.services.engine.config import EngineSettings
 from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
 from asyncrl.services.engine.sampling import RowSampling
 from asyncrl.services.engine.scheduler import Request, Scheduler
 from asyncrl.services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
+from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,9 @@ class InferenceEngine:
             params = shared.get(id(sp)) or shared.setdefault(id(sp), self._params(sp))
             self._refuse_unsupported(item, params.refused)
         prompts = await self._prompt_ids(items)
-        requests = [self._build(item, ids, shared[id(item.sampling_params)])
-                    for item, ids in zip(items, prompts)]  # all valid before any runs  # fmt: skip
+        requests = [
+            self._build(item, ids, shared[id(item.sampling_params)]) for item, ids in zip(items, prompts)
+        ]  # all valid before any runs
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids) or self._in_flight.intersection(rids):
             raise InvalidRequest("duplicate rid: a request with this rid is already in flight")
@@ -231,7 +232,9 @@ class InferenceEngine:
         stop = set(sp.stop_token_ids or [])
         if not sp.ignore_eos:
             stop |= self.runner.eos_token_ids
-        return _Params(self._unsupported(sp), frozenset(stop), RowSampling(sp.temperature, sp.top_p, sp.top_k, sp.min_p))
+        return _Params(
+            self._unsupported(sp), frozenset(stop), RowSampling(sp.temperature, sp.top_p, sp.top_k, sp.min_p)
+        )
 
     def _build(self, item: GenerateItem, ids: list[int], shared: _Params) -> Request:
         sp = item.sampling_params
@@ -481,7 +484,8 @@ class InferenceEngine:
     async def _set_weights(self, named: dict[str, torch.Tensor], weight_version: str | None, deadline: float):
         """Install `named` as `weight_version` (`_apply`: between scheduler steps, by `deadline`)."""
         return await self._apply(
-            lambda: self.scheduler.set_weights(lambda: self.runner.apply_weights(named), weight_version), deadline
+            lambda: self.scheduler.set_weights(lambda: self.runner.apply_weights(named), weight_version),
+            deadline,
         )
 
     async def _apply(self, fn, deadline: float):

@@ -14,9 +14,9 @@ import sys
 
 from pydantic import ValidationError
 
+from asyncrl.services.engine.config import EngineSettings
 from asyncrl.services.runtime.config import load_settings
 from asyncrl.services.runtime.heap import freeze_startup_heap
-from asyncrl.services.engine.config import EngineSettings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    from asyncrl.services.runtime.logging import log_event, setup_logging
     from asyncrl.services.engine.app import build_app
     from asyncrl.services.engine.engine import InferenceEngine
+    from asyncrl.services.runtime.logging import log_event, setup_logging
 
     setup_logging(settings.log_level)
     log = logging.getLogger("asyncrl.engine")

@@ -150,10 +150,14 @@ class ModelRunner:
             first_of: dict[tuple[int, ...], int] = {}
             source = [first_of.setdefault(tuple(r.token_ids), i) for i, r in enumerate(rows)]
             if len(first_of) < len(rows):
-                return self._prefill_unique(first_slot, rows, source, list(first_of.values())), [None] * len(rows)
+                return self._prefill_unique(first_slot, rows, source, list(first_of.values())), [None] * len(
+                    rows
+                )
         return self._prefill(first_slot, rows)
 
-    def _prefill_unique(self, first_slot: int, rows: list[ForwardRow], source: list[int], unique: list[int]) -> torch.Tensor:
+    def _prefill_unique(
+        self, first_slot: int, rows: list[ForwardRow], source: list[int], unique: list[int]
+    ) -> torch.Tensor:
         """`prefill` of rows where `rows[i]` equals `rows[source[i]]`: the `unique` rows run into
         the first slots, then every slot gets its row's cache and logits (same values as a
         forward of its own: the same tokens at the same positions, no other row attended)."""
@@ -169,7 +173,9 @@ class ModelRunner:
                 layer[first_slot : first_slot + len(rows), :, :t] = block.index_select(0, index)
         return logits.index_select(0, index)
 
-    def _prefill(self, first_slot: int, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    def _prefill(
+        self, first_slot: int, rows: list[ForwardRow]
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         lengths = [len(r.token_ids) for r in rows]
         t = max(lengths)
         self.cache.ensure(t)

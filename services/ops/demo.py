@@ -35,26 +35,44 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 class DemoSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task: Literal["reverse", "math", "secret"] = Field(
-        "reverse", description="what to train on (services/ops/tasks.py; secret: a tool-use episode, configs/demo-tools.toml)"
+        "reverse",
+        description="what to train on (services/ops/tasks.py; secret: a tool-use episode, configs/demo-tools.toml)",
     )
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=2)
     letters: str = Field("abcdefghij", min_length=2, description="reverse: the alphabet")
-    prompt_len: int = Field(3, ge=1, le=128, description="reverse: letters per prompt (= answer tokens; over 64 needs "
-                            "[rollout] and [engine] max_new_tokens_cap raised); secret: letters of the word")
-    tools: bool = Field(True, description="secret: the policy may call the lookup tool (false: the no-tool baseline)")
+    prompt_len: int = Field(
+        3,
+        ge=1,
+        le=128,
+        description="reverse: letters per prompt (= answer tokens; over 64 needs "
+        "[rollout] and [engine] max_new_tokens_cap raised); secret: letters of the word",
+    )
+    tools: bool = Field(
+        True, description="secret: the policy may call the lookup tool (false: the no-tool baseline)"
+    )
     max_turns: int = Field(2, ge=1, le=8, description="secret: policy turns per episode")
     max_new_tokens: int = Field(256, ge=1, description="math: answer budget (EOS-terminated)")
     temperature: float = Field(1.0, gt=0, description="math: sampling temperature of training rollouts")
     word_fraction: float = Field(0.4, ge=0, le=1, description="math: share of word problems")
-    level: Literal["easy", "hard"] = Field("easy", description="math: difficulty (services/ops/tasks.py LEVELS)")
+    level: Literal["easy", "hard"] = Field(
+        "easy", description="math: difficulty (services/ops/tasks.py LEVELS)"
+    )
     eval_size: int = Field(200, ge=0, description="math: held-out problems (0: no evaluation)")
     eval_seed: int = Field(1234, description="math: seed of the held-out set (fixed across runs)")
-    eval_every: int = Field(10, ge=0, description="math: evaluate at version 0 and every this many versions "
-                            "(0: no evaluations; the held-out problems are still never trained on)")
+    eval_every: int = Field(
+        10,
+        ge=0,
+        description="math: evaluate at version 0 and every this many versions "
+        "(0: no evaluations; the held-out problems are still never trained on)",
+    )
     final_eval: bool = Field(True, description="math: evaluate the last served version before stopping")
-    final_eval_timeout_s: float = Field(900, gt=0, description="math: how long to wait for the final evaluation")
-    target_reward: float | None = Field(None, gt=0, le=1, description="stop when the windowed reward reaches it (none: run to the time limit)")
+    final_eval_timeout_s: float = Field(
+        900, gt=0, description="math: how long to wait for the final evaluation"
+    )
+    target_reward: float | None = Field(
+        None, gt=0, le=1, description="stop when the windowed reward reaches it (none: run to the time limit)"
+    )
     target_window: int = Field(5, ge=1)
     time_limit_s: float = Field(300, gt=0)
     seed: int = 0
@@ -87,7 +105,10 @@ def scrape_trainer(url: str, t0: float) -> Scrape | None:
     for name, labels, value in _samples(text, SCRAPED):
         if name == "asyncrl_trainer_group_staleness_bucket":
             buckets.append((float(labels["le"]), value))
-        elif name == "asyncrl_trainer_groups_total" and labels.get("outcome") not in (GroupState.trained, None):
+        elif name == "asyncrl_trainer_groups_total" and labels.get("outcome") not in (
+            GroupState.trained,
+            None,
+        ):
             dropped += value
         elif not labels:
             values[name] = value
@@ -112,11 +133,18 @@ def scrape_trainer(url: str, t0: float) -> Scrape | None:
 
 # The trainer's samples the demo reads: only their lines are parsed (prometheus_client's parser
 # read every family of the page, twice a second: a third of a core-second per minute of demo).
-SCRAPED = frozenset({
-    "asyncrl_trainer_version", "asyncrl_trainer_reward_mean", "asyncrl_trainer_entropy",
-    "asyncrl_trainer_tokens_per_second", "asyncrl_trainer_group_staleness_sum",
-    "asyncrl_trainer_group_staleness_count", "asyncrl_trainer_group_staleness_bucket", "asyncrl_trainer_groups_total",
-})  # fmt: skip
+SCRAPED = frozenset(
+    {
+        "asyncrl_trainer_version",
+        "asyncrl_trainer_reward_mean",
+        "asyncrl_trainer_entropy",
+        "asyncrl_trainer_tokens_per_second",
+        "asyncrl_trainer_group_staleness_sum",
+        "asyncrl_trainer_group_staleness_count",
+        "asyncrl_trainer_group_staleness_bucket",
+        "asyncrl_trainer_groups_total",
+    }
+)
 
 
 def _samples(text: str, names: frozenset[str]):
@@ -129,7 +157,9 @@ def _samples(text: str, names: frozenset[str]):
         name, _, rest = head.partition("{")
         if name not in names:
             continue
-        labels = dict(pair.split("=", 1) for pair in rest.rstrip("}").split(",") if "=" in pair) if rest else {}
+        labels = (
+            dict(pair.split("=", 1) for pair in rest.rstrip("}").split(",") if "=" in pair) if rest else {}
+        )
         yield name, {k: v.strip('"') for k, v in labels.items()}, float(value)
 
 
@@ -158,9 +188,16 @@ class History:
         self._last = s
         dc = s.staleness_count - (prev.staleness_count if prev else 0)
         ds = s.staleness_sum - (prev.staleness_sum if prev else 0)
-        row = {"t": round(s.t, 3), "version": s.version, "reward": s.reward, "entropy": s.entropy,
-               "tokens_per_s": s.tokens_per_s, "staleness": ds / dc if dc else None,
-               "staleness_max": s.staleness_max_bucket, "dropped": s.dropped}  # fmt: skip
+        row = {
+            "t": round(s.t, 3),
+            "version": s.version,
+            "reward": s.reward,
+            "entropy": s.entropy,
+            "tokens_per_s": s.tokens_per_s,
+            "staleness": ds / dc if dc else None,
+            "staleness_max": s.staleness_max_bucket,
+            "dropped": s.dropped,
+        }
         self.rows.append(row)
         return row
 
@@ -192,8 +229,9 @@ class StepRewards:
                 continue
             try:
                 event = json.loads(line[line.find(b"{") :])
-                self.rewards.append((int(event["version"]), float(event["ts"]) - self.t0_wall,
-                                     float(event["reward_mean"])))  # fmt: skip
+                self.rewards.append(
+                    (int(event["version"]), float(event["ts"]) - self.t0_wall, float(event["reward_mean"]))
+                )
             except (ValueError, KeyError, TypeError):  # not a step event after all
                 continue
 
@@ -235,9 +273,16 @@ class Evals:
         for e in resp.json()["evaluations"]:
             if e["state"] != JobState.done or e["version"] in self.rows:
                 continue
-            row = {"version": e["version"], "t": round(e["finished_at"] - self.t0_wall, 3), "accuracy": e["accuracy"],
-                   "mean_reward": e["mean_reward"], "mean_length": e["mean_length"], "prompts": e["prompts"],
-                   "eval_id": e["eval_id"], "eval_s": round(e["finished_at"] - e["started_at"], 1)}  # fmt: skip
+            row = {
+                "version": e["version"],
+                "t": round(e["finished_at"] - self.t0_wall, 3),
+                "accuracy": e["accuracy"],
+                "mean_reward": e["mean_reward"],
+                "mean_length": e["mean_length"],
+                "prompts": e["prompts"],
+                "eval_id": e["eval_id"],
+                "eval_s": round(e["finished_at"] - e["started_at"], 1),
+            }
             self.rows[e["version"]] = row
             new.append(row)
         return new
@@ -284,16 +329,27 @@ def episode(cfg: DemoSection) -> dict:
     tool the word is a guess (expected reward 1/len(letters))."""
     if cfg.task != "secret":
         return {}
-    return {"episode": {"environment": "secret", "max_turns": cfg.max_turns, "tool_format": "tagged",
-                        "tool_open": "?", "tool_close": "", "default_tool": "lookup",
-                        "observation_template": "{observation}", "tools": cfg.tools,
-                        "env_args": {"letters": cfg.letters, "length": cfg.prompt_len}}}  # fmt: skip
+    return {
+        "episode": {
+            "environment": "secret",
+            "max_turns": cfg.max_turns,
+            "tool_format": "tagged",
+            "tool_open": "?",
+            "tool_close": "",
+            "default_tool": "lookup",
+            "observation_template": "{observation}",
+            "tools": cfg.tools,
+            "env_args": {"letters": cfg.letters, "length": cfg.prompt_len},
+        }
+    }
 
 
 def math_task(cfg: DemoSection):
     from asyncrl.services.ops.tasks import MathTask
 
-    return MathTask(eval_seed=cfg.eval_seed, eval_size=cfg.eval_size, word_fraction=cfg.word_fraction, level=cfg.level)
+    return MathTask(
+        eval_seed=cfg.eval_seed, eval_size=cfg.eval_size, word_fraction=cfg.word_fraction, level=cfg.level
+    )
 
 
 def sampling_params(cfg: DemoSection) -> dict:
@@ -305,7 +361,12 @@ def sampling_params(cfg: DemoSection) -> dict:
     # early is never an option the policy can collapse into (docs/architecture.md §10). Special
     # tokens stay in the text, so a sampled <eos> costs its position instead of vanishing
     # and sliding the later characters into place: the reward is exact per token.
-    return {"temperature": 1.0, "max_new_tokens": cfg.prompt_len, "ignore_eos": True, "skip_special_tokens": False}
+    return {
+        "temperature": 1.0,
+        "max_new_tokens": cfg.prompt_len,
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+    }
 
 
 EVAL_NAME = "heldout"
@@ -313,7 +374,9 @@ PROMPTS_PER_JOB = 20_000  # well under the rollout service's per-job cap
 TOPUP_STEPS = 250  # the demo submits prompts for this many steps at a time (twice over)
 
 
-def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Random, first_job: int = 0) -> list[str]:
+def submit(
+    rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Random, first_job: int = 0
+) -> list[str]:
     """Post the reverse task in jobs of at most PROMPTS_PER_JOB prompts; returns the job ids.
     Job k gets the idempotency key demo-<seed>-<first_job + k>."""
     jobs = []
@@ -327,7 +390,9 @@ def submit(rollout_url: str, cfg: DemoSection, n_prompts: int, rng: random.Rando
         }
         resp = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=120)
         if resp.status_code != 202:
-            raise RuntimeError(f"the rollout service refused the demo job ({resp.status_code}): {resp.text[:500]}")
+            raise RuntimeError(
+                f"the rollout service refused the demo job ({resp.status_code}): {resp.text[:500]}"
+            )
         jobs.append(resp.json()["job_id"])
     return jobs
 
@@ -340,26 +405,41 @@ def scrape_counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
         text = httpx.get(f"{url}/metrics", timeout=5.0).text
     except httpx.HTTPError:
         return {}
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name in names and not s.labels}  # fmt: skip
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name in names and not s.labels
+    }
 
 
 def utilisation(launcher, wall_s: float) -> dict[str, float | None]:
     """Engine busy ratio and trainer idle ratio over the run, from the services' counters."""
-    busy = [scrape_counters(u, ("asyncrl_engine_busy_seconds_total",)).get("asyncrl_engine_busy_seconds_total")
-            for u in launcher.engine_urls]  # fmt: skip
-    t = scrape_counters(launcher.trainer_url, ("asyncrl_trainer_idle_seconds_total", "asyncrl_trainer_busy_seconds_total"))
+    busy = [
+        scrape_counters(u, ("asyncrl_engine_busy_seconds_total",)).get("asyncrl_engine_busy_seconds_total")
+        for u in launcher.engine_urls
+    ]
+    t = scrape_counters(
+        launcher.trainer_url, ("asyncrl_trainer_idle_seconds_total", "asyncrl_trainer_busy_seconds_total")
+    )
     idle, tbusy = t.get("asyncrl_trainer_idle_seconds_total"), t.get("asyncrl_trainer_busy_seconds_total")
     known = [b for b in busy if b is not None]
     return {
         "engine_busy_ratio": sum(known) / (len(known) * wall_s) if known and wall_s > 0 else None,
         "trainer_idle_ratio": idle / (idle + tbusy) if idle is not None and tbusy else None,
-        "trainer_idle_s": idle, "trainer_busy_s": tbusy,
-    }  # fmt: skip
+        "trainer_idle_s": idle,
+        "trainer_busy_s": tbusy,
+    }
 
 
-def plot(history: History, out: Path, target: float | None, eta: int, evals: list[dict] | None = None,
-         task: str = "reverse") -> None:  # fmt: skip
+def plot(
+    history: History,
+    out: Path,
+    target: float | None,
+    eta: int,
+    evals: list[dict] | None = None,
+    task: str = "reverse",
+) -> None:
     """Reward and staleness against wall time; with evaluations, a second panel of training reward
     and held-out accuracy against the policy version, and the accuracy on the first panel too."""
     import matplotlib
@@ -377,13 +457,27 @@ def plot(history: History, out: Path, target: float | None, eta: int, evals: lis
     def smooth(values: list[float]) -> list[float]:
         return [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))]
 
-    ax.plot([r["t"] for r in rows], [r["reward"] for r in rows], color="tab:blue", alpha=0.35 if evals else 1.0,
-            label="mean training reward")  # fmt: skip
+    ax.plot(
+        [r["t"] for r in rows],
+        [r["reward"] for r in rows],
+        color="tab:blue",
+        alpha=0.35 if evals else 1.0,
+        label="mean training reward",
+    )
     if evals:
-        ax.plot([r["t"] for r in rows], smooth([r["reward"] for r in rows]), color="tab:blue",
-                label=f"training reward (last {window} steps)")  # fmt: skip
-        ax.plot([e["t"] for e in evals], [e["accuracy"] for e in evals], "o-", color="tab:green",
-                label="held-out greedy accuracy")  # fmt: skip
+        ax.plot(
+            [r["t"] for r in rows],
+            smooth([r["reward"] for r in rows]),
+            color="tab:blue",
+            label=f"training reward (last {window} steps)",
+        )
+        ax.plot(
+            [e["t"] for e in evals],
+            [e["accuracy"] for e in evals],
+            "o-",
+            color="tab:green",
+            label="held-out greedy accuracy",
+        )
     if target is not None:
         ax.axhline(target, color="tab:blue", linestyle=":", linewidth=1, label=f"target {target}")
     ax.set_xlabel("wall time (s)")
@@ -391,8 +485,13 @@ def plot(history: History, out: Path, target: float | None, eta: int, evals: lis
     ax.set_ylim(0, 1.02)
     ax2 = ax.twinx()
     st = [r for r in rows if r["staleness"] is not None]
-    ax2.plot([r["t"] for r in st], smooth([r["staleness"] for r in st]), color="tab:orange", alpha=0.9,
-             label=f"mean staleness (last {window} steps)")  # fmt: skip
+    ax2.plot(
+        [r["t"] for r in st],
+        smooth([r["staleness"] for r in st]),
+        color="tab:orange",
+        alpha=0.9,
+        label=f"mean staleness (last {window} steps)",
+    )
     ax2.axhline(eta, color="tab:orange", linestyle=":", linewidth=1, label=f"η = {eta}")
     ax2.set_ylabel("staleness (versions)", color="tab:orange")
     ax2.set_ylim(0, max(eta + 0.5, 1))
@@ -401,10 +500,19 @@ def plot(history: History, out: Path, target: float | None, eta: int, evals: lis
     ax.legend(lines, labels, loc="lower right" if not evals else "upper left", fontsize=8)
     if evals:
         ax.set_title("against wall time")
-        axv.plot([r["version"] for r in rows], smooth([r["reward"] for r in rows]), color="tab:blue",
-                 label=f"training reward (last {window} steps)")  # fmt: skip
-        axv.plot([e["version"] for e in evals], [e["accuracy"] for e in evals], "o-", color="tab:green",
-                 label="held-out greedy accuracy")  # fmt: skip
+        axv.plot(
+            [r["version"] for r in rows],
+            smooth([r["reward"] for r in rows]),
+            color="tab:blue",
+            label=f"training reward (last {window} steps)",
+        )
+        axv.plot(
+            [e["version"] for e in evals],
+            [e["accuracy"] for e in evals],
+            "o-",
+            color="tab:green",
+            label="held-out greedy accuracy",
+        )
         axv.set_xlabel("policy version (optimizer steps)")
         axv.set_ylim(0, 1.02)
         axv.set_title("against version")
@@ -423,9 +531,14 @@ def eval_summary(rows: list[dict]) -> dict:
         return {"evals": []}
     base = next((r for r in rows if r["version"] == 0), None)
     last, best = rows[-1], max(rows, key=lambda r: r["accuracy"])
-    out = {"evals": rows, "eval_base_accuracy": base["accuracy"] if base else None,
-           "eval_last_accuracy": last["accuracy"], "eval_last_version": last["version"],
-           "eval_best_accuracy": best["accuracy"], "eval_best_version": best["version"]}  # fmt: skip
+    out = {
+        "evals": rows,
+        "eval_base_accuracy": base["accuracy"] if base else None,
+        "eval_last_accuracy": last["accuracy"],
+        "eval_last_version": last["version"],
+        "eval_best_accuracy": best["accuracy"],
+        "eval_best_version": best["version"],
+    }
     if base:
         out["eval_gain_last"] = round(last["accuracy"] - base["accuracy"], 4)
         out["eval_gain_best"] = round(best["accuracy"] - base["accuracy"], 4)
@@ -442,7 +555,10 @@ def summary_table(s: dict) -> str:
         ("steps (versions)", s["steps"]),
         ("wall time", f"{s['wall_s']:.0f} s"),
         ("first / final reward", f"{s['first_reward']:.3f} / {s['final_reward']:.3f}"),
-        (f"time to reward {s['target']}", f"{s['time_to_target_s']:.0f} s" if s["time_to_target_s"] else "not reached"),
+        (
+            f"time to reward {s['target']}",
+            f"{s['time_to_target_s']:.0f} s" if s["time_to_target_s"] else "not reached",
+        ),
         ("mean / max staleness", f"{s['mean_staleness']:.2f} / {s['max_staleness']} (η = {s['eta']})"),
         ("groups not trained (stale etc.)", int(s["dropped"])),
         ("trainer tokens/s (last)", f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "-"),
@@ -483,8 +599,10 @@ def main(argv: list[str] | None = None) -> int:
     if raw["model"].get("build_tiny"):
         raw["model"]["path"] = str(run_dir / "base")  # built fresh for this run
     elif not (Path(raw["model"]["path"]) / "config.json").is_file():
-        print(f"asyncrl demo: no model at {raw['model']['path']} (for SmolLM2: `make model-smollm2`)",
-              file=sys.stderr)
+        print(
+            f"asyncrl demo: no model at {raw['model']['path']} (for SmolLM2: `make model-smollm2`)",
+            file=sys.stderr,
+        )
         return 2
     raw["run"].update(id=run_dir.name, dir=str(run_dir))
     heldout: list[dict] = []
@@ -492,8 +610,12 @@ def main(argv: list[str] | None = None) -> int:
         heldout = math_task(demo).heldout_prompts()
         (run_dir / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in heldout))
         rollout_cfg = raw.setdefault("rollout", {})
-        rollout_cfg.update(eval_file=str(run_dir / "heldout.jsonl"), eval_every=demo.eval_every,
-                           eval_name=EVAL_NAME, eval_max_new_tokens=demo.max_new_tokens)  # fmt: skip
+        rollout_cfg.update(
+            eval_file=str(run_dir / "heldout.jsonl"),
+            eval_every=demo.eval_every,
+            eval_name=EVAL_NAME,
+            eval_max_new_tokens=demo.max_new_tokens,
+        )
     config_path = run_dir / "config.toml"
     config_path.write_text(_to_toml(raw))
     eta = int(trainer_cfg.get("max_staleness", 1))
@@ -519,14 +641,24 @@ def main(argv: list[str] | None = None) -> int:
         chunk = 2 * min(TOPUP_STEPS, max_steps + eta + 2) * demo.prompts_per_step
         jobs = submit(rollout_url, demo, chunk, rng)
         submitted, topup = chunk, None  # a top-up posts from a thread: the progress line keeps moving
-        print(f"submitted {len(jobs)} job(s), {chunk} prompts x {demo.group_size} samples, more as training "
-              "advances; training (Ctrl-C stops)")  # fmt: skip
+        print(
+            f"submitted {len(jobs)} job(s), {chunk} prompts x {demo.group_size} samples, more as training "
+            "advances; training (Ctrl-C stops)"
+        )
         t0 = time.monotonic()
         steps = StepRewards(run_dir / "logs" / "trainer.log", time.time())
         if heldout:
-            evals = Evals(rollout_url, EVAL_NAME, time.time(), final_body={
-                "name": EVAL_NAME, "prompts": heldout, "idempotency_key": f"{run_dir.name}-final",
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": demo.max_new_tokens}})  # fmt: skip
+            evals = Evals(
+                rollout_url,
+                EVAL_NAME,
+                time.time(),
+                final_body={
+                    "name": EVAL_NAME,
+                    "prompts": heldout,
+                    "idempotency_key": f"{run_dir.name}-final",
+                    "sampling_params": {"temperature": 0.0, "max_new_tokens": demo.max_new_tokens},
+                },
+            )
         last_print = 0.0
         while True:
             s = scrape_trainer(launcher.trainer_url, t0)
@@ -547,8 +679,12 @@ def main(argv: list[str] | None = None) -> int:
             for e in evals.poll() if evals else []:
                 progress.write(json.dumps({"eval": e}) + "\n")
                 progress.flush()
-                print(("\n" if tty else "") + f"eval v{e['version']}: accuracy {e['accuracy']:.3f} on {e['prompts']} "
-                      f"held-out problems, mean length {e['mean_length']:.0f} tokens ({e['eval_s']:.0f} s)", flush=True)
+                print(
+                    ("\n" if tty else "")
+                    + f"eval v{e['version']}: accuracy {e['accuracy']:.3f} on {e['prompts']} "
+                    f"held-out problems, mean length {e['mean_length']:.0f} tokens ({e['eval_s']:.0f} s)",
+                    flush=True,
+                )
             if topup is not None and topup.done():
                 try:
                     jobs += topup.result()
@@ -556,7 +692,11 @@ def main(argv: list[str] | None = None) -> int:
                     submitted -= chunk
                     print(f"\nprompt top-up refused, retrying: {exc}", flush=True)
                 topup = None
-            if s and topup is None and submitted < 2 * (s.version + TOPUP_STEPS // 2 + eta + 2) * demo.prompts_per_step:
+            if (
+                s
+                and topup is None
+                and submitted < 2 * (s.version + TOPUP_STEPS // 2 + eta + 2) * demo.prompts_per_step
+            ):
                 topup = topups.submit(submit, rollout_url, demo, chunk, rng, first_job=len(jobs))
                 submitted += chunk
             elapsed = time.monotonic() - t0
@@ -602,12 +742,17 @@ def main(argv: list[str] | None = None) -> int:
         launcher.stop()
         progress.close()
     if history.rows:
-        summary = {**_summary(history, demo, eta, reached_at, run_dir), **usage,
-                   "samples_per_step": demo.prompts_per_step * demo.group_size}  # fmt: skip
+        summary = {
+            **_summary(history, demo, eta, reached_at, run_dir),
+            **usage,
+            "samples_per_step": demo.prompts_per_step * demo.group_size,
+        }
         if evals is not None:
             summary.update(eval_summary(evals.sorted()))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot(history, run_dir / "demo.png", demo.target_reward, eta, evals.sorted() if evals else [], demo.task)
+        plot(
+            history, run_dir / "demo.png", demo.target_reward, eta, evals.sorted() if evals else [], demo.task
+        )
         print(summary_table(summary))
         if reached_at is None and code == 0 and demo.target_reward is not None:
             code = 1
@@ -621,8 +766,10 @@ def _progress_line(row: dict, windowed: float | None, demo: DemoSection) -> str:
     tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
     ent = f"{row['entropy']:.2f}" if row["entropy"] is not None else "-"
     done = min(int(20 * (windowed or 0) / (demo.target_reward or 1.0)), 20)
-    return (f"[{'#' * done}{'.' * (20 - done)}] {row['t']:6.1f}s  step {row['version']:4d}  reward {reward} "
-            f"(avg{demo.target_window} {avg})  staleness {stale}  entropy {ent}  tok/s {tps}")  # fmt: skip
+    return (
+        f"[{'#' * done}{'.' * (20 - done)}] {row['t']:6.1f}s  step {row['version']:4d}  reward {reward} "
+        f"(avg{demo.target_window} {avg})  staleness {stale}  entropy {ent}  tok/s {tps}"
+    )
 
 
 def _summary(history: History, demo: DemoSection, eta: int, reached_at: float | None, run_dir: Path) -> dict:
@@ -631,13 +778,21 @@ def _summary(history: History, demo: DemoSection, eta: int, reached_at: float | 
     st = [r["staleness"] for r in rows if r["staleness"] is not None]
     maxes = [r["staleness_max"] for r in rows if r["staleness_max"] is not None]
     return {
-        "steps": rows[-1]["version"], "wall_s": rows[-1]["t"], "target": demo.target_reward,
-        "first_reward": rewards[0] if rewards else float("nan"), "final_reward": rewards[-1] if rewards else float("nan"),
-        "time_to_target_s": reached_at, "mean_staleness": sum(st) / len(st) if st else 0.0,
-        "max_staleness": int(max(maxes)) if maxes else 0, "staleness_histogram": history.staleness_histogram,
-        "eta": eta, "dropped": rows[-1]["dropped"],
-        "tokens_per_s": rows[-1]["tokens_per_s"], "seed": demo.seed, "plot": str(run_dir / "demo.png"),
-    }  # fmt: skip
+        "steps": rows[-1]["version"],
+        "wall_s": rows[-1]["t"],
+        "target": demo.target_reward,
+        "first_reward": rewards[0] if rewards else float("nan"),
+        "final_reward": rewards[-1] if rewards else float("nan"),
+        "time_to_target_s": reached_at,
+        "mean_staleness": sum(st) / len(st) if st else 0.0,
+        "max_staleness": int(max(maxes)) if maxes else 0,
+        "staleness_histogram": history.staleness_histogram,
+        "eta": eta,
+        "dropped": rows[-1]["dropped"],
+        "tokens_per_s": rows[-1]["tokens_per_s"],
+        "seed": demo.seed,
+        "plot": str(run_dir / "demo.png"),
+    }
 
 
 def _to_toml(data: dict) -> str:

@@ -116,8 +116,12 @@ def from_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32") -> Path
         old.unlink()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    meta = {"source": gguf.name, "dtype": dtype, "eos_token_ids": eos,
-            "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    meta = {
+        "source": gguf.name,
+        "dtype": dtype,
+        "eos_token_ids": eos,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     (out / "asyncrl_conversion.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 

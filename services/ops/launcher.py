@@ -54,8 +54,14 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from asyncrl.services.ops.placement import (
+    Placement,
+    PlacementError,
+    check_nccl_weight_group,
+    place,
+    visible_gpus,
+)
 from asyncrl.services.runtime import auth
-from asyncrl.services.ops.placement import Placement, PlacementError, check_nccl_weight_group, place, visible_gpus
 
 STOP_GRACE_S = 15.0
 PROBE_TIMEOUT_S = 2.0  # one liveness probe; a service too busy to answer this fast is failing one
@@ -63,8 +69,17 @@ STARTING_PROBE_TIMEOUT_S = 0.5  # health polls of a restarted service, once per 
 # SGLang flags that pick GPUs or multiply them: the launcher sets the GPUs from [launch] (engine_tp,
 # engine_gpus; one engine per data-parallel replica), so engine_args may not (`--tp` and `--dp` are
 # argparse's abbreviations of --tp-size and --dp-size).
-SGLANG_PLACEMENT_FLAGS = frozenset({"--tp", "--tp-size", "--tensor-parallel-size", "--base-gpu-id",
-                                    "--dp", "--dp-size", "--data-parallel-size"})  # fmt: skip
+SGLANG_PLACEMENT_FLAGS = frozenset(
+    {
+        "--tp",
+        "--tp-size",
+        "--tensor-parallel-size",
+        "--base-gpu-id",
+        "--dp",
+        "--dp-size",
+        "--data-parallel-size",
+    }
+)
 GpuIndex = Annotated[int, Field(ge=0, le=1023)]
 
 
@@ -82,7 +97,9 @@ class ModelSection(BaseModel):
     tiny_chars: str | None = Field(None, description="vocabulary of the tiny model's char tokenizer")
     tiny_hidden_size: int = Field(128, gt=0)
     tiny_layers: int = Field(2, gt=0)
-    tiny_tie_embeddings: bool = Field(True, description="share input embedding and LM head (Qwen2 default: no)")
+    tiny_tie_embeddings: bool = Field(
+        True, description="share input embedding and LM head (Qwen2 default: no)"
+    )
     seed: int = Field(0)
 
 
@@ -102,36 +119,87 @@ class LaunchSection(BaseModel):
     trainer_metrics_port: int = Field(8003, gt=0, lt=65536)
     health_timeout_s: float = Field(180.0, gt=0)
     # supervision (see the module docstring)
-    max_restarts: int = Field(5, ge=0, le=10_000, description="restarts of each service (and of the embedded "
-                              "Redis) before one more crash stops the run; 0: the first crash stops it")
-    restart_backoff_s: float = Field(1.0, gt=0, le=600, description="delay before a service's first restart; "
-                                     "doubles with each restart of that service")
+    max_restarts: int = Field(
+        5,
+        ge=0,
+        le=10_000,
+        description="restarts of each service (and of the embedded "
+        "Redis) before one more crash stops the run; 0: the first crash stops it",
+    )
+    restart_backoff_s: float = Field(
+        1.0,
+        gt=0,
+        le=600,
+        description="delay before a service's first restart; doubles with each restart of that service",
+    )
     restart_backoff_max_s: float = Field(30.0, gt=0, le=3600, description="longest delay before a restart")
-    trainer_max_restarts: int = Field(3, ge=0, le=1000, description="torchrun --max-restarts: worker restarts "
-                                      "within one trainer launch (each resumes from the last checkpoint)")
-    liveness_interval_s: float = Field(10.0, ge=0, description="probe running services' health this often; "
-                                       "0: only an exit counts as a crash (the trainer is left to torchrun)")
-    liveness_failures: int = Field(6, ge=1, le=10_000, description="failed probes in a row that count as a crash")
-    redis_appendfsync: Literal["always", "everysec"] = Field("always", description="embedded Redis AOF fsync: "
-                                                             "`always` keeps every acknowledged write across a Redis "
-                                                             "crash (exactly-once); `everysec` may lose the last ~1 s")
-    redis_reconnect_s: float = Field(120.0, gt=0, description="how long every client retries a lost Redis "
-                                     "before it gives up (ASYNCRL_REDIS_RECONNECT_S)")
-    metrics_port: int = Field(8004, ge=0, lt=65536, description="the launcher's /metrics on 127.0.0.1 "
-                              "(restarts per service, up); 0: not served")
+    trainer_max_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="torchrun --max-restarts: worker restarts "
+        "within one trainer launch (each resumes from the last checkpoint)",
+    )
+    liveness_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="probe running services' health this often; "
+        "0: only an exit counts as a crash (the trainer is left to torchrun)",
+    )
+    liveness_failures: int = Field(
+        6, ge=1, le=10_000, description="failed probes in a row that count as a crash"
+    )
+    redis_appendfsync: Literal["always", "everysec"] = Field(
+        "always",
+        description="embedded Redis AOF fsync: "
+        "`always` keeps every acknowledged write across a Redis "
+        "crash (exactly-once); `everysec` may lose the last ~1 s",
+    )
+    redis_reconnect_s: float = Field(
+        120.0,
+        gt=0,
+        description="how long every client retries a lost Redis "
+        "before it gives up (ASYNCRL_REDIS_RECONNECT_S)",
+    )
+    metrics_port: int = Field(
+        8004,
+        ge=0,
+        lt=65536,
+        description="the launcher's /metrics on 127.0.0.1 (restarts per service, up); 0: not served",
+    )
     # GPU placement (services/ops/placement.py): engines on GPUs 0..k-1, the trainer on the next ones
-    gpus: int | None = Field(None, ge=0, le=1024, description="GPUs the run may use; unset: those the "
-                             "launcher's CUDA_VISIBLE_DEVICES lists, else `nvidia-smi -L`'s; 0: CPU, no placement")  # fmt: skip
-    engine_tp: int = Field(1, ge=1, le=64, description="GPUs per started SGLang engine, passed as its "
-                           "--tp-size (the reference engine uses one)")  # fmt: skip
-    engine_gpus: list[GpuIndex] | None = Field(None, max_length=1024, description="GPU indices of the started "
-                                               "engines, engine i on entries [i*engine_tp, (i+1)*engine_tp); "
-                                               "unset: the first engines*engine_tp GPUs")  # fmt: skip
-    trainer_gpus: list[GpuIndex] | None = Field(None, max_length=1024, description="GPU indices of the "
-                                                "trainer, one per rank (as many as trainer_nproc_per_node); "
-                                                "unset: the GPUs after the engines'")  # fmt: skip
-    allow_shared_gpus: bool = Field(False, description="let engines and the trainer share GPUs (models small "
-                                    "enough for one GPU's memory together); otherwise a shared GPU is refused")  # fmt: skip
+    gpus: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description="GPUs the run may use; unset: those the "
+        "launcher's CUDA_VISIBLE_DEVICES lists, else `nvidia-smi -L`'s; 0: CPU, no placement",
+    )
+    engine_tp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="GPUs per started SGLang engine, passed as its --tp-size (the reference engine uses one)",
+    )
+    engine_gpus: list[GpuIndex] | None = Field(
+        None,
+        max_length=1024,
+        description="GPU indices of the started "
+        "engines, engine i on entries [i*engine_tp, (i+1)*engine_tp); "
+        "unset: the first engines*engine_tp GPUs",
+    )
+    trainer_gpus: list[GpuIndex] | None = Field(
+        None,
+        max_length=1024,
+        description="GPU indices of the "
+        "trainer, one per rank (as many as trainer_nproc_per_node); "
+        "unset: the GPUs after the engines'",
+    )
+    allow_shared_gpus: bool = Field(
+        False,
+        description="let engines and the trainer share GPUs (models small "
+        "enough for one GPU's memory together); otherwise a shared GPU is refused",
+    )
 
     @model_validator(mode="after")
     def _one_tp_setting(self) -> LaunchSection:
@@ -139,9 +207,11 @@ class LaunchSection(BaseModel):
             raise ValueError('engine_tp > 1 needs engine_kind = "sglang" (the reference engine uses one GPU)')
         for arg in self.engine_args:
             if arg.split("=")[0] in SGLANG_PLACEMENT_FLAGS:
-                raise ValueError(f"engine_args may not set {arg.split('=')[0]}: the launcher places engines on "
-                                 "GPUs itself; set [launch] engine_tp for tensor parallelism, engines for "
-                                 "data parallelism, engine_gpus to choose the GPUs")  # fmt: skip
+                raise ValueError(
+                    f"engine_args may not set {arg.split('=')[0]}: the launcher places engines on "
+                    "GPUs itself; set [launch] engine_tp for tensor parallelism, engines for "
+                    "data parallelism, engine_gpus to choose the GPUs"
+                )
         return self
 
 
@@ -234,15 +304,29 @@ class Launcher:
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.registry = CollectorRegistry()  # the launcher's own: not mixed with a library's
-        self.m_restarts = Counter("asyncrl_launcher_restarts_total", "restarts of a crashed service",
-                                  ["service"], registry=self.registry)  # fmt: skip
-        self.m_failed_probes = Counter("asyncrl_launcher_health_check_failures_total",
-                                       "liveness probes a running service did not answer with 200",
-                                       ["service"], registry=self.registry)  # fmt: skip
-        self.m_up = Gauge("asyncrl_launcher_service_up", "1 while the service runs and answers its health check",
-                          ["service"], registry=self.registry)  # fmt: skip
-        Gauge("asyncrl_launcher_max_restarts", "restarts allowed per service ([launch] max_restarts)",
-              registry=self.registry).set(cfg.launch.max_restarts)  # fmt: skip
+        self.m_restarts = Counter(
+            "asyncrl_launcher_restarts_total",
+            "restarts of a crashed service",
+            ["service"],
+            registry=self.registry,
+        )
+        self.m_failed_probes = Counter(
+            "asyncrl_launcher_health_check_failures_total",
+            "liveness probes a running service did not answer with 200",
+            ["service"],
+            registry=self.registry,
+        )
+        self.m_up = Gauge(
+            "asyncrl_launcher_service_up",
+            "1 while the service runs and answers its health check",
+            ["service"],
+            registry=self.registry,
+        )
+        Gauge(
+            "asyncrl_launcher_max_restarts",
+            "restarts allowed per service ([launch] max_restarts)",
+            registry=self.registry,
+        ).set(cfg.launch.max_restarts)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -276,12 +360,19 @@ class Launcher:
         devices = visible_gpus(ln.gpus, os.environ)
         pinned = ln.engine_kind == "reference" and cfg.engine.device not in ("auto", "cuda", "cuda:0")
         if devices and engines_on_gpu and pinned:
-            raise PlacementError(f"[engine] device = {cfg.engine.device!r}: each engine sees only its own GPU, "
-                                 "as cuda:0; choose the GPUs with [launch] engine_gpus")  # fmt: skip
-        placed = place(devices, engines=ln.engines if engines_on_gpu else 0, engine_tp=ln.engine_tp,
-                       trainer_nproc=ln.trainer_nproc_per_node if ln.trainer and cfg.trainer.on_gpu else 0,
-                       engine_gpus=ln.engine_gpus, trainer_gpus=ln.trainer_gpus,
-                       allow_shared=ln.allow_shared_gpus)  # fmt: skip
+            raise PlacementError(
+                f"[engine] device = {cfg.engine.device!r}: each engine sees only its own GPU, "
+                "as cuda:0; choose the GPUs with [launch] engine_gpus"
+            )
+        placed = place(
+            devices,
+            engines=ln.engines if engines_on_gpu else 0,
+            engine_tp=ln.engine_tp,
+            trainer_nproc=ln.trainer_nproc_per_node if ln.trainer and cfg.trainer.on_gpu else 0,
+            engine_gpus=ln.engine_gpus,
+            trainer_gpus=ln.trainer_gpus,
+            allow_shared=ln.allow_shared_gpus,
+        )
         if ln.trainer and cfg.trainer.nccl_weight_group and not ln.engine_urls:
             check_nccl_weight_group(placed, engines_on_gpu=engines_on_gpu)
         return placed
@@ -291,30 +382,84 @@ class Launcher:
         ln, model, run = self.cfg.launch, str(Path(self.cfg.model.path).resolve()), self.cfg.run
         gpus = self.placement
         no_gpu = gpus.env(())  # on a GPU machine, a process that uses none sees none
-        rewards = [Proc(f"reward-{i}", self._cli("reward", "--port", str(ln.reward_port + i)), f"{url}/healthz",
-                        env=no_gpu) for i, url in enumerate(self.reward_urls)]  # fmt: skip
-        engines = [] if ln.engine_urls else [
-            Proc(f"engine-{i}", self._engine_cmd(model, ln.engine_port + i), f"{url}/health",
-                 env=gpus.env(gpus.engines[i]) if gpus.engines else no_gpu)
-            for i, url in enumerate(self.engine_urls)
-        ]  # fmt: skip
+        rewards = [
+            Proc(
+                f"reward-{i}",
+                self._cli("reward", "--port", str(ln.reward_port + i)),
+                f"{url}/healthz",
+                env=no_gpu,
+            )
+            for i, url in enumerate(self.reward_urls)
+        ]
+        engines = (
+            []
+            if ln.engine_urls
+            else [
+                Proc(
+                    f"engine-{i}",
+                    self._engine_cmd(model, ln.engine_port + i),
+                    f"{url}/health",
+                    env=gpus.env(gpus.engines[i]) if gpus.engines else no_gpu,
+                )
+                for i, url in enumerate(self.engine_urls)
+            ]
+        )
         rollouts = [
-            Proc(f"rollout-{i}", self._cli(
-                "rollout", "--port", str(ln.rollout_port + i), "--redis-url", self.redis_url, "--run", run.id,
-                "--replica", f"rollout-{i}", "--engine-urls", ",".join(self.engine_urls),
-                "--reward-url", self.reward_urls[i % len(self.reward_urls)], "--tokenizer", model,
-                "--run-dir", str(self.run_dir)), f"{url}/healthz", env=no_gpu)
+            Proc(
+                f"rollout-{i}",
+                self._cli(
+                    "rollout",
+                    "--port",
+                    str(ln.rollout_port + i),
+                    "--redis-url",
+                    self.redis_url,
+                    "--run",
+                    run.id,
+                    "--replica",
+                    f"rollout-{i}",
+                    "--engine-urls",
+                    ",".join(self.engine_urls),
+                    "--reward-url",
+                    self.reward_urls[i % len(self.reward_urls)],
+                    "--tokenizer",
+                    model,
+                    "--run-dir",
+                    str(self.run_dir),
+                ),
+                f"{url}/healthz",
+                env=no_gpu,
+            )
             for i, url in enumerate(self.rollout_urls())
-        ]  # fmt: skip
+        ]
         stages = [rewards, engines, rollouts]
         if ln.trainer:
-            trainer = Proc("trainer", [
-                sys.executable, "-m", "asyncrl.services.ops.cli", "train", "--nproc-per-node", str(ln.trainer_nproc_per_node),
-                "--max-restarts", str(ln.trainer_max_restarts),
-                "--config", str(self.config_path), "--redis-url", self.redis_url, "--run", run.id,
-                "--model-path", model, "--output-dir", str(self.run_dir / "trainer"),
-                "--metrics-port", str(ln.trainer_metrics_port)], f"{self.trainer_url}/healthz",
-                env=gpus.env(gpus.trainer))  # fmt: skip
+            trainer = Proc(
+                "trainer",
+                [
+                    sys.executable,
+                    "-m",
+                    "asyncrl.services.ops.cli",
+                    "train",
+                    "--nproc-per-node",
+                    str(ln.trainer_nproc_per_node),
+                    "--max-restarts",
+                    str(ln.trainer_max_restarts),
+                    "--config",
+                    str(self.config_path),
+                    "--redis-url",
+                    self.redis_url,
+                    "--run",
+                    run.id,
+                    "--model-path",
+                    model,
+                    "--output-dir",
+                    str(self.run_dir / "trainer"),
+                    "--metrics-port",
+                    str(ln.trainer_metrics_port),
+                ],
+                f"{self.trainer_url}/healthz",
+                env=gpus.env(gpus.trainer),
+            )
             stages.append([trainer])
         return [s for s in stages if s]
 
@@ -323,19 +468,43 @@ class Launcher:
         if ln.engine_kind == "sglang":  # a real SGLang server (GPU); the rollout speaks its native API
             # SGLang takes its token on the command line only (visible to local users in `ps`,
             # who can reach its loopback port anyway); it leaves /health and /metrics open too.
-            return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
-                    "--port", str(port), "--enable-metrics", "--api-key", self.engine_token,
-                    "--tp-size", str(ln.engine_tp), *ln.engine_args]  # fmt: skip
+            return [
+                sys.executable,
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--enable-metrics",
+                "--api-key",
+                self.engine_token,
+                "--tp-size",
+                str(ln.engine_tp),
+                *ln.engine_args,
+            ]
         # The token goes by env (not argv); disk updates are confined to the trainer's weights.
         weights = str(self.run_dir / "trainer" / "weights")
-        return [*self._cli("engine", "--model", model, "--port", str(port), "--weights-root", weights),
-                *ln.engine_args]  # fmt: skip
+        return [
+            *self._cli("engine", "--model", model, "--port", str(port), "--weights-root", weights),
+            *ln.engine_args,
+        ]
 
     def submit_dataset(self) -> None:
         sub = self.cfg.submit
         if sub is None:
             return
-        cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "submit", str(Path(sub.file).resolve()), "--url", self.rollout_urls()[0]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncrl.services.ops.cli",
+            "submit",
+            str(Path(sub.file).resolve()),
+            "--url",
+            self.rollout_urls()[0],
+        ]
         for flag, value in (("--group-size", sub.group_size), ("--idempotency-key", sub.idempotency_key)):
             if value is not None:
                 cmd += [flag, str(value)]
@@ -357,8 +526,14 @@ class Launcher:
             from asyncrl.services.ops.tinymodel import DEFAULT_CHARS, build_tiny_model
 
             self._say("launcher", f"building tiny model in {m.path}")
-            build_tiny_model(m.path, chars=m.tiny_chars or DEFAULT_CHARS, hidden_size=m.tiny_hidden_size,
-                             num_layers=m.tiny_layers, tie_word_embeddings=m.tiny_tie_embeddings, seed=m.seed)  # fmt: skip
+            build_tiny_model(
+                m.path,
+                chars=m.tiny_chars or DEFAULT_CHARS,
+                hidden_size=m.tiny_hidden_size,
+                num_layers=m.tiny_layers,
+                tie_word_embeddings=m.tiny_tie_embeddings,
+                seed=m.seed,
+            )
         if not self.redis_url:
             from asyncrl.buffer.server import ensure_redis
 
@@ -380,10 +555,17 @@ class Launcher:
         self.prepare()
         self._say("launcher", self.placement.describe())
         # GPU indices as nvidia-smi numbers them (CUDA's own default orders by speed), unless set
-        self._env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", **os.environ, auth.ENGINE_TOKEN_ENV: self.engine_token,
-                     "REDIS_URL": self.redis_url, "ASYNCRL_RUN": self.cfg.run.id,
-                     "ASYNCRL_RUN_DIR": str(self.run_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                     "ASYNCRL_REDIS_RECONNECT_S": str(ln.redis_reconnect_s)}  # fmt: skip
+        self._env = {
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            **os.environ,
+            auth.ENGINE_TOKEN_ENV: self.engine_token,
+            "REDIS_URL": self.redis_url,
+            "ASYNCRL_RUN": self.cfg.run.id,
+            "ASYNCRL_RUN_DIR": str(self.run_dir),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "ASYNCRL_REDIS_RECONNECT_S": str(ln.redis_reconnect_s),
+        }
         if ln.metrics_port:
             self._metrics_server = _serve_metrics(self.registry, ln.metrics_port)
         if self.redis_proc is not None:
@@ -399,8 +581,13 @@ class Launcher:
 
     def _spawn(self, proc: Proc) -> None:
         log = open(self.run_dir / "logs" / f"{proc.name}.log", "ab")  # noqa: SIM115 — _pump closes it
-        proc.popen = subprocess.Popen(proc.cmd, env={**self._env, **proc.env}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc.popen = subprocess.Popen(
+            proc.cmd,
+            env={**self._env, **proc.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         proc.started_at, proc.healthy, proc.failed_probes = time.monotonic(), False, 0
         threading.Thread(target=self._pump, args=(proc, log), daemon=True).start()
 
@@ -423,8 +610,10 @@ class Launcher:
         deadline = time.monotonic() + self.cfg.launch.health_timeout_s
         while time.monotonic() < deadline:
             if not proc.alive:
-                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} before it was healthy "
-                                   f"(see {self.run_dir / 'logs' / (proc.name + '.log')})")  # fmt: skip
+                raise RuntimeError(
+                    f"{proc.name} exited with {proc.popen.returncode} before it was healthy "
+                    f"(see {self.run_dir / 'logs' / (proc.name + '.log')})"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(proc.health_url, timeout=2.0).status_code == 200:
                     self._say("launcher", f"{proc.name} healthy ({proc.health_url})")
@@ -463,15 +652,22 @@ class Launcher:
     def _schedule_restart(self, p: Proc, why: str) -> bool:
         ln = self.cfg.launch
         self.m_up.labels(p.name).set(0)
-        log = self.run_dir / (Path("redis") / "redis.log" if p is self.redis_proc else Path("logs") / f"{p.name}.log")
+        log = self.run_dir / (
+            Path("redis") / "redis.log" if p is self.redis_proc else Path("logs") / f"{p.name}.log"
+        )
         if p.restarts >= ln.max_restarts:
-            self.stop_reason = (f"{p.name} {why} after {p.restarts} restart(s), the most [launch] max_restarts = "
-                                f"{ln.max_restarts} allows: stopping the run (see {log})")  # fmt: skip
+            self.stop_reason = (
+                f"{p.name} {why} after {p.restarts} restart(s), the most [launch] max_restarts = "
+                f"{ln.max_restarts} allows: stopping the run (see {log})"
+            )
             self._say("launcher", self.stop_reason)
             return False
         delay = min(ln.restart_backoff_s * 2**p.restarts, ln.restart_backoff_max_s)
         p.restart_at = time.monotonic() + delay
-        self._say("launcher", f"{p.name} {why}; restart {p.restarts + 1}/{ln.max_restarts} in {delay:.1f} s (see {log})")
+        self._say(
+            "launcher",
+            f"{p.name} {why}; restart {p.restarts + 1}/{ln.max_restarts} in {delay:.1f} s (see {log})",
+        )
         return True
 
     def _restart(self, p: Proc) -> None:
@@ -487,7 +683,9 @@ class Launcher:
                 self._say("launcher", f"redis restart failed: {exc}")
             p.popen = self.redis.proc  # dead if the restart failed: the next round counts another crash
             return
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # what the dead process left in its group
+        with contextlib.suppress(
+            ProcessLookupError, PermissionError
+        ):  # what the dead process left in its group
             os.killpg(p.popen.pid, signal.SIGKILL)
         self._spawn(p)
         self._say("launcher", f"{p.name} restarted (restart {p.restarts})")
@@ -597,8 +795,10 @@ def _check_port_free(proc: Proc) -> None:
         try:
             s.bind((url.hostname or "127.0.0.1", url.port))
         except OSError as exc:
-            raise RuntimeError(f"port {url.port} for {proc.name} is already in use ({exc.strerror}); "
-                               "is another run still up? stop it or choose other ports in [launch]") from None  # fmt: skip
+            raise RuntimeError(
+                f"port {url.port} for {proc.name} is already in use ({exc.strerror}); "
+                "is another run still up? stop it or choose other ports in [launch]"
+            ) from None
 
 
 def stop_on_first_signal() -> None:
@@ -617,7 +817,9 @@ def stop_on_first_signal() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncrl up", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, required=True, help="run config (TOML), e.g. configs/demo.toml")
+    parser.add_argument(
+        "--config", type=Path, required=True, help="run config (TOML), e.g. configs/demo.toml"
+    )
     args = parser.parse_args(argv)
     cfg = UpConfig.load(args.config)
     launcher = Launcher(cfg, args.config)
@@ -637,7 +839,10 @@ def main(argv: list[str] | None = None) -> int:
         launcher._say("launcher", f"error: {exc}")
         code = 1
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # (no signal was received: none may cut the shutdown short)
+        for sig in (
+            signal.SIGINT,
+            signal.SIGTERM,
+        ):  # (no signal was received: none may cut the shutdown short)
             signal.signal(sig, signal.SIG_IGN)
         launcher.stop()
     return code

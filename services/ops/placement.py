@@ -70,9 +70,16 @@ class Placement:
         )
 
 
-def place(devices: Sequence[str], *, engines: int, engine_tp: int = 1, trainer_nproc: int = 0,
-          engine_gpus: Sequence[int] | None = None, trainer_gpus: Sequence[int] | None = None,
-          allow_shared: bool = False) -> Placement:  # fmt: skip
+def place(
+    devices: Sequence[str],
+    *,
+    engines: int,
+    engine_tp: int = 1,
+    trainer_nproc: int = 0,
+    engine_gpus: Sequence[int] | None = None,
+    trainer_gpus: Sequence[int] | None = None,
+    allow_shared: bool = False,
+) -> Placement:
     """GPU indices for `engines` engines of `engine_tp` GPUs each and a trainer of `trainer_nproc`
     ranks (0: no trainer on a GPU) on the GPUs `devices` names.
 
@@ -85,8 +92,9 @@ def place(devices: Sequence[str], *, engines: int, engine_tp: int = 1, trainer_n
     need_engines = engines * engine_tp
     for what, size in (("engine_tp", engine_tp if engines else 0), ("trainer_nproc_per_node", trainer_nproc)):
         if size > n:
-            raise PlacementError(f"{what} = {size} needs {size} distinct GPUs in one process; "
-                                 f"{_visible(devices)}")  # fmt: skip
+            raise PlacementError(
+                f"{what} = {size} needs {size} distinct GPUs in one process; {_visible(devices)}"
+            )
     _check_list(
         "engine_gpus", engine_gpus, need_engines, f"{engines} GPU engine(s) × engine_tp {engine_tp}", devices
     )
@@ -119,8 +127,10 @@ def place(devices: Sequence[str], *, engines: int, engine_tp: int = 1, trainer_n
     groups = [(f"engine-{i}", g) for i, g in enumerate(engine_groups)] + [(TRAINER, trainer)]
     for name, group in groups:
         if len(set(group)) != len(group):
-            raise PlacementError(f"{name} is given the same GPU twice ({_gpus(devices, group)}); each of its "
-                                 "ranks needs its own")  # fmt: skip
+            raise PlacementError(
+                f"{name} is given the same GPU twice ({_gpus(devices, group)}); each of its "
+                "ranks needs its own"
+            )
     shared = _shared(groups)
     if shared and not allow_shared:
         (gpu, users), *_ = shared.items()
@@ -142,8 +152,9 @@ def visible_gpus(count: int | None, environ: Mapping[str, str]) -> tuple[str, ..
     if listed is not None:
         entries = parse_visible_devices(listed)
         if count is not None and count > len(entries):
-            raise PlacementError(f"[launch] gpus = {count}, but CUDA_VISIBLE_DEVICES={listed!r} "
-                                 f"makes {len(entries)} visible")  # fmt: skip
+            raise PlacementError(
+                f"[launch] gpus = {count}, but CUDA_VISIBLE_DEVICES={listed!r} makes {len(entries)} visible"
+            )
         return entries if count is None else entries[:count]
     return tuple(str(i) for i in range(detect_gpus() if count is None else count))
 
@@ -171,11 +182,14 @@ def detect_gpus() -> int:
             [exe, "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False
         )
     except subprocess.TimeoutExpired:
-        raise PlacementError(f"`nvidia-smi -L` did not answer in {NVIDIA_SMI_TIMEOUT_S:.0f} s; "
-                             "set [launch] gpus (0: CPU)") from None  # fmt: skip
+        raise PlacementError(
+            f"`nvidia-smi -L` did not answer in {NVIDIA_SMI_TIMEOUT_S:.0f} s; set [launch] gpus (0: CPU)"
+        ) from None
     if out.returncode != 0:
-        raise PlacementError(f"`nvidia-smi -L` failed ({out.returncode}): {out.stderr.strip()[:200]}; "
-                             "set [launch] gpus (0: CPU)")  # fmt: skip
+        raise PlacementError(
+            f"`nvidia-smi -L` failed ({out.returncode}): {out.stderr.strip()[:200]}; "
+            "set [launch] gpus (0: CPU)"
+        )
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
@@ -196,15 +210,19 @@ def check_nccl_weight_group(p: Placement, *, engines_on_gpu: bool) -> None:
     before anything starts. Nothing to check without GPUs or without the trainer on them."""
     if not p.devices or not p.trainer:
         return
-    fix = ('set [trainer] broadcast_backend = "gloo" (through host memory, slower) or publish = "disk"')
+    fix = 'set [trainer] broadcast_backend = "gloo" (through host memory, slower) or publish = "disk"'
     if not engines_on_gpu:
-        raise PlacementError(f"[trainer] publish = \"distributed\" over NCCL needs the engines on GPUs, but they run "
-                             f"on the CPU: {fix}")  # fmt: skip
+        raise PlacementError(
+            f'[trainer] publish = "distributed" over NCCL needs the engines on GPUs, but they run '
+            f"on the CPU: {fix}"
+        )
     groups = [(f"{TRAINER} rank 0", p.trainer[:1])] + [(f"engine-{i}", g) for i, g in enumerate(p.engines)]
     for g, names in _shared(groups).items():
-        raise PlacementError(f"{_gpus(p.devices, [g])} holds {' and '.join(names)}, but [trainer] publish = "
-                             f"\"distributed\" over NCCL needs every rank of the weight group on its own GPU "
-                             f"(NCCL refuses two ranks on one GPU): give them distinct GPUs, or {fix}")  # fmt: skip
+        raise PlacementError(
+            f"{_gpus(p.devices, [g])} holds {' and '.join(names)}, but [trainer] publish = "
+            f'"distributed" over NCCL needs every rank of the weight group on its own GPU '
+            f"(NCCL refuses two ranks on one GPU): give them distinct GPUs, or {fix}"
+        )
 
 
 def _shared(groups: list[tuple[str, tuple[int, ...]]]) -> dict[int, list[str]]:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-SYSTEM_PROMPT = "You are a helpful math assistant. Solve the problem, then give the final answer in \\boxed{}."
+SYSTEM_PROMPT = (
+    "You are a helpful math assistant. Solve the problem, then give the final answer in \\boxed{}."
+)
 
 NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Maya", "Omar", "Zoe", "Leo", "Nina")
 ITEMS = ("apples", "books", "marbles", "stickers", "pencils", "cookies", "coins", "cards")
@@ -52,7 +54,9 @@ def _word(rng: random.Random) -> tuple[str, int]:
         return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
     if kind == "both":
         a, b, c = rng.randint(5, 40), rng.randint(2, 20), rng.randint(1, 9)
-        question = f"{name} has {a} {item}, buys {b} more and then loses {c}. How many {item} does {name} have?"
+        question = (
+            f"{name} has {a} {item}, buys {b} more and then loses {c}. How many {item} does {name} have?"
+        )
         return question, a + b - c
     a, b = rng.randint(2, 9), rng.randint(2, 12)
     return f"{name} has {a} bags with {b} {item} in each bag. How many {item} are there in total?", a * b
@@ -97,8 +101,10 @@ def math_problem(rng: random.Random, word_fraction: float = 0.4, level: str = "e
 
 def math_prompt(question: str, answer: int, prompt_id: str | None = None) -> dict:
     """A `/v1/rollouts` prompt: chat messages with the system prompt, scored by `math`."""
-    prompt = {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
-              "reward_spec": {"verifier": "math", "answer": str(answer)}}  # fmt: skip
+    prompt = {
+        "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+        "reward_spec": {"verifier": "math", "answer": str(answer)},
+    }
     if prompt_id is not None:
         prompt["prompt_id"] = prompt_id
     return prompt
@@ -146,5 +152,7 @@ def reverse_prompts(n: int, letters: str, length: int, rng: random.Random) -> li
     prompts = []
     for _ in range(n):
         word = "".join(rng.choice(letters) for _ in range(length))
-        prompts.append({"text": f"<bos>{word}>", "reward_spec": {"verifier": "reverse", "target": word[::-1]}})
+        prompts.append(
+            {"text": f"<bos>{word}>", "reward_spec": {"verifier": "reverse", "target": word[::-1]}}
+        )
     return prompts

@@ -31,7 +31,9 @@ def _byte_level_char(ch: str) -> str:
     if ord("!") <= b <= ord("~"):
         return ch
     # bytes outside the printable ranges map to U+0100 + their rank among such bytes
-    outside = [x for x in range(256) if not (ord("!") <= x <= ord("~") or 0xA1 <= x <= 0xAC or 0xAE <= x <= 0xFF)]
+    outside = [
+        x for x in range(256) if not (ord("!") <= x <= ord("~") or 0xA1 <= x <= 0xAC or 0xAE <= x <= 0xFF)
+    ]
     return chr(256 + outside.index(b))
 
 
@@ -54,12 +56,22 @@ def build_char_tokenizer(out_dir: str | Path, chars: str = DEFAULT_CHARS, model_
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in dict.fromkeys(chars):
         vocab.setdefault(_byte_level_char(ch), len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix="",
-                               fuse_unk=False, byte_fallback=False))  # fmt: skip
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[],
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
@@ -99,7 +111,9 @@ def build_tiny_model(
 
     out_dir = Path(out_dir)
     tokenizer = build_char_tokenizer(out_dir, chars, model_max_length=max_position_embeddings)
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    config_cls, model_cls = (
+        (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    )
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

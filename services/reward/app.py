@@ -15,10 +15,6 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
-from asyncrl.services.runtime.auth import install_auth
-from asyncrl.services.runtime.limits import BodyLimit, install_validation_handler
-from asyncrl.services.runtime.logging import log_event
-from asyncrl.services.runtime.metrics import router as metrics_router
 from asyncrl.services.reward.config import RewardSettings
 from asyncrl.services.reward.environments.base import Environment
 from asyncrl.services.reward.metrics import ENV_REJECTED, REQUESTS
@@ -26,6 +22,10 @@ from asyncrl.services.reward.routes import environments as environment_routes
 from asyncrl.services.reward.routes import health, rewards
 from asyncrl.services.reward.scoring import Scorer
 from asyncrl.services.reward.verifiers.base import Verifier
+from asyncrl.services.runtime.auth import install_auth
+from asyncrl.services.runtime.limits import BodyLimit, install_validation_handler
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.runtime.metrics import router as metrics_router
 
 if TYPE_CHECKING:
     from asyncrl.services.reward.sandbox import Sandbox

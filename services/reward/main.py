@@ -6,9 +6,9 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    from asyncrl.services.reward.config import RewardSettings
     from asyncrl.services.runtime.config import load_settings
     from asyncrl.services.runtime.logging import setup_logging
-    from asyncrl.services.reward.config import RewardSettings
 
     settings = load_settings(RewardSettings, argv, prog="asyncrl reward", section="reward")
     setup_logging(settings.log_level)

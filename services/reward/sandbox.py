@@ -176,9 +176,14 @@ class Sandbox:
                 self._argv(limits, {"main.py": fd}, status_w, ["main.py"]), self.slot_uids[0]
             )
             proc = subprocess.run(
-                argv, capture_output=True, check=False, timeout=limits.wall_s,
-                pass_fds=(fd, status_w), env=HOST_ENV, **identity,
-            )  # fmt: skip
+                argv,
+                capture_output=True,
+                check=False,
+                timeout=limits.wall_s,
+                pass_fds=(fd, status_w),
+                env=HOST_ENV,
+                **identity,
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise SandboxUnavailable(f"bubblewrap self-test could not run: {exc}") from exc
         finally:
@@ -214,15 +219,41 @@ class Sandbox:
 
     def _argv(self, limits: Limits, fds: dict[str, int], status_fd: int, args: list[str]) -> list[str]:
         argv = [
-            self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1",
-            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-            "--json-status-fd", str(status_fd),
-            "--ro-bind", "/usr", "/usr",
-            "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
-            "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/sbin", "/sbin",
-            "--proc", "/proc", "--dev", "/dev",
-            "--size", str(limits.tmpfs_mb << 20), "--tmpfs", WORKDIR,
-        ]  # fmt: skip
+            self.bwrap,
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--as-pid-1",
+            "--uid",
+            str(SANDBOX_UID),
+            "--gid",
+            str(SANDBOX_UID),
+            "--json-status-fd",
+            str(status_fd),
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--symlink",
+            "usr/bin",
+            "/bin",
+            "--symlink",
+            "usr/lib",
+            "/lib",
+            "--symlink",
+            "usr/lib64",
+            "/lib64",
+            "--symlink",
+            "usr/sbin",
+            "/sbin",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(limits.tmpfs_mb << 20),
+            "--tmpfs",
+            WORKDIR,
+        ]
         for name, fd in fds.items():
             argv += ["--ro-bind-data", str(fd), f"{WORKDIR}/{name}"]
         argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR, "--clearenv"]
@@ -279,8 +310,10 @@ class Sandbox:
             started = time.monotonic()
             proc = await self._spawn(
                 self._python(limits, program, rest),
-                uid, cwd=tmp, env={**SANDBOX_ENV, "HOME": tmp, "TMPDIR": tmp},
-            )  # fmt: skip
+                uid,
+                cwd=tmp,
+                env={**SANDBOX_ENV, "HOME": tmp, "TMPDIR": tmp},
+            )
             if isinstance(proc, RunResult):
                 return proc
             return await _supervise(proc, stdin, limits, started)
@@ -295,9 +328,16 @@ class Sandbox:
         try:
             # Blocking, as inside asyncio's own subprocess support: vfork + exec, ~1 ms.
             popen = subprocess.Popen(  # noqa: ASYNC220
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=pass_fds, start_new_session=True, cwd=cwd, env=env or HOST_ENV, **identity,
-            )  # fmt: skip
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=pass_fds,
+                start_new_session=True,
+                cwd=cwd,
+                env=env or HOST_ENV,
+                **identity,
+            )
         except OSError as exc:
             return RunResult("sandbox_error", None, b"", b"", 0.0, error=f"spawn failed: {exc}")
         try:

@@ -31,9 +31,9 @@ from pydantic import BaseModel
 
 from asyncrl.proto.records import RewardStatus
 from asyncrl.proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, RewardSpec
-from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.reward.metrics import CACHE_HITS, CACHE_MISSES, ITEMS, LATENCY, VERIFIER_FAILURES
 from asyncrl.services.reward.verifiers.base import SpecError, Verdict, Verifier
+from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,9 @@ class Scorer:
         self.cache = ResultCache(cache_entries)
         self._slots = {name: asyncio.Semaphore(v.concurrency) for name, v in verifiers.items()}
         self._inflight: dict[str, asyncio.Future] = {}
-        self._latency = {name: LATENCY.labels(name) for name in verifiers}  # (a label lookup per item costs more than a toy verdict)
+        self._latency = {
+            name: LATENCY.labels(name) for name in verifiers
+        }  # (a label lookup per item costs more than a toy verdict)
         self._specs: OrderedDict[tuple[str, str], tuple[BaseModel, Any] | SpecError] = OrderedDict()
 
     async def start(self) -> None:
@@ -132,17 +134,25 @@ class Scorer:
             seen = parsed.get(key) or self._parse(verifier, args, key[1])
             parsed[key] = seen
             if isinstance(seen, SpecError):
-                problems.append({"id": item.id, "loc": ["items", index, "spec"], "msg": f"{verifier.name}: {seen}"})
+                problems.append(
+                    {"id": item.id, "loc": ["items", index, "spec"], "msg": f"{verifier.name}: {seen}"}
+                )
                 continue
             spec, dumped = seen
             # An inline verdict is never shared in flight: without a cache it needs no key.
-            cache_key = self._key(verifier, spec, dumped, item) if self.cache.max_entries > 0 or not verifier.inline else ""
+            cache_key = (
+                self._key(verifier, spec, dumped, item)
+                if self.cache.max_entries > 0 or not verifier.inline
+                else ""
+            )
             jobs.append(Job(item, verifier, spec, cache_key))
         if problems:
             raise RequestRejected(problems)
         return jobs
 
-    def _parse(self, verifier: Verifier, args: dict[str, Any], canonical: str) -> tuple[BaseModel, Any] | SpecError:
+    def _parse(
+        self, verifier: Verifier, args: dict[str, Any], canonical: str
+    ) -> tuple[BaseModel, Any] | SpecError:
         """The spec `args` (`canonical`: as sorted JSON) parsed, with its JSON dump, or why not;
         short ones kept among the last SPEC_MEMO_ENTRIES."""
         key = (verifier.name, canonical)
@@ -174,8 +184,12 @@ class Scorer:
         parsed, dumped = seen
         keyed = self.cache.max_entries > 0  # (an inline verdict is never shared in flight: no cache, no key)
         items = [_Item(str(i), prompt, c, spec) for i, c in enumerate(completions)]
-        return self.verdicts_now([Job(item, verifier, parsed, self._key(verifier, parsed, dumped, item) if keyed else "")
-                                  for item in items])  # fmt: skip
+        return self.verdicts_now(
+            [
+                Job(item, verifier, parsed, self._key(verifier, parsed, dumped, item) if keyed else "")
+                for item in items
+            ]
+        )
 
     @staticmethod
     def _key(verifier: Verifier, spec: BaseModel, dumped: Any, item: RewardItem) -> str:
@@ -189,15 +203,18 @@ class Scorer:
         # Built from checked verdicts: `model_construct` skips re-validating each result.
         return RewardResponse.model_construct(
             results=[
-                RewardResult.model_construct(id=job.item.id, status=v.status, reward=v.reward, details=v.details)
+                RewardResult.model_construct(
+                    id=job.item.id, status=v.status, reward=v.reward, details=v.details
+                )
                 for job, v in zip(jobs, verdicts)
             ]
         )
 
     async def verdicts(self, jobs: list[Job]) -> list[Verdict]:
         """Each job's verdict, in order."""
-        judged: list[tuple[Verdict, bool] | None] = [self._score_inline(job) if job.verifier.inline else None
-                                                     for job in jobs]  # fmt: skip
+        judged: list[tuple[Verdict, bool] | None] = [
+            self._score_inline(job) if job.verifier.inline else None for job in jobs
+        ]
         others = [i for i, v in enumerate(judged) if v is None]
         for i, verdict in zip(others, await asyncio.gather(*(self._score_one(jobs[i]) for i in others))):
             judged[i] = verdict
@@ -297,5 +314,14 @@ class Scorer:
 
     @staticmethod
     def _crashed(job: Job, exc: Exception) -> Verdict:
-        log_event(log, "verifier crashed", logging.ERROR, verifier=job.verifier.name, item=job.item.id, error=repr(exc))
-        return Verdict.failed(RewardStatus.error, "verifier_crashed", error=f"{type(exc).__name__}: {exc}"[:500])
+        log_event(
+            log,
+            "verifier crashed",
+            logging.ERROR,
+            verifier=job.verifier.name,
+            item=job.item.id,
+            error=repr(exc),
+        )
+        return Verdict.failed(
+            RewardStatus.error, "verifier_crashed", error=f"{type(exc).__name__}: {exc}"[:500]
+        )

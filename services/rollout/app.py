@@ -13,12 +13,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 
-from asyncrl.services.runtime.auth import install_auth
-from asyncrl.services.runtime.limits import BodyLimit, InflightLimit, install_validation_handler
-from asyncrl.services.runtime.metrics import router as metrics_router
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.routes import evaluations, gateway, health, rollouts
 from asyncrl.services.rollout.service import RolloutService
+from asyncrl.services.runtime.auth import install_auth
+from asyncrl.services.runtime.limits import BodyLimit, InflightLimit, install_validation_handler
+from asyncrl.services.runtime.metrics import router as metrics_router
 
 
 def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI:

@@ -113,9 +113,13 @@ class RolloutSettings(ServiceSettings):
         "in this process's asyncrl_reward_items_total",
     )
 
-    environments_url: str = Field("", description="environment server (proto/environments.py); default: reward_url")
+    environments_url: str = Field(
+        "", description="environment server (proto/environments.py); default: reward_url"
+    )
     env_timeout_s: float = Field(120.0, gt=0, description="timeout of one environment reset or step")
-    env_retries: int = Field(2, ge=0, le=20, description="retries of an environment call on transport errors and 5xx")
+    env_retries: int = Field(
+        2, ge=0, le=20, description="retries of an environment call on transport errors and 5xx"
+    )
 
     weight_update_timeout_s: float = Field(600.0, gt=0, description="timeout of one engine weight update")
     weight_update_abort: bool = Field(
@@ -157,28 +161,39 @@ class RolloutSettings(ServiceSettings):
     )
 
     gateway_session_ttl_s: float = Field(
-        3600.0, gt=0, le=7 * 86400,
+        3600.0,
+        gt=0,
+        le=7 * 86400,
         description="a gateway group with no call, session or close for this long expires: its admission slot "
         "is given back and its calls dropped",
     )
     gateway_admission_wait_s: float = Field(
-        0.0, ge=0, le=3600,
+        0.0,
+        ge=0,
+        le=3600,
         description="how long POST /v1/sessions waits for an admission slot for a new group before answering "
         "429 (0: answer at once; the client retries after Retry-After)",
     )
     gateway_engine_wait_s: float = Field(
-        30.0, gt=0, le=3600, description="how long a chat completion waits for a healthy engine before answering 503"
+        30.0,
+        gt=0,
+        le=3600,
+        description="how long a chat completion waits for a healthy engine before answering 503",
     )
     gateway_max_inflight: int = Field(
         1024, ge=1, description="gateway requests in progress at once; one more answers 503 + Retry-After"
     )
     gateway_put_lease_s: float = Field(
-        30.0, gt=0, le=3600,
+        30.0,
+        gt=0,
+        le=3600,
         description="a replica that closed a gateway group's last session has this long to put the group before "
         "another replica's reaper puts it (a replica that dies between close and put loses nothing)",
     )
     gateway_reap_interval_s: float = Field(
-        5.0, gt=0, le=600,
+        5.0,
+        gt=0,
+        le=600,
         description="how often expired gateway groups, and complete groups a failed replica did not put, are "
         "looked for",
     )

@@ -32,11 +32,11 @@ from pydantic import ValidationError
 
 from asyncrl.proto.limits import MAX_LOGPROB
 from asyncrl.proto.sglang import FinishType, UpdateWeightFromDiskReqOutput
+from asyncrl.services.rollout import metrics as m
 from asyncrl.services.runtime.auth import engine_auth_headers
 from asyncrl.services.runtime.coalescer import Coalescer
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.runtime.retry import Retryable, with_retries
-from asyncrl.services.rollout import metrics as m
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +120,19 @@ class EngineClient:
         # replaces any Authorization header the caller passed (services/runtime/auth.py).
         headers = {**(headers or {}), **engine_auth_headers()}
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            headers=headers,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=GENERATE_KEEPALIVE),
-        )  # fmt: skip
-        self._control_http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
-        self._batches = Coalescer(self._post_generate, split_on=EngineRejected, on_split=m.COALESCED_SPLITS.inc,
-                                  on_flush=m.COALESCED_CALLS.observe)  # fmt: skip
+        )
+        self._control_http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers
+        )
+        self._batches = Coalescer(
+            self._post_generate,
+            split_on=EngineRejected,
+            on_split=m.COALESCED_SPLITS.inc,
+            on_flush=m.COALESCED_CALLS.observe,
+        )
         self._rr = itertools.count()
         self._batch_ids = itertools.count()
         self._rid_prefix = uuid.uuid4().hex[:12]  # engine rids stay unique across rollout replicas
@@ -190,7 +197,11 @@ class EngineClient:
     # --- generation -------------------------------------------------------------------------
 
     async def generate(
-        self, engine: EngineEndpoint, inputs: list[list[int]], sampling_params: list[dict], in_flight: set[str]
+        self,
+        engine: EngineEndpoint,
+        inputs: list[list[int]],
+        sampling_params: list[dict],
+        in_flight: set[str],
     ) -> list[Generation]:
         """Generate for every input (one answer per input, in order) in as few requests as
         possible. Items with the same sampling params share an SGLang batch, and so do the
@@ -203,9 +214,15 @@ class EngineClient:
             by_params.setdefault(_KEY.encode(params).decode(), []).append(i)
         if len(by_params) == 1:  # the usual case (a group's samples share their params): no task
             (key,) = by_params
-            return await self._batches.submit((engine, key), [(x, in_flight, p) for x, p in zip(inputs, sampling_params)])
+            return await self._batches.submit(
+                (engine, key), [(x, in_flight, p) for x, p in zip(inputs, sampling_params)]
+            )
         batches = [
-            asyncio.ensure_future(self._batches.submit((engine, key), [(inputs[i], in_flight, sampling_params[i]) for i in items]))
+            asyncio.ensure_future(
+                self._batches.submit(
+                    (engine, key), [(inputs[i], in_flight, sampling_params[i]) for i in items]
+                )
+            )
             for key, items in by_params.items()
         ]
         try:
@@ -233,7 +250,9 @@ class EngineClient:
             engine.in_flight += len(items)
             m.ENGINE_IN_FLIGHT.labels(engine.label).set(engine.in_flight)
             try:
-                resp = await self._http.post(f"{engine.url}/generate", content=_JSON.encode(body), headers=JSON_HEADERS)
+                resp = await self._http.post(
+                    f"{engine.url}/generate", content=_JSON.encode(body), headers=JSON_HEADERS
+                )
             except httpx.HTTPError as exc:
                 resp, problem = None, f"{type(exc).__name__}: {exc}"
             finally:
@@ -272,7 +291,9 @@ class EngineClient:
 
     # --- weight updates (admin engines) -----------------------------------------------------
 
-    async def update_all_from_disk(self, path: str, version: int | str, only: list[int] | None = None) -> list[str]:
+    async def update_all_from_disk(
+        self, path: str, version: int | str, only: list[int] | None = None
+    ) -> list[str]:
         """Load `path` as `version` (a policy version, or its `weight_version` name with its
         epoch, proto/lineage.py) on every admin engine (or the admin indices in `only`) at
         once, aborting their in-flight requests (which come back with their partial tokens), or
@@ -293,10 +314,14 @@ class EngineClient:
         try:
             resp = await self._control_http.post(
                 f"{e.url}/update_weights_from_disk",
-                json={"model_path": path, "weight_version": str(version), "flush_cache": True,
-                      "abort_all_requests": self.update_abort},
+                json={
+                    "model_path": path,
+                    "weight_version": str(version),
+                    "flush_cache": True,
+                    "abort_all_requests": self.update_abort,
+                },
                 timeout=self.update_timeout_s,
-            )  # fmt: skip
+            )
         except httpx.HTTPError as exc:
             m.ENGINE_REQUESTS.labels(e.label, "update", "error").inc()
             return f"{e.url}: {type(exc).__name__}: {exc}"
@@ -314,16 +339,23 @@ class EngineClient:
 
     async def _continue(self, e: EngineEndpoint) -> None:
         try:
-            resp = await self._control_http.post(f"{e.url}/continue_generation", json={},
-                                                 timeout=self.update_timeout_s)  # fmt: skip
+            resp = await self._control_http.post(
+                f"{e.url}/continue_generation", json={}, timeout=self.update_timeout_s
+            )
         except httpx.HTTPError as exc:
             resp, message = None, f"{type(exc).__name__}: {exc}"
         else:
             message = None if resp.status_code == 200 else _error_message(resp) or f"HTTP {resp.status_code}"
         if message is not None:
             m.ENGINE_REQUESTS.labels(e.label, "continue", "error").inc()
-            log_event(log, "engine did not continue after a weight update", logging.WARNING, engine=e.url,
-                      status=resp.status_code if resp is not None else None, message=message)  # fmt: skip
+            log_event(
+                log,
+                "engine did not continue after a weight update",
+                logging.WARNING,
+                engine=e.url,
+                status=resp.status_code if resp is not None else None,
+                message=message,
+            )
 
     async def weight_versions(self, only: list[int] | None = None) -> list[str | None]:
         """`weight_version` of each admin engine, or of the admin indices in `only` (None where

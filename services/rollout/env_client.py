@@ -29,10 +29,10 @@ from asyncrl.proto.environments import (
     StepResponse,
     StepResults,
 )
-from asyncrl.services.runtime.coalescer import Coalescer
-from asyncrl.services.runtime.retry import Retryable, with_retries
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.engine_client import JSON_HEADERS
+from asyncrl.services.runtime.coalescer import Coalescer
+from asyncrl.services.runtime.retry import Retryable, with_retries
 
 RETRY_DELAY_S = 0.2
 _JSON = msgspec.json.Encoder()
@@ -47,8 +47,15 @@ class EnvironmentFailed(Exception):
 
 
 class EnvClient:
-    def __init__(self, url: str, *, timeout_s: float, retries: int, listing_ttl_s: float = 30.0,
-                 headers: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        retries: int,
+        listing_ttl_s: float = 30.0,
+        headers: dict[str, str] | None = None,
+    ):
         self.url = url.rstrip("/")
         self.retries = retries
         self.timeout_s = timeout_s
@@ -72,7 +79,9 @@ class EnvClient:
             resp.raise_for_status()
             listing = EnvironmentList.model_validate_json(resp.content)
         except (httpx.HTTPError, ValidationError) as exc:
-            raise EnvironmentFailed("unavailable", f"cannot list the environments at {self.url}: {exc}") from None
+            raise EnvironmentFailed(
+                "unavailable", f"cannot list the environments at {self.url}: {exc}"
+            ) from None
         self._listing = (now, listing)
         return listing
 
@@ -83,7 +92,9 @@ class EnvClient:
         out = (await self._batches.submit((env, "step"), [req]))[0]
         m.ENV_STEPS.labels(env, out.status.value).inc()
         if out.mask_sample:
-            raise EnvironmentFailed(out.failure_kind or "masked", f"{env} masked the episode: {out.observation[:300]}")
+            raise EnvironmentFailed(
+                out.failure_kind or "masked", f"{env} masked the episode: {out.observation[:300]}"
+            )
         return out
 
     async def _post_batch(self, key: tuple[str, str], items: list) -> list:
@@ -92,26 +103,35 @@ class EnvClient:
         model = ResetResults if verb == "reset" else StepResults
         out = (await self._call(env, f"{verb}_batch", body, model)).results
         if len(out) != len(items):
-            raise EnvironmentFailed("garbage", f"{env}/{verb}_batch: {len(out)} answers for {len(items)} items")
+            raise EnvironmentFailed(
+                "garbage", f"{env}/{verb}_batch: {len(out)} answers for {len(items)} items"
+            )
         return out
 
     async def _call(self, env: str, verb: str, body: bytes, model):
         async def attempt(_: int):
             try:
-                resp = await self._http.post(f"{self.url}/v1/environments/{env}/{verb}", content=body,
-                                             headers=JSON_HEADERS)  # fmt: skip
+                resp = await self._http.post(
+                    f"{self.url}/v1/environments/{env}/{verb}", content=body, headers=JSON_HEADERS
+                )
             except httpx.HTTPError as exc:
                 raise Retryable(f"{type(exc).__name__}: {exc}") from None
             if resp.status_code in (429,) or resp.status_code >= 500:
                 raise Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}")
             if resp.status_code != 200:
-                raise EnvironmentFailed("refused", f"{env}/{verb}: HTTP {resp.status_code}: {resp.text[:300]}")
+                raise EnvironmentFailed(
+                    "refused", f"{env}/{verb}: HTTP {resp.status_code}: {resp.text[:300]}"
+                )
             try:
                 return model.model_validate_json(resp.content)
             except ValidationError as exc:
-                raise EnvironmentFailed("garbage", f"{env}/{verb}: garbage answer: {exc.errors()[:2]}") from None
+                raise EnvironmentFailed(
+                    "garbage", f"{env}/{verb}: garbage answer: {exc.errors()[:2]}"
+                ) from None
 
         try:
             return await with_retries(attempt, self.retries, first_s=RETRY_DELAY_S)
         except Retryable as exc:
-            raise EnvironmentFailed("unavailable", f"{env}/{verb} failed {self.retries + 1} times: {exc}") from None
+            raise EnvironmentFailed(
+                "unavailable", f"{env}/{verb} failed {self.retries + 1} times: {exc}"
+            ) from None

@@ -56,8 +56,10 @@ async def run_episodes(sched: Scheduler, a: Active) -> list[Draft]:
     info = (await sched.envs.environments()).environments.get(spec.environment)
     if info is None:
         raise EnvironmentFailed("unavailable", f"environment {spec.environment!r} is no longer served")
-    tasks = [asyncio.ensure_future(_with_retries(sched, a, spec, fmt, stops, info.judges, i))
-             for i in range(job.group_size)]  # fmt: skip
+    tasks = [
+        asyncio.ensure_future(_with_retries(sched, a, spec, fmt, stops, info.judges, i))
+        for i in range(job.group_size)
+    ]
     try:
         return list(await asyncio.gather(*tasks))
     finally:  # one episode failing its group (or a cancel) ends the others
@@ -65,8 +67,9 @@ async def run_episodes(sched: Scheduler, a: Active) -> list[Draft]:
             t.cancel()
 
 
-async def _with_retries(sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int], judges: bool,
-                        index: int) -> Draft:  # fmt: skip
+async def _with_retries(
+    sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int], judges: bool, index: int
+) -> Draft:
     last: EnvironmentFailed | None = None
     for attempt in range(spec.retries + 1):
         d = Draft(index, submitted=time.time(), loss_mask=[])
@@ -77,11 +80,14 @@ async def _with_retries(sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: lis
             m.EPISODES.labels("failed").inc()
             m.EPISODE_RETRIES.labels(exc.kind).inc()
             last = exc
-    raise EpisodeFailed(f"episode {index}: environment {spec.environment!r} failed {spec.retries + 1} times; last: {last}")
+    raise EpisodeFailed(
+        f"episode {index}: environment {spec.environment!r} failed {spec.retries + 1} times; last: {last}"
+    )
 
 
-async def _episode(sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int], judges: bool, d: Draft,
-                   attempt: int) -> None:  # fmt: skip
+async def _episode(
+    sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int], judges: bool, d: Draft, attempt: int
+) -> None:
     job = a.claimed.job
     env, envs, tok = spec.environment, sched.envs, sched.tokenizer
     params = dict(job.sampling_params)
@@ -94,11 +100,14 @@ async def _episode(sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int
     # One task per sample, the same after a restart (a crash, an environment retry): its reward
     # does not depend on which replica ran it.
     seed = zlib.crc32(episode_id.encode()) + params.get("sampling_seed", 0) % 2**31
-    reset = await envs.reset(env, ResetRequest(episode_id=episode_id, seed=seed, prompt=job.prompt_text,
-                                               args=spec.env_args))  # fmt: skip
+    reset = await envs.reset(
+        env, ResetRequest(episode_id=episode_id, seed=seed, prompt=job.prompt_text, args=spec.env_args)
+    )
     state = reset.state
     if reset.observation:
-        _observe(d, tok(reset.observation, add_special_tokens=False)["input_ids"], sched.s.initial_weight_version)
+        _observe(
+            d, tok(reset.observation, add_special_tokens=False)["input_ids"], sched.s.initial_weight_version
+        )
     eos = {tok.eos_token_id}
     finish, answer = "length", ""
     for turn in range(spec.max_turns):
@@ -118,8 +127,17 @@ async def _episode(sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int
             answer = _answer(tok, d.tokens[start:], finish, params)
             reward = 0.0  # (an environment that does not judge: a verifier scores the answer)
             if judges:
-                out = await envs.step(env, StepRequest(episode_id=episode_id, seed=seed, turn=turn, args=spec.env_args,
-                                                       state=state, action=Action(text=answer)))  # fmt: skip
+                out = await envs.step(
+                    env,
+                    StepRequest(
+                        episode_id=episode_id,
+                        seed=seed,
+                        turn=turn,
+                        args=spec.env_args,
+                        state=state,
+                        action=Action(text=answer),
+                    ),
+                )
                 reward = out.reward or 0.0
             d.turn_rewards.append(reward)
             break
@@ -133,17 +151,31 @@ async def _episode(sched, a, spec: EpisodeSpec, fmt: ToolFormat, stops: list[int
             observation, reward = f"[invalid_call] {problem}", 0.0
         else:
             m.TOOL_CALLS.labels("called").inc()
-            out = await envs.step(env, StepRequest(episode_id=episode_id, seed=seed, turn=turn, args=spec.env_args,
-                                                   state=state, action=Action(tool_call=call)))  # fmt: skip
+            out = await envs.step(
+                env,
+                StepRequest(
+                    episode_id=episode_id,
+                    seed=seed,
+                    turn=turn,
+                    args=spec.env_args,
+                    state=state,
+                    action=Action(tool_call=call),
+                ),
+            )
             state, reward = out.state, out.reward or 0.0
-            observation = out.observation if out.status is StepStatus.ok else f"[{out.status.value}] {out.observation}"
+            observation = (
+                out.observation if out.status is StepStatus.ok else f"[{out.status.value}] {out.observation}"
+            )
             if out.done:
                 d.turn_rewards.append(reward)
                 break
         d.turn_rewards.append(reward)
         after_eos = bool(d.tokens) and d.tokens[-1] in eos
-        _observe(d, observation_ids(tok, fmt, observation, after_eos)[:max(room - len(d.tokens), 0)],
-                 d.versions[-1] if d.versions else sched.s.initial_weight_version)  # fmt: skip
+        _observe(
+            d,
+            observation_ids(tok, fmt, observation, after_eos)[: max(room - len(d.tokens), 0)],
+            d.versions[-1] if d.versions else sched.s.initial_weight_version,
+        )
     d.finish_reason, d.text = finish, answer
     d.finished = time.time()
     if judges:

@@ -46,7 +46,6 @@ from asyncrl.proto.rewards import RewardItem, RewardSpec
 from asyncrl.proto.rollout import RolloutPrompt
 from asyncrl.proto.sglang import SamplingParams
 from asyncrl.proto.states import JobState
-from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.rollout.engine_client import (
@@ -59,6 +58,7 @@ from asyncrl.services.rollout.engine_client import (
 from asyncrl.services.rollout.intake import MAX_REPORTED, BadRequest, Intake
 from asyncrl.services.rollout.reward_client import RewardClient
 from asyncrl.services.rollout.weights import Pin, VersionNotServed, WeightSync, policy_version
+from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,9 @@ def sampling_params(settings: RolloutSettings, requested: SamplingParams | dict 
     default_tokens = settings.eval_max_new_tokens or settings.default_max_new_tokens
     params = {"temperature": 0.0, "max_new_tokens": default_tokens, **(requested or {})}
     if not 1 <= params["max_new_tokens"] <= settings.max_new_tokens_cap:
-        raise BadRequest(f"max_new_tokens {params['max_new_tokens']} is not in [1, the cap "
-                         f"{settings.max_new_tokens_cap}]")  # fmt: skip
+        raise BadRequest(
+            f"max_new_tokens {params['max_new_tokens']} is not in [1, the cap {settings.max_new_tokens_cap}]"
+        )
     return params
 
 
@@ -129,14 +130,24 @@ def build_task(
         spec: RewardSpec = prompt.reward_spec or default_spec  # type: ignore[assignment]
         if verifiers is not None and spec.verifier not in verifiers:
             unknown.add(spec.verifier)
-        out.append(EvalPrompt(prompt_id=prompt.prompt_id or f"{name}-{i}", prompt_tokens=ids, prompt_text=text,
-                              reward_spec=spec))  # fmt: skip
+        out.append(
+            EvalPrompt(
+                prompt_id=prompt.prompt_id or f"{name}-{i}",
+                prompt_tokens=ids,
+                prompt_text=text,
+                reward_spec=spec,
+            )
+        )
     if too_long:
-        raise BadRequest(f"{len(too_long)} prompts do not fit the context length {intake.context_length}: "
-                         f"{'; '.join(too_long[:MAX_REPORTED])}")  # fmt: skip
+        raise BadRequest(
+            f"{len(too_long)} prompts do not fit the context length {intake.context_length}: "
+            f"{'; '.join(too_long[:MAX_REPORTED])}"
+        )
     if unknown:
-        raise BadRequest(f"unknown verifier(s) {sorted(unknown)}; the reward service serves {sorted(verifiers or ())}",
-                         reason="unknown_verifier")  # fmt: skip
+        raise BadRequest(
+            f"unknown verifier(s) {sorted(unknown)}; the reward service serves {sorted(verifiers or ())}",
+            reason="unknown_verifier",
+        )
     return EvalTask(prompts=out, sampling_params=params)
 
 
@@ -159,9 +170,17 @@ def load_eval_file(path: str) -> list[RolloutPrompt]:
 
 
 def new_summary(eval_id: str, name: str, source: str, task: EvalTask, digest: str = "") -> EvalSummary:
-    return EvalSummary(eval_id=eval_id, name=name, source=source, state=JobState.queued, prompts=len(task.prompts),
-                       target_version=task.target_version, sampling_params=task.sampling_params,
-                       created_at=time.time(), body_hash=digest)  # fmt: skip
+    return EvalSummary(
+        eval_id=eval_id,
+        name=name,
+        source=source,
+        state=JobState.queued,
+        prompts=len(task.prompts),
+        target_version=task.target_version,
+        sampling_params=task.sampling_params,
+        created_at=time.time(),
+        body_hash=digest,
+    )
 
 
 def summarize(items: list[EvalItem]) -> dict:
@@ -317,9 +336,15 @@ class Evaluator:
             if pin is None:
                 pin = await self.weights.pin(task.target_version)
             version = await self._start_version(pin, task.target_version)
-            run.summary = run.summary.model_copy(update={
-                "state": JobState.running, "version": version, "engine": pin.engine.url, "started_at": time.time(),
-                "pinned": self.weights.method != "distributed"})  # fmt: skip
+            run.summary = run.summary.model_copy(
+                update={
+                    "state": JobState.running,
+                    "version": version,
+                    "engine": pin.engine.url,
+                    "started_at": time.time(),
+                    "pinned": self.weights.method != "distributed",
+                }
+            )
             if not await asyncio.to_thread(self.store.set_running, self.owner, run.summary):
                 raise _Lost()
             run.items = await self._items(task, pin.engine, version)
@@ -359,7 +384,9 @@ class Evaluator:
                 t.cancel()  # the first failure ends the others
         return [item for part in parts for item in part]
 
-    async def _chunk(self, task: EvalTask, start: int, engine: EngineEndpoint, version: int) -> list[EvalItem]:
+    async def _chunk(
+        self, task: EvalTask, start: int, engine: EngineEndpoint, version: int
+    ) -> list[EvalItem]:
         """One /generate for up to CHUNK prompts, checked, then one reward batch."""
         prompts = task.prompts[start : start + CHUNK]
         params = task.sampling_params
@@ -369,9 +396,12 @@ class Evaluator:
         for p, gen in zip(prompts, gens):
             self._check(p, gen, version)
         texts = [self._text(gen, params) for gen in gens]
-        results = await self.rewards.score([
-            RewardItem(id=str(start + k), prompt=p.prompt_text, completion=text, spec=p.reward_spec)
-            for k, (p, text) in enumerate(zip(prompts, texts))])  # fmt: skip
+        results = await self.rewards.score(
+            [
+                RewardItem(id=str(start + k), prompt=p.prompt_text, completion=text, spec=p.reward_spec)
+                for k, (p, text) in enumerate(zip(prompts, texts))
+            ]
+        )
         return [
             EvalItem(
                 index=start + k,
@@ -389,8 +419,10 @@ class Evaluator:
 
     def _check(self, prompt: EvalPrompt, gen: Generation, version: int) -> None:
         if gen.finish_reason == "abort":
-            raise EvalFailed(f"item {prompt.prompt_id} was aborted by the engine: its weights changed under "
-                             "the evaluation (a distributed update, or another replica's)")  # fmt: skip
+            raise EvalFailed(
+                f"item {prompt.prompt_id} was aborted by the engine: its weights changed under "
+                "the evaluation (a distributed update, or another replica's)"
+            )
         got = policy_version(gen.weight_version, self.s.initial_weight_version)
         if got != version:
             raise EvalFailed(
@@ -399,8 +431,10 @@ class Evaluator:
 
     def _text(self, gen: Generation, params: dict) -> str:
         stop_trim = gen.finish_reason == "stop" and not params.get("no_stop_trim")
-        return self.tokenizer.decode(gen.output_ids[:-1] if stop_trim else gen.output_ids,
-                                     skip_special_tokens=params.get("skip_special_tokens", True))  # fmt: skip
+        return self.tokenizer.decode(
+            gen.output_ids[:-1] if stop_trim else gen.output_ids,
+            skip_special_tokens=params.get("skip_special_tokens", True),
+        )
 
     async def _finish(self, run: _Run, t0: float) -> None:
         summary = run.summary
@@ -412,9 +446,17 @@ class Evaluator:
         m.EVAL_SECONDS.observe(time.monotonic() - t0)
         if summary.state == JobState.done:
             set_gauges(summary)
-        log_event(log, f"evaluation {JobState(summary.state).value}", logging.INFO if summary.state == JobState.done else logging.ERROR,
-                  eval_id=summary.eval_id, name=summary.name, version=summary.version, accuracy=summary.accuracy,
-                  mean_reward=summary.mean_reward, error=summary.error)  # fmt: skip
+        log_event(
+            log,
+            f"evaluation {JobState(summary.state).value}",
+            logging.INFO if summary.state == JobState.done else logging.ERROR,
+            eval_id=summary.eval_id,
+            name=summary.name,
+            version=summary.version,
+            accuracy=summary.accuracy,
+            mean_reward=summary.mean_reward,
+            error=summary.error,
+        )
 
     async def _restore_gauges(self) -> None:
         """After a restart the dashboards keep the newest results (from Redis)."""
@@ -429,7 +471,9 @@ class Evaluator:
 
 
 def _failed(summary: EvalSummary, error: str) -> EvalSummary:
-    return summary.model_copy(update={"state": JobState.failed, "finished_at": time.time(), "error": error[:2000]})
+    return summary.model_copy(
+        update={"state": JobState.failed, "finished_at": time.time(), "error": error[:2000]}
+    )
 
 
 _series: dict[tuple[str, str], int] = {}  # gauge label sets set by this process -> version

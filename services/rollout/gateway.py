@@ -71,7 +71,6 @@ from asyncrl.proto.gateway import (
 from asyncrl.proto.rewards import RewardItem, RewardSpec
 from asyncrl.proto.sglang import ChatCompletionUsage
 from asyncrl.proto.states import Admission
-from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.rollout.engine_client import EngineClient, EngineFailure, EngineRejected
@@ -79,7 +78,14 @@ from asyncrl.services.rollout.gateway_groups import build_group
 from asyncrl.services.rollout.intake import BadRequest, check_reward_specs
 from asyncrl.services.rollout.reward_client import RewardClient, VerifiersUnavailable
 from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
-from asyncrl.services.rollout.toolcalls import HERMES_CLOSE, HERMES_OPEN, BadToolCall, ToolFormat, parse_tool_call
+from asyncrl.services.rollout.toolcalls import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    BadToolCall,
+    ToolFormat,
+    parse_tool_call,
+)
+from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +93,17 @@ REAP_BATCH = 100  # groups one reaper pass handles
 _ID = re.compile(ID_PATTERN)
 HERMES = ToolFormat("hermes", HERMES_OPEN, HERMES_CLOSE)
 # OpenAI request fields that do not change what is generated (anything else must be unset).
-HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                             "safety_identifier"})  # fmt: skip
+HARMLESS_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
 
 
 class GatewayError(Exception):
@@ -122,8 +137,15 @@ class Completion:
 class Gateway:
     """Sessions, chat calls and groups of the gateway; one per rollout replica (state in Redis)."""
 
-    def __init__(self, settings: RolloutSettings, buf: Buffer, engines: EngineClient, rewards: RewardClient,
-                 tokenizer, context_length: int):  # fmt: skip
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        buf: Buffer,
+        engines: EngineClient,
+        rewards: RewardClient,
+        tokenizer,
+        context_length: int,
+    ):
         self.s = settings
         self.store = SessionStore(buf, settings.gateway_session_ttl_s, settings.gateway_put_lease_s)
         self.groups, self.admission, self.versions = Groups(buf), AdmissionControl(buf), Weights(buf)
@@ -153,8 +175,9 @@ class Gateway:
         submit_version = 0
         if not await asyncio.to_thread(self.store.group_exists, gid):
             submit_version = await self._admit(gid)
-        answer = await asyncio.to_thread(self.store.open, sid, gid, body.group_size, body.prompt_id or "", spec,
-                                         submit_version)  # fmt: skip
+        answer = await asyncio.to_thread(
+            self.store.open, sid, gid, body.group_size, body.prompt_id or "", spec, submit_version
+        )
         outcome = answer[0]
         if outcome != "ok":
             messages = {
@@ -181,8 +204,12 @@ class Gateway:
                 raise GatewayError(409, f"group {gid!r} is in the buffer already", "group_complete")
             m.ADMISSION_WAITS.inc()
             if time.monotonic() >= deadline:
-                raise GatewayError(429, "the buffer is full (admission): the trainer is behind; retry later",
-                                   "admission_full", retry_after=max(1.0, self.s.admission_poll_s))  # fmt: skip
+                raise GatewayError(
+                    429,
+                    "the buffer is full (admission): the trainer is behind; retry later",
+                    "admission_full",
+                    retry_after=max(1.0, self.s.admission_poll_s),
+                )
             await asyncio.sleep(self.s.admission_poll_s)
 
     async def close_session(self, sid: str, body: RewardRequest) -> SessionClosed:
@@ -191,17 +218,25 @@ class Gateway:
         info = await self._session(sid)
         gid = info["group_id"]
         if body.reward is not None:
-            result = {"reward": body.reward, "status": RewardStatus.scored.value, "details": {"source": "client"}}
+            result = {
+                "reward": body.reward,
+                "status": RewardStatus.scored.value,
+                "details": {"source": "client"},
+            }
         else:
             meta = await asyncio.to_thread(self.store.spec, gid)
             if not meta:
-                raise GatewayError(400, "give a reward: the session was created without a reward_spec", "no_reward")
+                raise GatewayError(
+                    400, "give a reward: the session was created without a reward_spec", "no_reward"
+                )
             last = await asyncio.to_thread(self.store.last_call, sid)
             if last is None:
                 raise GatewayError(400, f"session {sid} made no chat call: nothing to score", "empty_session")
             spec = RewardSpec.model_validate_json(meta)
             prompt = await asyncio.to_thread(self.tokenizer.decode, last.arrays()[0])
-            [scored] = await self.rewards.score([RewardItem(id=sid, prompt=prompt, completion=last.text, spec=spec)])
+            [scored] = await self.rewards.score(
+                [RewardItem(id=sid, prompt=prompt, completion=last.text, spec=spec)]
+            )
             result = {"reward": scored.reward, "status": scored.status.value, "details": scored.details}
         answer = await asyncio.to_thread(self.store.close, sid, result)
         self._refuse_session(sid, answer[0], allow=("complete", "open"))
@@ -209,8 +244,13 @@ class Gateway:
         group = "open"
         if answer[0] == "complete":
             group = await self.put_group(gid)
-        return SessionClosed(session_id=sid, group_id=gid, reward=result["reward"],
-                             reward_status=RewardStatus(result["status"]), group=group)  # fmt: skip
+        return SessionClosed(
+            session_id=sid,
+            group_id=gid,
+            reward=result["reward"],
+            reward_status=RewardStatus(result["status"]),
+            group=group,
+        )
 
     async def _session(self, sid: str) -> dict[str, str]:
         """An open session's hash; 404 / 409 otherwise."""
@@ -223,7 +263,9 @@ class Gateway:
         if state in allow:
             return
         if state == "unknown":
-            raise GatewayError(404, f"no session {sid[:128]!r} (never created, or expired)", "unknown_session")
+            raise GatewayError(
+                404, f"no session {sid[:128]!r} (never created, or expired)", "unknown_session"
+            )
         if state == "empty":
             raise GatewayError(400, f"session {sid} made no chat call: nothing to train on", "empty_session")
         raise GatewayError(409, f"session {sid} is {state}", "session_closed")
@@ -235,7 +277,13 @@ class Gateway:
             meta, sessions = await asyncio.to_thread(self.store.group, gid)
             group, splits = build_group(gid, meta, sessions)
         except (ValueError, KeyError, msgspec.DecodeError) as exc:
-            log_event(log, "gateway group could not be built", logging.ERROR, group_id=gid, error=f"{type(exc).__name__}: {exc}")
+            log_event(
+                log,
+                "gateway group could not be built",
+                logging.ERROR,
+                group_id=gid,
+                error=f"{type(exc).__name__}: {exc}",
+            )
             lease = self.store.new_lease()
             await asyncio.to_thread(self.store.lease, gid, lease)
             await asyncio.to_thread(self.store.drop, gid, lease)
@@ -273,7 +321,9 @@ class Gateway:
             opened, closed = dropped
             m.GATEWAY_SESSIONS.labels("expired").inc(opened - closed)
             m.GATEWAY_GROUPS.labels("expired").inc()
-            log_event(log, "gateway group expired", group_id=gid, sessions_open=opened - closed, closed=closed)
+            log_event(
+                log, "gateway group expired", group_id=gid, sessions_open=opened - closed, closed=closed
+            )
         return len(claimed)
 
     # --- chat calls ---------------------------------------------------------------------------
@@ -283,16 +333,27 @@ class Gateway:
         info = await self._session(session_id) if session_id is not None else None
         tools = body.tools if body.tool_choice != "none" else None
         messages = _template_messages(body.messages)
-        prompt = await asyncio.to_thread(self._render, messages, [t.model_dump(exclude_none=True) for t in tools or []])
+        prompt = await asyncio.to_thread(
+            self._render, messages, [t.model_dump(exclude_none=True) for t in tools or []]
+        )
         room = self.context_length - len(prompt)
         if room <= 0:
-            raise GatewayError(400, f"the rendered prompt has {len(prompt)} tokens: no room left in the context "
-                               f"length {self.context_length}", "context_length")  # fmt: skip
+            raise GatewayError(
+                400,
+                f"the rendered prompt has {len(prompt)} tokens: no room left in the context "
+                f"length {self.context_length}",
+                "context_length",
+            )
         asked = body.max_completion_tokens or body.max_tokens
         if asked is not None and asked > self.s.max_new_tokens_cap:
-            raise GatewayError(400, f"max_tokens {asked} exceeds the cap {self.s.max_new_tokens_cap}", "max_tokens")
-        params: dict[str, Any] = {"max_new_tokens": min(asked or self.s.max_new_tokens_cap, room),
-                                  "temperature": body.temperature, "top_p": body.top_p}  # fmt: skip
+            raise GatewayError(
+                400, f"max_tokens {asked} exceeds the cap {self.s.max_new_tokens_cap}", "max_tokens"
+            )
+        params: dict[str, Any] = {
+            "max_new_tokens": min(asked or self.s.max_new_tokens_cap, room),
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+        }
         if body.seed is not None:
             params["sampling_seed"] = body.seed
         if body.stop:
@@ -306,9 +367,17 @@ class Gateway:
         m.GENERATED_TOKENS.inc(len(done.tokens))
         if info is not None:
             assert session_id is not None
-            call = Call.of(done.prompt, done.tokens, done.logprobs, done.versions, lineage=done.lineage,
-                           finish_reason=FinishReason(done.finish_reason), text=done.text, started=done.started,
-                           finished=done.finished)  # fmt: skip
+            call = Call.of(
+                done.prompt,
+                done.tokens,
+                done.logprobs,
+                done.versions,
+                lineage=done.lineage,
+                finish_reason=FinishReason(done.finish_reason),
+                text=done.text,
+                started=done.started,
+                finished=done.finished,
+            )
             state = await asyncio.to_thread(self.store.record, session_id, call, done.engine)
             self._refuse_session(session_id, state, allow=("ok",))
         return await asyncio.to_thread(self._answer, body, done, tools is not None), info is not None
@@ -318,10 +387,15 @@ class Gateway:
         if not getattr(tok, "chat_template", None):
             raise GatewayError(400, "the model's tokenizer has no chat template", "no_chat_template")
         try:
-            text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # noqa: BLE001 — a template refusing the conversation (jinja's raise_exception, a TypeError on odd content) is the client's error
-            raise GatewayError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}"[:500],
-                               "chat_template") from None  # fmt: skip
+            raise GatewayError(
+                400,
+                f"the chat template refused the messages: {type(exc).__name__}: {exc}"[:500],
+                "chat_template",
+            ) from None
         ids = list(tok(text, add_special_tokens=False)["input_ids"])
         if not ids:
             raise GatewayError(400, "the messages render to an empty prompt", "empty_prompt")
@@ -338,8 +412,12 @@ class Gateway:
             try:
                 engine = await asyncio.wait_for(self.engines.pick(), self.s.gateway_engine_wait_s)
             except TimeoutError:
-                raise GatewayError(503, f"no healthy engine within {self.s.gateway_engine_wait_s} s", "no_engine",
-                                   retry_after=self.s.engine_probe_s) from None  # fmt: skip
+                raise GatewayError(
+                    503,
+                    f"no healthy engine within {self.s.gateway_engine_wait_s} s",
+                    "no_engine",
+                    retry_after=self.s.engine_probe_s,
+                ) from None
         started = time.time()
         d = Draft(0, submitted=started)
         rids: set[str] = set()
@@ -350,12 +428,23 @@ class Gateway:
             return {**params, "sampling_seed": moved_seed(params["sampling_seed"], segment)}
 
         try:
-            await generate_resuming(self.engines, engine, self.weights, [prompt], [d], [params["max_new_tokens"]],
-                                    params_for, rids=rids, max_resubmits=self.s.max_resubmits,
-                                    context_length=self.context_length,
-                                    initial_version=self.s.initial_weight_version)  # fmt: skip
+            await generate_resuming(
+                self.engines,
+                engine,
+                self.weights,
+                [prompt],
+                [d],
+                [params["max_new_tokens"]],
+                params_for,
+                rids=rids,
+                max_resubmits=self.s.max_resubmits,
+                context_length=self.context_length,
+                initial_version=self.s.initial_weight_version,
+            )
         except TooManyAborts:
-            raise GatewayError(502, f"the call was aborted {self.s.max_resubmits + 1} times", "aborted") from None
+            raise GatewayError(
+                502, f"the call was aborted {self.s.max_resubmits + 1} times", "aborted"
+            ) from None
         except EngineRejected as exc:
             raise GatewayError(400, f"the engine refused the request: {exc}", "engine_rejected") from None
         except EngineFailure as exc:
@@ -364,11 +453,23 @@ class Gateway:
             await asyncio.gather(*(self.engines.abort(engine, rid) for rid in rids))
             raise
         text = d.text
-        if d.segments > 1:  # several engine answers: the text of all the tokens (SGLang's rules: stop trimmed)
+        if (
+            d.segments > 1
+        ):  # several engine answers: the text of all the tokens (SGLang's rules: stop trimmed)
             shown = d.tokens[:-1] if d.finish_reason == "stop" else d.tokens
             text = await asyncio.to_thread(self.tokenizer.decode, shown, skip_special_tokens=True)
-        return Completion(prompt, d.tokens, d.logprobs, d.versions, d.lineage, d.finish_reason, text, engine.index,
-                          started, time.time())  # fmt: skip
+        return Completion(
+            prompt,
+            d.tokens,
+            d.logprobs,
+            d.versions,
+            d.lineage,
+            d.finish_reason,
+            text,
+            engine.index,
+            started,
+            time.time(),
+        )
 
     def _answer(self, body: ChatRequest, done: Completion, tools: bool) -> ChatCompletion:
         content, calls = _tool_calls(done.text) if tools else (done.text, [])
@@ -376,16 +477,28 @@ class Gateway:
         logprobs = None
         if body.logprobs:
             texts = self.tokenizer.batch_decode([[t] for t in done.tokens], skip_special_tokens=False)
-            logprobs = ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8", "replace")))
-                                               for t, lp in zip(texts, done.logprobs)])  # fmt: skip
+            logprobs = ChoiceLogprobs(
+                content=[
+                    TokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8", "replace")))
+                    for t, lp in zip(texts, done.logprobs)
+                ]
+            )
         return ChatCompletion(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(done.started),
             model=body.model or self.model_name,
-            choices=[Choice(message=AssistantMessage(content=content, tool_calls=calls or None),
-                            finish_reason=finish, logprobs=logprobs)],  # fmt: skip
-            usage=ChatCompletionUsage(prompt_tokens=len(done.prompt), completion_tokens=len(done.tokens),
-                                      total_tokens=len(done.prompt) + len(done.tokens)),  # fmt: skip
+            choices=[
+                Choice(
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
+                    finish_reason=finish,
+                    logprobs=logprobs,
+                )
+            ],
+            usage=ChatCompletionUsage(
+                prompt_tokens=len(done.prompt),
+                completion_tokens=len(done.tokens),
+                total_tokens=len(done.prompt) + len(done.tokens),
+            ),
         )
 
 
@@ -397,8 +510,11 @@ class _UsesDefault:
 
 def check_request(body: ChatRequest) -> None:
     """What the models cannot say: unsupported fields set, text that is not Unicode."""
-    extra = {k: v for k, v in (body.model_extra or {}).items()
-             if k not in HARMLESS_FIELDS and v not in (None, 0, 0.0, False, [], {}, "", {"type": "text"})}  # fmt: skip
+    extra = {
+        k: v
+        for k, v in (body.model_extra or {}).items()
+        if k not in HARMLESS_FIELDS and v not in (None, 0, 0.0, False, [], {}, "", {"type": "text"})
+    }
     if extra:
         raise GatewayError(400, f"not supported by the gateway: {sorted(extra)[:10]}", "unsupported_field")
     _check_unicode(body.model_dump(exclude_unset=True))
@@ -411,8 +527,11 @@ def _check_unicode(value: Any) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise GatewayError(400, "the body contains a lone UTF-16 surrogate, which is not valid Unicode",
-                                   "invalid_unicode") from None  # fmt: skip
+                raise GatewayError(
+                    400,
+                    "the body contains a lone UTF-16 surrogate, which is not valid Unicode",
+                    "invalid_unicode",
+                ) from None
     elif isinstance(value, dict):
         for k, v in value.items():
             _check_unicode(k)
@@ -428,13 +547,21 @@ def _template_messages(messages: list[Message]) -> list[dict]:
     objects when they are JSON."""
     out = []
     for msg in messages:
-        d: dict[str, Any] = {**(msg.model_extra or {}), "role": "system" if msg.role == "developer" else msg.role}
+        d: dict[str, Any] = {
+            **(msg.model_extra or {}),
+            "role": "system" if msg.role == "developer" else msg.role,
+        }
         content = msg.content
         d["content"] = "\n".join(p.text for p in content) if isinstance(content, list) else (content or "")
         if msg.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function",
-                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                               for c in msg.tool_calls]  # fmt: skip
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in msg.tool_calls
+            ]
         if msg.tool_call_id is not None:
             d["tool_call_id"] = msg.tool_call_id
         if msg.name is not None:
@@ -465,8 +592,16 @@ def _tool_calls(text: str) -> tuple[str | None, list[ToolCallOut]]:
         except BadToolCall:
             call = None
         if call is not None:
-            args = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments, ensure_ascii=False)
-            calls.append(ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=call.name, arguments=args)))
+            args = (
+                call.arguments
+                if isinstance(call.arguments, str)
+                else json.dumps(call.arguments, ensure_ascii=False)
+            )
+            calls.append(
+                ToolCallOut(
+                    id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=call.name, arguments=args)
+                )
+            )
             content.append(text[pos:start])
         else:
             content.append(text[pos:end])
@@ -483,16 +618,28 @@ def sse_chunks(answer: ChatCompletion, include_usage: bool) -> list[str]:
     tool call, the finish reason, the usage when asked, then `[DONE]` (the engine does not
     stream: the chunks come once the answer is complete)."""
     choice = answer.choices[0]
-    head = {"id": answer.id, "object": "chat.completion.chunk", "created": answer.created, "model": answer.model}
+    head = {
+        "id": answer.id,
+        "object": "chat.completion.chunk",
+        "created": answer.created,
+        "model": answer.model,
+    }
 
     def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
-        body = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+        body = {
+            **head,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+        }
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     out = [chunk({"role": "assistant", "content": ""})]
     if choice.message.content or choice.logprobs:
-        out.append(chunk({"content": choice.message.content or ""},
-                         logprobs=choice.logprobs.model_dump() if choice.logprobs else None))  # fmt: skip
+        out.append(
+            chunk(
+                {"content": choice.message.content or ""},
+                logprobs=choice.logprobs.model_dump() if choice.logprobs else None,
+            )
+        )
     for i, call in enumerate(choice.message.tool_calls or []):
         out.append(chunk({"tool_calls": [{"index": i, **call.model_dump()}]}))
     out.append(chunk({}, choice.finish_reason))

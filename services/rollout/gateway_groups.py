@@ -37,7 +37,9 @@ class Piece:
     started: float = 0.0
     finished: float = 0.0
 
-    def add(self, call: Call, prompt: list[int], tokens: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def add(
+        self, call: Call, prompt: list[int], tokens: list[int], logprobs: list[float], versions: list[int]
+    ) -> None:
         """Append a call whose prompt extends this piece: the new prompt tokens as the
         environment's (mask 0, logprob 0, the version of the policy token before them), then
         the completion as the policy's."""
@@ -72,7 +74,6 @@ def sessions_to_pieces(calls: list[Call]) -> list[Piece]:
     return pieces
 
 
-
 def build_group(group_id: str, meta: dict[str, str], sessions: list[ClosedSession]) -> tuple[Group, int]:
     """The group of closed sessions (ordered by their index) and how many of them split. The
     group's prompt is the first piece of the first session; a piece with another prompt
@@ -89,21 +90,39 @@ def build_group(group_id: str, meta: dict[str, str], sessions: list[ClosedSessio
         splits += len(pieces) > 1
         reward, status = session.result.get("reward"), RewardStatus(session.result["status"])
         for piece in pieces:
-            samples.append(Sample(
-                prompt_id=meta["prompt_id"], index=len(samples), completion_ids=piece.completion,
-                behavior_logprobs=piece.logprobs, versions=piece.versions, finish_reason=piece.finish_reason,
-                truncated=piece.finish_reason is FinishReason.length, text=piece.text, reward=reward,
-                reward_status=status, reward_details=session.result.get("details") or {},
-                timings=Timings(submitted=piece.started, finished=piece.finished, scored=session.closed_at),
-                loss_mask=piece.mask, turn_starts=piece.turn_starts,
-                prompt_ids=piece.prompt if piece.prompt != prompt_tokens else [],
-                episode=first if len(pieces) > 1 else None,
-            ))  # fmt: skip
+            samples.append(
+                Sample(
+                    prompt_id=meta["prompt_id"],
+                    index=len(samples),
+                    completion_ids=piece.completion,
+                    behavior_logprobs=piece.logprobs,
+                    versions=piece.versions,
+                    finish_reason=piece.finish_reason,
+                    truncated=piece.finish_reason is FinishReason.length,
+                    text=piece.text,
+                    reward=reward,
+                    reward_status=status,
+                    reward_details=session.result.get("details") or {},
+                    timings=Timings(
+                        submitted=piece.started, finished=piece.finished, scored=session.closed_at
+                    ),
+                    loss_mask=piece.mask,
+                    turn_starts=piece.turn_starts,
+                    prompt_ids=piece.prompt if piece.prompt != prompt_tokens else [],
+                    episode=first if len(pieces) > 1 else None,
+                )
+            )
     lineage: dict[int, int] = {}
     for session in sessions:
         for call in session.calls:
             merge(lineage, call.lineage)
-    group = Group.build(group_id=group_id, job_id=GATEWAY_JOB_ID, prompt_tokens=prompt_tokens,
-                        reward_spec=json.loads(meta.get("spec") or "{}"), samples=samples,
-                        submit_version=int(meta["submit_version"]), lineage=lineage)  # fmt: skip
+    group = Group.build(
+        group_id=group_id,
+        job_id=GATEWAY_JOB_ID,
+        prompt_tokens=prompt_tokens,
+        reward_spec=json.loads(meta.get("spec") or "{}"),
+        samples=samples,
+        submit_version=int(meta["submit_version"]),
+        lineage=lineage,
+    )
     return group, splits

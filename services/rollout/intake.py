@@ -34,8 +34,8 @@ from asyncrl.proto import GroupJob
 from asyncrl.proto.rewards import RewardSpec
 from asyncrl.proto.rollout import RolloutPrompt, RolloutRequest
 from asyncrl.proto.sglang import SamplingParams, refused_by_reference_engine
-from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.rollout.config import RolloutSettings
+from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,12 @@ class Intake:
         if prompt.messages is not None:
             if not getattr(tok, "chat_template", None):
                 raise BadRequest("the model's tokenizer has no chat template; send text or input_ids")
-            text = tok.apply_chat_template([t.model_dump() for t in prompt.messages], tools=tools or None,
-                                           add_generation_prompt=True, tokenize=False)  # fmt: skip
+            text = tok.apply_chat_template(
+                [t.model_dump() for t in prompt.messages],
+                tools=tools or None,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
             return list(tok(text, add_special_tokens=False)["input_ids"]), text
         assert prompt.text is not None
         return list(tok(prompt.text)["input_ids"]), prompt.text
@@ -244,7 +248,11 @@ def _spec_model(name: str, published: dict | None):
     if model.model_json_schema() != published:
         if name not in _skewed:
             _skewed.add(name)
-            log_event(log, "reward service publishes another spec schema; its arguments are checked "
-                      "when scored", logging.WARNING, verifier=name)  # fmt: skip
+            log_event(
+                log,
+                "reward service publishes another spec schema; its arguments are checked when scored",
+                logging.WARNING,
+                verifier=name,
+            )
         return None
     return model

@@ -6,9 +6,9 @@ Parses settings first and imports transformers/uvicorn only after, so `--help` i
 
 from __future__ import annotations
 
+from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.runtime.config import load_settings
 from asyncrl.services.runtime.heap import freeze_startup_heap
-from asyncrl.services.rollout.config import RolloutSettings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from asyncrl.buffer import ensure_redis
-    from asyncrl.services.runtime.logging import log_event, setup_logging
     from asyncrl.services.rollout.app import build_app
     from asyncrl.services.rollout.service import RolloutService
+    from asyncrl.services.runtime.logging import log_event, setup_logging
 
     setup_logging(settings.log_level)
     os.environ.setdefault("ASYNCRL_RUN", settings.run)

@@ -65,14 +65,16 @@ ENGINE_HEALTHY = Gauge(
     "asyncrl_rollout_engine_healthy", "1 when the engine is used, 0 when marked unhealthy", ["engine"]
 )
 COALESCED_CALLS = Histogram(
-    "asyncrl_rollout_coalesced_calls", "Generate calls (groups or resubmission rounds) sharing one flush",
+    "asyncrl_rollout_coalesced_calls",
+    "Generate calls (groups or resubmission rounds) sharing one flush",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
 COALESCED_SPLITS = Counter(
     "asyncrl_rollout_coalesced_splits_total", "Coalesced requests refused (4xx) and retried per caller"
 )
 BUFFER_WRITE_GROUPS = Histogram(
-    "asyncrl_rollout_buffer_write_groups", "Scored groups put (and their jobs ended) by one buffer write",
+    "asyncrl_rollout_buffer_write_groups",
+    "Scored groups put (and their jobs ended) by one buffer write",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
 ENGINE_IN_FLIGHT = Gauge("asyncrl_rollout_engine_in_flight", "Generate calls in flight", ["engine"])
@@ -105,7 +107,9 @@ POLICY_VERSION = Gauge(
 )
 
 GATEWAY_REQUESTS = Counter(
-    "asyncrl_rollout_gateway_requests_total", "Gateway requests answered, by route and HTTP status", ["route", "code"]
+    "asyncrl_rollout_gateway_requests_total",
+    "Gateway requests answered, by route and HTTP status",
+    ["route", "code"],
 )
 GATEWAY_ERRORS = Counter(
     "asyncrl_rollout_gateway_errors_total",
@@ -113,7 +117,9 @@ GATEWAY_ERRORS = Counter(
     ["route", "reason"],
 )
 GATEWAY_COMPLETIONS = Counter(
-    "asyncrl_rollout_gateway_completions_total", "Chat completions generated: in a session, or proxied", ["mode"]
+    "asyncrl_rollout_gateway_completions_total",
+    "Chat completions generated: in a session, or proxied",
+    ["mode"],
 )
 GATEWAY_SESSIONS = Counter(
     "asyncrl_rollout_gateway_sessions_total",
@@ -128,7 +134,8 @@ GATEWAY_GROUPS = Counter(
 
 EVAL_SERIES_KEPT = 256  # (name, version) series of the eval gauges; older ones are removed
 EVAL_ACCURACY = Gauge(
-    "asyncrl_eval_accuracy", "Fraction of items scored with reward >= 1 (unscored items are wrong)",
+    "asyncrl_eval_accuracy",
+    "Fraction of items scored with reward >= 1 (unscored items are wrong)",
     ["name", "version"],
 )
 EVAL_MEAN_REWARD = Gauge("asyncrl_eval_mean_reward", "Mean reward of the scored items", ["name", "version"])
@@ -143,28 +150,39 @@ EVALS_FINISHED = Counter(
 )
 EVAL_ITEMS = Counter("asyncrl_eval_items_total", "Evaluated items by reward status", ["status"])
 EVAL_REDIS_ERRORS = Counter(
-    "asyncrl_eval_redis_errors_total", "Evaluation queue or store calls that failed (retried, or left to the lease)"
+    "asyncrl_eval_redis_errors_total",
+    "Evaluation queue or store calls that failed (retried, or left to the lease)",
 )
 EVALS_RUNNING = Gauge("asyncrl_eval_running", "Evaluations this replica is running")
 EVAL_SECONDS = Histogram(
-    "asyncrl_eval_seconds", "Claim to stored result of one evaluation",
+    "asyncrl_eval_seconds",
+    "Claim to stored result of one evaluation",
     buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
 )
 AUTO_EVALS = Counter(
-    "asyncrl_eval_auto_total", "Automatic evaluations due at a version: created, exists (another "
-    "replica's), error (not created)", ["result"],
+    "asyncrl_eval_auto_total",
+    "Automatic evaluations due at a version: created, exists (another replica's), error (not created)",
+    ["result"],
 )
 
 # Episodes (issue 18): multi-turn rollouts with an environment.
 EPISODES = Counter(
-    "asyncrl_rollout_episodes_total", "Episodes finished, by how (answered, turns, length, failed)", ["result"]
+    "asyncrl_rollout_episodes_total",
+    "Episodes finished, by how (answered, turns, length, failed)",
+    ["result"],
 )
 EPISODE_RETRIES = Counter(
-    "asyncrl_rollout_episode_retries_total", "Episodes started again after their environment failed, by kind", ["kind"]
+    "asyncrl_rollout_episode_retries_total",
+    "Episodes started again after their environment failed, by kind",
+    ["kind"],
 )
 ENV_STEPS = Counter(
-    "asyncrl_rollout_env_steps_total", "Environment steps, by environment and the tool's status", ["environment", "status"]
+    "asyncrl_rollout_env_steps_total",
+    "Environment steps, by environment and the tool's status",
+    ["environment", "status"],
 )
 TOOL_CALLS = Counter(
-    "asyncrl_rollout_tool_calls_total", "Tool calls the policy made, by outcome (called, unparsable)", ["result"]
+    "asyncrl_rollout_tool_calls_total",
+    "Tool calls the policy made, by outcome (called, unparsable)",
+    ["result"],
 )

@@ -27,12 +27,19 @@ import msgspec
 from pydantic import ValidationError
 
 from asyncrl.proto.records import RewardStatus
-from asyncrl.proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, RewardSpec, VerifierList
+from asyncrl.proto.rewards import (
+    RewardItem,
+    RewardRequest,
+    RewardResponse,
+    RewardResult,
+    RewardSpec,
+    VerifierList,
+)
+from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.engine_client import JSON_HEADERS
 from asyncrl.services.runtime.coalescer import Coalescer
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.runtime.retry import Retryable, with_retries
-from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.engine_client import JSON_HEADERS
 
 if TYPE_CHECKING:
     from asyncrl.services.reward.scoring import Scorer
@@ -94,7 +101,9 @@ class RewardClient:
             try:
                 answered = iter(await self._batches.submit(None, remote))
             except _BatchFailed as exc:
-                answered = iter([RewardResult(id=i.id, status=exc.status, details={"error": str(exc)}) for i in remote])
+                answered = iter(
+                    [RewardResult(id=i.id, status=exc.status, details={"error": str(exc)}) for i in remote]
+                )
             if results:
                 mine = iter(results)
                 results = [next(mine) if item.spec.verifier in local else next(answered) for item in items]
@@ -102,13 +111,19 @@ class RewardClient:
                 results = list(answered)
         return _counted(results)
 
-    async def score_group(self, spec: RewardSpec, prompt: str, completions: list[str]) -> list[RewardResult | Verdict]:
+    async def score_group(
+        self, spec: RewardSpec, prompt: str, completions: list[str]
+    ) -> list[RewardResult | Verdict]:
         """`score` for completions of one prompt under one spec (a group's samples): judged here
         when its verifier is local, without building an item per completion."""
         if self._local is None or spec.verifier not in self._local.verifiers:
             # The caller's own strings and checked spec: not validated again.
-            return await self.score([RewardItem.model_construct(id=str(i), prompt=prompt, completion=c, spec=spec)
-                                     for i, c in enumerate(completions)])  # fmt: skip
+            return await self.score(
+                [
+                    RewardItem.model_construct(id=str(i), prompt=prompt, completion=c, spec=spec)
+                    for i, c in enumerate(completions)
+                ]
+            )
         from asyncrl.services.reward.scoring import RequestRejected
 
         m.REWARD_CALLS.labels("local").inc()
@@ -146,13 +161,24 @@ class RewardClient:
         # checked when they were built (one spec object is usually shared by a group's items).
         specs: dict[int, dict] = {}
         sent = [f"{j}/{item.id}" for j, item in enumerate(items)]
-        body = {"items": [{"id": sid, "prompt": item.prompt, "completion": item.completion,
-                           "spec": specs.get(id(item.spec)) or specs.setdefault(id(item.spec), item.spec.model_dump(mode="json"))}
-                          for sid, item in zip(sent, items)]}  # fmt: skip
+        body = {
+            "items": [
+                {
+                    "id": sid,
+                    "prompt": item.prompt,
+                    "completion": item.completion,
+                    "spec": specs.get(id(item.spec))
+                    or specs.setdefault(id(item.spec), item.spec.model_dump(mode="json")),
+                }
+                for sid, item in zip(sent, items)
+            ]
+        }
 
         async def attempt(_: int) -> list[RewardResult]:
             try:
-                resp = await self._http.post(f"{self.url}/v1/rewards", content=_JSON.encode(body), headers=JSON_HEADERS)
+                resp = await self._http.post(
+                    f"{self.url}/v1/rewards", content=_JSON.encode(body), headers=JSON_HEADERS
+                )
             except httpx.TimeoutException:
                 m.REWARD_CALLS.labels("timeout").inc()
                 late = f"reward service did not answer within {self.timeout_s} s"

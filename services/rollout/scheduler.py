@@ -40,9 +40,6 @@ from asyncrl.proto import Group, GroupJob, RewardStatus, Samples
 from asyncrl.proto.lineage import merge
 from asyncrl.proto.rewards import RewardResult, RewardSpec
 from asyncrl.proto.states import Admission, GroupState
-from asyncrl.services.runtime.coalescer import GroupCommit
-from asyncrl.services.runtime.logging import log_event
-from asyncrl.services.runtime.retry import Retryable, with_retries
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.rollout.engine_client import EngineClient, EngineEndpoint, EngineFailure, EngineRejected
@@ -51,6 +48,9 @@ from asyncrl.services.rollout.episodes import run_episodes
 from asyncrl.services.rollout.reward_client import RewardClient
 from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
 from asyncrl.services.rollout.weights import WeightSync
+from asyncrl.services.runtime.coalescer import GroupCommit
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.runtime.retry import Retryable, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,9 @@ class Scheduler:
         weights.moving.append(self._admission_wake.set)  # ... as soon as it is announced (see there)
         # Scored groups are put, and their jobs ended, together with every group that finished
         # while the previous write ran: one fsync per batch on a Redis that fsyncs every write.
-        self._writes = GroupCommit(partial(self._db, self._put_many), split_on=ValueError,
-                                   on_batch=m.BUFFER_WRITE_GROUPS.observe)  # fmt: skip
+        self._writes = GroupCommit(
+            partial(self._db, self._put_many), split_on=ValueError, on_batch=m.BUFFER_WRITE_GROUPS.observe
+        )
         self._stopping = False
         self._phases: dict[str, GroupReport] = {}  # group_id -> its state, not yet written
 
@@ -128,9 +129,7 @@ class Scheduler:
                     claimed += [(c, "recovered") for c in await self._db(self.jobs.recover, idle_ms)]
                     next_recover = time.monotonic() + self.s.recover_interval_s
                 if free - len(claimed) > 0:
-                    claimed += [
-                        (c, "new") for c in await self._db(self.jobs.claim, free - len(claimed), 0)
-                    ]
+                    claimed += [(c, "new") for c in await self._db(self.jobs.claim, free - len(claimed), 0)]
                 for c, source in claimed:
                     self._start(c, source)
                 if not claimed:
@@ -269,7 +268,9 @@ class Scheduler:
                         break
                     self._admission_queue.popleft()  # the queue's head is this entry (others were appended)
                     if not answer.done():
-                        answer.set_result((admission, version if admission is not None and admission.go else 0))
+                        answer.set_result(
+                            (admission, version if admission is not None and admission.go else 0)
+                        )
                 if full:
                     m.ADMISSION_WAITS.inc()
                     with contextlib.suppress(TimeoutError):
@@ -284,7 +285,9 @@ class Scheduler:
     def _try_enter(self, jobs: list[GroupJob]) -> tuple[list[Admission | None], int]:
         """Each job's admission (None: its job was cancelled), and the policy version."""
         job_ids = list(dict.fromkeys(job.job_id for job in jobs))
-        flags = self.jobs.buf.pipeline(lambda pipe: [pipe.sismember(self.jobs.keys.cancelled, j) for j in job_ids])
+        flags = self.jobs.buf.pipeline(
+            lambda pipe: [pipe.sismember(self.jobs.keys.cancelled, j) for j in job_ids]
+        )
         cancelled = {j for j, flag in zip(job_ids, flags) if flag}
         asking = [job for job in jobs if job.job_id not in cancelled]
         answers = iter(self.admission.try_admit_many([job.group_id for job in asking]))
@@ -307,8 +310,9 @@ class Scheduler:
             self.admission.release(final.group_id)
         self.jobs.end(final)
 
-    async def _close(self, a: Active, state: GroupState, error: str = "", settled: bool = False,
-                     duplicate: bool = False) -> None:  # fmt: skip
+    async def _close(
+        self, a: Active, state: GroupState, error: str = "", settled: bool = False, duplicate: bool = False
+    ) -> None:
         """The group leaves this service: `buffered` (in the buffer; `duplicate`: put before),
         `failed`, `cancelled`. `settled`: the put already ended the job."""
         if not settled:
@@ -359,8 +363,12 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 — never let the writer die: keep them for the next round
                 # (groups that finished since reported their last state; newer reports win)
                 self._phases = {**{g: r for g, r in batch.items() if g in self.active}, **self._phases}
-                log_event(log, "phase records not written; retrying", logging.WARNING,
-                          error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+                log_event(
+                    log,
+                    "phase records not written; retrying",
+                    logging.WARNING,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
 
     async def _heartbeat(self) -> None:
         """Keep our jobs from looking dead; stop groups of cancelled jobs before they are scored."""
@@ -390,8 +398,15 @@ class Scheduler:
                 drafts = await (run_episodes(self, a) if episodes else self._samples(a))
             except EngineFailure as exc:
                 m.GROUPS_REQUEUED.labels("engine").inc()
-                log_event(log, "group requeued after an engine failure", logging.WARNING, group_id=job.group_id,
-                          engine=a.engine.url, attempt=attempt + 1, error=str(exc))  # fmt: skip
+                log_event(
+                    log,
+                    "group requeued after an engine failure",
+                    logging.WARNING,
+                    group_id=job.group_id,
+                    engine=a.engine.url,
+                    attempt=attempt + 1,
+                    error=str(exc),
+                )
                 raise Retryable(str(exc)) from exc
             seconds = time.monotonic() - t0
             tokens = sum(len(d.tokens) for d in drafts)
@@ -400,8 +415,9 @@ class Scheduler:
             m.TOKENS_PER_SECOND.set(tokens / seconds if seconds > 0 else 0.0)
             return drafts
 
-        return await with_retries(on_an_engine, math.inf, first_s=2 * self.s.engine_backoff_s,
-                                  max_s=self.s.requeue_backoff_max_s)  # fmt: skip
+        return await with_retries(
+            on_an_engine, math.inf, first_s=2 * self.s.engine_backoff_s, max_s=self.s.requeue_backoff_max_s
+        )
 
     async def _samples(self, a: Active) -> list[Draft]:
         """The group's completions in one batched request; after a weight-update abort, the
@@ -417,12 +433,22 @@ class Scheduler:
             if d.segments == 1:  # the engine's own text of these tokens (SGLang's rules: stop trim, specials)
                 continue
             stop_trim = d.finish_reason == "stop" and not params.get("no_stop_trim")
-            d.text = self.tokenizer.decode(d.tokens[:-1] if stop_trim else d.tokens,
-                                           skip_special_tokens=params.get("skip_special_tokens", True))  # fmt: skip
+            d.text = self.tokenizer.decode(
+                d.tokens[:-1] if stop_trim else d.tokens,
+                skip_special_tokens=params.get("skip_special_tokens", True),
+            )
         return drafts
 
-    async def _turn(self, a: Active, prompt: list[int], d: Draft, budget: int, params: dict, turn: int,
-                    stop_ids: list[int]) -> str:  # fmt: skip
+    async def _turn(
+        self,
+        a: Active,
+        prompt: list[int],
+        d: Draft,
+        budget: int,
+        params: dict,
+        turn: int,
+        stop_ids: list[int],
+    ) -> str:
         """One policy turn of an episode: up to `budget` tokens appended to `d` (loss mask 1),
         resubmitting prompt + tokens so far after a weight-update abort; its finish reason."""
         base = dict(params)
@@ -431,8 +457,15 @@ class Scheduler:
         await self._resuming(a, [prompt], [d], [len(d.tokens) + budget], base, 1000 * turn)
         return d.finish_reason
 
-    async def _resuming(self, a: Active, prompts: list[list[int]], drafts: list[Draft], budgets: list[int],
-                        params: dict, first_segment: int) -> None:  # fmt: skip
+    async def _resuming(
+        self,
+        a: Active,
+        prompts: list[list[int]],
+        drafts: list[Draft],
+        budgets: list[int],
+        params: dict,
+        first_segment: int,
+    ) -> None:
         """`segments.generate_resuming` on the group's engine; a job's sampling_seed moves per
         sample and segment (segment numbers from `first_segment`: an episode's turns apart)."""
         assert a.engine is not None
@@ -440,13 +473,25 @@ class Scheduler:
         def params_for(d: Draft, segment: int) -> dict:
             if "sampling_seed" not in params:
                 return params
-            return {**params, "sampling_seed": moved_seed(params["sampling_seed"] + first_segment + segment, d.index + 1)}
+            return {
+                **params,
+                "sampling_seed": moved_seed(params["sampling_seed"] + first_segment + segment, d.index + 1),
+            }
 
         try:
-            await generate_resuming(self.engines, a.engine, self.weights, prompts, drafts, budgets, params_for,
-                                    rids=a.rids, max_resubmits=self.s.max_resubmits,
-                                    context_length=self.context_length,
-                                    initial_version=self.s.initial_weight_version)  # fmt: skip
+            await generate_resuming(
+                self.engines,
+                a.engine,
+                self.weights,
+                prompts,
+                drafts,
+                budgets,
+                params_for,
+                rids=a.rids,
+                max_resubmits=self.s.max_resubmits,
+                context_length=self.context_length,
+                initial_version=self.s.initial_weight_version,
+            )
         except TooManyAborts as exc:
             raise EngineFailure(f"samples of {a.claimed.job.group_id} were {exc}") from None
 
@@ -456,12 +501,18 @@ class Scheduler:
         """The group's samples, scored, built column-wise (`Samples`) in one checked record:
         no `Sample` per draft."""
         judged = [d for d in drafts if d.env_reward is not None]  # an environment gave the reward
-        results = {d.index: RewardResult(id=str(d.index), reward=d.env_reward, status=RewardStatus.scored,
-                                         details=d.details) for d in judged}  # fmt: skip
+        results = {
+            d.index: RewardResult(
+                id=str(d.index), reward=d.env_reward, status=RewardStatus.scored, details=d.details
+            )
+            for d in judged
+        }
         if len(judged) < len(drafts):
             spec = RewardSpec.model_construct(**job.reward_spec)  # checked at submission (intake)
             unjudged = [d for d in drafts if d.env_reward is None]
-            for d, r in zip(unjudged, await self.rewards.score_group(spec, job.prompt_text, [d.text for d in unjudged])):
+            for d, r in zip(
+                unjudged, await self.rewards.score_group(spec, job.prompt_text, [d.text for d in unjudged])
+            ):
                 results[d.index] = r
         results = [results[d.index] for d in drafts]
         scored_at = time.time()
@@ -483,8 +534,13 @@ class Scheduler:
             first_token=[d.first_token for d in drafts],
             finished=[d.finished for d in drafts],
             scored=[scored_at] * n,
-            loss_mask=[x for d in drafts for x in (d.loss_mask if d.loss_mask is not None else [1] * len(d.tokens))]
-            if episodes else [],
+            loss_mask=[
+                x for d in drafts for x in (d.loss_mask if d.loss_mask is not None else [1] * len(d.tokens))
+            ]
+            if episodes
+            else [],
             turn_starts=[d.turn_starts for d in drafts] if episodes else [],
-            turn_rewards=[d.turn_rewards for d in drafts] if episodes and any(d.turn_rewards for d in drafts) else [],
+            turn_rewards=[d.turn_rewards for d in drafts]
+            if episodes and any(d.turn_rewards for d in drafts)
+            else [],
         )

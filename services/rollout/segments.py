@@ -56,10 +56,19 @@ def moved_seed(seed: int, offset: int) -> int:
 
 
 async def generate_resuming(
-    engines, engine, weights, prompts: list[list[int]], drafts: list[Draft], budgets: list[int],
-    params_for: Callable[[Draft, int], dict], *, rids: set[str], max_resubmits: int, context_length: int,
+    engines,
+    engine,
+    weights,
+    prompts: list[list[int]],
+    drafts: list[Draft],
+    budgets: list[int],
+    params_for: Callable[[Draft, int], dict],
+    *,
+    rids: set[str],
+    max_resubmits: int,
+    context_length: int,
     initial_version: int,
-) -> None:  # fmt: skip
+) -> None:
     """Generate `drafts[i]` from `prompts[i] + drafts[i].tokens` on `engine` until each stops or
     holds `budgets[i]` tokens (counted from the draft's start, so an episode's turn passes the
     tokens before it plus its own budget). `params_for(draft, segment)` gives a segment's
@@ -69,13 +78,18 @@ async def generate_resuming(
     pending = list(range(len(drafts)))
     for segment in range(max_resubmits + 1):
         bodies = [prompts[i] + drafts[i].tokens for i in pending]
-        params = [{**params_for(drafts[i], segment), "max_new_tokens": budgets[i] - len(drafts[i].tokens)}
-                  for i in pending]  # fmt: skip
+        params = [
+            {**params_for(drafts[i], segment), "max_new_tokens": budgets[i] - len(drafts[i].tokens)}
+            for i in pending
+        ]
         if weights is not None:
             await weights.ready.wait()  # never start a segment while the weights change
         gens = await engines.generate(engine, bodies, params, rids)
-        pending = [i for i, gen in zip(pending, gens)
-                   if _extend(drafts[i], gen, budgets[i], len(prompts[i]), context_length, initial_version)]  # fmt: skip
+        pending = [
+            i
+            for i, gen in zip(pending, gens)
+            if _extend(drafts[i], gen, budgets[i], len(prompts[i]), context_length, initial_version)
+        ]
         if not pending:
             return
         m.RESUBMITS.inc(len(pending))
@@ -85,7 +99,10 @@ async def generate_resuming(
 def _extend(d: Draft, gen, budget: int, prompt_len: int, context_length: int, initial_version: int) -> bool:
     """Append one segment's tokens (each with the version that sampled it); True when the
     sample was aborted with budget left and must be resubmitted."""
-    version, epoch = parse_weight_version(gen.weight_version) or (initial_version, 0)  # (SGLang starts at "default")
+    version, epoch = parse_weight_version(gen.weight_version) or (
+        initial_version,
+        0,
+    )  # (SGLang starts at "default")
     n = len(gen.output_ids)
     d.segments += 1
     d.text = gen.text

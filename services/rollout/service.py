@@ -11,7 +11,6 @@ import time
 import httpx
 
 from asyncrl.buffer import Buffer, EvalStore, Jobs, Weights
-from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.rollout.engine_client import EngineClient
@@ -28,6 +27,7 @@ from asyncrl.services.rollout.intake import (
 from asyncrl.services.rollout.reward_client import RewardClient
 from asyncrl.services.rollout.scheduler import Scheduler
 from asyncrl.services.rollout.weights import WeightSync
+from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,13 @@ class RolloutService:
         if s.eval_file is None:
             return None
         try:
-            return build_task(self.intake, load_eval_file(s.eval_file), None,
-                              sampling_params(s, s.eval_sampling_params), s.eval_name)  # fmt: skip
+            return build_task(
+                self.intake,
+                load_eval_file(s.eval_file),
+                None,
+                sampling_params(s, s.eval_sampling_params),
+                s.eval_name,
+            )
         except BadRequest as exc:
             raise ValueError(f"eval_file {s.eval_file}: {exc}") from None
 
@@ -103,8 +108,12 @@ class RolloutService:
             headers=self._headers(),
             local_verifiers=s.local_verifier_list,
         )
-        self.envs = EnvClient(s.environments_url or s.reward_url, timeout_s=s.env_timeout_s,
-                              retries=s.env_retries, headers=self._headers())  # fmt: skip
+        self.envs = EnvClient(
+            s.environments_url or s.reward_url,
+            timeout_s=s.env_timeout_s,
+            retries=s.env_retries,
+            headers=self._headers(),
+        )
         self.gateway = Gateway(s, self.buf, self.engines, self.rewards, self.tokenizer, self.context_length)
         if not run_scheduler:
             return

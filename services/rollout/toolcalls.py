@@ -38,10 +38,18 @@ class ToolFormat:
     @classmethod
     def of(cls, spec: EpisodeSpec) -> ToolFormat:
         if spec.tool_format == "hermes":
-            return cls("hermes", spec.tool_open or HERMES_OPEN,
-                       HERMES_CLOSE if spec.tool_close is None else spec.tool_close)  # fmt: skip
-        return cls("tagged", spec.tool_open or TAGGED_OPEN, TAGGED_CLOSE if spec.tool_close is None else spec.tool_close,
-                   spec.default_tool, spec.observation_template)  # fmt: skip
+            return cls(
+                "hermes",
+                spec.tool_open or HERMES_OPEN,
+                HERMES_CLOSE if spec.tool_close is None else spec.tool_close,
+            )
+        return cls(
+            "tagged",
+            spec.tool_open or TAGGED_OPEN,
+            TAGGED_CLOSE if spec.tool_close is None else spec.tool_close,
+            spec.default_tool,
+            spec.observation_template,
+        )
 
 
 class BadToolCall(ValueError):
@@ -89,12 +97,16 @@ def observation_ids(tokenizer, fmt: ToolFormat, observation: str, after_eos: boo
     up to where the policy's next turn starts. `after_eos`: the turn ended with the model's
     end-of-turn token (a chat template's end of an assistant message is then already there)."""
     if fmt.kind == "tagged":
-        return list(tokenizer(fmt.observation.format(observation=observation), add_special_tokens=False)["input_ids"])
+        return list(
+            tokenizer(fmt.observation.format(observation=observation), add_special_tokens=False)["input_ids"]
+        )
     before, after = _tool_glue(tokenizer)
     eos = tokenizer.eos_token or ""
     if after_eos and eos and before.startswith(eos):
         before = before[len(eos) :]
-    return list(tokenizer(before + after.replace(_SENTINEL, observation), add_special_tokens=False)["input_ids"])
+    return list(
+        tokenizer(before + after.replace(_SENTINEL, observation), add_special_tokens=False)["input_ids"]
+    )
 
 
 def _tool_glue(tokenizer) -> tuple[str, str]:
@@ -106,12 +118,17 @@ def _tool_glue(tokenizer) -> tuple[str, str]:
 @lru_cache(maxsize=8)
 def _glue_for(template: str | None, tokenizer) -> tuple[str, str]:
     if not template:
-        raise BadToolCall("the model's tokenizer has no chat template for tool messages; use tool_format 'tagged'")
+        raise BadToolCall(
+            "the model's tokenizer has no chat template for tool messages; use tool_format 'tagged'"
+        )
     base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL + "A"}]
     text = tokenizer.apply_chat_template(base, tokenize=False)
-    full = tokenizer.apply_chat_template(base + [{"role": "tool", "content": _SENTINEL}], tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
+    full = tokenizer.apply_chat_template(
+        base + [{"role": "tool", "content": _SENTINEL}], tokenize=False, add_generation_prompt=True
+    )
     if not full.startswith(text):
-        raise BadToolCall("the chat template rewrites earlier turns when a tool answers; use tool_format 'tagged'")
+        raise BadToolCall(
+            "the chat template rewrites earlier turns when a tool answers; use tool_format 'tagged'"
+        )
     before = text[text.index(_SENTINEL + "A") + len(_SENTINEL) + 1 :]
     return before, full[len(text) :]

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from asyncrl.buffer import Weights
 from asyncrl.proto import WeightsInfo
 from asyncrl.proto.lineage import parse_weight_version, weight_version_name
-from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.engine_client import EngineClient, EngineEndpoint
+from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +140,20 @@ class WeightSync:
             if (self.epoch, self.version) != at or self.latest is None:
                 return  # an update ran meanwhile: what was read may be out of date
             name = weight_version_name(self.latest.version, self.latest.epoch)
-            behind = [i for i, v in enumerate(current)
-                      if v is not None and v != name and not self.pins.get(i) and i not in self.deferred]  # fmt: skip
+            behind = [
+                i
+                for i, v in enumerate(current)
+                if v is not None and v != name and not self.pins.get(i) and i not in self.deferred
+            ]
             if behind:
-                log_event(log, "engines serve other weights than the newest (restarted?): reloading", logging.WARNING,
-                          version=self.latest.version, engines=[self.engines.admins[i].url for i in behind],
-                          served=[current[i] for i in behind])  # fmt: skip
+                log_event(
+                    log,
+                    "engines serve other weights than the newest (restarted?): reloading",
+                    logging.WARNING,
+                    version=self.latest.version,
+                    engines=[self.engines.admins[i].url for i in behind],
+                    served=[current[i] for i in behind],
+                )
                 await self._move(self.latest, behind)
 
     async def _adopt_served(self, latest: WeightsInfo | None) -> bool:
@@ -157,15 +165,22 @@ class WeightSync:
         versions = set(self.served.values())
         if latest is None:
             start = versions.pop() if len(versions) == 1 else None
-        elif latest.method == "disk" and current and all(
-            v == weight_version_name(latest.version, latest.epoch) for v in current
+        elif (
+            latest.method == "disk"
+            and current
+            and all(v == weight_version_name(latest.version, latest.epoch) for v in current)
         ):
             start = latest.version
         else:
             return False
         async with self._lock:
             if latest is not None:
-                self.version, self.epoch, self.latest, self.method = latest.version, latest.epoch, latest, latest.method
+                self.version, self.epoch, self.latest, self.method = (
+                    latest.version,
+                    latest.epoch,
+                    latest,
+                    latest.method,
+                )
                 m.POLICY_VERSION.set(latest.version)
             if start is not None:
                 await self._announce(start)
@@ -180,8 +195,13 @@ class WeightSync:
                 return True
             if info.epoch > self.epoch:
                 m.WEIGHT_UPDATES.labels(info.method, "rollback").inc()
-                log_event(log, "rollback to a resumed trainer's weights", version=info.version, epoch=info.epoch,
-                          lost_from=self.version)  # fmt: skip
+                log_event(
+                    log,
+                    "rollback to a resumed trainer's weights",
+                    version=info.version,
+                    epoch=info.epoch,
+                    lost_from=self.version,
+                )
             if info.method == "distributed":
                 self.version, self.epoch, self.method = info.version, info.epoch, info.method
                 self.served = dict.fromkeys(range(len(self.engines.admins)), info.version)
@@ -197,8 +217,12 @@ class WeightSync:
             if held:
                 self.deferred.update(held)
                 m.WEIGHT_UPDATES.labels("disk", "deferred").inc(len(held))
-                log_event(log, "weight update deferred by an evaluation", version=info.version,
-                          engines=[self.engines.admins[i].url for i in held])  # fmt: skip
+                log_event(
+                    log,
+                    "weight update deferred by an evaluation",
+                    version=info.version,
+                    engines=[self.engines.admins[i].url for i in held],
+                )
             if targets:
                 await self._announce(info.version, info.epoch)
             return True
@@ -235,8 +259,14 @@ class WeightSync:
             self.deferred.discard(i)
         m.POLICY_VERSION.set(info.version)
         m.WEIGHT_UPDATES.labels("disk", "ok").inc()
-        log_event(log, "engines updated", version=info.version, path=info.path,
-                  engines=len(targets), seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        log_event(
+            log,
+            "engines updated",
+            version=info.version,
+            path=info.path,
+            engines=len(targets),
+            seconds=round(time.perf_counter() - t0, 3),
+        )
         return True
 
     async def _announce(self, version: int, epoch: int | None = None) -> None:
@@ -273,8 +303,10 @@ class WeightSync:
         if version is not None:
             candidates = [c for c in candidates if c[2] == version]
             if not candidates:
-                raise VersionNotServed(f"no engine serves version {version} any more (engines at "
-                                       f"{sorted(set(self.served.values()))})")  # fmt: skip
+                raise VersionNotServed(
+                    f"no engine serves version {version} any more (engines at "
+                    f"{sorted(set(self.served.values()))})"
+                )
         elif self._refreshes:  # an engine a pin held back is about to move: wait for it
             candidates = [c for c in candidates if not self.deferred.intersection(c[1])]
         candidates = [c for c in candidates if c[0].healthy]

@@ -50,7 +50,9 @@ class _Caller(Generic[Item, Result]):
     answer: asyncio.Future[list[Result]]
 
 
-def _settle(callers: list[_Caller[Item, Result]], results: list[Result] | None, exc: Exception | None = None) -> None:
+def _settle(
+    callers: list[_Caller[Item, Result]], results: list[Result] | None, exc: Exception | None = None
+) -> None:
     """Give each caller its slice of `results` (or `exc`), skipping callers cancelled meanwhile."""
     offset = 0
     for c in callers:
@@ -124,8 +126,13 @@ class GroupCommit(Generic[Item, Result]):
     never fails another; any other exception goes to every item of the batch. An item whose
     caller was cancelled after it was taken is still sent (its result is dropped)."""
 
-    def __init__(self, send: Callable[[list[Item]], Awaitable[list[Result]]], *, split_on: type[Exception],
-                 on_batch: Callable[[int], object] = lambda items: None):  # fmt: skip
+    def __init__(
+        self,
+        send: Callable[[list[Item]], Awaitable[list[Result]]],
+        *,
+        split_on: type[Exception],
+        on_batch: Callable[[int], object] = lambda items: None,
+    ):
         self.send, self.split_on, self.on_batch = send, split_on, on_batch
         self._pending: list[_Caller[Item, Result]] = []
         self._task: asyncio.Task | None = None

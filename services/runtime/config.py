@@ -29,7 +29,9 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ASYNCRL_", extra="forbid", env_nested_delimiter="__")
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
         # CLI/init values beat env, env beats the TOML file (passed as init values below).
         return (init_settings, env_settings)
 
@@ -54,7 +56,9 @@ def load_settings(cls: type[S], argv: list[str] | None, *, prog: str, section: s
     for name, field in _scalar_fields(cls).items():
         flag = "--" + name.replace("_", "-")
         if field.annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description
+            )
         else:
             parser.add_argument(flag, dest=name, default=None, help=field.description)
     args = parser.parse_args(argv)
@@ -62,7 +66,9 @@ def load_settings(cls: type[S], argv: list[str] | None, *, prog: str, section: s
     if args.config:
         data = tomllib.loads(args.config.read_text())
         file_values = data.get(section, {}) if section else data
-    cli_values = {k: v for k, v in vars(args).items() if k not in ("config", "print_config") and v is not None}
+    cli_values = {
+        k: v for k, v in vars(args).items() if k not in ("config", "print_config") and v is not None
+    }
     # Init values beat env in pydantic-settings; drop file values that env overrides so
     # the order is defaults → file → env → CLI.
     env_set = {k for k in cls.model_fields if _env_has(cls, k)}

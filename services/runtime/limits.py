@@ -100,8 +100,14 @@ class InflightLimit:
     a queue of waiting requests would make every answer (and the health probe, on the same
     event loop) as slow as the whole backlog."""
 
-    def __init__(self, app, max_inflight: int, on_refused: Callable[[], None],
-                 prefixes: tuple[str, ...] = ("/",), methods: frozenset[str] = frozenset({"POST"})):  # fmt: skip
+    def __init__(
+        self,
+        app,
+        max_inflight: int,
+        on_refused: Callable[[], None],
+        prefixes: tuple[str, ...] = ("/",),
+        methods: frozenset[str] = frozenset({"POST"}),
+    ):
         self.app = app
         self.max_inflight = max_inflight
         self.on_refused = on_refused
@@ -109,12 +115,19 @@ class InflightLimit:
         self.inflight = 0
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] not in self.methods or not scope["path"].startswith(self.prefixes):
+        if (
+            scope["type"] != "http"
+            or scope["method"] not in self.methods
+            or not scope["path"].startswith(self.prefixes)
+        ):
             return await self.app(scope, receive, send)
         if self.inflight >= self.max_inflight:
             self.on_refused()
-            busy = JSONResponse({"detail": f"overloaded: {self.inflight} requests in progress, retry shortly"},
-                                status_code=503, headers={"Retry-After": "1"})  # fmt: skip
+            busy = JSONResponse(
+                {"detail": f"overloaded: {self.inflight} requests in progress, retry shortly"},
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
             return await busy(scope, receive, send)
         self.inflight += 1
         try:

@@ -23,9 +23,13 @@ class Retryable(Exception):
 
 
 async def with_retries(
-    attempt: Callable[[int], Awaitable[T]], retries: float, *, first_s: float, max_s: float = math.inf,
+    attempt: Callable[[int], Awaitable[T]],
+    retries: float,
+    *,
+    first_s: float,
+    max_s: float = math.inf,
     jitter: float = 0.0,
-) -> T:  # fmt: skip
+) -> T:
     """`attempt(0)`, and while it raises `Retryable`, `attempt(1)`, … at most `retries` times
     more (`math.inf`: until one succeeds), raising the last `Retryable` when none succeeded.
     Retry n waits `first_s · 2^(n-1)`, at most `max_s`, lengthened by up to `jitter` of itself
@@ -38,4 +42,6 @@ async def with_retries(
             if n >= retries:
                 raise
         n += 1
-        await asyncio.sleep(min(first_s * 2.0 ** min(n - 1, 60), max_s) * (1 + jitter * random.random()))  # (2^60: no overflow)
+        await asyncio.sleep(
+            min(first_s * 2.0 ** min(n - 1, 60), max_s) * (1 + jitter * random.random())
+        )  # (2^60: no overflow)

@@ -85,7 +85,7 @@ def _substitute(cmd: str, urls: dict[str, str], ids: dict[str, str]) -> str:
 def _run(cmd: str, cwd: Path, env: dict[str, str] | None) -> Ran:
     is_curl = cmd.startswith("curl ")
     if is_curl:  # the status code after the body (before any trailing comment)
-        cmd = "curl -w '" + STATUS_MARK + "%{http_code}'" + cmd[len("curl"):]
+        cmd = "curl -w '" + STATUS_MARK + "%{http_code}'" + cmd[len("curl") :]
     res = subprocess.run(["bash", "-c", cmd], check=False, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     out, status = res.stdout, None

@@ -38,7 +38,9 @@ def _config(tmp_path: Path) -> tuple[dict, Path]:
                          trainer_metrics_port=free_port(), metrics_port=free_port(), health_timeout_s=120)  # fmt: skip
     # Short and steep: a higher learning rate makes the rise visible within STEPS versions.
     # max_steps leaves headroom: the test stops the trainer, which must still be up when polled.
-    raw["trainer"].update(max_steps=STEPS + 1000, max_staleness=ETA, batch_groups=16, lr=1e-3, checkpoint_every=8)
+    raw["trainer"].update(
+        max_steps=STEPS + 1000, max_staleness=ETA, batch_groups=16, lr=1e-3, checkpoint_every=8
+    )
     raw["demo"].update(prompts_per_step=16)
     raw["reward"]["code_enabled"] = True  # the README's `code` example (CI has bubblewrap)
     path = tmp_path / "config.toml"
@@ -90,7 +92,9 @@ def test_demo_topology_learns_and_shuts_down_cleanly(tmp_path):
         final = scrape_trainer(launcher.trainer_url, t0)
         # The README's HTTP examples, as written, against this topology (tests/e2e/readme_commands.py)
         sample_dataset(tmp_path / "data.jsonl")
-        ran = readme_commands.run_all(services, tmp_path, {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+        ran = readme_commands.run_all(
+            services, tmp_path, {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        )
     finally:
         pgids = [p.popen.pid for p in launcher.procs if p.popen is not None]
         launcher.stop()

@@ -50,8 +50,9 @@ def _config(tmp_path: Path) -> tuple[dict, Path]:
                          trainer_max_restarts=2)  # fmt: skip
     raw["trainer"].update(max_steps=STEPS, batch_groups=B, max_staleness=2, checkpoint_every=3, block_ms=200)
     # a restarted engine is noticed within a second; a dead replica's jobs are recovered in 6 s
-    raw["rollout"].update(weights_poll_s=1.0, recover_idle_s=6.0, heartbeat_s=1.0,
-                          local_verifiers=[])  # every item scored by the reward service: killing it matters
+    raw["rollout"].update(
+        weights_poll_s=1.0, recover_idle_s=6.0, heartbeat_s=1.0, local_verifiers=[]
+    )  # every item scored by the reward service: killing it matters
     raw["demo"].update(prompts_per_step=B, group_size=4)
     path = tmp_path / "config.toml"
     path.write_text(_to_toml(raw))
@@ -122,7 +123,9 @@ def test_each_service_killed_in_turn_the_run_heals_and_accounts_exactly(tmp_path
         ready_at = 3  # first kill once the trainer is at this version
         version = 0
         while (outcome := launcher.supervise()) is None:
-            assert time.monotonic() - t0 < 330, f"stuck: version {version}, timeline {timeline}, pending {pending}"
+            assert time.monotonic() - t0 < 330, (
+                f"stuck: version {version}, timeline {timeline}, pending {pending}"
+            )
             s = scrape_trainer(launcher.trainer_url, t0)
             version = s.version if s is not None else version
             if killed is not None:
@@ -173,5 +176,7 @@ def test_each_service_killed_in_turn_the_run_heals_and_accounts_exactly(tmp_path
     assert c["jobs_enqueued"] == PROMPTS
     done, failed, cancelled = (c.get(f"jobs_{s}", 0) for s in ("buffered", "failed", "cancelled"))
     assert done + failed + cancelled + stats["depth"]["jobs"] == PROMPTS, c
-    assert done <= c["put"] <= done + stats["depth"]["jobs"], c  # a put whose job ack was cut short by the stop
+    assert done <= c["put"] <= done + stats["depth"]["jobs"], (
+        c
+    )  # a put whose job ack was cut short by the stop
     print(f"timeline (victim, version when killed, seconds until back): {timeline}; counters {c}")

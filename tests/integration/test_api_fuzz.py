@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import serve_in_thread, start_reward_service
 
 from asyncrl.buffer import AdmissionControl, Buffer
 from asyncrl.services.ops.tinymodel import build_tiny_model
-from engine_server import serve_in_thread as serve_engine
-from rollout_server import serve_in_thread, start_reward_service
 
 pytestmark = pytest.mark.slow
 # `ASYNCRL_FUZZ_SECONDS=600 ASYNCRL_FUZZ_EXAMPLES=200 pytest tests/integration/test_api_fuzz.py`
@@ -41,8 +41,9 @@ def fuzz(url: str, report: Path, *extra: str) -> dict:
            "--seed", "0", "--workers", "1", "--generation-database", "none", "--request-timeout", "30",
            "--max-time", str(TIME_BUDGET_S), "--no-color", "--report", "ndjson", "--report-ndjson-path", str(report),
            *extra]  # fmt: skip
-    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=TIME_BUDGET_S * 3 + 60,
-                         cwd=report.parent)  # its own files (.schemathesis/) go there
+    res = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=TIME_BUDGET_S * 3 + 60, cwd=report.parent
+    )  # its own files (.schemathesis/) go there
     statuses: dict[int, int] = {}
     for line in report.read_text().splitlines():
         for code in _status_codes(json.loads(line)):

@@ -43,7 +43,9 @@ class Parts:
         return stats(self.conn)
 
 
-def open_parts(url: str, run: str, consumer: str = "trainer-0", batch_groups: int = 1, max_staleness: int = 0) -> Parts:
+def open_parts(
+    url: str, run: str, consumer: str = "trainer-0", batch_groups: int = 1, max_staleness: int = 0
+) -> Parts:
     conn = Buffer(url, run)
     return Parts(conn, Groups(conn, consumer), Jobs(conn, consumer), AdmissionControl(conn, batch_groups, max_staleness),
                  Weights(conn))  # fmt: skip
@@ -68,7 +70,9 @@ def test_put_is_idempotent_on_group_id(buf):
     dup_before = metric("asyncrl_buffer_duplicate_puts_total")
     assert buf.groups.put([g]) == [True]
     assert buf.groups.put([g]) == [False]
-    assert buf.groups.put([make_group("g1", seed=9)]) == [False]  # same id, other content: still the first one
+    assert buf.groups.put([make_group("g1", seed=9)]) == [
+        False
+    ]  # same id, other content: still the first one
     res = buf.groups.take(10, current_version=0, block_ms=50)
     assert [x.group_id for x in res.groups] == ["g1"]
     assert res.groups[0] == g
@@ -124,7 +128,9 @@ def test_parts_of_one_pipeline_get_their_own_replies(buf):
     ends = [GroupReport("j0", "g0", GroupState.buffered), GroupReport("j0", "g1", GroupState.buffered, error="late"),
             GroupReport("j0", "g0", GroupState.buffered)]  # fmt: skip
     new, ended, version = buf.conn.pipeline_parts(
-        buf.groups.put_part([make_group("g0"), make_group("g1")]), buf.jobs.end_part(ends), buf.weights.version_part()
+        buf.groups.put_part([make_group("g0"), make_group("g1")]),
+        buf.jobs.end_part(ends),
+        buf.weights.version_part(),
     )
     assert (new, ended, version) == ([False, True], [True, True, False], 7)
     progress = buf.jobs.progress("j0")
@@ -181,7 +187,9 @@ def test_consumer_killed_mid_batch_loses_nothing(redis_url, run_id, tmp_path):
 
     # The survivor sees only the 4 never-delivered groups until it recovers the victim's.
     first = buf.groups.take(10, current_version=0, max_staleness=0, block_ms=50)
-    assert sorted(g.group_id for g in first.groups) == sorted({f"g{i}" for i in range(10)} - set(taken_by_victim))
+    assert sorted(g.group_id for g in first.groups) == sorted(
+        {f"g{i}" for i in range(10)} - set(taken_by_victim)
+    )
     assert buf.groups.recover(idle_ms=10_000) == 0  # not idle long enough yet
     time.sleep(0.2)  # time is the subject: the victim's entries must sit idle for longer than idle_ms
     assert buf.groups.recover(idle_ms=100) == 6
@@ -245,7 +253,10 @@ def test_admission_bound_holds_across_8_concurrent_processes(redis_url, run_id, 
     capacity = (2 + 3 + 1) * 4  # (η + v + 1)·B = 24
     start = SPAWN.Barrier(8 + 1)  # every worker connected, then all released together
     outs = [tmp_path / f"w{i}.json" for i in range(8)]
-    procs = [SPAWN.Process(target=workers.admit, args=(redis_url, run_id, i, 10, start, str(outs[i]))) for i in range(8)]
+    procs = [
+        SPAWN.Process(target=workers.admit, args=(redis_url, run_id, i, 10, start, str(outs[i])))
+        for i in range(8)
+    ]
     for p in procs:
         p.start()
     start.wait(timeout=60)
@@ -313,7 +324,9 @@ def test_rebuild_admission_after_trainer_restart(buf):
         buf.groups.put([make_group(f"g{i}")])
     res = buf.groups.take(2, current_version=0, max_staleness=1, block_ms=50)
     buf.groups.ack([g.group_id for g in res.groups])  # trained at step 1
-    assert len(buf.groups.take(2, current_version=1, max_staleness=1, block_ms=50).groups) == 2  # step 2, then a crash
+    assert (
+        len(buf.groups.take(2, current_version=1, max_staleness=1, block_ms=50).groups) == 2
+    )  # step 2, then a crash
     # The checkpoint is at version 1: v·B trained + 4 still in the buffer (2 pending, 2 new).
     assert buf.admission.rebuild(1) == 1 * 2 + 4
     assert buf.weights.version() == 1

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-
-from asyncrl.services.runtime.serving import serve_app_in_thread
-from asyncrl.services.ops.demo import History, scrape_trainer
 from rollout_server import free_port
+
+from asyncrl.services.ops.demo import History, scrape_trainer
+from asyncrl.services.runtime.serving import serve_app_in_thread
 
 TEXT = """# TYPE asyncrl_trainer_version gauge
 asyncrl_trainer_version {version}
@@ -88,7 +88,9 @@ def test_evaluations_are_read_once_per_version_and_summarised(tmp_path):
     finally:
         server.stop()
     s = eval_summary(evals.sorted())
-    assert s["eval_base_accuracy"] == 0.25 and s["eval_last_accuracy"] == 0.375 and s["eval_last_version"] == 20
+    assert (
+        s["eval_base_accuracy"] == 0.25 and s["eval_last_accuracy"] == 0.375 and s["eval_last_version"] == 20
+    )
     assert s["eval_best_accuracy"] == 0.5 and s["eval_best_version"] == 10
     assert s["eval_gain_last"] == 0.125 and s["eval_gain_best"] == 0.25
     history = History()
@@ -119,7 +121,9 @@ def test_the_scrape_reads_what_prometheus_client_writes():
     text = generate_latest(reg).decode()
     expected = sorted((s.name, tuple(sorted(s.labels.items())), s.value) for f in text_string_to_metric_families(text)
                       for s in f.samples if s.name in SCRAPED)  # fmt: skip
-    got = sorted((name, tuple(sorted(labels.items())), value) for name, labels, value in _samples(text, SCRAPED))
+    got = sorted(
+        (name, tuple(sorted(labels.items())), value) for name, labels, value in _samples(text, SCRAPED)
+    )
     assert got == expected
     assert ("asyncrl_trainer_groups_total", (("outcome", "dropped"),), 3.0) in got
     assert ("asyncrl_trainer_group_staleness_bucket", (("le", "1.0"),), 3.0) in got

@@ -81,7 +81,9 @@ def test_buffer_stats_cli(redis_url, run_id):
 
 def test_cli_help_is_light_and_unknown_commands_fail():
     probe = "import sys, asyncrl.services.ops.cli as c; c.main(['--help']); print(sorted(m for m in ('torch', 'transformers', 'redis') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.returncode == 0 and "buffer" in out.stdout
     assert out.stdout.strip().endswith("[]"), "asyncrl --help must not import heavy modules"
     bad = _asyncrl("frobnicate")

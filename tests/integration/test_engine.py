@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+from engine_server import serve_in_thread
 from waiting import wait_until
 
 from asyncrl.proto.sglang import GenerateResponse
 from asyncrl.services.ops.tinymodel import EOS_ID, build_tiny_model
-from engine_server import serve_in_thread
 
 torch.set_num_threads(1)
 
@@ -141,6 +141,7 @@ def test_a_groups_shared_prompt_is_reported_as_cached(client):
     """A group's samples share their prompt: the engine prefills it once, and like SGLang on a
     prefix-cache hit reports the copies' `cached_tokens` (prompt length - 1: SGLang always
     computes the last position); the first of them and a distinct prompt report 0."""
+
     def cached_total() -> float:
         for line in client.get("/metrics").text.splitlines():
             if line.startswith("asyncrl_engine_cached_tokens_total "):
@@ -298,11 +299,17 @@ BAD_INPUTS = [
     ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, 400, "constrained decoding"),
     ({"input_ids": [1], "stream": True}, 400, "stream"),
     # A batch shares one sampling params object; what differs per item is still checked per item.
-    ({"input_ids": [[1], [1]], "sampling_params": {"max_new_tokens": 2}, "top_logprobs_num": [0, 2]}, 400,
-     "top_logprobs_num > 0"),  # fmt: skip
+    (
+        {"input_ids": [[1], [1]], "sampling_params": {"max_new_tokens": 2}, "top_logprobs_num": [0, 2]},
+        400,
+        "top_logprobs_num > 0",
+    ),  # fmt: skip
     ({"input_ids": [[1], [1] * CONTEXT]}, 400, "context length"),
-    ({"input_ids": [[1], [1]], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": CAP + 1}]}, 400,
-     "exceeds the cap"),  # fmt: skip
+    (
+        {"input_ids": [[1], [1]], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": CAP + 1}]},
+        400,
+        "exceeds the cap",
+    ),  # fmt: skip
 ]
 
 

@@ -22,16 +22,16 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from engine_server import free_port, serve_in_thread
 from pydantic import ValidationError
 from safetensors.torch import save_file
 from waiting import wait_until
 
-from asyncrl.services.runtime.auth import ENGINE_TOKEN_ENV, check_token, generate_token
-from asyncrl.services.ops.tinymodel import build_tiny_model
 from asyncrl.services.engine.config import EngineSettings
 from asyncrl.services.engine.engine import JOIN_GRACE_S, REFUSED_PATH
-from engine_server import free_port, serve_in_thread
 from asyncrl.services.engine.updates import WeightUpdates
+from asyncrl.services.ops.tinymodel import build_tiny_model
+from asyncrl.services.runtime.auth import ENGINE_TOKEN_ENV, check_token, generate_token
 
 torch.set_num_threads(1)
 

@@ -9,10 +9,10 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import REGISTRY
-
-from asyncrl.services.runtime.serving import serve_app_in_thread
-from asyncrl.services.rollout.engine_client import EngineClient
 from rollout_server import free_port
+
+from asyncrl.services.rollout.engine_client import EngineClient
+from asyncrl.services.runtime.serving import serve_app_in_thread
 
 
 def recording_engine(calls: list, *, update_ok: bool = True, continue_status: int = 200,
@@ -48,7 +48,9 @@ def update(url: str, path: str, version: int, timeout_s: float = 10, abort: bool
                               probe_s=1.0, update_timeout_s=timeout_s, update_abort=abort)  # fmt: skip
         try:
             errors = await client.update_all_from_disk(path, version)
-            await asyncio.wait_for(asyncio.gather(*client._continues), 30)  # the continue goes out in the background
+            await asyncio.wait_for(
+                asyncio.gather(*client._continues), 30
+            )  # the continue goes out in the background
             return errors
         finally:
             await client.aclose()
@@ -57,9 +59,12 @@ def update(url: str, path: str, version: int, timeout_s: float = 10, abort: bool
 
 
 def continue_errors() -> float:
-    return REGISTRY.get_sample_value(
-        "asyncrl_rollout_engine_requests_total", {"engine": "0", "op": "continue", "result": "error"}
-    ) or 0.0
+    return (
+        REGISTRY.get_sample_value(
+            "asyncrl_rollout_engine_requests_total", {"engine": "0", "op": "continue", "result": "error"}
+        )
+        or 0.0
+    )
 
 
 def test_an_update_is_one_aborting_load_then_a_continue():

@@ -13,11 +13,11 @@ import threading
 import httpx
 import pytest
 import torch
+from engine_server import free_port, serve_in_thread
 from waiting import wait_until
 
-from asyncrl.services.ops.tinymodel import build_tiny_model
 from asyncrl.services.engine.engine import REFUSED_PATH
-from engine_server import free_port, serve_in_thread
+from asyncrl.services.ops.tinymodel import build_tiny_model
 
 torch.set_num_threads(1)
 
@@ -187,7 +187,9 @@ def test_update_waits_for_running_requests(engines, weights):
 
     def running() -> bool:
         assert thread.is_alive(), "the request finished before the update was sent"
-        return httpx.get(f"{updated.url}/get_server_info").json()["internal_states"][0]["num_running_reqs"] > 0
+        return (
+            httpx.get(f"{updated.url}/get_server_info").json()["internal_states"][0]["num_running_reqs"] > 0
+        )
 
     wait_until(running, interval=0.005, message="the request is running")
     resp = httpx.post(

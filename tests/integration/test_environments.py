@@ -11,10 +11,10 @@ import time
 
 import httpx
 import pytest
+from engine_server import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.services.runtime.serving import serve_app_in_thread
-from engine_server import free_port
 
 HAS_BWRAP = shutil.which("bwrap") is not None
 TIMEOUT_S = 1.0  # the python tool's time limit here
@@ -44,7 +44,9 @@ def service():
 @pytest.fixture
 def python_env(service):
     if not HAS_BWRAP:
-        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap): the python environment needs it")
+        pytest.skip(
+            "bubblewrap is not installed (apt-get install bubblewrap): the python environment needs it"
+        )
     return service
 
 
@@ -103,7 +105,12 @@ def test_secret_lookup_tells_the_seeds_secret_and_the_answer_is_scored_by_positi
 
     looked = step(service, "secret", tool("lookup"), seed=7, args=args)
     secret = expected_secret(7, "xyz", 5)
-    assert (looked["observation"], looked["reward"], looked["done"], looked["status"]) == (secret, 0.0, False, "ok")
+    assert (looked["observation"], looked["reward"], looked["done"], looked["status"]) == (
+        secret,
+        0.0,
+        False,
+        "ok",
+    )
     assert not looked["mask_sample"]
 
     def score(text: str) -> float:
@@ -121,12 +128,18 @@ def test_secret_lookup_tells_the_seeds_secret_and_the_answer_is_scored_by_positi
 
 
 def test_secret_needs_no_state_the_seed_decides(service):
-    first = [step(service, "secret", tool("lookup"), seed=s, args={"length": 6})["observation"] for s in range(8)]
-    again = [step(service, "secret", tool("lookup"), seed=s, args={"length": 6})["observation"] for s in range(8)]
+    first = [
+        step(service, "secret", tool("lookup"), seed=s, args={"length": 6})["observation"] for s in range(8)
+    ]
+    again = [
+        step(service, "secret", tool("lookup"), seed=s, args={"length": 6})["observation"] for s in range(8)
+    ]
     assert first == again == [expected_secret(s, length=6) for s in range(8)]
     assert len(set(first)) == 8  # different seeds, different secrets
     default = step(service, "secret", tool("lookup", "? anything a small model wrote"), seed=3)
-    assert default["observation"] == expected_secret(3)  # defaults: "abcdefghij", 3 letters; arguments ignored
+    assert default["observation"] == expected_secret(
+        3
+    )  # defaults: "abcdefghij", 3 letters; arguments ignored
 
 
 def test_secret_unknown_tool_is_an_invalid_call_the_episode_goes_on(service):
@@ -136,7 +149,11 @@ def test_secret_unknown_tool_is_an_invalid_call_the_episode_goes_on(service):
 
 
 def test_secret_refuses_bad_task_arguments(service):
-    for args, named in [({"length": 0}, "length"), ({"colour": "red"}, "colour"), ({"letters": ""}, "letters")]:
+    for args, named in [
+        ({"length": 0}, "length"),
+        ({"colour": "red"}, "colour"),
+        ({"letters": ""}, "letters"),
+    ]:
         reply = service.post(
             "/v1/environments/secret/step",
             json={"episode_id": "e", "turn": 0, "args": args, "action": tool("lookup")},
@@ -162,7 +179,12 @@ def test_secret_refuses_bad_task_arguments(service):
 )
 def test_calculator_values(service, arguments, value):
     reply = step(service, "calculator", tool("calculator", arguments))
-    assert (reply["observation"], reply["status"], reply["done"], reply["reward"]) == (value, "ok", False, None)
+    assert (reply["observation"], reply["status"], reply["done"], reply["reward"]) == (
+        value,
+        "ok",
+        False,
+        None,
+    )
 
 
 def test_calculator_errors_are_tool_errors(service):
@@ -217,7 +239,9 @@ def test_step_batch_answers_a_crashing_step_in_band_and_the_others_as_alone():
                 "unknown_tool": tool("python", {"code": "print(1)"}),
                 "answer": {"text": "The answer is 7."},
             }
-            items = {name: {"episode_id": name, "turn": 0, "action": action} for name, action in actions.items()}
+            items = {
+                name: {"episode_id": name, "turn": 0, "action": action} for name, action in actions.items()
+            }
             alone = {}
             for name, body in items.items():
                 if name != "crash":
@@ -252,7 +276,9 @@ def test_calculator_refuses_a_power_tower_without_overflowing(service):
             evaluate(expression)
     assert evaluate("2**2**2**2") == 65536
     answer = step(service, "calculator", tool("calculator", {"expression": "3**2**1024"}))
-    assert (answer["status"], answer["mask_sample"]) == ("tool_error", False) and "too large" in answer["observation"]
+    assert (answer["status"], answer["mask_sample"]) == ("tool_error", False) and "too large" in answer[
+        "observation"
+    ]
 
 
 def test_calculator_wrong_arguments_are_invalid_calls_and_text_ends_the_episode(service):
@@ -268,7 +294,12 @@ def test_calculator_wrong_arguments_are_invalid_calls_and_text_ends_the_episode(
 
 def test_python_stdout_is_the_observation(python_env):
     reply = step(python_env, "python", tool("python", {"code": "print(6 * 7)"}))
-    assert (reply["observation"], reply["status"], reply["done"], reply["reward"]) == ("42\n", "ok", False, None)
+    assert (reply["observation"], reply["status"], reply["done"], reply["reward"]) == (
+        "42\n",
+        "ok",
+        False,
+        None,
+    )
     assert reply["info"]["exit_code"] == 0
     raw = step(python_env, "python", tool("python", "import sys\nprint('a'); print('b', file=sys.stderr)"))
     assert (raw["observation"], raw["status"]) == ("a\nb\n", "ok")  # stdout, then stderr
@@ -303,7 +334,9 @@ def test_python_output_is_cut_and_says_so(python_env):
 
 
 def test_python_calls_share_nothing(python_env):
-    wrote = step(python_env, "python", tool("python", "open('/work/notes.txt', 'w').write('kept')\nprint('ok')"))
+    wrote = step(
+        python_env, "python", tool("python", "open('/work/notes.txt', 'w').write('kept')\nprint('ok')")
+    )
     assert wrote["observation"] == "ok\n"
     read = step(python_env, "python", tool("python", "print(open('/work/notes.txt').read())"))
     assert read["status"] == "tool_error" and "FileNotFoundError" in read["observation"]
@@ -329,7 +362,9 @@ def test_python_sandbox_that_cannot_start_masks_the_episode(python_env):
     )  # fmt: skip
     try:
         with httpx.Client(base_url=http.url, timeout=60) as client:
-            failures = metric(client, "asyncrl_reward_env_failures_total", environment="python", kind="sandbox")
+            failures = metric(
+                client, "asyncrl_reward_env_failures_total", environment="python", kind="sandbox"
+            )
             reply = step(client, "python", tool("python", "print(1)"))
             assert (reply["mask_sample"], reply["failure_kind"], reply["done"]) == (True, "sandbox", True)
             assert reply["reward"] is None and "not scored" in reply["observation"]
@@ -345,7 +380,10 @@ def test_python_sandbox_that_cannot_start_masks_the_episode(python_env):
 
 def test_unknown_environment_is_a_404_with_a_message(service):
     body = {"episode_id": "e", "turn": 0, "action": {"text": "hi"}}
-    for path, payload in [("/v1/environments/nope/step", body), ("/v1/environments/nope/reset", {"episode_id": "e"})]:
+    for path, payload in [
+        ("/v1/environments/nope/step", body),
+        ("/v1/environments/nope/reset", {"episode_id": "e"}),
+    ]:
         reply = service.post(path, json=payload)
         assert reply.status_code == 404
         assert reply.json() == {"detail": "unknown or disabled environment 'nope'"}
@@ -375,9 +413,15 @@ def test_metrics_count_resets_steps_by_status_and_refusals(service):
     counters = {
         "resets": ("asyncrl_reward_env_resets_total", {"environment": "secret"}),
         "secret_ok": ("asyncrl_reward_env_steps_total", {"environment": "secret", "status": "ok"}),
-        "secret_invalid": ("asyncrl_reward_env_steps_total", {"environment": "secret", "status": "invalid_call"}),
+        "secret_invalid": (
+            "asyncrl_reward_env_steps_total",
+            {"environment": "secret", "status": "invalid_call"},
+        ),
         "calc_ok": ("asyncrl_reward_env_steps_total", {"environment": "calculator", "status": "ok"}),
-        "calc_error": ("asyncrl_reward_env_steps_total", {"environment": "calculator", "status": "tool_error"}),
+        "calc_error": (
+            "asyncrl_reward_env_steps_total",
+            {"environment": "calculator", "status": "tool_error"},
+        ),
         "latency": ("asyncrl_reward_env_step_seconds_count", {"environment": "secret"}),
         "unknown": ("asyncrl_reward_env_requests_rejected_total", {"reason": "unknown_environment"}),
         "invalid_body": ("asyncrl_reward_env_requests_rejected_total", {"reason": "invalid_body"}),

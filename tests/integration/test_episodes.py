@@ -24,13 +24,13 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import free_port, serve_in_thread, start_reward_service, wait_job
 from waiting import wait_until
 
 from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
 from asyncrl.proto import WeightsInfo
 from asyncrl.services.ops.tinymodel import build_tiny_model
-from engine_server import serve_in_thread as serve_engine
-from rollout_server import free_port, serve_in_thread, start_reward_service, wait_job
 
 torch.set_num_threads(1)
 
@@ -94,17 +94,26 @@ def model_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
     return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1).numpy()
 
 
-def test_episodes_keep_tokens_as_sampled_and_mask_observations(redis_url, run_id, reward, model_dir, tokenizer):
+def test_episodes_keep_tokens_as_sampled_and_mask_observations(
+    redis_url, run_id, reward, model_dir, tokenizer
+):
     from transformers import AutoModelForCausalLM
 
     engine = serve_engine(model_dir, max_running_requests=64, max_new_tokens_cap=100, context_length=CONTEXT)
     AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=64, max_staleness=0)
-    running = serve_in_thread(redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id))
+    running = serve_in_thread(
+        redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
+    )
     question, eq = tokenizer.convert_tokens_to_ids(["?", "="])
     try:
         with httpx.Client(base_url=running.url, timeout=30) as client:
             before = episode_counts(client.get("/metrics").text)
-            params = {"max_new_tokens": 8, "ignore_eos": True, "skip_special_tokens": False, "temperature": 1.0}
+            params = {
+                "max_new_tokens": 8,
+                "ignore_eos": True,
+                "skip_special_tokens": False,
+                "temperature": 1.0,
+            }
             tools = client.post("/v1/rollouts", json={"prompts": [{"text": "<bos>ab>"}] * 4, "group_size": 8,
                                                       "sampling_params": params, "episode": EPISODE})  # fmt: skip
             baseline = client.post("/v1/rollouts", json={"prompts": [{"text": "<bos>ab>"}] * 2, "group_size": 8,
@@ -129,7 +138,11 @@ def test_episodes_keep_tokens_as_sampled_and_mask_observations(redis_url, run_id
         prompt, s = g.prompt_tokens.tolist(), g.samples
         with_tools = g.job_id == tools.json()["job_id"]
         for i, sample in enumerate(s):
-            ids, mask, lps = sample.completion_ids.tolist(), sample.loss_mask.tolist(), sample.behavior_logprobs
+            ids, mask, lps = (
+                sample.completion_ids.tolist(),
+                sample.loss_mask.tolist(),
+                sample.behavior_logprobs,
+            )
             assert len(mask) == len(ids) and sample.turn_starts[0] == 0
             # token-in/token-out: every policy token is the model's own sample in the full context
             mine = [t for t in range(len(ids)) if mask[t]]
@@ -141,7 +154,7 @@ def test_episodes_keep_tokens_as_sampled_and_mask_observations(redis_url, run_id
                 called += 1
                 obs = tokenizer(secret + "=", add_special_tokens=False)["input_ids"]
                 k = len(turn1) - len(obs)
-                assert turn1[k - 1] == question and ids[k:sample.turn_starts[1]] == obs
+                assert turn1[k - 1] == question and ids[k : sample.turn_starts[1]] == obs
                 assert mask == [1] * k + [0] * len(obs) + [1] * (len(ids) - k - len(obs))
                 assert lps[k : k + len(obs)].tolist() == [0.0] * len(obs)
                 answer = ids[sample.turn_starts[1] :]
@@ -156,7 +169,9 @@ def test_episodes_keep_tokens_as_sampled_and_mask_observations(redis_url, run_id
                 want_reward = 0.0  # a call on the last turn: no answer
             assert sample.reward == pytest.approx(want_reward) and sample.reward_status.value == "scored"
             assert sample.turn_rewards[-1] == pytest.approx(want_reward)
-    assert called > 0, "no episode called the tool: the test model should sample `?` within 8 tokens now and then"
+    assert called > 0, (
+        "no episode called the tool: the test model should sample `?` within 8 tokens now and then"
+    )
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert sum(v for k, v in delta.items() if k.startswith("episodes")) == 6 * 8  # answered, or out of turns
     assert delta.get('tool_calls{result="called"}', 0) >= called
@@ -174,7 +189,9 @@ def episode_counts(metrics: str) -> dict[str, float]:
     return out
 
 
-def test_weight_update_in_the_middle_of_turn_two(redis_url, run_id, reward, model_dir, model_dir_v1, tokenizer):
+def test_weight_update_in_the_middle_of_turn_two(
+    redis_url, run_id, reward, model_dir, model_dir_v1, tokenizer
+):
     """Freeze the engine while turn-2 requests (their prompt holds an observation) decode, publish
     version 1: they are aborted and resubmitted with their prefix; turn 2's tokens switch
     version inside the turn, each logprob the one its version's weights give."""
@@ -183,7 +200,9 @@ def test_weight_update_in_the_middle_of_turn_two(redis_url, run_id, reward, mode
     engine = serve_engine(model_dir, max_running_requests=64, max_new_tokens_cap=100, context_length=CONTEXT)
     buf = Buffer(redis_url, run_id)
     AdmissionControl(buf).configure(batch_groups=8, max_staleness=1)
-    running = serve_in_thread(redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id))
+    running = serve_in_thread(
+        redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
+    )
     question, eq = tokenizer.convert_tokens_to_ids(["?", "="])
 
     def turn_two_under_way() -> bool:
@@ -191,25 +210,41 @@ def test_weight_update_in_the_middle_of_turn_two(redis_url, run_id, reward, mode
         return any(eq in r.prompt_ids and len(r.output_ids) >= 4 for r in reqs)
 
     try:
-        with httpx.Client(base_url=running.url, timeout=30) as client, httpx.Client(base_url=engine.url) as eng:
-            params = {"max_new_tokens": 60, "ignore_eos": True, "skip_special_tokens": False, "temperature": 1.0}
+        with (
+            httpx.Client(base_url=running.url, timeout=30) as client,
+            httpx.Client(base_url=engine.url) as eng,
+        ):
+            params = {
+                "max_new_tokens": 60,
+                "ignore_eos": True,
+                "skip_special_tokens": False,
+                "temperature": 1.0,
+            }
             job = client.post("/v1/rollouts", json={"prompts": [{"text": "<bos>ab>"}] * 4, "group_size": 16,
                                                     "sampling_params": params, "episode": EPISODE}).json()  # fmt: skip
             wait_until(turn_two_under_way, timeout=60, interval=0.002, message="a turn 2 decodes")
             assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-            Weights(buf).publish(WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time()))
+            Weights(buf).publish(
+                WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time())
+            )
             done = wait_job(client, job["job_id"])
             assert done["buffered"] == 4, done["errors"]
         groups = take(redis_url, run_id, 4)
     finally:
         running.stop()
         engine.stop()
-    models = {v: AutoModelForCausalLM.from_pretrained(d).eval() for v, d in ((0, model_dir), (1, model_dir_v1))}
+    models = {
+        v: AutoModelForCausalLM.from_pretrained(d).eval() for v, d in ((0, model_dir), (1, model_dir_v1))
+    }
     switched_in_turn_two = 0
     for g in groups:
         prompt = g.prompt_tokens.tolist()
         for sample in g.samples:
-            ids, versions, mask = sample.completion_ids.tolist(), sample.versions.tolist(), sample.loss_mask.tolist()
+            ids, versions, mask = (
+                sample.completion_ids.tolist(),
+                sample.versions.tolist(),
+                sample.loss_mask.tolist(),
+            )
             mine = np.array([t for t in range(len(ids)) if mask[t]])
             policy_versions = [versions[t] for t in mine]
             assert policy_versions == sorted(policy_versions)  # old tokens first, then new ones
@@ -246,7 +281,9 @@ class _FailingEnvironments(BaseHTTPRequestHandler):
         pass
 
 
-def test_an_environment_that_keeps_failing_fails_the_group_counted(redis_url, run_id, reward, model_dir, tokenizer):
+def test_an_environment_that_keeps_failing_fails_the_group_counted(
+    redis_url, run_id, reward, model_dir, tokenizer
+):
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), _FailingEnvironments)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     engine = serve_engine(model_dir, max_running_requests=16, max_new_tokens_cap=100, context_length=CONTEXT)
@@ -282,11 +319,15 @@ def test_a_failing_tool_is_an_observation_and_a_verifier_scores_the_answer(redis
     final answer."""
     engine = serve_engine(model_dir, max_running_requests=64, max_new_tokens_cap=100, context_length=CONTEXT)
     AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=8, max_staleness=0)
-    running = serve_in_thread(redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id))
+    running = serve_in_thread(
+        redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
+    )
     episode = {**EPISODE, "environment": "calculator", "default_tool": "calculator", "env_args": {}}
     try:
         with httpx.Client(base_url=running.url, timeout=30) as client:
-            refused = client.post("/v1/rollouts", json={"prompts": [{"text": "<bos>ab>"}], "episode": episode})
+            refused = client.post(
+                "/v1/rollouts", json={"prompts": [{"text": "<bos>ab>"}], "episode": episode}
+            )
             assert refused.status_code == 400 and "does not judge" in refused.text
             job = client.post("/v1/rollouts", json={"prompts": [{"text": "<bos>ab>"}] * 2, "group_size": 16,
                                                     "reward_spec": {"verifier": "reverse", "target": "ab"},

@@ -21,16 +21,16 @@ import uuid
 import httpx
 import pytest
 import torch
+from engine_server import serve_in_thread as serve_engine
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
+from rollout_server import serve_in_thread, start_reward_service
 from waiting import wait_until
 
 from asyncrl.buffer import AdmissionControl, Buffer, Weights
 from asyncrl.buffer import stats as buffer_stats
 from asyncrl.proto import WeightsInfo
 from asyncrl.services.ops.tinymodel import build_tiny_model
-from engine_server import serve_in_thread as serve_engine
-from rollout_server import serve_in_thread, start_reward_service
 
 torch.set_num_threads(1)
 

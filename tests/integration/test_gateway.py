@@ -20,16 +20,16 @@ import numpy as np
 import openai
 import pytest
 import torch
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import serve_in_thread, start_reward_service
 
 from asyncrl.buffer import AdmissionControl, Buffer, ClosedSession, Groups, Weights
 from asyncrl.proto import FinishReason, RewardStatus
 from asyncrl.proto.gateway import Call
 from asyncrl.proto.lineage import parse_weight_version
 from asyncrl.services.ops.tinymodel import EOS_ID, build_tiny_model
-from engine_server import serve_in_thread as serve_engine
 from asyncrl.services.rollout.gateway import _tool_calls
 from asyncrl.services.rollout.gateway_groups import build_group, sessions_to_pieces
-from rollout_server import serve_in_thread, start_reward_service
 
 torch.set_num_threads(1)
 
@@ -162,7 +162,9 @@ def metric(url: str, name: str, **labels) -> float:
 # --------------------------------------------------------------------------- an agent's session
 
 
-def test_agent_loop_through_the_openai_client_is_one_sample(start, agent_tokenizer, engine, redis_url, run_id):
+def test_agent_loop_through_the_openai_client_is_one_sample(
+    start, agent_tokenizer, engine, redis_url, run_id
+):
     tok = agent_tokenizer
     url = start(tok).url
     client = client_of(url)
@@ -171,7 +173,10 @@ def test_agent_loop_through_the_openai_client_is_one_sample(start, agent_tokeniz
     assert session["index"] == 0
 
     messages = [{"role": "system", "content": "reverse"}, {"role": "user", "content": "abc>"}]
-    follow_ups = [{"role": "tool", "content": "42", "tool_call_id": "call_1"}, {"role": "user", "content": "again>"}]
+    follow_ups = [
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        {"role": "user", "content": "again>"},
+    ]
     prompts, completions, logprobs, answers = [], [], [], []
     for turn in range(3):
         prompts.append(render(tok, messages))
@@ -214,7 +219,9 @@ def test_agent_loop_through_the_openai_client_is_one_sample(start, agent_tokeniz
     c1, c2, c3 = completions
     g1, g2 = glues
     assert sample.completion_ids.tolist() == c1 + g1 + c2 + g2 + c3
-    assert sample.loss_mask.tolist() == [1] * len(c1) + [0] * len(g1) + [1] * len(c2) + [0] * len(g2) + [1] * len(c3)
+    assert sample.loss_mask.tolist() == [1] * len(c1) + [0] * len(g1) + [1] * len(c2) + [0] * len(g2) + [
+        1
+    ] * len(c3)
     expected_lp = logprobs[0] + [0.0] * len(g1) + logprobs[1] + [0.0] * len(g2) + logprobs[2]
     assert np.array_equal(sample.behavior_logprobs, np.asarray(expected_lp, dtype=np.float32))
     assert sample.versions.tolist() == [version] * len(expected_lp)
@@ -226,7 +233,9 @@ def test_agent_loop_through_the_openai_client_is_one_sample(start, agent_tokeniz
 
     # The session is closed: another call, or another close, is a conflict.
     with pytest.raises(openai.ConflictError):
-        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_headers={"X-Session-Id": sid})
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, extra_headers={"X-Session-Id": sid}
+        )
     second = close(url, sid, reward=1.0)
     assert second.status_code == 409 and "closed" in second.json()["error"]["message"]
 
@@ -234,7 +243,9 @@ def test_agent_loop_through_the_openai_client_is_one_sample(start, agent_tokeniz
 def test_streaming_gives_the_text_of_the_same_call_unstreamed(start, agent_tokenizer):
     client = client_of(start(agent_tokenizer).url)
     messages = [{"role": "user", "content": "hello>"}]
-    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, seed=5, temperature=1.0)
+    plain = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, seed=5, temperature=1.0
+    )
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, seed=5, temperature=1.0,
                                             stream=True, stream_options={"include_usage": True})  # fmt: skip
     chunks = list(stream)
@@ -274,7 +285,9 @@ def test_a_template_that_rewrites_history_splits_the_session(start, model_dir, r
     assert group.prompt_tokens.tolist() == prompts[0]
     assert (len(first.prompt_ids), first.episode) == (0, 0)  # the group's prompt; the episode's first piece
     assert (second.prompt_ids.tolist(), second.episode) == (prompts[1], 0)
-    assert first.completion_ids.tolist() == completions[0] and second.completion_ids.tolist() == completions[1]
+    assert (
+        first.completion_ids.tolist() == completions[0] and second.completion_ids.tolist() == completions[1]
+    )
     assert first.loss_mask.tolist() == [1] * len(completions[0]) and first.turn_starts == [0]
     assert second.loss_mask.tolist() == [1] * len(completions[1]) and second.turn_starts == [0]
     assert [s.reward for s in group.samples] == [1.0, 1.0]
@@ -315,7 +328,9 @@ def test_a_group_is_put_only_when_all_its_sessions_are_closed(start, agent_token
     assert [s.text for s in group.samples] == [texts[a["session_id"]], texts[b["session_id"]]]
     assert [s.prompt_id for s in group.samples] == ["p", "p"]
     assert group.prompt_tokens.tolist() == render(agent_tokenizer, [{"role": "user", "content": "ab>"}])
-    assert group.samples[1].prompt_ids.tolist() == render(agent_tokenizer, [{"role": "user", "content": "cd>"}])
+    assert group.samples[1].prompt_ids.tolist() == render(
+        agent_tokenizer, [{"role": "user", "content": "cd>"}]
+    )
     # a new session in a group that is in the buffer is refused
     late = httpx.post(f"{url}/v1/sessions", json={"group_id": "grp-1", "group_size": 2})
     assert late.status_code == 409
@@ -327,7 +342,9 @@ def test_refusals_are_openai_errors(start, agent_tokenizer):
     client = client_of(url)
     hello = [{"role": "user", "content": "hi>"}]
     with pytest.raises(openai.NotFoundError) as unknown:
-        client.chat.completions.create(model="tiny", messages=hello, extra_headers={"X-Session-Id": "snosuchsession"})
+        client.chat.completions.create(
+            model="tiny", messages=hello, extra_headers={"X-Session-Id": "snosuchsession"}
+        )
     assert "no session" in unknown.value.message
     assert close(url, "snosuchsession", reward=1.0).status_code == 404
 
@@ -345,15 +362,24 @@ def test_refusals_are_openai_errors(start, agent_tokenizer):
         client.chat.completions.create(model="tiny", messages=too_long)
     assert "context length" in context.value.message
 
-    for body in (b"{not json", b'{"messages": []}', b'{"messages": [{"role": "user", "content": "\\ud800"}]}'):
-        resp = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    for body in (
+        b"{not json",
+        b'{"messages": []}',
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+    ):
+        resp = httpx.post(
+            f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
         assert resp.status_code == 400, resp.text
         error = resp.json()["error"]
         assert error["type"] == "invalid_request_error" and error["message"]
     bad_session = httpx.post(f"{url}/v1/sessions", json={"group_size": 0})
     assert bad_session.status_code == 400 and "group_size" in bad_session.json()["error"]["message"]
     unknown_verifier = httpx.post(f"{url}/v1/sessions", json={"reward_spec": {"verifier": "nope"}})
-    assert unknown_verifier.status_code == 400 and "unknown verifier" in unknown_verifier.json()["error"]["message"]
+    assert (
+        unknown_verifier.status_code == 400
+        and "unknown verifier" in unknown_verifier.json()["error"]["message"]
+    )
 
     # a session without calls cannot be closed; a non-finite reward is not a reward
     sid = open_session(url)["session_id"]
@@ -384,7 +410,10 @@ def test_reward_spec_scores_the_last_answer(start, agent_tokenizer, redis_url, r
     url = start(agent_tokenizer).url
     session = open_session(url, reward_spec={"verifier": "reverse", "target": "cba"})
     answer = client_of(url).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "abc>"}], max_tokens=5, seed=1,
+        model="tiny",
+        messages=[{"role": "user", "content": "abc>"}],
+        max_tokens=5,
+        seed=1,
         extra_body={"session_id": session["session_id"]},
     )
     text = answer.choices[0].message.content
@@ -415,7 +444,9 @@ def test_idle_groups_expire_and_give_their_admission_slot_back(start, agent_toke
     assert metric(url, "asyncrl_rollout_gateway_sessions_total", event="expired") >= 1
 
 
-def test_any_replica_serves_a_session_and_a_dead_putter_loses_nothing(start, agent_tokenizer, redis_url, run_id):
+def test_any_replica_serves_a_session_and_a_dead_putter_loses_nothing(
+    start, agent_tokenizer, redis_url, run_id
+):
     a = start(agent_tokenizer, replica="a", gateway_put_lease_s=0.5, gateway_reap_interval_s=0.2)
     b = start(agent_tokenizer, replica="b", gateway_put_lease_s=0.5, gateway_reap_interval_s=0.2)
     session = open_session(a.url, group_size=1)
@@ -480,6 +511,8 @@ def test_hermes_tool_calls_become_openai_tool_calls():
     assert tool.id.startswith("call_")
     broken = "<tool_call>{oops}</tool_call>"
     assert _tool_calls(broken) == (broken, [])  # a block that does not parse stays text
-    only, calls = _tool_calls('<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b", "arguments": "{}"}</tool_call>')
+    only, calls = _tool_calls(
+        '<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b", "arguments": "{}"}</tool_call>'
+    )
     assert only is None and [c.function.name for c in calls] == ["a", "b"]
     assert [c.function.arguments for c in calls] == ["{}", "{}"]

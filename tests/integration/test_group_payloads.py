@@ -18,6 +18,8 @@ def test_large_groups_come_through_the_buffer_intact(redis_url, run_id):
     assert sorted(g.group_id for g in got) == [g.group_id for g in groups]
     for g in got:
         assert g == next(x for x in groups if x.group_id == g.group_id)
-        assert not g.samples.completion_ids.flags.writeable and not g.samples.behavior_logprobs.flags.writeable
+        assert (
+            not g.samples.completion_ids.flags.writeable and not g.samples.behavior_logprobs.flags.writeable
+        )
     assert consumer.ack([g.group_id for g in got]) == 5
     consumer.buf.close()

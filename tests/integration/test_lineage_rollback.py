@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import free_port, serve_in_thread, start_reward_service
 from test_trainer import kill_tree, process_tree, read_audit, start_trainer, wait_for
 
 from asyncrl.buffer import Buffer, Weights, stats
@@ -24,8 +26,6 @@ from asyncrl.buffer.groups import sampled_lineage
 from asyncrl.proto import Group, decode
 from asyncrl.proto.lineage import Lineage, parse_weight_version
 from asyncrl.services.ops.tinymodel import build_tiny_model
-from engine_server import serve_in_thread as serve_engine
-from rollout_server import free_port, serve_in_thread, start_reward_service
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -77,7 +77,9 @@ device = "cpu"
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = serve_engine(str(model_dir), max_running_requests=32, max_new_tokens_cap=16, context_length=CONTEXT)
+    engine = serve_engine(
+        str(model_dir), max_running_requests=32, max_new_tokens_cap=16, context_length=CONTEXT
+    )
     reward = start_reward_service(log_path=tmp_path / "reward.log")
     buf = Buffer(redis_url, run_id)
     rollout = serve_in_thread(
@@ -103,7 +105,10 @@ device = "cpu"
     proc = None
     try:
         with httpx.Client(base_url=rollout.url, timeout=30) as client:
-            prompts = [{"text": "".join("abcdefghij"[(i * 7 + j * 3) % 10] for j in range(4)) + ">"} for i in range(60)]
+            prompts = [
+                {"text": "".join("abcdefghij"[(i * 7 + j * 3) % 10] for j in range(4)) + ">"}
+                for i in range(60)
+            ]
             resp = client.post("/v1/rollouts", json={"prompts": prompts, "group_size": 2,
                                                     "reward_spec": {"verifier": "reverse"},
                                                     "sampling_params": {"max_new_tokens": 6, "temperature": 1.0}})  # fmt: skip
@@ -125,7 +130,11 @@ device = "cpu"
             # ---- the restarted trainer: resumes at v2 in epoch 1 and trains to the end
             proc = start_trainer(config, log, nproc=1)
             assert proc.wait(180) == 0, log.read_text()[-4000:]
-            wait_for(lambda: parse_weight_version(engine_version()) == (STEPS, 1), 30, "the engine at the last version")
+            wait_for(
+                lambda: parse_weight_version(engine_version()) == (STEPS, 1),
+                30,
+                "the engine at the last version",
+            )
             final = engine_version()
     finally:
         watching.set()
@@ -147,9 +156,15 @@ device = "cpu"
     # the surviving history: epoch 0's steps up to the fork, then epoch 1's
     steps = [e for e in events if e["event"] == "step"]
     restart = resumes[1]["t"]
-    survivors = [e for e in steps if e["t"] < restart and e["version"] <= FORK] + [e for e in steps if e["t"] > restart]
+    survivors = [e for e in steps if e["t"] < restart and e["version"] <= FORK] + [
+        e for e in steps if e["t"] > restart
+    ]
     assert [e["version"] for e in survivors] == list(range(1, STEPS + 1))
-    trained = [(gid, {int(k): v for k, v in lin.items()}) for e in survivors for gid, lin in zip(e["groups"], e["sampled"])]
+    trained = [
+        (gid, {int(k): v for k, v in lin.items()})
+        for e in survivors
+        for gid, lin in zip(e["groups"], e["sampled"])
+    ]
     assert len({gid for gid, _ in trained}) == len(trained) == STEPS * B  # each group once
     for gid, lin in trained:
         assert not Weights(buf).lineage().lost(lin), (gid, lin)  # nothing sampled by the lost v3 was trained

@@ -52,7 +52,9 @@ def engine_groups(model_dir, n_groups=3, n=4, seed=0) -> list[Group]:
             ids = torch.from_numpy(np.concatenate([prompt, comp]).astype(np.int64))[None]
             with torch.no_grad():
                 logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-            lp = logp[len(prompt) - 1 : len(ids[0]) - 1].gather(-1, torch.from_numpy(comp.astype(np.int64))[:, None])
+            lp = logp[len(prompt) - 1 : len(ids[0]) - 1].gather(
+                -1, torch.from_numpy(comp.astype(np.int64))[:, None]
+            )
             samples.append(Sample(prompt_id=f"p{gi}", index=i, completion_ids=comp,
                                   behavior_logprobs=lp[:, 0].numpy().astype(np.float32), versions=np.zeros(len(comp), np.int32),
                                   finish_reason="length", reward=float(rng.integers(0, 3)), reward_status="scored"))  # fmt: skip
@@ -99,9 +101,13 @@ def fsdp_worker(rank, world, port, model_dir, cases, out_path, micro_batch_size)
             opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
                    else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))  # fmt: skip
             rows = build_rows(groups, "grpo").rows
-            micro = micro_batches(rows, d.rank, d.world, 1, micro_batch_size, 0, d.device, opts.get("max_tokens", 0))
+            micro = micro_batches(
+                rows, d.rank, d.world, 1, micro_batch_size, 0, d.device, opts.get("max_tokens", 0)
+            )
             chunk = opts.get("chunk", 0)
-            old = recompute_logprobs(model, micro, 1.0, chunk) if recompute else [None] * len(micro)  # None: in-step π_old
+            old = (
+                recompute_logprobs(model, micro, 1.0, chunk) if recompute else [None] * len(micro)
+            )  # None: in-step π_old
             stats = policy_step(model, opt, micro, old, [None] * len(micro),
                                 StepConfig(loss=loss_cfg, grad_clip=CLIP, chunk_tokens=chunk), d.device)  # fmt: skip
             state = full_state_dict(model)
@@ -122,15 +128,22 @@ def fsdp_results(tiny, tmp_path_factory):
 
     groups, groups_lr0 = engine_groups(tiny), engine_groups(tiny, seed=1)
     cases = [(groups, LossConfig(agg=agg, max_tokens=8), "sgd", LR, True, {}) for agg in AGGS]
-    cases.append((groups, LossConfig(agg="token_mean"), "sgd", LR, False, {}))  # the loop's one-minibatch path
-    cases += [(groups, LossConfig(agg=VARIANTS[v][0], max_tokens=8), "sgd", LR, True, VARIANTS[v][1]) for v in VARIANTS]
+    cases.append(
+        (groups, LossConfig(agg="token_mean"), "sgd", LR, False, {})
+    )  # the loop's one-minibatch path
+    cases += [
+        (groups, LossConfig(agg=VARIANTS[v][0], max_tokens=8), "sgd", LR, True, VARIANTS[v][1])
+        for v in VARIANTS
+    ]
     cases.append((groups, LossConfig(agg="token_mean"), "sgd", LR, True, {"mp": "bfloat16", "chunk": 3}))
     cases.append((groups_lr0, LossConfig(is_correction="tis"), "adamw", 0.0, True, {}))
     out = tmp_path_factory.mktemp("fsdp") / "results.pt"
     port, world = free_port(), 2
     ctx = mp.get_context("spawn")
     # 12 rows → 6 per rank → micro-batches of 4 and 2
-    procs = [ctx.Process(target=fsdp_worker, args=(r, world, port, tiny, cases, out, 4)) for r in range(world)]
+    procs = [
+        ctx.Process(target=fsdp_worker, args=(r, world, port, tiny, cases, out, 4)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -163,7 +176,9 @@ def test_fsdp_step_equals_plain_synchronous_step(tiny, fsdp_results, case):
     got = results[case]
     assert got["packed"] == ("packed" in CASES[case])
     # packed rows attend per sample segment (trainer/attention.py), or under transformers' block-diagonal mask
-    assert got["attention"] == ("asyncrl_segments" if "packed" in CASES[case] and "dense" not in CASES[case] else "sdpa")
+    assert got["attention"] == (
+        "asyncrl_segments" if "packed" in CASES[case] and "dense" not in CASES[case] else "sdpa"
+    )
     initial = load_file(tiny / "model.safetensors")
     assert got["stats"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert norm > CLIP  # clipping was active in both
@@ -188,7 +203,9 @@ def test_lr_zero_gives_unit_is_weights_and_zero_mismatch(tiny, fsdp_results):
     assert stats["approx_kl"] == 0.0 and stats["clip_frac"] == 0.0
     initial = load_file(tiny / "model.safetensors")
     for name, value in state.items():
-        assert torch.equal(value, initial[name]), name  # lr 0: AdamW (with weight decay) leaves them as they were
+        assert torch.equal(value, initial[name]), (
+            name
+        )  # lr 0: AdamW (with weight decay) leaves them as they were
 
 
 def test_bf16_compute_keeps_fp32_master_weights(tiny, fsdp_results):

@@ -94,7 +94,9 @@ def test_each_version_holds_its_own_steps_weights(tiny, tmp_path, redis_url, run
     # The steps ran while the writes slept: each publish returned before its write finished.
     for version, started in calls:
         assert returned[version] < started + SLOW_WRITE_S, version
-    assert not torch.equal(expected[1]["model.norm.weight"], expected[2]["model.norm.weight"])  # the model moved
+    assert not torch.equal(
+        expected[1]["model.norm.weight"], expected[2]["model.norm.weight"]
+    )  # the model moved
     weights = Weights(Buffer(redis_url, run=run_id))
     assert weights.version() == STEPS  # the last write was waited for before train_steps returned
     for version in (1, 2, 3):
@@ -105,7 +107,9 @@ def test_each_version_holds_its_own_steps_weights(tiny, tmp_path, redis_url, run
     assert weights.latest().path == str(tmp_path / "weights" / f"v{STEPS:08d}")
 
 
-def test_a_failed_background_write_stops_the_trainer(tiny, tmp_path, redis_url, run_id, one_rank, monkeypatch):
+def test_a_failed_background_write_stops_the_trainer(
+    tiny, tmp_path, redis_url, run_id, one_rank, monkeypatch
+):
     """The write of version 2 fails (disk full): the trainer raises it at its next publish, and
     version 2 is never announced."""
     from asyncrl.trainer import metrics as tm

@@ -26,10 +26,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from engine_server import serve_in_thread as serve_engine
 from waiting import wait_until
 
 from asyncrl.proto import Group, RewardStatus, Sample
-from engine_server import serve_in_thread as serve_engine
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -185,7 +185,16 @@ def test_bad_files_are_refused_with_a_message(smollm2_gguf, tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for path, needle in cases[::2]:
-        cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "model", "from-gguf", str(path), "--out", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncrl.services.ops.cli",
+            "model",
+            "from-gguf",
+            str(path),
+            "--out",
+            str(out),
+        ]
         res = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=60)
         assert res.returncode == 2, res.stderr
         assert res.stderr.startswith("asyncrl model: ") and needle in res.stderr
@@ -341,8 +350,9 @@ def reward(tmp_path_factory):
 
 
 def test_rollout_reward_engine_one_group(redis_url, run_id, engine, reward, tokenizer, hf_model, smollm2_dir):
-    from asyncrl.buffer import AdmissionControl, Buffer, Groups
     from rollout_server import serve_in_thread, wait_job
+
+    from asyncrl.buffer import AdmissionControl, Buffer, Groups
 
     buf = Buffer(redis_url, run_id)
     AdmissionControl(buf).configure(batch_groups=1, max_staleness=0)

@@ -14,13 +14,13 @@ import time
 import httpx
 import pytest
 import torch
-
-from asyncrl.services.runtime.serving import serve_app_in_thread
-from asyncrl.services.ops.tinymodel import build_tiny_model
-from asyncrl.services.engine.engine import MAX_CHARS_PER_TOKEN
 from engine_server import free_port
 from engine_server import serve_in_thread as serve_engine
+
+from asyncrl.services.engine.engine import MAX_CHARS_PER_TOKEN
+from asyncrl.services.ops.tinymodel import build_tiny_model
 from asyncrl.services.rollout.config import RolloutSettings
+from asyncrl.services.runtime.serving import serve_app_in_thread
 
 torch.set_num_threads(1)
 
@@ -221,7 +221,9 @@ def test_schema_fuzz_findings_are_4xx(engine, model_dir):
                           timeout=30)  # fmt: skip
     finally:
         small.stop()
-    assert resp.status_code == 400 and "no room left in the context length 16" in resp.json()["error"]["message"]
+    assert (
+        resp.status_code == 400 and "no room left in the context length 16" in resp.json()["error"]["message"]
+    )
 
 
 def test_the_rollout_sheds_load_past_its_inflight_limit():
@@ -233,7 +235,9 @@ def test_the_rollout_sheds_load_past_its_inflight_limit():
 
     release, entered, refused = threading.Event(), threading.Event(), []
     app = FastAPI()
-    app.add_middleware(InflightLimit, max_inflight=1, on_refused=lambda: refused.append(1), prefixes=("/v1/",))
+    app.add_middleware(
+        InflightLimit, max_inflight=1, on_refused=lambda: refused.append(1), prefixes=("/v1/",)
+    )
 
     @app.post("/v1/slow")
     def slow() -> dict:

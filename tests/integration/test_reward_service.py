@@ -44,7 +44,11 @@ def canned_judge() -> FastAPI:
     app, calls = FastAPI(), Counter()
 
     def reply(content: str):
-        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+        return {
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+            ]
+        }
 
     @app.post("/v1/chat/completions")
     async def complete(request: Request):
@@ -142,11 +146,22 @@ def test_bad_inputs_are_rejected_whole_with_a_message(service):
     assert bad_spec.status_code == 422 and "math: answer: Field required" in bad_spec.text
     extra = post(service, item("e", "x", verifier="arith", answer="1", bonus=2))
     assert extra.status_code == 422 and "bonus" in extra.text
-    dupes = post(service, item("d", "x", verifier="reverse", target="x"), item("d", "y", verifier="reverse", target="x"))
+    dupes = post(
+        service,
+        item("d", "x", verifier="reverse", target="x"),
+        item("d", "y", verifier="reverse", target="x"),
+    )
     assert dupes.status_code == 422 and "unique" in dupes.text
     assert service.post("/v1/rewards", json={"items": []}).status_code == 422
-    assert service.post("/v1/rewards", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
-    huge = service.post("/v1/rewards", json={"items": [item("h", "x" * (2 << 20), verifier="reverse", target="x")]})
+    assert (
+        service.post(
+            "/v1/rewards", content=b"{not json", headers={"content-type": "application/json"}
+        ).status_code
+        == 422
+    )
+    huge = service.post(
+        "/v1/rewards", json={"items": [item("h", "x" * (2 << 20), verifier="reverse", target="x")]}
+    )
     assert huge.status_code == 413 and "larger than" in huge.text
     chunked = service.post(
         "/v1/rewards", content=iter([b'{"items": [{"id": "c", "completion": "', b"x" * (2 << 20), b'"}]}'])
@@ -189,7 +204,10 @@ def test_verifiers_endpoint_lists_schemas(service):
     assert sorted(listed) == ["arith", "judge", "math", "reverse"]
     assert listed["math"]["spec_schema"]["required"] == ["answer"]
     assert "rubric" in listed["judge"]["spec_schema"]["properties"]
-    assert service.get("/healthz").json() == {"status": "ok", "verifiers": dict.fromkeys(sorted(listed), "ok")}
+    assert service.get("/healthz").json() == {
+        "status": "ok",
+        "verifiers": dict.fromkeys(sorted(listed), "ok"),
+    }
 
 
 def test_judge_round_trips_against_canned_server(service, judge_url):
@@ -208,9 +226,15 @@ def test_judge_round_trips_against_canned_server(service, judge_url):
     assert (results["line"]["status"], results["line"]["reward"]) == ("scored", 0.5)  # 3 on [1, 5]
     assert (results["flaky"]["reward"], results["flaky"]["details"]["attempts"]) == (1.0, 3)
     assert calls["flaky"] == 3
-    assert (results["garbage"]["status"], results["garbage"]["details"]["reason"]) == ("error", "unparseable_score")
+    assert (results["garbage"]["status"], results["garbage"]["details"]["reason"]) == (
+        "error",
+        "unparseable_score",
+    )
     assert results["garbage"]["reward"] is None
-    assert (results["badrequest"]["status"], results["badrequest"]["details"]["reason"]) == ("error", "judge_http_error")
+    assert (results["badrequest"]["status"], results["badrequest"]["details"]["reason"]) == (
+        "error",
+        "judge_http_error",
+    )
     assert calls["badrequest"] == 1  # a 400 is not retried
     assert (results["slow"]["status"], results["slow"]["details"]["reason"]) == ("error", "judge_unavailable")
     assert "ReadTimeout" in results["slow"]["details"]["last_error"] and calls["slow"] == 3
@@ -231,7 +255,16 @@ def test_live_judge_round_trip_against_reference_engine(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "engine", "--model", str(tmp_path / "model"), "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.services.ops.cli",
+        "engine",
+        "--model",
+        str(tmp_path / "model"),
+        "--port",
+        str(port),
+    ]
     engine = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         base = f"http://127.0.0.1:{port}"

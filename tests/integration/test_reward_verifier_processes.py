@@ -74,7 +74,11 @@ def test_math_unparseable_gold_is_invalid_input_and_hang_is_killed_and_replaced(
     ]
     results, alive = run(_math_batch(cases))
     (bad1, _), (bad2, _), (hang, hang_s), (big, big_s), (after, _) = results
-    assert (bad1.status, bad1.reward, bad1.details["reason"]) == (RewardStatus.invalid_input, None, "gold_unparseable")
+    assert (bad1.status, bad1.reward, bad1.details["reason"]) == (
+        RewardStatus.invalid_input,
+        None,
+        "gold_unparseable",
+    )
     assert (bad2.status, bad2.details["reason"]) == (RewardStatus.invalid_input, "gold_unparseable")
     assert (hang.status, hang.details["reason"]) == (RewardStatus.timeout, "math_timeout")
     assert MATH_TIMEOUT_S <= hang_s < MATH_TIMEOUT_S + 2.0
@@ -98,5 +102,7 @@ def test_reward_service_never_imports_torch():
         "import asyncrl.services.reward.main, asyncrl.services.reward.verifiers.code, asyncrl.services.reward.sandbox\n"
         "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
     assert out.stdout.split() == ["False", "False"]

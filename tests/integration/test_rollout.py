@@ -23,14 +23,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import free_port, serve_in_thread, start_process, start_reward_service, wait_job
 from waiting import wait_until
 
 from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
 from asyncrl.buffer import stats as buffer_stats
 from asyncrl.proto import RewardStatus, WeightsInfo
 from asyncrl.services.ops.tinymodel import build_tiny_model
-from engine_server import serve_in_thread as serve_engine
-from rollout_server import free_port, serve_in_thread, start_process, start_reward_service, wait_job
 
 torch.set_num_threads(1)
 
@@ -195,7 +195,9 @@ def model_dir_v1(tmp_path):
 
 
 @contextlib.contextmanager
-def own_engine_and_rollout(redis_url, run_id, reward, model_dir, tokenizer, *, batch_groups: int, max_staleness: int):
+def own_engine_and_rollout(
+    redis_url, run_id, reward, model_dir, tokenizer, *, batch_groups: int, max_staleness: int
+):
     """An engine of its own (its weights change under the test) and a rollout service on it."""
     engine = serve_engine(model_dir, max_running_requests=16, max_new_tokens_cap=CAP, context_length=CONTEXT)
     buf = Buffer(redis_url, run_id)
@@ -280,7 +282,9 @@ def test_weight_update_mid_generation(redis_url, run_id, reward, model_dir, mode
         )
         assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
         frozen = engine.engine.scheduler.stats["generated_tokens"]
-        Weights(buf).publish(WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time()))
+        Weights(buf).publish(
+            WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time())
+        )
         progress = wait_job(client, job_id)
         assert progress["buffered"] == 2
         assert eng.get("/get_model_info").json()["weight_version"] == "1"
@@ -322,7 +326,16 @@ def test_sigkill_of_a_replica_loses_no_group(
     admission.configure(batch_groups=4, max_staleness=0)
     port = free_port()
     s = settings(engine.url, reward.url, model_dir, run_id, replica="a")
-    cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "rollout", "--port", str(port), "--redis-url", redis_url]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.services.ops.cli",
+        "rollout",
+        "--port",
+        str(port),
+        "--redis-url",
+        redis_url,
+    ]
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in s.items()]
     a = start_process(cmd, f"http://127.0.0.1:{port}", "/healthz", log_path=tmp_path / "replica_a.log")
     try:
@@ -418,7 +431,9 @@ def test_idempotency_key_gives_one_job(rollout, redis_url, run_id):
 
 def test_delete_cancels_pending_groups(redis_url, run_id, engine, reward, model_dir, tokenizer):
     buf = Buffer(redis_url, run_id)
-    AdmissionControl(buf).configure(batch_groups=1, max_staleness=0)  # one group fits; the rest wait for admission
+    AdmissionControl(buf).configure(
+        batch_groups=1, max_staleness=0
+    )  # one group fits; the rest wait for admission
     running = serve_in_thread(
         redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
     )
@@ -692,7 +707,9 @@ def test_local_and_remote_items_of_one_batch_keep_their_order_and_verdicts(rewar
     from asyncrl.services.rollout.reward_client import RewardClient
 
     def item(i: int, spec: dict, completion: str) -> RewardItem:
-        return RewardItem(id=f"x{i}", prompt="abc>", completion=completion, spec=RewardSpec.model_validate(spec))
+        return RewardItem(
+            id=f"x{i}", prompt="abc>", completion=completion, spec=RewardSpec.model_validate(spec)
+        )
 
     specs = [({"verifier": "reverse", "target": "cba"}, "cb"), ({"verifier": "arith", "answer": "12"}, " 12"),
              ({"verifier": "reverse"}, "cbz"), ({"verifier": "arith", "answer": "7", "format_credit": 0.2}, "8"),
@@ -701,7 +718,10 @@ def test_local_and_remote_items_of_one_batch_keep_their_order_and_verdicts(rewar
 
     async def run():
         kw = {"timeout_s": 10, "concurrency": 2, "retries": 0, "verifiers_ttl_s": 60}
-        remote, mixed = RewardClient(reward.url, **kw), RewardClient(reward.url, local_verifiers=["reverse"], **kw)
+        remote, mixed = (
+            RewardClient(reward.url, **kw),
+            RewardClient(reward.url, local_verifiers=["reverse"], **kw),
+        )
         try:
             expected, got = await remote.score(items), await mixed.score(items)
             listed = await mixed.verifiers()
@@ -716,13 +736,16 @@ def test_local_and_remote_items_of_one_batch_keep_their_order_and_verdicts(rewar
     assert [r.id for r in got if isinstance(r, RewardResult)] == ["x1", "x3"]
     assert [(r.status, r.reward) for r in got] == [(r.status, r.reward) for r in expected]
     assert [r.reward for r in got] == pytest.approx([2 / 3, 1.0, 2 / 3, 0.2, 1.0])
+
     def uncached(r):  # (the service answers an item it has seen from its cache, and says so)
         return {k: v for k, v in r.details.items() if k != "cached"}
 
     assert [uncached(r) for r in got] == [uncached(r) for r in expected]
     assert [r.details.get("cached", False) for r in got] == [False, True, False, True, False]  # arith: remote
     assert {"reverse", "arith", "math"} <= set(listed)
-    assert (bad[0].status, bad[0].reward) == (RewardStatus.invalid_input, None) and "target" in bad[0].details["error"]
+    assert (bad[0].status, bad[0].reward) == (RewardStatus.invalid_input, None) and "target" in bad[
+        0
+    ].details["error"]
     assert (bad[1].status, bad[1].reward) == (RewardStatus.scored, 1.0)
 
 
@@ -735,5 +758,7 @@ def test_only_inline_verifiers_can_be_local():
     assert RolloutSettings(**base, local_verifiers=["reverse", "arith", "reverse"]).local_verifier_list == [
         "reverse", "arith"]  # fmt: skip
     for name in ("math", "nope"):
-        with pytest.raises(ValidationError, match=f"'{name}' cannot be scored locally: only inline verifiers can"):
+        with pytest.raises(
+            ValidationError, match=f"'{name}' cannot be scored locally: only inline verifiers can"
+        ):
             RolloutSettings(**base, local_verifiers=name)

@@ -13,13 +13,13 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import free_port, serve_in_thread, start_process, start_reward_service, wait_job
 from waiting import wait_until
 
 from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
 from asyncrl.proto import RewardStatus, WeightsInfo
 from asyncrl.services.ops.tinymodel import build_tiny_model
-from engine_server import serve_in_thread as serve_engine
-from rollout_server import free_port, serve_in_thread, start_process, start_reward_service, wait_job
 
 pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install sglang-router)")
 
@@ -122,7 +122,9 @@ def test_rollout_behind_sglang_router(topology, models, redis_url, run_id):
                 WeightsInfo(version=1, method="disk", path=models[1], published_at=time.time())
             )
             wait_until(
-                lambda: all(httpx.get(f"{e.url}/get_model_info").json()["weight_version"] == "1" for e in engines),
+                lambda: all(
+                    httpx.get(f"{e.url}/get_model_info").json()["weight_version"] == "1" for e in engines
+                ),
                 timeout=30,
                 message="the engines behind the router are updated",
             )

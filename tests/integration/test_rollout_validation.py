@@ -15,12 +15,12 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import free_port, serve_in_thread, start_reward_service, wait_job
 
 from asyncrl.buffer import AdmissionControl, Buffer
 from asyncrl.buffer import stats as buffer_stats
 from asyncrl.services.ops.tinymodel import BOS_ID, build_tiny_model
-from engine_server import serve_in_thread as serve_engine
-from rollout_server import free_port, serve_in_thread, start_reward_service, wait_job
 
 torch.set_num_threads(1)
 

@@ -83,7 +83,9 @@ def make_weights(version: int):
 
 
 def _next_weights(sub, timeout: float = 5.0):
-    return wait_until(lambda: sub.get(0.5), timeout=timeout, interval=0, message="a weights event after the restart")
+    return wait_until(
+        lambda: sub.get(0.5), timeout=timeout, interval=0, message="a weights event after the restart"
+    )
 
 
 def test_client_gives_up_after_its_budget():
@@ -223,7 +225,9 @@ def test_launcher_restarts_with_backoff_then_stops_over_budget(tmp_path):
             old = reward.popen.pid
             os.kill(old, signal.SIGKILL)
             t0 = time.monotonic()
-            assert _supervise_until(launcher, lambda old=old: reward.alive and reward.popen.pid != old) is None
+            assert (
+                _supervise_until(launcher, lambda old=old: reward.alive and reward.popen.pid != old) is None
+            )
             delays.append(time.monotonic() - t0)
             assert reward.restarts == n
         assert 0.15 < delays[0] < delays[1]  # 0.2 s, then 0.4 s
@@ -234,7 +238,10 @@ def test_launcher_restarts_with_backoff_then_stops_over_budget(tmp_path):
         client.set("kept", "1")
         os.kill(launcher.redis.proc.pid, signal.SIGKILL)
         launcher.redis.proc.wait()
-        assert _supervise_until(launcher, lambda: launcher.redis_proc.restarts == 1 and launcher.redis.alive) is None
+        assert (
+            _supervise_until(launcher, lambda: launcher.redis_proc.restarts == 1 and launcher.redis.alive)
+            is None
+        )
         assert client.get("kept") == b"1"
         assert _metric(launcher, 'asyncrl_launcher_restarts_total{service="redis"}') == 1
         # a third crash of reward-0 is one more than max_restarts = 2
@@ -284,7 +291,9 @@ def test_a_service_that_stops_answering_is_restarted(tmp_path):
         rollout.healthy = True  # it was, at start
         launcher.procs.append(rollout)
         first = rollout.popen.pid
-        assert _supervise_until(launcher, lambda: rollout.restarts == 1 and rollout.popen.pid != first) is None
+        assert (
+            _supervise_until(launcher, lambda: rollout.restarts == 1 and rollout.popen.pid != first) is None
+        )
         assert _metric(launcher, 'asyncrl_launcher_health_check_failures_total{service="rollout-0"}') == 3
         assert _metric(launcher, 'asyncrl_launcher_service_up{service="rollout-0"}') == 0
         log = (tmp_path / "run" / "logs" / "launcher.log").read_text()
@@ -315,6 +324,8 @@ def test_a_second_signal_does_not_cut_the_shutdown_short():
     )
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["interrupted", "shutdown", "finished"]

@@ -30,7 +30,14 @@ from asyncrl.trainer.batch import build_rows
 from asyncrl.trainer.config import TrainerSettings
 from asyncrl.trainer.data import Taken
 from asyncrl.trainer.loop import record
-from asyncrl.trainer.tracking import INSTALL_HINT, Tracker, TrackingUnavailable, build_tracker, git_commit, redact_url
+from asyncrl.trainer.tracking import (
+    INSTALL_HINT,
+    Tracker,
+    TrackingUnavailable,
+    build_tracker,
+    git_commit,
+    redact_url,
+)
 
 pytest.importorskip("wandb", reason="the asyncrl[tracking] extra is not installed")
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +53,9 @@ def inspect(out: Path) -> tuple[list[dict], dict]:
     (log_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
     cmd = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log_file)]
     records = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
-    summary = subprocess.run([*cmd, "--summary"], capture_output=True, text=True, timeout=60, check=True).stdout
+    summary = subprocess.run(
+        [*cmd, "--summary"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     return [json.loads(line) for line in records.splitlines() if line.strip()], json.loads(summary)
 
 
@@ -55,7 +64,9 @@ def history(records: list[dict]) -> dict[int, dict]:
     rows = {}
     for r in records:
         if r["type"] == "history":
-            rows[r["history"]["step"].get("num", 0)] = {k: v for k, v in r["history"]["item"].items() if not k.startswith("_")}
+            rows[r["history"]["step"].get("num", 0)] = {
+                k: v for k, v in r["history"]["item"].items() if not k.startswith("_")
+            }
     return rows
 
 
@@ -215,7 +226,9 @@ def test_enabled_without_wandb_is_a_clear_error_on_every_rank(tmp_path, monkeypa
 
 def test_toml_and_env_set_the_wandb_table(tmp_path, monkeypatch):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[trainer]\nmodel_path = "/m"\n[trainer.wandb]\nproject = "rl"\ntags = ["a", "b"]\nmode = "online"\n')
+    cfg.write_text(
+        '[trainer]\nmodel_path = "/m"\n[trainer.wandb]\nproject = "rl"\ntags = ["a", "b"]\nmode = "online"\n'
+    )
     monkeypatch.setenv("ASYNCRL_TRAINER_WANDB__ENABLED", "true")
     monkeypatch.setenv("ASYNCRL_TRAINER_WANDB__ENTITY", "team")
     s = load_settings(TrainerSettings, ["--config", str(cfg)], prog="t", section="trainer")
@@ -314,7 +327,9 @@ tags = ["integration"]
         # v=2 g2, g3 (3.75 / 8 = 0.46875); the audit log says which groups each version took
         expected = sum(r for g in gids for r in groups[g]) / (4 * len(gids))
         assert rows[v]["train/reward_mean"] == pytest.approx(expected, rel=1e-12)
-        assert logged[v]["reward_mean"] == pytest.approx(rows[v]["train/reward_mean"], abs=1e-6)  # the log line, rounded
+        assert logged[v]["reward_mean"] == pytest.approx(
+            rows[v]["train/reward_mean"], abs=1e-6
+        )  # the log line, rounded
         # warmup over 4 versions: update v uses 3e-7 · v / 4 (trainer/schedule.py)
         assert rows[v]["train/lr"] == pytest.approx(3e-7 * v / 4, rel=1e-12)
         assert logged[v]["lr"] == pytest.approx(3e-7 * v / 4, rel=1e-5)

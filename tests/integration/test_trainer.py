@@ -40,7 +40,9 @@ ROOT = Path(__file__).resolve().parents[2]
 B, STEPS = 2, 10
 
 
-def make_group(gid: str, min_version: int, rng: np.random.Generator, rewards=None, timeout_sample: bool = False):
+def make_group(
+    gid: str, min_version: int, rng: np.random.Generator, rewards=None, timeout_sample: bool = False
+):
     rewards = rewards if rewards is not None else [1.0, 0.0, float(rng.integers(0, 2)), 0.5]
     samples = []
     for i, r in enumerate(rewards):
@@ -81,7 +83,9 @@ def waiting_heartbeats(port: int) -> float:
 
 def process_tree(pid: int) -> list[int]:
     """pid and all its descendants (torchrun starts its workers in sessions of their own)."""
-    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], check=False, capture_output=True, text=True).stdout
+    children = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], check=False, capture_output=True, text=True
+    ).stdout
     return [pid] + [p for c in children.split() for p in process_tree(int(c))]
 
 
@@ -96,8 +100,21 @@ def kill_tree(pids: list[int]) -> None:
 def start_trainer(config: Path, log: Path, nproc: int = 2) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.services.ops.cli", "train", "--config", str(config), "--nproc-per-node", str(nproc)],
-        cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.services.ops.cli",
+            "train",
+            "--config",
+            str(config),
+            "--nproc-per-node",
+            str(nproc),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
@@ -238,7 +255,9 @@ is_correction = "tis"
                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     loaded = json.loads(res.stdout.strip().splitlines()[-1])
-    expected = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in trained_state.items()}
+    expected = {
+        k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in trained_state.items()
+    }
     assert loaded == expected  # includes lm_head.weight == the trained (tied) embedding
     from safetensors.torch import load_file  # training moved the weights away from the initial model
 

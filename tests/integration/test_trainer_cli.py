@@ -16,4 +16,3 @@ def test_cli_rejects_bad_config_before_starting_torchrun(tmp_path):
                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert res.returncode != 0
     assert "max_staleness" in res.stderr and "torch.distributed.run" not in res.stderr
-

@@ -27,7 +27,10 @@ def dist1():
 
 
 def perturbed(state: dict[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:
-    return {k: v + delta * torch.arange(v.numel(), dtype=v.dtype).reshape(v.shape) / v.numel() for k, v in state.items()}
+    return {
+        k: v + delta * torch.arange(v.numel(), dtype=v.dtype).reshape(v.shape) / v.numel()
+        for k, v in state.items()
+    }
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -162,20 +165,25 @@ def _named_optim_state(model, opt):
 def test_broadcast_publisher_updates_a_reference_engine(tiny, dist1):
     """Real engine (uvicorn in a thread), real gloo group: the engine ends up with exactly the
     trainer's tensors and reports the new weight_version."""
-    from asyncrl.buffer.server import free_port
     from engine_server import serve_in_thread
+
+    from asyncrl.buffer.server import free_port
 
     engine = serve_in_thread(str(tiny), device="cpu", dtype="float32")
     try:
         model = build_model(tiny, dist1)
         state = cast_state(perturbed(full_state_dict(model), 0.05), torch.float32)
-        pub = BroadcastPublisher([engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60)
+        pub = BroadcastPublisher(
+            [engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60
+        )
         out = pub.publish(4, state)
         assert out.nbytes == sum(t.numel() * 4 for t in state.values())
         got = engine.engine.runner.model.state_dict()
         for name, value in state.items():
             assert torch.equal(got[name], value), name
-        assert torch.equal(got["lm_head.weight"], state["model.embed_tokens.weight"])  # tie kept on the engine
+        assert torch.equal(
+            got["lm_head.weight"], state["model.embed_tokens.weight"]
+        )  # tie kept on the engine
         info = pub.http.get(engine.url + "/get_model_info").json()
         assert info["weight_version"] == "4"
         bad = {"model.norm.weight": torch.zeros(3)}  # wrong shape: refused after the tensors are received
@@ -192,14 +200,19 @@ def test_an_engine_that_refuses_to_join_fails_the_connect_at_once(tiny, dist1):
     whole rendezvous timeout for a rank that will never come."""
     import time
 
-    from asyncrl.buffer.server import free_port
     from engine_server import serve_in_thread
+
+    from asyncrl.buffer.server import free_port
 
     engine = serve_in_thread(str(tiny), device="cpu", dtype="float32")
     try:
-        first = BroadcastPublisher([engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60)
+        first = BroadcastPublisher(
+            [engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60
+        )
         first.connect()
-        second = BroadcastPublisher([engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60)
+        second = BroadcastPublisher(
+            [engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60
+        )
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match="HTTP 400 .*already exists"):
             second.connect()
@@ -262,7 +275,9 @@ def test_a_resume_takes_the_configured_hyperparameters(tiny, tmp_path, dist1):
     meta = ck.load(model2, opt2, sched2)
     assert meta.changed == {"lr": (1e-2, 4e-3), "weight_decay": (0.0, 0.1)}
     assert opt2.param_groups[0]["lr"] == 4e-3 * lr_factor(3, "cosine", 1, 6)  # update 3 at the new peak
-    assert sched2.get_last_lr() == [opt2.param_groups[0]["lr"]] and opt2.param_groups[0]["weight_decay"] == 0.1
+    assert (
+        sched2.get_last_lr() == [opt2.param_groups[0]["lr"]] and opt2.param_groups[0]["weight_decay"] == 0.1
+    )
     for k, v in _named_optim_state(model2, opt2).items():  # the state is still the checkpoint's
         assert torch.equal(_full(v["exp_avg"]), saved_moments[k]), k
     sched2.step()

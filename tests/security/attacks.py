@@ -141,7 +141,9 @@ def leave_background_process(marker: str, then_print: str) -> str:
 def write_secret_and_wait(secret: str, seconds: float) -> str:
     """The victim of `find_concurrent_runs_file`: writes `secret` into /work/secret.txt, stays
     alive `seconds`, then prints `ok`."""
-    return f"import time\nopen('/work/secret.txt', 'w').write({secret!r})\ntime.sleep({seconds!r})\nprint('ok')"
+    return (
+        f"import time\nopen('/work/secret.txt', 'w').write({secret!r})\ntime.sleep({seconds!r})\nprint('ok')"
+    )
 
 
 def find_concurrent_runs_file(secret: str, search_s: float) -> str:

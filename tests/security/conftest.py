@@ -25,7 +25,11 @@ def reward_url():
 
     os.environ[SECRET_ENV] = "s3cr3t-" + os.urandom(8).hex()  # visible to the service process
     settings = RewardSettings(
-        code_concurrency=SLOTS, code_uid_base=UID_BASE, math_workers=1, code_output_bytes=64 * 1024, code_tmpfs_mb=16
+        code_concurrency=SLOTS,
+        code_uid_base=UID_BASE,
+        math_workers=1,
+        code_output_bytes=64 * 1024,
+        code_tmpfs_mb=16,
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

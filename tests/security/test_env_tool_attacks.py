@@ -37,7 +37,9 @@ def run_tool(client, code: str) -> dict:
     reply = client.post("/v1/environments/python/step", json=body)
     assert reply.status_code == 200, reply.text
     result = reply.json()
-    assert not result["mask_sample"], result  # an attack is the program's doing, never the environment's failure
+    assert not result["mask_sample"], (
+        result
+    )  # an attack is the program's doing, never the environment's failure
     return result
 
 
@@ -54,7 +56,9 @@ def tool_sandbox_pids() -> list[int]:
 
 
 def assert_clean_and_serving(client) -> None:
-    wait_until(lambda: not tool_sandbox_pids(), timeout=5, interval=0.05, message="the tool's processes are gone")
+    wait_until(
+        lambda: not tool_sandbox_pids(), timeout=5, interval=0.05, message="the tool's processes are gone"
+    )
     ok = run_tool(client, "print(sum(range(10)))")
     assert (ok["status"], ok["observation"]) == ("ok", "45\n"), ok
     assert_host_clean_and_serving(client)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.services.runtime.config import load_settings
 from asyncrl.services.ops.launcher import Launcher, UpConfig
+from asyncrl.services.runtime.config import load_settings
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 RUN_CONFIGS = [c for c in CONFIGS if "example" not in c.name]
@@ -29,7 +29,9 @@ def test_run_config_validates_for_every_service(path):
     trainer = load_settings(TrainerSettings, ["--config", str(path), "--model-path", up.model.path], prog="t",
                             section="trainer")  # fmt: skip
     reward = load_settings(RewardSettings, ["--config", str(path)], prog="r", section="reward")
-    load_settings(RolloutSettings, ["--config", str(path), "--tokenizer", up.model.path], prog="r", section="rollout")
+    load_settings(
+        RolloutSettings, ["--config", str(path), "--tokenizer", up.model.path], prog="r", section="rollout"
+    )
     assert trainer.batch_groups >= 1 and trainer.max_staleness >= 0
     if path.name in ("demo.toml", "demo-tools.toml"):  # the CPU demos
         assert up.launch.engine_kind == "reference" and up.model.build_tiny and not reward.code_enabled
@@ -51,7 +53,9 @@ def test_run_config_validates_for_every_service(path):
 
 def test_launcher_plans_the_topology_in_start_order(tmp_path):
     raw = tomllib.loads((Path(__file__).resolve().parents[2] / "configs" / "math.toml").read_text())
-    raw["launch"].update(engines=2, rollout_replicas=2, reward_replicas=1, gpus=0)  # any machine: no GPU placement
+    raw["launch"].update(
+        engines=2, rollout_replicas=2, reward_replicas=1, gpus=0
+    )  # any machine: no GPU placement
     raw["run"]["redis_url"] = "redis://127.0.0.1:1/0"
     launcher = Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
     stages = [[p.name for p in stage] for stage in launcher.plan()]
@@ -62,4 +66,3 @@ def test_launcher_plans_the_topology_in_start_order(tmp_path):
     urls = rollout[rollout.index("--engine-urls") + 1]
     assert urls == "http://127.0.0.1:30000,http://127.0.0.1:30001"
     assert rollout[rollout.index("--replica") + 1] == "rollout-1"
-

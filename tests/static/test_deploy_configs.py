@@ -304,7 +304,9 @@ def test_dockerfile_pins_cpu_torch_and_installs_bubblewrap(compose):
     package_at = re.search(r"^RUN pip install '\.\[engine,rollout,trainer\]'", text, re.MULTILINE)
     assert torch_at and package_at and torch_at.start() < package_at.start(), "torch must be installed first"
     reward = text[text.index("FROM base AS reward") : text.index("FROM base AS full")]
-    assert re.search(r"^RUN pip install '\.\[reward\]'", reward, re.MULTILINE), "the reward image: its extra only"
+    assert re.search(r"^RUN pip install '\.\[reward\]'", reward, re.MULTILINE), (
+        "the reward image: its extra only"
+    )
 
     assert re.search(r"apt-get install[^\n]*\bbubblewrap\b", text)
     ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()

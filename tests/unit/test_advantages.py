@@ -41,7 +41,10 @@ def test_rloo():
 def test_reinforce_pp():
     # centred [−1, 0, 1, −1, −1, 2]: batch mean 0, unbiased std √((1+0+1+1+1+4)/5) = √1.6 = 1.2649111
     # → ±1/1.2649111 = ±0.7905694, 2/1.2649111 = 1.5811388
-    assert close(group_advantages(R, "reinforce_pp"), [[-0.7905694, 0.0, 0.7905694], [-0.7905694, -0.7905694, 1.5811388]])
+    assert close(
+        group_advantages(R, "reinforce_pp"),
+        [[-0.7905694, 0.0, 0.7905694], [-0.7905694, -0.7905694, 1.5811388]],
+    )
 
 
 def test_zero_spread_group_gets_zero_advantage():
@@ -69,7 +72,9 @@ def test_bad_shape_and_kind():
 
 
 def test_zero_spread_detection():
-    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [2.0, float("nan"), 2.0], [1.0, float("nan"), float("nan")]])
+    rewards = torch.tensor(
+        [[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [2.0, float("nan"), 2.0], [1.0, float("nan"), float("nan")]]
+    )
     assert zero_spread(rewards).tolist() == [True, False, True, True]
 
 

@@ -16,7 +16,9 @@ from asyncrl.proto.states import Admission, GroupState
 # Quoted words in the scripts that are not states: hash fields, counters, stream entry fields.
 FIELDS = {"accepted", "put", "duplicates", "jobs_enqueued", "jobs_", "gid", "mv", "entry", "stream", "reason",
           "data", "groups", "jobs", "table", "batch_groups", "max_staleness", "version"}  # fmt: skip
-SCRIPTS = [s for module in (groups, jobs, admission, weights) for s in vars(module).values() if isinstance(s, Script)]
+SCRIPTS = [
+    s for module in (groups, jobs, admission, weights) for s in vars(module).values() if isinstance(s, Script)
+]
 
 
 def test_every_state_word_in_a_script_is_a_state_of_proto_states():

@@ -82,11 +82,17 @@ def test_group_travels_as_columns_in_sample_order():
     assert [s.index for s in g.samples] == [0, 1, 2] and g.samples.lengths == [4, 2, 4]
     wire = _wire(g)["samples"]
     assert wire["lengths"] == [4, 2, 4] and wire["finish_reason"] == ["length"] * 3
-    assert np.frombuffer(wire["completion_ids"], "<i4").tolist() == [t for s in g.samples for t in s.completion_ids.tolist()]
-    assert np.frombuffer(wire["behavior_logprobs"], "<f4").tolist() == [x for s in g.samples for x in s.behavior_logprobs.tolist()]
+    assert np.frombuffer(wire["completion_ids"], "<i4").tolist() == [
+        t for s in g.samples for t in s.completion_ids.tolist()
+    ]
+    assert np.frombuffer(wire["behavior_logprobs"], "<f4").tolist() == [
+        x for s in g.samples for x in s.behavior_logprobs.tolist()
+    ]
     back = decode(encode(g), Group)
     assert back == g and [len(s.versions) for s in back.samples] == [4, 2, 4]
-    assert back.samples[1] == make_sample("g0", 1, 2, seed=9) and back.samples[-1] == make_sample("g0", 2, 4, seed=3)
+    assert back.samples[1] == make_sample("g0", 1, 2, seed=9) and back.samples[-1] == make_sample(
+        "g0", 2, 4, seed=3
+    )
     assert isinstance(back.samples.finish_reason[0], FinishReason)  # enums come back as members
     assert back.samples.reward_status == [RewardStatus.scored] * 3
 
@@ -146,7 +152,11 @@ def test_records_change_only_through_their_checks():
 def test_encode_refuses_arrays_in_free_form_maps():
     """Free-form maps hold plain values: an array has no place there; numpy scalars go out as
     their Python values."""
-    for array in (np.array([1.5]), np.array([1], np.int32), np.array([0.5], np.float32)):  # (int32/float32: token dtypes)
+    for array in (
+        np.array([1.5]),
+        np.array([1], np.int32),
+        np.array([0.5], np.float32),
+    ):  # (int32/float32: token dtypes)
         with pytest.raises(RecordEncodeError, match="ndarray"):
             encode(replace(make_sample(), reward_details={"a": array}))
     with pytest.raises(RecordEncodeError, match="ndarray"):
@@ -317,7 +327,13 @@ def samples(draw, prompt_id="p", index=0):
         text=draw(st.text(max_size=30)),
         reward=reward,
         reward_status=status,
-        reward_details=draw(st.dictionaries(st.text(max_size=8), st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=8)), max_size=3)),
+        reward_details=draw(
+            st.dictionaries(
+                st.text(max_size=8),
+                st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=8)),
+                max_size=3,
+            )
+        ),
     )
 
 
@@ -328,7 +344,10 @@ def groups(draw):
         group_id=draw(st.text(min_size=1, max_size=20)),
         job_id="job",
         prompt_tokens=np.array(draw(st.lists(st.integers(0, 1000), min_size=1, max_size=20)), np.int32),
-        reward_spec={"verifier": draw(st.sampled_from(["math", "code", "reverse"])), "answer": draw(st.text(max_size=10))},
+        reward_spec={
+            "verifier": draw(st.sampled_from(["math", "code", "reverse"])),
+            "answer": draw(st.text(max_size=10)),
+        },
         samples=draw(st.permutations([draw(samples("p", i)) for i in range(k)])),  # any order: held by index
         submit_version=draw(st.integers(0, 10_000)),
     )
@@ -425,7 +444,11 @@ def test_every_single_field_edit_decodes_to_a_record_or_a_typed_error():
     edge value or removed: a record that round-trips, or `RecordDecodeError`."""
     base = _wire(make_group(n=3, n_tokens=2, version=1))
     base["samples"]["submitted"][1] = 1.5
-    paths = [(k,) for k in base] + [("samples", k) for k in base["samples"]] + [("surprise",), ("samples", "surprise")]
+    paths = (
+        [(k,) for k in base]
+        + [("samples", k) for k in base["samples"]]
+        + [("surprise",), ("samples", "surprise")]
+    )
     paths += [("samples", k, i) for k, column in base["samples"].items() if isinstance(column, list)
               for i in range(len(column))]  # fmt: skip
     accepted = 0

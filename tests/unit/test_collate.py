@@ -64,7 +64,9 @@ def test_padded_rows(seed):
     batch = collate(rows, 0)
     width = batch.input_ids.shape[1]
     real = [i for i, r in enumerate(rows) if r is not None]
-    assert_tokens(batch, reference_tokens(rows, lambda k: k * width + len(rows[k].prompt_tokens) - 1, keep_padding=True))
+    assert_tokens(
+        batch, reference_tokens(rows, lambda k: k * width + len(rows[k].prompt_tokens) - 1, keep_padding=True)
+    )
     for i, row in enumerate(rows):
         seq = [0] if row is None else [*row.prompt_tokens, *row.completion_ids]
         assert batch.input_ids[i, : len(seq)].tolist() == [int(x) for x in seq]
@@ -79,7 +81,9 @@ def test_packed_rows(seed):
     batch = collate_packed(rows, 0)
     starts = np.cumsum([0] + [len(r.prompt_tokens) + len(r.completion_ids) for r in real])
     assert_tokens(batch, reference_tokens(rows, lambda k: int(starts[k]) + len(real[k].prompt_tokens) - 1))
-    assert batch.input_ids[0].tolist() == [int(x) for r in real for x in (*r.prompt_tokens, *r.completion_ids)]
+    assert batch.input_ids[0].tolist() == [
+        int(x) for r in real for x in (*r.prompt_tokens, *r.completion_ids)
+    ]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -124,4 +128,8 @@ def test_shared_prompt_rows(seed):
 def test_an_empty_micro_batch_is_one_padding_row():
     for collate_fn in (collate, collate_shared):
         batch = collate_fn([None, None], 0)
-        assert batch.real_rows == 0 and not batch.present.any() and torch.equal(batch.mask, torch.zeros_like(batch.mask))
+        assert (
+            batch.real_rows == 0
+            and not batch.present.any()
+            and torch.equal(batch.mask, torch.zeros_like(batch.mask))
+        )

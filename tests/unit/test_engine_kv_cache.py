@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.services.ops.tinymodel import build_tiny_model
 from asyncrl.services.engine.model_runner import ForwardRow, ModelRunner
+from asyncrl.services.ops.tinymodel import build_tiny_model
 
 torch.set_num_threads(1)
 

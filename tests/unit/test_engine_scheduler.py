@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.services.ops.tinymodel import build_tiny_model
 from asyncrl.services.engine.model_runner import ModelRunner
 from asyncrl.services.engine.sampling import RowSampling
 from asyncrl.services.engine.scheduler import Request, Scheduler
+from asyncrl.services.ops.tinymodel import build_tiny_model
 
 torch.set_num_threads(1)
 GREEDY = RowSampling(0.0, 1.0, -1, 0.0)
@@ -84,7 +84,9 @@ def test_requests_finishing_together_free_their_slots_without_moving_kv(runner, 
     and its tokens are those it gets alone."""
     moves: list[tuple[int, int]] = []
     real_move = runner.cache.move
-    monkeypatch.setattr(runner.cache, "move", lambda src, dst, n: (moves.append((src, dst)), real_move(src, dst, n)))
+    monkeypatch.setattr(
+        runner.cache, "move", lambda src, dst, n: (moves.append((src, dst)), real_move(src, dst, n))
+    )
     done: list[Request] = []
     s = Scheduler(runner, max_running=4, max_prefill_tokens=4096, weight_version="0")
     for i in range(4):
@@ -116,10 +118,13 @@ def test_injected_logit_noise_changes_logprobs_by_the_configured_amount(runner, 
     from transformers import AutoModelForCausalLM
 
     from asyncrl.services.engine.config import EngineSettings
+
     assert EngineSettings(model="m").logit_noise_std == 0.0  # off by default
     prompt, n = [1, 5, 6, 7], 12
     done: list[Request] = []
-    s = Scheduler(runner, max_running=4, max_prefill_tokens=4096, weight_version="0", logit_noise_std=std, seed=3)
+    s = Scheduler(
+        runner, max_running=4, max_prefill_tokens=4096, weight_version="0", logit_noise_std=std, seed=3
+    )
     s.waiting.append(Request("r", prompt, n, frozenset(), RowSampling(1.0, 1.0, -1, 0.0), 11,
                              on_finish=done.append))  # fmt: skip
     run(s)

@@ -30,7 +30,9 @@ def test_loss_mask_rules_and_min_version_over_policy_tokens():
     s = episode_sample(0, 1.0, [5, 6, 7, 8, 9], [1, 1, 0, 0, 1], [4, 4, 4, 4, 7], turn_starts=[0, 4],
                        turn_rewards=[0.0, 1.0])  # fmt: skip
     assert s.min_version == 4 and s.policy_mask.tolist() == [1, 1, 0, 0, 1]
-    old_env_token = episode_sample(0, 1.0, [5, 6, 7], [1, 0, 1], [5, 2, 6])  # an env token's version does not count
+    old_env_token = episode_sample(
+        0, 1.0, [5, 6, 7], [1, 0, 1], [5, 2, 6]
+    )  # an env token's version does not count
     assert old_env_token.min_version == 5
     with pytest.raises(ValueError, match="loss_mask entries"):
         Sample(prompt_id="p", index=0, completion_ids=[5, 6], behavior_logprobs=[-1.0, 0.0], versions=[0, 0],
@@ -47,11 +49,17 @@ def test_loss_mask_rules_and_min_version_over_policy_tokens():
 
 
 def test_codec_carries_episode_columns_and_pieces():
-    a = episode_sample(0, 1.0, [5, 6, 7, 8], [1, 0, 0, 1], [3, 3, 3, 4], turn_starts=[0, 3], turn_rewards=[0.0, 1.0])
-    b = episode_sample(1, 1.0, [9, 10], [1, 1], [5, 5], prompt_ids=[1, 2, 3], episode=0)  # a second piece of episode 0
+    a = episode_sample(
+        0, 1.0, [5, 6, 7, 8], [1, 0, 0, 1], [3, 3, 3, 4], turn_starts=[0, 3], turn_rewards=[0.0, 1.0]
+    )
+    b = episode_sample(
+        1, 1.0, [9, 10], [1, 1], [5, 5], prompt_ids=[1, 2, 3], episode=0
+    )  # a second piece of episode 0
     c = Sample(prompt_id="p", index=2, completion_ids=[11], behavior_logprobs=[-0.3], versions=[2], finish_reason="stop",
                reward=0.0, reward_status="scored")  # a one-turn sample  # fmt: skip
-    g = Group.build(group_id="g", job_id="j", prompt_tokens=[1, 2], reward_spec={}, samples=[a, b, c], submit_version=1)
+    g = Group.build(
+        group_id="g", job_id="j", prompt_tokens=[1, 2], reward_spec={}, samples=[a, b, c], submit_version=1
+    )
     back = decode(encode(g))
     assert back == g and back.min_version == 2
     s = back.samples
@@ -68,7 +76,9 @@ def test_pieces_share_their_episodes_advantage_and_keep_their_prompts():
     a = episode_sample(0, 1.0, [5, 6], [1, 1], [0, 0])
     b = episode_sample(1, 1.0, [7], [1], [0], prompt_ids=[1, 9], episode=0)
     c = episode_sample(2, 0.0, [8, 9], [1, 1], [0, 0])
-    g = Group.build(group_id="g", job_id="j", prompt_tokens=[1, 2], reward_spec={}, samples=[a, b, c], submit_version=0)
+    g = Group.build(
+        group_id="g", job_id="j", prompt_tokens=[1, 2], reward_spec={}, samples=[a, b, c], submit_version=0
+    )
     rows = build_rows([g], "dr_grpo")
     # two episodes, rewards 1 and 0: Dr. GRPO's r − mean gives ±0.5, the piece takes its episode's
     assert [r.advantage for r in rows.rows] == [0.5, 0.5, -0.5] and rows.rewards == [1.0, 0.0]
@@ -90,7 +100,9 @@ def test_loss_over_policy_tokens_equals_a_hand_computation(tmp_path):
         episode_sample(1, 0.0, [13, 14, 15, 16], [1, 0, 0, 1], [0] * 4, turn_starts=[0, 3]),
         episode_sample(2, 0.5, [17, 18, 19], [1, 1, 1], [0] * 3),
     ]
-    g = Group.build(group_id="g", job_id="j", prompt_tokens=prompt, reward_spec={}, samples=samples, submit_version=0)
+    g = Group.build(
+        group_id="g", job_id="j", prompt_tokens=prompt, reward_spec={}, samples=samples, submit_version=0
+    )
     batch = collate(build_rows([g], "dr_grpo").rows, pad_id=0)
     cfg = LossConfig(kind="ppo", agg="token_mean", is_correction="tis", is_high=1.5)
     logprobs, entropy = token_logprobs(model, batch, with_entropy=True)

@@ -52,4 +52,8 @@ def test_disk_publisher_keeps_histories_apart(tmp_path):
     pub.write(3, state, epoch=1)
     pub.write(4, state, epoch=1)
     # pruning follows publication order (epoch, version), not names
-    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v00000002-e1", "v00000003-e1", "v00000004-e1"]
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [
+        "v00000002-e1",
+        "v00000003-e1",
+        "v00000004-e1",
+    ]

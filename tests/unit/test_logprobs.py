@@ -12,7 +12,14 @@ import torch
 from factories import make_sample
 
 from asyncrl.proto import Group
-from asyncrl.trainer.batch import build_rows, collate, collate_packed, collate_shared, micro_batches, token_logprobs
+from asyncrl.trainer.batch import (
+    build_rows,
+    collate,
+    collate_packed,
+    collate_shared,
+    micro_batches,
+    token_logprobs,
+)
 from asyncrl.trainer.logprobs import check_linear_head, head_logprobs
 from asyncrl.trainer.losses import LossConfig, aggregate, entropy_bonus, kl_penalty, policy_loss
 from asyncrl.trainer.step import StepConfig, policy_step, recompute_logprobs
@@ -31,7 +38,9 @@ def _head_case(seed=0, k=37, d=16, v=50, bias=False, dtype=torch.float32):
 
 def _grads(h, w, b, y, chunk, temperature, weights):
     leaves = [t.clone().requires_grad_(True) for t in (h, w) + ((b,) if b is not None else ())]
-    lp, ent = head_logprobs(leaves[0], leaves[1], leaves[2] if b is not None else None, y, temperature, chunk, True)
+    lp, ent = head_logprobs(
+        leaves[0], leaves[1], leaves[2] if b is not None else None, y, temperature, chunk, True
+    )
     loss = (lp * weights[0]).sum() + (ent * weights[1]).sum()
     loss.backward()
     return lp.detach(), ent.detach(), [t.grad for t in leaves]
@@ -112,7 +121,7 @@ def test_bf16_compute_keeps_fp32_softmax_and_matches_fp32_within_bf16_error():
     hb, wb = h.bfloat16(), w.bfloat16()
     full = head_logprobs(hb, wb, None, y, 1.0, 0, True)
     chunked = head_logprobs(hb, wb, None, y, 1.0, 5, True)
-    for (lp, ent) in (full, chunked):
+    for lp, ent in (full, chunked):
         assert lp.dtype == ent.dtype == torch.float32
         torch.testing.assert_close(lp, lp32, rtol=0, atol=0.1)  # bf16 logits: ~3 significant digits
         torch.testing.assert_close(ent, ent32, rtol=0, atol=0.1)
@@ -182,7 +191,9 @@ def test_every_loss_term_has_the_unchunked_gradient(tiny, loss_cfg):
     for chunk in (0, 7):
         model = _model(tiny)
         lp, ent = token_logprobs(model, batch, 0.9, with_entropy=True, chunk_tokens=chunk)
-        loss, _ = policy_loss(lp, lp.detach() + 0.1, batch.behavior_logprobs, batch.advantages, batch.mask, loss_cfg)
+        loss, _ = policy_loss(
+            lp, lp.detach() + 0.1, batch.behavior_logprobs, batch.advantages, batch.mask, loss_cfg
+        )
         loss = loss + entropy_bonus(ent, batch.mask, 0.01) + 0.1 * aggregate(kl_penalty(lp, ref_lp, batch.mask),
                                                                                batch.mask, "token_mean")  # fmt: skip
         loss.backward()
@@ -222,7 +233,9 @@ def test_packed_micro_batches_give_the_padded_update(tiny, loss_cfg):
         torch.testing.assert_close(after, base, rtol=0, atol=1e-5)
         assert stats1["loss"] == pytest.approx(stats0["loss"], abs=1e-6)
         assert stats1["entropy"] == pytest.approx(stats0["entropy"], abs=1e-5)
-    assert len(micro_batches(rows, 0, 1, 1, 4, 0, CPU, max_tokens=24)) > len(padded)  # small budgets: more bins
+    assert len(micro_batches(rows, 0, 1, 1, 4, 0, CPU, max_tokens=24)) > len(
+        padded
+    )  # small budgets: more bins
 
 
 @pytest.mark.parametrize("loss_cfg", AGGS, ids=lambda c: f"{c.kind}-{c.agg}")
@@ -285,7 +298,11 @@ def test_packed_minibatches_each_hold_their_own_rows(tiny):
         packed = micro_batches(rows, 0, 1, 2, 4, 0, CPU, max_tokens=budget)
         half = len(packed) // 2
         assert len(packed) % 2 == 0
-        assert sum(b.real_rows for b in packed[:half]) == sum(b.real_rows for b in packed[half:]) == len(rows) // 2
+        assert (
+            sum(b.real_rows for b in packed[:half])
+            == sum(b.real_rows for b in packed[half:])
+            == len(rows) // 2
+        )
         for cfg_minibatches in (2,):
             base, _ = _step_mb(tiny, micro_batches(rows, 0, 1, 2, 4, 0, CPU), cfg_minibatches)
             after, _ = _step_mb(tiny, packed, cfg_minibatches)
@@ -320,7 +337,10 @@ def test_packed_attention_never_crosses_samples(tiny):
 
 def test_activation_checkpointing_gives_the_same_update(tiny):
     rows = build_rows(_groups(seed=7), "grpo").rows
-    for layout in (micro_batches(rows, 0, 1, 1, 5, 0, CPU), micro_batches(rows, 0, 1, 1, 5, 0, CPU, max_tokens=40)):
+    for layout in (
+        micro_batches(rows, 0, 1, 1, 5, 0, CPU),
+        micro_batches(rows, 0, 1, 1, 5, 0, CPU, max_tokens=40),
+    ):
         base, _ = _step(tiny, layout, LossConfig(), chunk=4)
         after, _ = _step(tiny, layout, LossConfig(), checkpointing=True, chunk=4)
         torch.testing.assert_close(after, base, rtol=0, atol=1e-6)
@@ -346,7 +366,9 @@ def test_segment_attention_is_causal_attention_within_each_sample():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
     assert segment_bounds(positions[0]) == [(0, 3), (3, 5), (5, 9)]
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 9, 8, generator=g) for h in (4, 2, 2))  # GQA: 4 query heads, 2 key/value heads
+    q, k, v = (
+        torch.randn(1, h, 9, 8, generator=g) for h in (4, 2, 2)
+    )  # GQA: 4 query heads, 2 key/value heads
     out, _ = segment_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, position_ids=positions)
     assert out.shape == (1, 9, 4, 8)
     for s, e in segment_bounds(positions[0]):  # eager reference, one sample at a time
@@ -366,7 +388,9 @@ def test_segment_attention_model_gives_each_sample_its_own_logprobs(tiny):
     assert seg.config._attn_implementation == NAME and plain.config._attn_implementation == "sdpa"
     want, _ = token_logprobs(plain, collate(rows, 0))
     torch.testing.assert_close(token_logprobs(seg, collate_packed(rows, 0))[0], want, rtol=0, atol=1e-5)
-    torch.testing.assert_close(token_logprobs(seg, collate(rows, 0))[0], want, rtol=0, atol=1e-5)  # padded: SDPA
+    torch.testing.assert_close(
+        token_logprobs(seg, collate(rows, 0))[0], want, rtol=0, atol=1e-5
+    )  # padded: SDPA
 
 
 def test_sliding_window_stays_inside_each_packed_sample(tmp_path):
@@ -381,9 +405,15 @@ def test_sliding_window_stays_inside_each_packed_sample(tmp_path):
     MistralForCausalLM(cfg).save_pretrained(tmp_path)
     plain, seg = _model(tmp_path), _model(tmp_path)
     use_segment_attention(seg)
-    rows = [r for r in build_rows(_groups(seed=9), "grpo").rows if len(r.prompt_tokens) + len(r.completion_ids) > 6]
+    rows = [
+        r
+        for r in build_rows(_groups(seed=9), "grpo").rows
+        if len(r.prompt_tokens) + len(r.completion_ids) > 6
+    ]
     assert len(rows) >= 3
-    want = torch.cat([token_logprobs(plain, collate([r], 0))[0] for r in rows[:1]])  # alone: transformers' own window
+    want = torch.cat(
+        [token_logprobs(plain, collate([r], 0))[0] for r in rows[:1]]
+    )  # alone: transformers' own window
     got, _ = token_logprobs(seg, collate_packed(rows, 0))
     torch.testing.assert_close(got[0, : want.shape[1]], want[0], rtol=0, atol=1e-5)
     for i, r in enumerate(rows):

@@ -51,7 +51,13 @@ def cfg(**kw) -> LossConfig:
 def test_defaults_match_design():
     c = LossConfig()
     assert (c.kind, c.clip_low, c.clip_high, c.agg, c.is_correction, c.is_high) == (
-        "ppo", 0.2, 0.28, "token_mean", "tis", 2.0)
+        "ppo",
+        0.2,
+        0.28,
+        "token_mean",
+        "tis",
+        2.0,
+    )
     assert MAX_LOG_RATIO == 20.0
     with pytest.raises(ValueError, match="max_tokens"):
         LossConfig(agg="seq_mean_token_sum_norm")
@@ -92,8 +98,18 @@ def test_denominator_override_splits_a_batch_exactly():
     # Two halves with the global token count (5) as denominator add up to the whole-batch loss.
     lp, old, beh, adv, mask = example()
     whole, _ = policy_loss(lp, old, beh, adv, mask, cfg())
-    parts = [policy_loss(lp[i:i + 1], old[i:i + 1], beh[i:i + 1], adv[i:i + 1], mask[i:i + 1], cfg(),
-                         denominator=5.0)[0] for i in range(2)]
+    parts = [
+        policy_loss(
+            lp[i : i + 1],
+            old[i : i + 1],
+            beh[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            cfg(),
+            denominator=5.0,
+        )[0]
+        for i in range(2)
+    ]
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), abs=1e-12)
     # row 0 alone: −2.68 / 5
     assert parts[0].item() == pytest.approx(-0.536, abs=1e-12)
@@ -146,7 +162,7 @@ def test_gspo_value_and_gradient_match_sequence_ratio():
     # s0 = (1.5·0.5·1.1)^(1/3) = 0.825^(1/3) = 0.9378887; inside [0.8, 1.28] → ℓ0 = −0.9378887
     # s1 = (1·0.9)^(1/2) = 0.9486833, A = −0.5 → ℓ1 = +0.4743416
     # token_mean: (3·ℓ0 + 2·ℓ1)/5 = (−2.8136662 + 0.9486833)/5 = −0.3729966
-    s0, s1 = 0.825 ** (1 / 3), 0.9 ** 0.5
+    s0, s1 = 0.825 ** (1 / 3), 0.9**0.5
     assert s0 == pytest.approx(0.9378887, abs=1e-7)
     assert loss.item() == pytest.approx(-0.3729966, abs=1e-7)
     assert loss.item() == pytest.approx((3 * -s0 + 2 * 0.5 * s1) / 5, abs=1e-9)
@@ -161,7 +177,9 @@ def test_gspo_clipped_sequence_has_zero_gradient():
     # r = [2, 2] → s = 2 > 1.28 with A = 1 → ℓ = −1.28, no gradient
     old = torch.zeros(1, 2, dtype=torch.float64)
     lp = torch.full((1, 2), LN(2), dtype=torch.float64, requires_grad=True)
-    loss, m = policy_loss(lp, old, old, torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2), cfg(kind="gspo"))
+    loss, m = policy_loss(
+        lp, old, old, torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2), cfg(kind="gspo")
+    )
     assert loss.item() == pytest.approx(-1.28)
     assert m["clip_frac"] == 1.0
     loss.backward()
@@ -200,11 +218,23 @@ def test_kl_estimators():
     ref = torch.zeros(1, 3, dtype=torch.float64)
     mask = torch.ones(1, 3, dtype=torch.float64)
     # k1 = x = [0.6931472, 0, −0.6931472]
-    assert torch.allclose(kl_penalty(lp, ref, mask, "k1"), torch.tensor([[0.6931472, 0.0, -0.6931472]], dtype=torch.float64), atol=1e-7)
+    assert torch.allclose(
+        kl_penalty(lp, ref, mask, "k1"),
+        torch.tensor([[0.6931472, 0.0, -0.6931472]], dtype=torch.float64),
+        atol=1e-7,
+    )
     # k2 = x²/2 = [0.2402265, 0, 0.2402265]
-    assert torch.allclose(kl_penalty(lp, ref, mask, "k2"), torch.tensor([[0.2402265, 0.0, 0.2402265]], dtype=torch.float64), atol=1e-7)
+    assert torch.allclose(
+        kl_penalty(lp, ref, mask, "k2"),
+        torch.tensor([[0.2402265, 0.0, 0.2402265]], dtype=torch.float64),
+        atol=1e-7,
+    )
     # k3 = e^{−x} − 1 + x = [0.5 − 1 + 0.6931472, 0, 2 − 1 − 0.6931472] = [0.1931472, 0, 0.3068528]
-    assert torch.allclose(kl_penalty(lp, ref, mask, "k3"), torch.tensor([[0.1931472, 0.0, 0.3068528]], dtype=torch.float64), atol=1e-7)
+    assert torch.allclose(
+        kl_penalty(lp, ref, mask, "k3"),
+        torch.tensor([[0.1931472, 0.0, 0.3068528]], dtype=torch.float64),
+        atol=1e-7,
+    )
     masked = kl_penalty(lp, ref, torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64), "k3")
     assert masked[0, 2].item() == 0.0
 

@@ -69,14 +69,20 @@ def test_an_nccl_weight_group_needs_every_rank_on_its_own_gpu():
     check_nccl_weight_group(place(FOUR, engines=1, trainer_nproc=2, engine_gpus=[1], trainer_gpus=[0, 1],
                                   allow_shared=True), engines_on_gpu=True)  # fmt: skip
     shared = place(FOUR, engines=1, trainer_nproc=1, engine_gpus=[2], trainer_gpus=[2], allow_shared=True)
-    with pytest.raises(PlacementError, match=r"GPU 2 holds trainer rank 0 and engine-0.*broadcast_backend = \"gloo\""):
+    with pytest.raises(
+        PlacementError, match=r"GPU 2 holds trainer rank 0 and engine-0.*broadcast_backend = \"gloo\""
+    ):
         check_nccl_weight_group(shared, engines_on_gpu=True)
-    engines_shared = place(FOUR, engines=2, trainer_nproc=1, engine_gpus=[1, 1], trainer_gpus=[0], allow_shared=True)
+    engines_shared = place(
+        FOUR, engines=2, trainer_nproc=1, engine_gpus=[1, 1], trainer_gpus=[0], allow_shared=True
+    )
     with pytest.raises(PlacementError, match=r"GPU 1 holds engine-0 and engine-1"):
         check_nccl_weight_group(engines_shared, engines_on_gpu=True)
     with pytest.raises(PlacementError, match="engines on GPUs, but they run on the CPU"):
         check_nccl_weight_group(place(FOUR, engines=0, trainer_nproc=1), engines_on_gpu=False)
-    check_nccl_weight_group(place((), engines=1, trainer_nproc=1), engines_on_gpu=False)  # no GPU: nothing to check
+    check_nccl_weight_group(
+        place((), engines=1, trainer_nproc=1), engines_on_gpu=False
+    )  # no GPU: nothing to check
 
 
 def test_the_launcher_refuses_an_nccl_publish_on_a_shared_gpu(tmp_path):

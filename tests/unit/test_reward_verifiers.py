@@ -13,7 +13,12 @@ from asyncrl.services.reward.verifiers.base import SpecError
 from asyncrl.services.reward.verifiers.code import extract_program, normalise_output
 from asyncrl.services.reward.verifiers.judge import ScoreParseError, parse_score
 from asyncrl.services.reward.verifiers.math import MathVerifier, answer_region, last_boxed
-from asyncrl.services.reward.verifiers.toy import ArithVerifier, ReverseVerifier, reverse_reward, target_from_prompt
+from asyncrl.services.reward.verifiers.toy import (
+    ArithVerifier,
+    ReverseVerifier,
+    reverse_reward,
+    target_from_prompt,
+)
 
 
 def run(coro):
@@ -64,7 +69,9 @@ def test_reverse_verifier_with_target_and_from_prompt():
     assert (derived.status, derived.reward, derived.details["target_len"]) == (RewardStatus.scored, 1.0, 4)
     empty = run(verifier.verify(verifier.parse_spec({}), "  >", "x"))
     assert (empty.status, empty.details["reason"]) == (RewardStatus.invalid_input, "empty_target")
-    assert verifier.uses_prompt(verifier.parse_spec({})) and not verifier.uses_prompt(verifier.parse_spec({"target": "a"}))
+    assert verifier.uses_prompt(verifier.parse_spec({})) and not verifier.uses_prompt(
+        verifier.parse_spec({"target": "a"})
+    )
 
 
 @pytest.mark.parametrize(
@@ -74,15 +81,27 @@ def test_reverse_verifier_with_target_and_from_prompt():
 )  # fmt: skip
 def test_arith_exact_match_with_format_credit(completion, reward, well_formed):
     verifier = ArithVerifier(concurrency=1, timeout_s=1)
-    verdict = run(verifier.verify(verifier.parse_spec({"answer": "42", "format_credit": 0.1}), "", completion))
-    assert (verdict.status, verdict.reward, verdict.details["well_formed"]) == (RewardStatus.scored, reward, well_formed)
+    verdict = run(
+        verifier.verify(verifier.parse_spec({"answer": "42", "format_credit": 0.1}), "", completion)
+    )
+    assert (verdict.status, verdict.reward, verdict.details["well_formed"]) == (
+        RewardStatus.scored,
+        reward,
+        well_formed,
+    )
 
 
 def test_arith_spec_validation():
     verifier = ArithVerifier(concurrency=1, timeout_s=1)
     assert verifier.parse_spec({"answer": 7}).answer == "7"
     assert verifier.parse_spec({"answer": "7"}).format_credit == 0.0
-    for bad in [{"answer": "seven"}, {"answer": "1.5"}, {"answer": True}, {"answer": "1", "format_credit": 1.0}, {}]:
+    for bad in [
+        {"answer": "seven"},
+        {"answer": "1.5"},
+        {"answer": True},
+        {"answer": "1", "format_credit": 1.0},
+        {},
+    ]:
         with pytest.raises(SpecError):
             verifier.parse_spec(bad)
 
@@ -150,7 +169,6 @@ def test_normalise_output():
     assert normalise_output("12") != normalise_output("1\n2")
 
 
-
 def _plain(details: dict) -> dict:
     return {k: v for k, v in details.items() if k != "cached"}
 
@@ -163,7 +181,10 @@ def test_a_group_judged_at_once_gets_the_batch_paths_verdicts(cache_entries):
     from asyncrl.proto.rewards import RewardItem, RewardRequest, RewardSpec
     from asyncrl.services.reward.scoring import RequestRejected, Scorer
 
-    verifiers = {"reverse": ReverseVerifier(concurrency=1, timeout_s=1.0), "arith": ArithVerifier(concurrency=1, timeout_s=1.0)}
+    verifiers = {
+        "reverse": ReverseVerifier(concurrency=1, timeout_s=1.0),
+        "arith": ArithVerifier(concurrency=1, timeout_s=1.0),
+    }
     scorer = Scorer(verifiers, cache_entries=cache_entries, queue_timeout_s=1.0)
     cases = [({"verifier": "reverse"}, "abc>", ["cba", "cbz", "", "abcd"]),
              ({"verifier": "reverse", "target": "xyz"}, "abc>", ["cba", "xyz"]),
@@ -171,7 +192,9 @@ def test_a_group_judged_at_once_gets_the_batch_paths_verdicts(cache_entries):
              ({"verifier": "reverse"}, "hello>", ["olleh", "cba"])]  # fmt: skip
     for spec_args, prompt, completions in cases * 2:  # twice: the second time from the kept specs (and cache)
         spec = RewardSpec.model_validate(spec_args)
-        items = [RewardItem(id=str(i), prompt=prompt, completion=c, spec=spec) for i, c in enumerate(completions)]
+        items = [
+            RewardItem(id=str(i), prompt=prompt, completion=c, spec=spec) for i, c in enumerate(completions)
+        ]
         batch = asyncio.run(scorer.score(scorer.prepare(RewardRequest(items=items)))).results
         group = scorer.judge_group(spec, prompt, completions)
         assert [(v.status, v.reward, _plain(v.details)) for v in group] == [

@@ -134,7 +134,9 @@ def test_generation_answers_are_checked():
     with pytest.raises(ValueError, match="not a list of GenerateResponse"):
         _parse_generations(httpx.Response(200, json=[{"text": 1}]), 1)
     with pytest.raises(ValueError, match="not a list of GenerateResponse"):
-        _parse_generations(httpx.Response(200, json=generate_item([5], [-0.5])), 1)  # a single, unbatched answer
+        _parse_generations(
+            httpx.Response(200, json=generate_item([5], [-0.5])), 1
+        )  # a single, unbatched answer
 
 
 def test_chunk_by_size_keeps_order_and_the_limit():
@@ -368,7 +370,9 @@ def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(in
         item = GenerateItem(text="ab", input_ids=None, sampling_params=params, rid=None, return_logprob=True,
                             logprob_start_len=-1, top_logprobs_num=0)  # fmt: skip
         try:
-            InferenceEngine._refuse_unsupported(item, InferenceEngine._unsupported(params))  # the engine's own list
+            InferenceEngine._refuse_unsupported(
+                item, InferenceEngine._unsupported(params)
+            )  # the engine's own list
         except InvalidRequest:
             return True
         return False

@@ -106,7 +106,9 @@ def test_pack_first_fit_decreasing_within_budget():
     assert sorted(id(r) for b in bins for r in b) == sorted(id(r) for r in rows)  # every row exactly once
     sizes = [sum(len(r.prompt_tokens) + len(r.completion_ids) for r in b) for b in bins]
     assert max(sizes) <= 64
-    assert -(-sum(total) // 64) <= len(bins) <= -(-sum(total) // 64) + 1, sizes  # at most one bin over the bound
+    assert -(-sum(total) // 64) <= len(bins) <= -(-sum(total) // 64) + 1, (
+        sizes
+    )  # at most one bin over the bound
     alone = pack(rows, 20)  # rows longer than the budget get a bin each, never split
     assert all(len(b) == 1 for b in alone if len(b[0].prompt_tokens) + len(b[0].completion_ids) > 20)
     assert sum(len(b) for b in alone) == len(rows)
@@ -117,7 +119,10 @@ def _rows_of_lengths(lengths, seed=0):
     groups = []
     for g in range(len(lengths) // 4):
         prompt = np.array([1, *rng.integers(3, 40, 2 + g)], np.int32)
-        samples = [sample(i, rng.integers(3, 40, n).tolist(), float(i % 2)) for i, n in enumerate(lengths[4 * g : 4 * g + 4])]
+        samples = [
+            sample(i, rng.integers(3, 40, n).tolist(), float(i % 2))
+            for i, n in enumerate(lengths[4 * g : 4 * g + 4])
+        ]
         groups.append(Group.build(group_id=f"g{g}", job_id="j", prompt_tokens=prompt, reward_spec={"verifier": "reverse"},
                                   samples=samples, submit_version=0))  # fmt: skip
     return build_rows(groups, "grpo").rows
@@ -159,6 +164,8 @@ def test_sorted_micro_batches_give_the_unsorted_update(tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         policy_step(model, opt, micro, [None] * len(micro), [None] * len(micro), cfg, torch.device("cpu"))
         after.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    base = torch.cat([p.detach().flatten() for p in AutoModelForCausalLM.from_pretrained(tmp_path).parameters()])
+    base = torch.cat(
+        [p.detach().flatten() for p in AutoModelForCausalLM.from_pretrained(tmp_path).parameters()]
+    )
     assert (after[0] - base).abs().max() > 1e-4  # the step moved the weights
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-6)

@@ -11,9 +11,13 @@ from asyncrl.trainer.config import TrainerSettings
 
 def test_toml_env_and_flags_layer(tmp_path, monkeypatch):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[trainer]\nmodel_path = "/m"\nbatch_groups = 4\nlr = 0.5\n[trainer.loss]\nkind = "gspo"\nclip_high = 0.4\n')
+    cfg.write_text(
+        '[trainer]\nmodel_path = "/m"\nbatch_groups = 4\nlr = 0.5\n[trainer.loss]\nkind = "gspo"\nclip_high = 0.4\n'
+    )
     monkeypatch.setenv("ASYNCRL_TRAINER_LR", "0.25")
-    s = load_settings(TrainerSettings, ["--config", str(cfg), "--batch-groups", "6"], prog="t", section="trainer")
+    s = load_settings(
+        TrainerSettings, ["--config", str(cfg), "--batch-groups", "6"], prog="t", section="trainer"
+    )
     assert (s.model_path, s.batch_groups, s.lr) == ("/m", 6, 0.25)  # flag > env > file
     assert (s.loss.kind, s.loss.clip_high, s.loss.clip_low, s.loss.is_correction) == ("gspo", 0.4, 0.2, "tis")
 

@@ -21,7 +21,9 @@ def test_buckets_hold_every_tensor_once_in_order_up_to_the_size():
     assert [b.last for _, b in buckets] == [False] * (len(buckets) - 1) + [True]
     for tensors, b in buckets:
         assert [list(t.shape) for t in tensors] == b.shapes and b.dtypes == ["float32"] * len(tensors)
-        assert sum(t.numel() * 4 for t in tensors[:-1]) < 40 * 4  # a bucket closes at the first tensor past the size
+        assert (
+            sum(t.numel() * 4 for t in tensors[:-1]) < 40 * 4
+        )  # a bucket closes at the first tensor past the size
     for (n, t), got in zip(items, [t for ts, _ in buckets for t in ts]):
         assert torch.equal(t, got), n
     assert [b.names for _, b in buckets] == [["p0", "p1"], ["p2", "p3"], ["p4", "p5", "p6"]]

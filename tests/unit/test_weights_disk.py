@@ -11,7 +11,10 @@ torch.set_num_threads(1)
 
 
 def perturbed(state: dict[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:
-    return {k: v + delta * torch.arange(v.numel(), dtype=v.dtype).reshape(v.shape) / v.numel() for k, v in state.items()}
+    return {
+        k: v + delta * torch.arange(v.numel(), dtype=v.dtype).reshape(v.shape) / v.numel()
+        for k, v in state.items()
+    }
 
 
 def test_disk_publisher_atomic_dirs_keep_n_and_tied_reload(tiny, tmp_path):
@@ -22,7 +25,10 @@ def test_disk_publisher_atomic_dirs_keep_n_and_tied_reload(tiny, tmp_path):
     base.pop("lm_head.weight")  # the trainer publishes a tied weight once
     for v in (1, 2, 3):
         out = pub.write(v, perturbed(base, 0.01 * v))
-    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v00000002", "v00000003"]  # no temp dirs left
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [
+        "v00000002",
+        "v00000003",
+    ]  # no temp dirs left
     assert out.path == str(tmp_path / "w" / "v00000003")
     assert out.nbytes == sum(t.numel() * 4 for t in base.values())
     files = {p.name for p in (tmp_path / "w" / "v00000003").iterdir()}
@@ -36,4 +42,3 @@ def test_disk_publisher_atomic_dirs_keep_n_and_tied_reload(tiny, tmp_path):
     for name, value in loaded.state_dict().items():
         want = expected["model.embed_tokens.weight"] if name == "lm_head.weight" else expected[name]
         assert torch.equal(value, want), name
-

@@ -20,9 +20,14 @@ MAX_DEPTH = 100  # nesting of the syntax tree; keeps the recursive evaluation fa
 MAX_INT_BITS = 4096  # ~1233 digits: cheap to multiply, and str() stays under the 4300-digit limit
 
 OPERATORS = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-}  # fmt: skip
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 SIGNS = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
@@ -71,7 +76,12 @@ def _check_power(base: int | float, exponent: int | float) -> None:
     ints = isinstance(base, int) and isinstance(exponent, int)
     # (|base| ≥ 2: an exponent past MAX_INT_BITS is too large already, and the product below
     # would overflow a float for an exponent past ~2**1023, e.g. 3**2**1024)
-    if ints and exponent > 0 and abs(base) > 1 and (exponent > MAX_INT_BITS or exponent * math.log2(abs(base)) > MAX_INT_BITS):
+    if (
+        ints
+        and exponent > 0
+        and abs(base) > 1
+        and (exponent > MAX_INT_BITS or exponent * math.log2(abs(base)) > MAX_INT_BITS)
+    ):
         raise CalculatorError("result too large")
 
 

@@ -122,5 +122,8 @@ def _masked(kind: str, error: str) -> StepResponse:
     return reply(
         "the code could not be run (the environment failed); this episode is not scored",
         StepStatus.tool_error,
-        done=True, mask_sample=True, failure_kind=kind, info={"error": error[-ERROR_CHARS:]},
-    )  # fmt: skip
+        done=True,
+        mask_sample=True,
+        failure_kind=kind,
+        info={"error": error[-ERROR_CHARS:]},
+    )

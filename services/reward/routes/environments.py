@@ -96,8 +96,13 @@ async def step_batch(batch: StepBatch, env: EnvironmentDep) -> StepResults:
         except SpecError:
             raise
         except Exception as exc:  # noqa: BLE001 — this episode's failure, answered in-band
-            return StepResponse(status=StepStatus.tool_error, done=True, mask_sample=True, failure_kind="crash",
-                                observation=f"environment error: {type(exc).__name__}")  # fmt: skip
+            return StepResponse(
+                status=StepStatus.tool_error,
+                done=True,
+                mask_sample=True,
+                failure_kind="crash",
+                observation=f"environment error: {type(exc).__name__}",
+            )
 
     try:
         results = await asyncio.gather(*(one(item) for item in batch.items))

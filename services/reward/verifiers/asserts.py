@@ -51,14 +51,29 @@ from typing import Any
 from asyncrl.services.reward.verifiers.call_harness import decode
 
 OPS = {
-    ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
-    ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not",
-}  # fmt: skip
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.In: "in",
+    ast.NotIn: "not in",
+    ast.Is: "is",
+    ast.IsNot: "is not",
+}
 EVAL = {
-    "==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
-    ">=": operator.ge, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
-    "is": operator.is_, "is not": operator.is_not,
-}  # fmt: skip
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "in": lambda a, b: a in b,
+    "not in": lambda a, b: a not in b,
+    "is": operator.is_,
+    "is not": operator.is_not,
+}
 ISCLOSE_KEYWORDS = ("rel_tol", "abs_tol")
 CONVERSIONS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "dict": dict}
 NOT_TESTED = {"abs", "float", *CONVERSIONS}  # read as parts of a literal, never as the tested call

@@ -17,9 +17,9 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncrl.proto.records import RewardStatus
-from asyncrl.services.runtime.retry import Retryable, with_retries
 from asyncrl.services.reward.metrics import JUDGE_CALLS
 from asyncrl.services.reward.verifiers.base import Verdict, Verifier
+from asyncrl.services.runtime.retry import Retryable, with_retries
 
 RAW_CHARS = 500  # judge output echoed in details
 RETRY_JITTER = 0.25  # each retry delay lengthened by up to this fraction, so judges' retries spread out
@@ -222,4 +222,6 @@ class JudgeVerifier(Verifier):
         try:
             return await with_retries(attempt, self.max_retries, first_s=self.backoff_s, jitter=RETRY_JITTER)
         except Retryable as exc:
-            raise JudgeFailure("judge_unavailable", attempts=self.max_retries + 1, last_error=str(exc)) from None
+            raise JudgeFailure(
+                "judge_unavailable", attempts=self.max_retries + 1, last_error=str(exc)
+            ) from None

@@ -19,9 +19,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncrl.proto.records import RewardStatus
-from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.reward.metrics import MATH_WORKER_RESTARTS
 from asyncrl.services.reward.verifiers.base import Verdict, Verifier
+from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +102,13 @@ class MathPool:
 
     async def _spawn(self) -> _Worker:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", str(WORKER), str(self.memory_mb),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-I",
+            str(WORKER),
+            str(self.memory_mb),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
         worker = _Worker(proc)
         self._all.add(worker)
         assert proc.stdout is not None

@@ -11,12 +11,25 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
 
-from asyncrl.proto.evals import EVAL_NAME_PATTERN, EvalAccepted, EvalList, EvalRequest, EvalResult, EvalSummary
+from asyncrl.proto.evals import (
+    EVAL_NAME_PATTERN,
+    EvalAccepted,
+    EvalList,
+    EvalRequest,
+    EvalResult,
+    EvalSummary,
+)
 from asyncrl.proto.sglang import SamplingParams
 from asyncrl.proto.states import JobState
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.deps import ServiceDep
-from asyncrl.services.rollout.evaluations import body_hash, build_task, eval_id_for, new_summary, sampling_params
+from asyncrl.services.rollout.evaluations import (
+    body_hash,
+    build_task,
+    eval_id_for,
+    new_summary,
+    sampling_params,
+)
 from asyncrl.services.rollout.intake import BadRequest, check_engine_support, check_reward_specs
 from asyncrl.services.rollout.reward_client import VerifiersUnavailable
 from asyncrl.services.rollout.routes.errors import ERRORS, refuse
@@ -40,8 +53,9 @@ async def submit(body: EvalRequest, service: ServiceDep) -> EvalAccepted:
         check_engine_support(body.sampling_params or SamplingParams(), engine_kind)
         await run_in_threadpool(check_reward_specs, body.prompts, body.reward_spec, verifiers)
         params = sampling_params(settings, body.sampling_params)
-        task = await run_in_threadpool(build_task, service.intake, body.prompts, body.reward_spec, params,
-                                       body.name, verifiers)  # fmt: skip
+        task = await run_in_threadpool(
+            build_task, service.intake, body.prompts, body.reward_spec, params, body.name, verifiers
+        )
     except BadRequest as exc:
         raise refuse(exc.status, str(exc), exc.reason) from exc
     summary = new_summary(eval_id, body.name, "api", task, digest)
@@ -53,8 +67,9 @@ async def submit(body: EvalRequest, service: ServiceDep) -> EvalAccepted:
 
 def _duplicate(known: EvalSummary | None, digest: str, body: EvalRequest) -> EvalAccepted:
     if known is None or known.body_hash != digest:
-        raise refuse(409, f"idempotency key {body.idempotency_key!r} was used for a different evaluation",
-                     "conflict")  # fmt: skip
+        raise refuse(
+            409, f"idempotency key {body.idempotency_key!r} was used for a different evaluation", "conflict"
+        )
     return EvalAccepted(eval_id=known.eval_id, name=known.name, state=known.state, duplicate=True)
 
 

@@ -41,20 +41,34 @@ log = logging.getLogger(__name__)
 
 MAX_SUMMARY_ERRORS = 5  # validation errors named in one message
 MAX_TEXT_CHARS = 200  # of one error's location or message (they may quote the client)
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    429: "rate_limit_error",
+}
 
 
 def error_response(status: int, message: str, reason: str, retry_after: float | None = None) -> JSONResponse:
     text = message.encode("utf-8", "backslashreplace").decode("utf-8")  # (a lone surrogate quoted back)
-    body = {"error": {"message": text, "type": ERROR_TYPES.get(status, "server_error"), "param": None, "code": reason}}
+    body = {
+        "error": {
+            "message": text,
+            "type": ERROR_TYPES.get(status, "server_error"),
+            "param": None,
+            "code": reason,
+        }
+    }
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _summary(exc: ValidationError | RequestValidationError) -> str:
     errors = exc.errors()
-    parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))[:MAX_TEXT_CHARS]}: {str(e.get('msg', ''))[:MAX_TEXT_CHARS]}"
-             for e in errors[:MAX_SUMMARY_ERRORS]]  # fmt: skip
+    parts = [
+        f"{'.'.join(str(p) for p in e.get('loc', ()))[:MAX_TEXT_CHARS]}: {str(e.get('msg', ''))[:MAX_TEXT_CHARS]}"
+        for e in errors[:MAX_SUMMARY_ERRORS]
+    ]
     more = f" (and {len(errors) - len(parts)} more)" if len(errors) > len(parts) else ""
     return "invalid request body: " + "; ".join(parts) + more
 
@@ -78,10 +92,14 @@ class GatewayRoute(APIRoute):
                 reason = "invalid_body" if exc.status_code == 400 else f"http_{exc.status_code}"
                 response = _refused(route, GatewayError(exc.status_code, str(exc.detail), reason))
             except redis.RedisError as exc:
-                response = _refused(route, GatewayError(503, f"the buffer is unavailable: {exc}", "redis", 1.0))
+                response = _refused(
+                    route, GatewayError(503, f"the buffer is unavailable: {exc}", "redis", 1.0)
+                )
             except Exception as exc:  # a bug: answered (500) and counted like every failure, and logged
                 log.exception("gateway %s failed", route)
-                response = _refused(route, GatewayError(500, f"internal error: {type(exc).__name__}", "internal"))
+                response = _refused(
+                    route, GatewayError(500, f"internal error: {type(exc).__name__}", "internal")
+                )
             m.GATEWAY_REQUESTS.labels(route, str(response.status_code)).inc()
             return response
 
@@ -94,8 +112,16 @@ def _refused(route: str, exc: GatewayError) -> JSONResponse:
 
 
 router = APIRouter(tags=["gateway"], route_class=GatewayRoute)
-ERRORS = {code: {"description": kind} for code, kind in
-          {400: "bad request", 404: "unknown session", 409: "conflict", 429: "buffer full", 503: "unavailable"}.items()}  # fmt: skip
+ERRORS = {
+    code: {"description": kind}
+    for code, kind in {
+        400: "bad request",
+        404: "unknown session",
+        409: "conflict",
+        429: "buffer full",
+        503: "unavailable",
+    }.items()
+}
 
 
 @router.post("/v1/sessions", name="sessions", response_model=SessionCreated, responses=ERRORS)
@@ -104,7 +130,9 @@ async def create_session(body: SessionRequest, service: ServiceDep) -> SessionCr
     return await service.gateway.open_session(body, service.rewards.verifiers)
 
 
-@router.post("/v1/sessions/{session_id}/reward", name="reward", response_model=SessionClosed, responses=ERRORS)
+@router.post(
+    "/v1/sessions/{session_id}/reward", name="reward", response_model=SessionClosed, responses=ERRORS
+)
 async def close_session(session_id: str, body: RewardRequest, service: ServiceDep) -> SessionClosed:
     """Close a session with its reward; closing the group's last session puts the group in the buffer."""
     return await service.gateway.close_session(session_id, body)

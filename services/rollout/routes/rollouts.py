@@ -33,8 +33,13 @@ from asyncrl.services.rollout.service import RolloutService
 router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
 
 # Where the rollout reports a group (a group with no report is still `queued`).
-ROLLOUT_STATES = (GroupState.generating, GroupState.scoring, GroupState.buffered, GroupState.failed,
-                  GroupState.cancelled)  # fmt: skip
+ROLLOUT_STATES = (
+    GroupState.generating,
+    GroupState.scoring,
+    GroupState.buffered,
+    GroupState.failed,
+    GroupState.cancelled,
+)
 # How buffered groups left the buffer, each a field of the answer; any other exit goes to `other`.
 TRAINER_EXITS = (GroupState.trained, GroupState.dropped, GroupState.withheld, GroupState.zero_spread)
 MAX_ERRORS_SHOWN = 10
@@ -58,7 +63,9 @@ async def submit(body: RolloutRequest, service: ServiceDep) -> RolloutAccepted:
     engine_kind = await service.engine_kind()
     tools = await _check_episode(service, body) if body.episode is not None else None
     try:
-        group_jobs = await run_in_threadpool(service.intake.build, body, job_id, verifiers, engine_kind, tools)
+        group_jobs = await run_in_threadpool(
+            service.intake.build, body, job_id, verifiers, engine_kind, tools
+        )
     except BadRequest as exc:
         raise _refuse(exc.status, str(exc), exc.reason) from exc
 
@@ -86,11 +93,17 @@ async def _check_episode(service: RolloutService, body: RolloutRequest) -> list[
         raise _refuse(503, str(exc), "environments_unavailable") from exc
     info = listing.environments.get(episode.environment)
     if info is None:
-        raise _refuse(400, f"unknown environment {episode.environment!r}; served: {sorted(listing.environments)}",
-                      "unknown_environment")  # fmt: skip
+        raise _refuse(
+            400,
+            f"unknown environment {episode.environment!r}; served: {sorted(listing.environments)}",
+            "unknown_environment",
+        )
     if not info.judges and body.reward_spec is None and any(p.reward_spec is None for p in body.prompts):
-        raise _refuse(400, f"environment {episode.environment!r} does not judge answers: give a reward_spec",
-                      "invalid_input")  # fmt: skip
+        raise _refuse(
+            400,
+            f"environment {episode.environment!r} does not judge answers: give a reward_spec",
+            "invalid_input",
+        )
     return info.tools if episode.tools else None
 
 
