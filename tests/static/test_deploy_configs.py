@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from deploy_support import ROOT, SETTINGS, flag, listen, resolve
+from source_tree import module_name
 
 COMPOSE = ROOT / "docker-compose.yml"
 PROMETHEUS = ROOT / "deploy/prometheus/prometheus.yml"
@@ -363,7 +364,7 @@ def code_metrics() -> dict[str, set[str]]:
         *ROOT.glob("trainer/metrics.py"),
         *ROOT.glob("buffer/metrics.py"),
     ]:
-        importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        importlib.import_module(module_name(path))
     out: dict[str, set[str]] = {}
     # The registry keeps collectors -> exposed names only privately; there is no public listing.
     for collector, exposed_names in list(REGISTRY._collector_to_names.items()):
