@@ -44,9 +44,9 @@ from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.rollout.engine_client import EngineClient, EngineEndpoint, EngineFailure, EngineRejected
 from asyncrl.services.rollout.env_client import EnvClient, EnvironmentFailed
-from asyncrl.services.rollout.episodes import run_episodes
+from asyncrl.services.rollout.episodes import EpisodeRunner
 from asyncrl.services.rollout.reward_client import RewardClient
-from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
+from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed, sample_text
 from asyncrl.services.rollout.weights import WeightSync
 from asyncrl.services.runtime.coalescer import GroupCommit
 from asyncrl.services.runtime.logging import log_event
@@ -69,7 +69,71 @@ class Active:
     rids: set[str] = field(default_factory=set)
 
 
-class Scheduler:
+class GroupSampler:
+    """Generation for one group on the engine it was given: `segments.generate_resuming` with the
+    group's request ids (cancelled with the group) and a job's `sampling_seed` moved per sample
+    and segment. What the scheduler hands to whoever makes the group's samples (its own one-turn
+    batch, `EpisodeRunner`'s turns)."""
+
+    def __init__(
+        self,
+        engines: EngineClient,
+        engine: EngineEndpoint,
+        weights: WeightSync,
+        *,
+        group_id: str,
+        rids: set[str],
+        max_resubmits: int,
+        context_length: int,
+        initial_version: int,
+    ):
+        self.engines, self.engine, self.weights = engines, engine, weights
+        self.group_id, self.rids = group_id, rids
+        self.max_resubmits, self.context_length, self.initial_version = (
+            max_resubmits,
+            context_length,
+            initial_version,
+        )
+
+    async def generate(
+        self,
+        prompts: list[list[int]],
+        drafts: list[Draft],
+        budgets: list[int],
+        params: dict,
+        first_segment: int = 0,
+    ) -> None:
+        """Extend `drafts[i]` from `prompts[i]` up to `budgets[i]` tokens (see `generate_resuming`);
+        segment numbers count from `first_segment` (an episode's turns apart). Too many
+        weight-update aborts are an `EngineFailure` of the group (it is requeued)."""
+
+        def params_for(d: Draft, segment: int) -> dict:
+            if "sampling_seed" not in params:
+                return params
+            return {
+                **params,
+                "sampling_seed": moved_seed(params["sampling_seed"] + first_segment + segment, d.index + 1),
+            }
+
+        try:
+            await generate_resuming(
+                self.engines,
+                self.engine,
+                self.weights,
+                prompts,
+                drafts,
+                budgets,
+                params_for,
+                rids=self.rids,
+                max_resubmits=self.max_resubmits,
+                context_length=self.context_length,
+                initial_version=self.initial_version,
+            )
+        except TooManyAborts as exc:
+            raise EngineFailure(f"samples of {self.group_id} were {exc}") from None
+
+
+class GroupScheduler:
     def __init__(
         self,
         settings: RolloutSettings,
@@ -81,7 +145,7 @@ class Scheduler:
         context_length: int,
         envs: EnvClient | None = None,
     ):
-        self.s = settings
+        self.settings = settings
         # The buffer's parts, on the process's one connection; used only on the `_redis` thread
         # (`jobs` holds this replica's claims).
         self.jobs = Jobs(buf, consumer=f"rollout-{settings.replica}")
@@ -89,6 +153,13 @@ class Scheduler:
         self.engines, self.rewards, self.weights, self.envs = engines, rewards, weights, envs
         self.tokenizer = tokenizer
         self.context_length = context_length
+        self.episodes = EpisodeRunner(
+            envs,
+            tokenizer,
+            context_length=context_length,
+            default_max_new_tokens=settings.default_max_new_tokens,
+            initial_weight_version=settings.initial_weight_version,
+        )
         self.active: dict[str, Active] = {}
         self._redis = ThreadPoolExecutor(1, thread_name_prefix="rollout-buffer")
         self._wake = asyncio.Event()
@@ -120,14 +191,14 @@ class Scheduler:
         try:
             for c in await self._db(self.jobs.resume_own):
                 self._start(c, "resumed")
-            next_recover = time.monotonic() + self.s.recover_interval_s
+            next_recover = time.monotonic() + self.settings.recover_interval_s
             while True:
                 claimed: list[tuple[ClaimedJob, str]] = []
-                free = self.s.max_active_groups - len(self.active)
+                free = self.settings.max_active_groups - len(self.active)
                 if free > 0 and time.monotonic() >= next_recover:
-                    idle_ms = int(self.s.recover_idle_s * 1000)
+                    idle_ms = int(self.settings.recover_idle_s * 1000)
                     claimed += [(c, "recovered") for c in await self._db(self.jobs.recover, idle_ms)]
-                    next_recover = time.monotonic() + self.s.recover_interval_s
+                    next_recover = time.monotonic() + self.settings.recover_interval_s
                 if free - len(claimed) > 0:
                     claimed += [(c, "new") for c in await self._db(self.jobs.claim, free - len(claimed), 0)]
                 for c, source in claimed:
@@ -135,7 +206,7 @@ class Scheduler:
                 if not claimed:
                     self._wake.clear()
                     try:
-                        await asyncio.wait_for(self._wake.wait(), self.s.claim_poll_s)
+                        await asyncio.wait_for(self._wake.wait(), self.settings.claim_poll_s)
                     except TimeoutError:
                         pass
         finally:
@@ -274,7 +345,7 @@ class Scheduler:
                 if full:
                     m.ADMISSION_WAITS.inc()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._admission_wake.wait(), self.s.admission_poll_s)
+                        await asyncio.wait_for(self._admission_wake.wait(), self.settings.admission_poll_s)
                     self._admission_wake.clear()
 
     async def _on_version(self, version: int) -> None:
@@ -373,7 +444,7 @@ class Scheduler:
     async def _heartbeat(self) -> None:
         """Keep our jobs from looking dead; stop groups of cancelled jobs before they are scored."""
         while True:
-            await asyncio.sleep(self.s.heartbeat_s)
+            await asyncio.sleep(self.settings.heartbeat_s)
             await self._db(self.jobs.touch, [a.claimed.entry_id for a in self.active.values()])
             for job_id in {a.claimed.job.job_id for a in self.active.values()}:
                 if not await self._db(self.jobs.cancelled, job_id):
@@ -395,7 +466,17 @@ class Scheduler:
             a.engine = await self.engines.pick()
             t0 = time.monotonic()
             try:
-                drafts = await (run_episodes(self, a) if episodes else self._samples(a))
+                sampler = GroupSampler(
+                    self.engines,
+                    a.engine,
+                    self.weights,
+                    group_id=job.group_id,
+                    rids=a.rids,
+                    max_resubmits=self.settings.max_resubmits,
+                    context_length=self.context_length,
+                    initial_version=self.settings.initial_weight_version,
+                )
+                drafts = await (self.episodes.run(job, sampler) if episodes else self._samples(job, sampler))
             except EngineFailure as exc:
                 m.GROUPS_REQUEUED.labels("engine").inc()
                 log_event(
@@ -416,84 +497,24 @@ class Scheduler:
             return drafts
 
         return await with_retries(
-            on_an_engine, math.inf, first_s=2 * self.s.engine_backoff_s, max_s=self.s.requeue_backoff_max_s
+            on_an_engine,
+            math.inf,
+            first_s=2 * self.settings.engine_backoff_s,
+            max_s=self.settings.requeue_backoff_max_s,
         )
 
-    async def _samples(self, a: Active) -> list[Draft]:
+    async def _samples(self, job: GroupJob, sampler: GroupSampler) -> list[Draft]:
         """The group's completions in one batched request; after a weight-update abort, the
         aborted samples' remainders (prompt + their tokens so far) go again as one batch."""
-        job = a.claimed.job
         params = dict(job.sampling_params)
-        budget = int(params.get("max_new_tokens", self.s.default_max_new_tokens))
+        budget = int(params.get("max_new_tokens", self.settings.default_max_new_tokens))
         prompt = job.prompt_tokens.tolist()
         now = time.time()
         drafts = [Draft(i, submitted=now) for i in range(job.group_size)]
-        await self._resuming(a, [prompt] * len(drafts), drafts, [budget] * len(drafts), params, 0)
+        await sampler.generate([prompt] * len(drafts), drafts, [budget] * len(drafts), params)
         for d in drafts:
-            if d.segments == 1:  # the engine's own text of these tokens (SGLang's rules: stop trim, specials)
-                continue
-            stop_trim = d.finish_reason == "stop" and not params.get("no_stop_trim")
-            d.text = self.tokenizer.decode(
-                d.tokens[:-1] if stop_trim else d.tokens,
-                skip_special_tokens=params.get("skip_special_tokens", True),
-            )
+            d.text = sample_text(self.tokenizer, d, params)
         return drafts
-
-    async def _turn(
-        self,
-        a: Active,
-        prompt: list[int],
-        d: Draft,
-        budget: int,
-        params: dict,
-        turn: int,
-        stop_ids: list[int],
-    ) -> str:
-        """One policy turn of an episode: up to `budget` tokens appended to `d` (loss mask 1),
-        resubmitting prompt + tokens so far after a weight-update abort; its finish reason."""
-        base = dict(params)
-        if stop_ids:
-            base["stop_token_ids"] = sorted({*params.get("stop_token_ids", ()), *stop_ids})
-        await self._resuming(a, [prompt], [d], [len(d.tokens) + budget], base, 1000 * turn)
-        return d.finish_reason
-
-    async def _resuming(
-        self,
-        a: Active,
-        prompts: list[list[int]],
-        drafts: list[Draft],
-        budgets: list[int],
-        params: dict,
-        first_segment: int,
-    ) -> None:
-        """`segments.generate_resuming` on the group's engine; a job's sampling_seed moves per
-        sample and segment (segment numbers from `first_segment`: an episode's turns apart)."""
-        assert a.engine is not None
-
-        def params_for(d: Draft, segment: int) -> dict:
-            if "sampling_seed" not in params:
-                return params
-            return {
-                **params,
-                "sampling_seed": moved_seed(params["sampling_seed"] + first_segment + segment, d.index + 1),
-            }
-
-        try:
-            await generate_resuming(
-                self.engines,
-                a.engine,
-                self.weights,
-                prompts,
-                drafts,
-                budgets,
-                params_for,
-                rids=a.rids,
-                max_resubmits=self.s.max_resubmits,
-                context_length=self.context_length,
-                initial_version=self.s.initial_weight_version,
-            )
-        except TooManyAborts as exc:
-            raise EngineFailure(f"samples of {a.claimed.job.group_id} were {exc}") from None
 
     # --- scoring --------------------------------------------------------------------------
 

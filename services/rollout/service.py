@@ -25,7 +25,7 @@ from asyncrl.services.rollout.intake import (
     resolve_context_length,
 )
 from asyncrl.services.rollout.reward_client import RewardClient
-from asyncrl.services.rollout.scheduler import Scheduler
+from asyncrl.services.rollout.scheduler import GroupScheduler
 from asyncrl.services.rollout.weights import WeightSync
 from asyncrl.services.runtime.logging import log_event
 
@@ -126,7 +126,7 @@ class RolloutService:
         evaluator = Evaluator(
             s, self.evals, self.engines, self.rewards, weights, self.tokenizer, self.auto_eval
         )
-        scheduler = Scheduler(
+        scheduler = GroupScheduler(
             s,
             self.buf,
             self.engines,
