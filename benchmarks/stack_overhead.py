@@ -212,8 +212,8 @@ def guarantee_floor(run_dir: Path, model_dir: str, prompts: list[dict], group: i
     from asyncrl.buffer.server import EMBEDDED_FSYNC, RedisServer
     from asyncrl.proto import Group, GroupJob, RewardStatus
     from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
-    from asyncrl.services.rollout.reward_client import RewardClient
-    from asyncrl.services.rollout.scheduler import GroupScheduler
+    from asyncrl.services.rollout.clients.rewards import RewardClient
+    from asyncrl.services.rollout.groups.scheduler import GroupScheduler
     from asyncrl.services.rollout.segments import Draft
     from asyncrl.trainer.weights import DiskPublisher
 

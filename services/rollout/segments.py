@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from asyncrl.proto.gateway import SEED_MOD
 from asyncrl.proto.lineage import merge, parse_weight_version
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.engine_client import EngineFailure
+from asyncrl.services.rollout.clients.engine import EngineFailure
 
 SEED_STRIDE = 1_000_003  # spreads a sampling_seed over samples and segments (a prime)
 
@@ -40,7 +40,7 @@ class Draft:
     engine_text: str = ""  # the engine's text of the tokens when one answer made them all, else ""
     text: str = ""  # the sample's text: `sample_text` (an episode's: its final answer)
     segments: int = 0  # engine answers the tokens came in (more than one after a weight-update abort)
-    # Episodes (services/rollout/episodes.py): which tokens the policy sampled, turns, rewards.
+    # Episodes (services/rollout/groups/episodes.py): which tokens the policy sampled, turns, rewards.
     loss_mask: list[int] | None = None
     turn_starts: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)

@@ -43,9 +43,9 @@ KNOWN = {
     ("asyncrl.trainer.weights", "asyncrl.services.engine.weight_sync"),
     ("asyncrl.services.rollout.config", "asyncrl.services.reward.verifiers"),
     ("asyncrl.services.rollout.intake", "asyncrl.services.reward.verifiers"),
-    ("asyncrl.services.rollout.reward_client", "asyncrl.services.reward.scoring"),
-    ("asyncrl.services.rollout.reward_client", "asyncrl.services.reward.verifiers"),
-    ("asyncrl.services.rollout.reward_client", "asyncrl.services.reward.verifiers.base"),
+    ("asyncrl.services.rollout.clients.rewards", "asyncrl.services.reward.scoring"),
+    ("asyncrl.services.rollout.clients.rewards", "asyncrl.services.reward.verifiers"),
+    ("asyncrl.services.rollout.clients.rewards", "asyncrl.services.reward.verifiers.base"),
 }
 
 

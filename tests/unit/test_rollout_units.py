@@ -12,8 +12,8 @@ from pydantic import ValidationError
 
 from asyncrl.proto.rollout import RolloutRequest
 from asyncrl.services.ops.tinymodel import build_char_tokenizer
+from asyncrl.services.rollout.clients.engine import _parse_generations
 from asyncrl.services.rollout.config import RolloutSettings
-from asyncrl.services.rollout.engine_client import _parse_generations
 from asyncrl.services.rollout.intake import BadRequest, Intake, body_hash, job_id_for
 
 

@@ -11,7 +11,7 @@ groups) and answers a `chat.completion` (hermes `<tool_call>` text becomes `tool
 session, the call is recorded exactly as sampled: prompt ids, completion ids, behaviour
 logprobs, the policy version of every token. Without one the gateway is a plain proxy.
 
-When every session of a group is closed, the group is built (`gateway_groups.build_group`) and put in
+When every session of a group is closed, the group is built (`gateway.samples.build_group`) and put in
 the buffer under the same rules as the scheduler's groups: a new group takes an admission slot
 when its first session is created (its `submit_version` is the trainer version then), the put
 moves the slot to `accepted`, `min_version` comes from the policy's tokens. A session whose
@@ -72,11 +72,11 @@ from asyncrl.proto.rewards import RewardItem, RewardSpec
 from asyncrl.proto.sglang import ChatCompletionUsage
 from asyncrl.proto.states import Admission
 from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.clients.engine import EngineClient, EngineFailure, EngineRejected
+from asyncrl.services.rollout.clients.rewards import RewardClient, VerifiersUnavailable
 from asyncrl.services.rollout.config import RolloutSettings
-from asyncrl.services.rollout.engine_client import EngineClient, EngineFailure, EngineRejected
-from asyncrl.services.rollout.gateway_groups import build_group
+from asyncrl.services.rollout.gateway.samples import build_group
 from asyncrl.services.rollout.intake import BadRequest, check_reward_specs
-from asyncrl.services.rollout.reward_client import RewardClient, VerifiersUnavailable
 from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed, sample_text
 from asyncrl.services.rollout.toolcalls import (
     HERMES_CLOSE,

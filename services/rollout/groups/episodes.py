@@ -29,13 +29,13 @@ from asyncrl.proto import GroupJob
 from asyncrl.proto.environments import Action, ResetRequest, StepRequest, StepStatus
 from asyncrl.proto.rollout import EpisodeSpec
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.env_client import EnvironmentFailed
+from asyncrl.services.rollout.clients.environments import EnvironmentFailed
 from asyncrl.services.rollout.segments import Draft
 from asyncrl.services.rollout.toolcalls import BadToolCall, ToolFormat, observation_ids, parse_tool_call
 
 if TYPE_CHECKING:
-    from asyncrl.services.rollout.env_client import EnvClient
-    from asyncrl.services.rollout.scheduler import GroupSampler
+    from asyncrl.services.rollout.clients.environments import EnvClient
+    from asyncrl.services.rollout.groups.sampler import GroupSampler
 
 
 class EpisodeFailed(ValueError):

@@ -47,17 +47,17 @@ from asyncrl.proto.rollout import RolloutPrompt
 from asyncrl.proto.sglang import SamplingParams
 from asyncrl.proto.states import JobState
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.config import RolloutSettings
-from asyncrl.services.rollout.engine_client import (
+from asyncrl.services.rollout.clients.engine import (
     EngineClient,
     EngineEndpoint,
     EngineFailure,
     EngineRejected,
     Generation,
 )
+from asyncrl.services.rollout.clients.rewards import RewardClient
+from asyncrl.services.rollout.config import RolloutSettings
+from asyncrl.services.rollout.engine_updates import Pin, VersionNotServed, WeightSync, policy_version
 from asyncrl.services.rollout.intake import MAX_REPORTED, BadRequest, Intake
-from asyncrl.services.rollout.reward_client import RewardClient
-from asyncrl.services.rollout.weights import Pin, VersionNotServed, WeightSync, policy_version
 from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)

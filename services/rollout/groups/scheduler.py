@@ -41,13 +41,19 @@ from asyncrl.proto.lineage import merge
 from asyncrl.proto.rewards import RewardResult, RewardSpec
 from asyncrl.proto.states import Admission, GroupState
 from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.clients.engine import (
+    EngineClient,
+    EngineEndpoint,
+    EngineFailure,
+    EngineRejected,
+)
+from asyncrl.services.rollout.clients.environments import EnvClient, EnvironmentFailed
+from asyncrl.services.rollout.clients.rewards import RewardClient
 from asyncrl.services.rollout.config import RolloutSettings
-from asyncrl.services.rollout.engine_client import EngineClient, EngineEndpoint, EngineFailure, EngineRejected
-from asyncrl.services.rollout.env_client import EnvClient, EnvironmentFailed
-from asyncrl.services.rollout.episodes import EpisodeRunner
-from asyncrl.services.rollout.reward_client import RewardClient
-from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed, sample_text
-from asyncrl.services.rollout.weights import WeightSync
+from asyncrl.services.rollout.engine_updates import WeightSync
+from asyncrl.services.rollout.groups.episodes import EpisodeRunner
+from asyncrl.services.rollout.groups.sampler import GroupSampler
+from asyncrl.services.rollout.segments import Draft, sample_text
 from asyncrl.services.runtime.coalescer import GroupCommit
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.runtime.retry import Retryable, with_retries
@@ -67,70 +73,6 @@ class Active:
     cancel_reason: str | None = None
     engine: EngineEndpoint | None = None
     rids: set[str] = field(default_factory=set)
-
-
-class GroupSampler:
-    """Generation for one group on the engine it was given: `segments.generate_resuming` with the
-    group's request ids (cancelled with the group) and a job's `sampling_seed` moved per sample
-    and segment. What the scheduler hands to whoever makes the group's samples (its own one-turn
-    batch, `EpisodeRunner`'s turns)."""
-
-    def __init__(
-        self,
-        engines: EngineClient,
-        engine: EngineEndpoint,
-        weights: WeightSync,
-        *,
-        group_id: str,
-        rids: set[str],
-        max_resubmits: int,
-        context_length: int,
-        initial_version: int,
-    ):
-        self.engines, self.engine, self.weights = engines, engine, weights
-        self.group_id, self.rids = group_id, rids
-        self.max_resubmits, self.context_length, self.initial_version = (
-            max_resubmits,
-            context_length,
-            initial_version,
-        )
-
-    async def generate(
-        self,
-        prompts: list[list[int]],
-        drafts: list[Draft],
-        budgets: list[int],
-        params: dict,
-        first_segment: int = 0,
-    ) -> None:
-        """Extend `drafts[i]` from `prompts[i]` up to `budgets[i]` tokens (see `generate_resuming`);
-        segment numbers count from `first_segment` (an episode's turns apart). Too many
-        weight-update aborts are an `EngineFailure` of the group (it is requeued)."""
-
-        def params_for(d: Draft, segment: int) -> dict:
-            if "sampling_seed" not in params:
-                return params
-            return {
-                **params,
-                "sampling_seed": moved_seed(params["sampling_seed"] + first_segment + segment, d.index + 1),
-            }
-
-        try:
-            await generate_resuming(
-                self.engines,
-                self.engine,
-                self.weights,
-                prompts,
-                drafts,
-                budgets,
-                params_for,
-                rids=self.rids,
-                max_resubmits=self.max_resubmits,
-                context_length=self.context_length,
-                initial_version=self.initial_version,
-            )
-        except TooManyAborts as exc:
-            raise EngineFailure(f"samples of {self.group_id} were {exc}") from None
 
 
 class GroupScheduler:

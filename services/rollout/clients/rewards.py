@@ -36,7 +36,7 @@ from asyncrl.proto.rewards import (
     VerifierList,
 )
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.engine_client import JSON_HEADERS
+from asyncrl.services.rollout.clients.engine import JSON_HEADERS
 from asyncrl.services.runtime.coalescer import Coalescer
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.runtime.retry import Retryable, with_retries
