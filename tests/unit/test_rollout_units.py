@@ -273,13 +273,13 @@ def test_retries_back_off_and_stop_at_the_first_error_that_is_not_retryable(monk
 
 
 def reverse_schema() -> dict:
-    from asyncrl.services.reward.verifiers.toy import ReverseSpec
+    from asyncrl.proto.verifiers import ReverseSpec
 
     return ReverseSpec.model_json_schema()
 
 
 def test_reward_spec_arguments_are_checked_with_the_verifiers_own_model(intake):
-    from asyncrl.services.reward.verifiers.toy import ArithSpec
+    from asyncrl.proto.verifiers import ArithSpec
 
     served = {"reverse": reverse_schema(), "arith": ArithSpec.model_json_schema()}
     bad = request(
@@ -337,19 +337,6 @@ def test_verifiers_unknown_here_or_of_another_version_are_checked_by_name_only(i
     assert (caught.value.status, caught.value.reason) == (400, "unknown_verifier")
 
 
-def test_builtin_verifier_registry_names_every_verifier_and_its_spec_model():
-    import importlib
-
-    from asyncrl.services.reward.verifiers import BUILTIN, Verifier, spec_model, verifier_class
-
-    for name in BUILTIN:
-        assert verifier_class(name).name == name and spec_model(name) is verifier_class(name).Spec
-    for module in ("toy", "math", "code", "judge"):
-        importlib.import_module(f"asyncrl.services.reward.verifiers.{module}")
-    assert {cls.name for cls in Verifier.__subclasses__()} <= set(BUILTIN)
-    assert spec_model("custom") is None
-
-
 def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(intake):
     from asyncrl.proto.sglang import REFERENCE_ENGINE_REFUSES, GenerateItem, SamplingParams
     from asyncrl.services.engine.engine import InferenceEngine, InvalidRequest
@@ -394,10 +381,10 @@ def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(in
 
 
 def test_a_job_level_reward_spec_is_checked_only_when_a_prompt_uses_it():
-    from asyncrl.services.reward.verifiers import spec_model
+    from asyncrl.proto.verifiers import SPECS
     from asyncrl.services.rollout.intake import check_reward_specs
 
-    served = {name: spec_model(name).model_json_schema() for name in ("math", "reverse")}  # as published
+    served = {name: SPECS[name].model_json_schema() for name in ("math", "reverse")}  # as published
     bad_default = {"verifier": "math"}  # math needs an `answer`
     own = [{"text": "2+3?", "reward_spec": {"verifier": "math", "answer": "5"}}]
     req = RolloutRequest.model_validate({"prompts": own, "reward_spec": bad_default})
