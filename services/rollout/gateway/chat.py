@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway (issue 18): any agent that speaks the OpenAI chat API can be
+"""The OpenAI-compatible gateway (docs/architecture.md §12): any agent that speaks the OpenAI chat API can be
 trained, unmodified, by pointing its client at the rollout service.
 
     POST /v1/sessions                  {group_id?, group_size, prompt_id?, reward_spec?} → session

@@ -1,4 +1,5 @@
-"""Episodes: a group's samples as multi-turn, tool-using episodes with an environment (issue 18).
+"""Episodes: a group's samples as multi-turn, tool-using episodes with an environment
+(docs/architecture.md §12).
 
     reset the environment → [its first observation, loss mask 0]
     for each turn (at most `max_turns`, the whole episode within `max_episode_tokens`):

@@ -19,6 +19,10 @@ Each group's state (`proto.states.GroupState`) is reported in its job's record (
 are heartbeated; a job of a dead replica (idle past `recover_idle_s`) is recovered. On shutdown,
 unfinished groups are left pending for a restart (`Jobs.resume_own`) or another replica: no job
 is ended that was not finished.
+
+A group's samples are made through the `GroupSampler` it is given for its engine: one batch for
+a one-turn job, each turn of each episode for an episode job (`EpisodeRunner`, which sees only
+that sampler and the environments). docs/architecture.md §4–§5 has the why.
 """
 
 from __future__ import annotations

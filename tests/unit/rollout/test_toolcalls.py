@@ -1,4 +1,4 @@
-"""Tool calls read from the policy's text and environment answers as tokens (issue 18)."""
+"""Tool calls read from the policy's text and environment answers as tokens (docs/architecture.md §12)."""
 
 from __future__ import annotations
 
