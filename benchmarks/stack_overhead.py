@@ -198,7 +198,7 @@ def guarantee_floor(run_dir: Path, model_dir: str, prompts: list[dict], group: i
                     steps: int) -> dict:  # fmt: skip
     """Milliseconds per step of what every policy version costs the stack under its guarantees,
     each alone and in-process, on the demo's shapes: the answers scored by the task's verifier
-    and built into group records by the rollout's own code (`Scheduler._score`, the local
+    and built into group records by the rollout's own code (`GroupScheduler._score`, the local
     scorer, `Group.build`), the groups put in the buffer (one pipeline on an embedded Redis that
     fsyncs every write, as the launcher starts it) and taken by the trainer, and the engine
     reading the published weights directory and loading it into its model runner. No HTTP, no
@@ -212,8 +212,8 @@ def guarantee_floor(run_dir: Path, model_dir: str, prompts: list[dict], group: i
     from asyncrl.buffer.server import EMBEDDED_FSYNC, RedisServer
     from asyncrl.proto import Group, GroupJob, RewardStatus
     from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
-    from asyncrl.services.rollout.reward_client import RewardClient
-    from asyncrl.services.rollout.scheduler import Scheduler
+    from asyncrl.services.rollout.clients.rewards import RewardClient
+    from asyncrl.services.rollout.groups.scheduler import GroupScheduler
     from asyncrl.services.rollout.segments import Draft
     from asyncrl.trainer.weights import DiskPublisher
 
@@ -245,7 +245,7 @@ def guarantee_floor(run_dir: Path, model_dir: str, prompts: list[dict], group: i
             answers = drafts()
             t0 = time.perf_counter()
             batches.append([Group.build(group_id=f"{job.group_id}-{i}", job_id=job.job_id, prompt_tokens=job.prompt_tokens,
-                                        reward_spec=job.reward_spec, samples=await Scheduler._score(rollout, job, d),
+                                        reward_spec=job.reward_spec, samples=await GroupScheduler._score(rollout, job, d),
                                         submit_version=1, lineage={0: 1}) for job, d in zip(jobs, answers)])  # fmt: skip
             if i >= 3:
                 times.append(time.perf_counter() - t0)

@@ -31,8 +31,9 @@ from pydantic import BaseModel
 
 from asyncrl.proto.records import RewardStatus
 from asyncrl.proto.rewards import RewardItem, RewardRequest, RewardResponse, RewardResult, RewardSpec
+from asyncrl.proto.verifiers import SpecError
 from asyncrl.services.reward.metrics import CACHE_HITS, CACHE_MISSES, ITEMS, LATENCY, VERIFIER_FAILURES
-from asyncrl.services.reward.verifiers.base import SpecError, Verdict, Verifier
+from asyncrl.services.reward.verifiers.base import Verdict, Verifier
 from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)

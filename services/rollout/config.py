@@ -109,7 +109,7 @@ class RolloutSettings(ServiceSettings):
         "",
         description="inline verifiers (pure functions: reverse, arith) scored in this process instead of over "
         "HTTP, comma-separated or a list: no reward-service round trip per batch; the spec checks, cache and "
-        "verdicts are the reward service's own code (services/reward/scoring.py), and the verdicts are counted "
+        "verdicts are the reward service's own code (services/reward/local.py), and the verdicts are counted "
         "in this process's asyncrl_reward_items_total",
     )
 
@@ -232,12 +232,12 @@ class RolloutSettings(ServiceSettings):
     @field_validator("local_verifiers", mode="before")
     @classmethod
     def _local_verifiers(cls, value: Any) -> str:
-        from asyncrl.services.reward.verifiers import BUILTIN, verifier_class
+        from asyncrl.proto.verifiers import INLINE
 
         names = _name_list(value)
         for name in names:
-            if not getattr(verifier_class(name), "inline", False):  # (imports only the named verifiers)
-                inline = ", ".join(sorted(n for n in BUILTIN if verifier_class(n).inline))
+            if name not in INLINE:
+                inline = ", ".join(sorted(INLINE))
                 raise ValueError(f"{name!r} cannot be scored locally: only inline verifiers can ({inline})")
         return ",".join(dict.fromkeys(names))
 

@@ -7,7 +7,7 @@ key, so a replayed request enqueues the same group ids (a no-op in the buffer).
 
 Reward specs: the verifier must be one the reward service lists (`GET /v1/verifiers`), and
 its arguments are validated with the verifier's own spec model
-(`services.reward.verifiers.spec_model`, the model the reward service parses them with) when
+(`proto.verifiers.SPECS`, the model the reward service parses them with) when
 this build defines that verifier and the reward service publishes the same JSON schema for
 it. A verifier this build does not define (a custom one), or one whose published schema
 differs (another version), is checked by name only: the reward service judges its arguments
@@ -34,6 +34,7 @@ from asyncrl.proto import GroupJob
 from asyncrl.proto.rewards import RewardSpec
 from asyncrl.proto.rollout import RolloutPrompt, RolloutRequest
 from asyncrl.proto.sglang import SamplingParams, refused_by_reference_engine
+from asyncrl.proto.verifiers import SPECS, SpecError, validate_spec
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.runtime.logging import log_event
 
@@ -211,8 +212,6 @@ def check_reward_specs(
             f"unknown verifier(s) {unknown[:MAX_REPORTED]}; the reward service serves {sorted(served)}",
             reason="unknown_verifier",
         )
-    from asyncrl.services.reward.verifiers import SpecError, validate_spec
-
     models = {name: _spec_model(name, served[name]) for name in {spec.verifier for _, spec in named}}
     problems: list[str] = []
     bad = 0
@@ -240,9 +239,7 @@ _skewed: set[str] = set()  # verifiers whose published schema differs from ours,
 
 def _spec_model(name: str, published: dict | None):
     """The spec model to check `name`'s arguments with here, or None (checked by name only)."""
-    from asyncrl.services.reward.verifiers import spec_model
-
-    model = spec_model(name)
+    model = SPECS.get(name)
     if model is None or published is None:
         return None
     if model.model_json_schema() != published:

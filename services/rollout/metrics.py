@@ -165,7 +165,7 @@ AUTO_EVALS = Counter(
     ["result"],
 )
 
-# Episodes (issue 18): multi-turn rollouts with an environment.
+# Episodes: multi-turn rollouts with an environment.
 EPISODES = Counter(
     "asyncrl_rollout_episodes_total",
     "Episodes finished, by how (answered, turns, length, failed)",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from asyncrl.proto.gateway import SEED_MOD
 from asyncrl.proto.lineage import merge, parse_weight_version
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.engine_client import EngineFailure
+from asyncrl.services.rollout.clients.engine import EngineFailure
 
 SEED_STRIDE = 1_000_003  # spreads a sampling_seed over samples and segments (a prime)
 
@@ -37,9 +37,10 @@ class Draft:
     versions: list[int] = field(default_factory=list)
     lineage: dict[int, int] = field(default_factory=dict)  # epoch -> newest version (proto/lineage.py)
     finish_reason: str = "length"
-    text: str = ""  # of all the tokens (the engine's, when one segment made them)
+    engine_text: str = ""  # the engine's text of the tokens when one answer made them all, else ""
+    text: str = ""  # the sample's text: `sample_text` (an episode's: its final answer)
     segments: int = 0  # engine answers the tokens came in (more than one after a weight-update abort)
-    # Episodes (services/rollout/episodes.py): which tokens the policy sampled, turns, rewards.
+    # Episodes (services/rollout/groups/episodes.py): which tokens the policy sampled, turns, rewards.
     loss_mask: list[int] | None = None
     turn_starts: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
@@ -96,6 +97,18 @@ async def generate_resuming(
     raise TooManyAborts(f"aborted by weight updates {max_resubmits + 1} times")
 
 
+def sample_text(tokenizer, d: Draft, params: dict) -> str:
+    """The text of all of `d`'s tokens, as SGLang gives it: the engine's own when one answer made
+    them (its rules: a matched stop token trimmed, special tokens skipped); else the tokens
+    decoded by the same rules (`no_stop_trim`, `skip_special_tokens` from `params`)."""
+    if d.segments == 1:
+        return d.engine_text
+    stop_trim = d.finish_reason == "stop" and not params.get("no_stop_trim")
+    return tokenizer.decode(
+        d.tokens[:-1] if stop_trim else d.tokens, skip_special_tokens=params.get("skip_special_tokens", True)
+    )
+
+
 def _extend(d: Draft, gen, budget: int, prompt_len: int, context_length: int, initial_version: int) -> bool:
     """Append one segment's tokens (each with the version that sampled it); True when the
     sample was aborted with budget left and must be resubmitted."""
@@ -105,7 +118,7 @@ def _extend(d: Draft, gen, budget: int, prompt_len: int, context_length: int, in
     )  # (SGLang starts at "default")
     n = len(gen.output_ids)
     d.segments += 1
-    d.text = gen.text
+    d.engine_text = gen.text if d.segments == 1 else ""
     d.tokens += gen.output_ids
     d.logprobs += gen.logprobs
     d.versions += [version] * n

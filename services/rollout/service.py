@@ -12,11 +12,19 @@ import httpx
 
 from asyncrl.buffer import Buffer, EvalStore, Jobs, Weights
 from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.clients.engine import EngineClient
+from asyncrl.services.rollout.clients.environments import EnvClient
+from asyncrl.services.rollout.clients.rewards import RewardClient
 from asyncrl.services.rollout.config import RolloutSettings
-from asyncrl.services.rollout.engine_client import EngineClient
-from asyncrl.services.rollout.env_client import EnvClient
-from asyncrl.services.rollout.evaluations import Evaluator, build_task, load_eval_file, sampling_params
-from asyncrl.services.rollout.gateway import Gateway
+from asyncrl.services.rollout.engine_updates import WeightSync
+from asyncrl.services.rollout.evaluations.evaluator import (
+    Evaluator,
+    build_task,
+    load_eval_file,
+    sampling_params,
+)
+from asyncrl.services.rollout.gateway.chat import Gateway
+from asyncrl.services.rollout.groups.scheduler import GroupScheduler
 from asyncrl.services.rollout.intake import (
     REFERENCE_ENGINE,
     SGLANG_ENGINE,
@@ -24,9 +32,6 @@ from asyncrl.services.rollout.intake import (
     Intake,
     resolve_context_length,
 )
-from asyncrl.services.rollout.reward_client import RewardClient
-from asyncrl.services.rollout.scheduler import Scheduler
-from asyncrl.services.rollout.weights import WeightSync
 from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
@@ -60,7 +65,9 @@ class RolloutService:
         self.owned_redis = None
         self.engines: EngineClient | None = None
         self.rewards: RewardClient | None = None
-        self.gateway: Gateway | None = None  # the OpenAI-compatible gateway (services/rollout/gateway.py)
+        self.gateway: Gateway | None = (
+            None  # the OpenAI-compatible gateway (services/rollout/gateway/chat.py)
+        )
         self.envs: EnvClient | None = None
         self._engine_kind: tuple[float, str | None] = (float("-inf"), None)  # (probed at, kind)
         self._engine_probe = asyncio.Lock()
@@ -126,7 +133,7 @@ class RolloutService:
         evaluator = Evaluator(
             s, self.evals, self.engines, self.rewards, weights, self.tokenizer, self.auto_eval
         )
-        scheduler = Scheduler(
+        scheduler = GroupScheduler(
             s,
             self.buf,
             self.engines,

@@ -1,4 +1,4 @@
-"""Tool calls in the policy's text, and the environment's answers as tokens (issue 18).
+"""Tool calls in the policy's text, and the environment's answers as tokens (docs/architecture.md §12).
 
 Two formats (`proto.rollout.EpisodeSpec.tool_format`):
 

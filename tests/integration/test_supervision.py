@@ -133,7 +133,7 @@ class _Engines:
     engine reports as its weight_version."""
 
     def __init__(self, served: list[str]):
-        from asyncrl.services.rollout.engine_client import EngineEndpoint
+        from asyncrl.services.rollout.clients.engine import EngineEndpoint
 
         self.served, self.updates = served, []
         self.admins = [EngineEndpoint(i, f"http://engine-{i}") for i in range(len(served))]
@@ -153,7 +153,7 @@ def test_a_restarted_engine_is_moved_back_to_the_newest_weights():
     publishes nothing that would move it: the rollout's poll notices and reloads it."""
     import asyncio
 
-    from asyncrl.services.rollout.weights import WeightSync
+    from asyncrl.services.rollout.engine_updates import WeightSync
 
     engines = _Engines(["5", "5", "5"])
     sync = WeightSync(None, engines, poll_s=1.0)

@@ -41,11 +41,6 @@ LAYER_NAMES = ["proto", "shared runtime", "buffer", "transport", "a process", "o
 # an entry here that no longer happens, so the list cannot go stale).
 KNOWN = {
     ("asyncrl.trainer.weights", "asyncrl.services.engine.weight_sync"),
-    ("asyncrl.services.rollout.config", "asyncrl.services.reward.verifiers"),
-    ("asyncrl.services.rollout.intake", "asyncrl.services.reward.verifiers"),
-    ("asyncrl.services.rollout.reward_client", "asyncrl.services.reward.scoring"),
-    ("asyncrl.services.rollout.reward_client", "asyncrl.services.reward.verifiers"),
-    ("asyncrl.services.rollout.reward_client", "asyncrl.services.reward.verifiers.base"),
 }
 
 

@@ -11,6 +11,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
+from asyncrl.proto.verifiers import CodeSpec
 from asyncrl.services.reward.verifiers.asserts import (
     BadResults,
     Check,
@@ -21,7 +22,6 @@ from asyncrl.services.reward.verifiers.asserts import (
     split_asserts,
 )
 from asyncrl.services.reward.verifiers.call_harness import NotPlain, decode, to_json
-from asyncrl.services.reward.verifiers.code import CodeSpec
 
 INF = float("inf")
 

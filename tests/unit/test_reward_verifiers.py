@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from asyncrl.proto.records import RewardStatus
-from asyncrl.services.reward.verifiers.base import SpecError
+from asyncrl.proto.verifiers import SpecError
 from asyncrl.services.reward.verifiers.code import extract_program, normalise_output
 from asyncrl.services.reward.verifiers.judge import ScoreParseError, parse_score
 from asyncrl.services.reward.verifiers.math import MathVerifier, answer_region, last_boxed
@@ -209,3 +209,45 @@ def test_a_group_judged_at_once_gets_the_batch_paths_verdicts(cache_entries):
         scorer.judge_group(RewardSpec.model_validate({"verifier": "reverse", "target": ""}), "abc>", ["x"])
     with pytest.raises(RequestRejected):  # not a verifier of this scorer
         scorer.judge_group(RewardSpec.model_validate({"verifier": "math", "answer": "1"}), "", ["1"])
+
+
+def test_builtin_verifier_registry_names_every_verifier_and_its_spec_model():
+    """Every built-in verifier parses its spec with the model `proto.verifiers` publishes for
+    its name (the one the rollout checks submissions with), and `INLINE` names exactly the
+    inline ones."""
+    import importlib
+
+    from asyncrl.proto.verifiers import INLINE, SPECS
+    from asyncrl.services.reward.verifiers import BUILTIN, Verifier, verifier_class
+
+    assert set(SPECS) == set(BUILTIN)
+    for name in BUILTIN:
+        cls = verifier_class(name)
+        assert cls.name == name and cls.Spec is SPECS[name] and cls.inline == (name in INLINE)
+    for module in ("toy", "math", "code", "judge"):
+        importlib.import_module(f"asyncrl.services.reward.verifiers.{module}")
+    assert {cls.name for cls in Verifier.__subclasses__()} <= set(BUILTIN)
+    assert verifier_class("custom") is None
+
+
+def test_the_local_scorer_entry_point_scores_inline_verifiers_only():
+    """`asyncrl.local_scorers:inline` (pyproject) is this package's `InlineScorer`: the
+    service's own verdicts, and a refused spec makes that call's items `invalid_input`."""
+    from importlib.metadata import entry_points
+
+    from asyncrl.proto.rewards import RewardItem, RewardSpec
+    from asyncrl.proto.verifiers import LOCAL_SCORER, LOCAL_SCORERS
+    from asyncrl.services.reward.local import InlineScorer
+
+    (found,) = entry_points(group=LOCAL_SCORERS, name=LOCAL_SCORER)
+    assert found.load() is InlineScorer
+    scorer = InlineScorer(["reverse"])
+    assert scorer.verifiers == {"reverse"}
+    spec = RewardSpec(verifier="reverse", target="ab")
+    assert [v.reward for v in scorer.score_group(spec, "", ["ab", "ax"])] == [1.0, 0.5]
+    items = [RewardItem(id="0", completion="ab", spec=spec)]
+    assert [(v.status, v.reward) for v in scorer.score(items)] == [(RewardStatus.scored, 1.0)]
+    bad = RewardSpec(verifier="reverse", target="ab", extra=1)
+    assert {v.status for v in scorer.score_group(bad, "", ["ab", "ab"])} == {RewardStatus.invalid_input}
+    with pytest.raises(ValueError, match="'math' is not an inline verifier"):
+        InlineScorer(["math"])

@@ -26,7 +26,7 @@ from asyncrl.proto.environments import (
     StepStatus,
     ToolCall,
 )
-from asyncrl.services.reward.verifiers.base import validate_spec
+from asyncrl.proto.verifiers import validate_spec
 
 
 class NoArgs(BaseModel):

@@ -22,9 +22,9 @@ from asyncrl.proto.environments import (
     StepResults,
     StepStatus,
 )
+from asyncrl.proto.verifiers import SpecError
 from asyncrl.services.reward.deps import EnvironmentDep, EnvironmentsDep
 from asyncrl.services.reward.metrics import ENV_FAILURES, ENV_RESETS, ENV_STEP_LATENCY, ENV_STEPS
-from asyncrl.services.reward.verifiers.base import SpecError
 
 router = APIRouter(prefix="/v1/environments")
 REFUSALS = {

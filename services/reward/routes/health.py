@@ -10,12 +10,14 @@ from asyncrl.services.reward.deps import ScorerDep
 router = APIRouter()
 
 
-class Health(BaseModel):
+class RewardHealth(BaseModel):
     status: str
     verifiers: dict[str, str]
 
 
-@router.get("/healthz", response_model=Health)
-def healthz(scorer: ScorerDep) -> Health:
+@router.get("/healthz", response_model=RewardHealth)
+def healthz(scorer: ScorerDep) -> RewardHealth:
     states = {name: verifier.health() for name, verifier in scorer.verifiers.items()}
-    return Health(status="ok" if all(s == "ok" for s in states.values()) else "degraded", verifiers=states)
+    return RewardHealth(
+        status="ok" if all(s == "ok" for s in states.values()) else "degraded", verifiers=states
+    )

@@ -11,9 +11,10 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from asyncrl.proto.records import RewardStatus, check_reward
+from asyncrl.proto.verifiers import validate_spec
 
 
 @dataclass
@@ -33,42 +34,6 @@ class Verdict:
     def failed(cls, status: RewardStatus, reason: str, **details: Any) -> Verdict:
         """A non-scored verdict; `reason` is a short bounded token (it becomes a metric label)."""
         return cls(status, None, {"reason": reason, **details})
-
-
-MAX_SPEC_PROBLEMS = 5  # problems named per spec: a spec with 10k bad keys answers 5, not 10k
-MAX_PROBLEM_CHARS = 200  # a loc or msg may quote the client (a dict key, a ValueError's text)
-
-
-class SpecError(ValueError):
-    """A spec that does not fit its verifier's schema or the server's limits (→ HTTP 422).
-
-    `problems`: `(field, message)` pairs, each string cut to MAX_PROBLEM_CHARS, at most
-    MAX_SPEC_PROBLEMS of them; the message joins them as `field: message; …`."""
-
-    def __init__(self, problems: str | list[tuple[str, str]], total: int | None = None):
-        if isinstance(problems, str):
-            field, _, msg = problems.partition(": ")
-            problems = [(field, msg)] if msg else [("spec", problems)]
-        self.problems = [(_cut(f), _cut(m)) for f, m in problems[:MAX_SPEC_PROBLEMS]]
-        total = len(problems) if total is None else total
-        more = f" (and {total - len(self.problems)} more)" if total > len(self.problems) else ""
-        super().__init__("; ".join(f"{f}: {m}" for f, m in self.problems) + more)
-
-
-def _cut(text: object) -> str:
-    return str(text)[:MAX_PROBLEM_CHARS]
-
-
-def validate_spec(model: type[BaseModel], args: dict[str, Any]) -> BaseModel:
-    """`args` (a reward spec minus `verifier`) as `model`, or `SpecError` naming each bad field.
-    The one check of a spec's arguments: the reward service runs it before scoring, the rollout
-    service at submission (`services.rollout.intake`)."""
-    try:
-        return model.model_validate(args)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_input=False, include_context=False)
-        problems = [(".".join(map(str, e["loc"])) or "spec", e["msg"]) for e in errors[:MAX_SPEC_PROBLEMS]]
-        raise SpecError(problems, total=len(errors)) from None
 
 
 class Verifier(abc.ABC):

@@ -30,16 +30,13 @@ sandbox that failed to run the program makes the item `error`.
 from __future__ import annotations
 
 import asyncio
-import keyword
 import math
 import re
 import secrets
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from asyncrl.proto.records import RewardStatus
+from asyncrl.proto.verifiers import CodeSpec, CodeTest, SpecError
 from asyncrl.services.reward.metrics import CODE_ASSERT_ITEMS, CODE_TESTS, SANDBOX_FAILURES
 from asyncrl.services.reward.sandbox import Limits, RunResult, Sandbox
 from asyncrl.services.reward.verifiers import call_harness
@@ -52,7 +49,7 @@ from asyncrl.services.reward.verifiers.asserts import (
     read_results,
     split_asserts,
 )
-from asyncrl.services.reward.verifiers.base import SpecError, Verdict, Verifier
+from asyncrl.services.reward.verifiers.base import Verdict, Verifier
 
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 MAX_SOURCE_CHARS = 200_000
@@ -92,44 +89,6 @@ def extract_program(completion: str) -> str:
 
 def normalise_output(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
-
-
-class CodeTest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    stdin: str = Field("", max_length=10_000_000)
-    stdout: str = Field(max_length=10_000_000)
-
-
-class CodeSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    language: Literal["python"] = "python"
-    tests: list[CodeTest] | None = Field(None, min_length=1, description="stdin/stdout tests")
-    assert_code: str | None = Field(
-        None, min_length=1, max_length=1_000_000, description="asserts run after the solution"
-    )
-    entry_point: str | None = Field(
-        None, max_length=200, description="with assert_code: run `check(<entry_point>)` after it (HumanEval)"
-    )
-    timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per test (CPU limit: ceil of it)")
-    memory_mb: int = Field(512, ge=64, description="address-space limit per test")
-    partial: bool = Field(False, description="reward = passed fraction instead of all-or-nothing")
-
-    @model_validator(mode="after")
-    def _one_mode(self) -> CodeSpec:
-        if (self.tests is None) == (self.assert_code is None):
-            raise ValueError("give exactly one of `tests` or `assert_code`")
-        if self.entry_point is not None and self.assert_code is None:
-            raise ValueError("entry_point needs assert_code")
-        return self
-
-    @field_validator("entry_point")
-    @classmethod
-    def _identifier(cls, name: str | None) -> str | None:
-        if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
-            raise ValueError("entry_point must be a Python identifier")
-        return name
 
 
 class CodeVerifier(Verifier):

@@ -14,9 +14,9 @@ import math
 import re
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncrl.proto.records import RewardStatus
+from asyncrl.proto.verifiers import JudgeSpec
 from asyncrl.services.reward.metrics import JUDGE_CALLS
 from asyncrl.services.reward.verifiers.base import Verdict, Verifier
 from asyncrl.services.runtime.retry import Retryable, with_retries
@@ -78,23 +78,6 @@ def judge_messages(rubric: str, question: str, response: str, reference: str | N
     parts.append(f"## Response to grade\n{response}")
     parts.append(f"Grade the response from {scale[0]:g} (worst) to {scale[1]:g} (best). End with `Score: N`.")
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n\n".join(parts)}]
-
-
-class JudgeSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    rubric: str = Field(min_length=1, max_length=50_000)
-    reference: str | None = Field(None, max_length=200_000)
-    scale: tuple[float, float] = Field((0.0, 10.0), description="[worst, best] score the judge may give")
-
-    @model_validator(mode="after")
-    def _scale(self) -> JudgeSpec:
-        low, high = self.scale
-        if not (math.isfinite(low) and math.isfinite(high) and low < high):
-            raise ValueError(
-                f"scale must be two finite numbers [low, high] with low < high, got {list(self.scale)}"
-            )
-        return self
 
 
 class JudgeFailure(Exception):

@@ -16,9 +16,8 @@ import logging
 import sys
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from asyncrl.proto.records import RewardStatus
+from asyncrl.proto.verifiers import MathSpec
 from asyncrl.services.reward.metrics import MATH_WORKER_RESTARTS
 from asyncrl.services.reward.verifiers.base import Verdict, Verifier
 from asyncrl.services.runtime.logging import log_event
@@ -170,12 +169,6 @@ class MathPool:
         for task in list(self._spawning):
             task.cancel()
         await asyncio.gather(*(self._discard(w) for w in list(self._all)), return_exceptions=True)
-
-
-class MathSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    answer: str = Field(min_length=1, max_length=10_000, description="gold answer (LaTeX or plain)")
 
 
 class MathVerifier(Verifier):

@@ -5,15 +5,9 @@ Both are pure string functions, cheap enough to run on the event loop: `inline` 
 
 from __future__ import annotations
 
-import re
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from asyncrl.proto.records import RewardStatus
+from asyncrl.proto.verifiers import INTEGER, MAX_TARGET_CHARS, ArithSpec, ReverseSpec
 from asyncrl.services.reward.verifiers.base import Verdict, Verifier
-
-MAX_TARGET_CHARS = 4096
-INTEGER = re.compile(r"[+-]?\d{1,4000}")  # bounded so int() never sees a huge literal
 
 
 def reverse_reward(target: str, completion: str) -> tuple[float, int]:
@@ -31,14 +25,6 @@ def target_from_prompt(prompt: str) -> str:
     (the whole prompt if it has none), surrounding whitespace stripped, reversed."""
     head = prompt.rsplit(">", 1)[0] if ">" in prompt else prompt
     return head.strip()[::-1]
-
-
-class ReverseSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    target: str | None = Field(
-        None, min_length=1, max_length=MAX_TARGET_CHARS, description="the exact string to produce"
-    )
 
 
 class ReverseVerifier(Verifier):
@@ -64,23 +50,6 @@ class ReverseVerifier(Verifier):
             return Verdict.failed(RewardStatus.invalid_input, "target_too_long", max_chars=MAX_TARGET_CHARS)
         reward, matched = reverse_reward(target, completion)
         return Verdict.scored(reward, matched=matched, target_len=len(target), completion_len=len(completion))
-
-
-class ArithSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    answer: str = Field(description="the exact integer answer, as a string")
-    format_credit: float = Field(
-        0.0, ge=0.0, lt=1.0, description="reward for a well-formed but wrong integer answer"
-    )
-
-    @field_validator("answer", mode="before")
-    @classmethod
-    def _integer(cls, value: object) -> str:
-        text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
-        if text is None or not INTEGER.fullmatch(text):
-            raise ValueError(f"answer must be an integer, got {value!r}")
-        return text
 
 
 class ArithVerifier(Verifier):

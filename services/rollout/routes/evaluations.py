@@ -1,7 +1,7 @@
 """`/v1/evaluations`: submit an evaluation (202), read one with its items, list a run's.
 
 A submitted evaluation is queued in Redis; whichever replica claims it first runs it (see
-`services/rollout/evaluations.py`). Nothing here touches the replay buffer or admission.
+`services/rollout/evaluations/evaluator.py`). Nothing here touches the replay buffer or admission.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from asyncrl.proto.evals import (
 from asyncrl.proto.sglang import SamplingParams
 from asyncrl.proto.states import JobState
 from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.clients.rewards import VerifiersUnavailable
 from asyncrl.services.rollout.deps import ServiceDep
-from asyncrl.services.rollout.evaluations import (
+from asyncrl.services.rollout.evaluations.evaluator import (
     body_hash,
     build_task,
     eval_id_for,
@@ -31,7 +32,6 @@ from asyncrl.services.rollout.evaluations import (
     sampling_params,
 )
 from asyncrl.services.rollout.intake import BadRequest, check_engine_support, check_reward_specs
-from asyncrl.services.rollout.reward_client import VerifiersUnavailable
 from asyncrl.services.rollout.routes.errors import ERRORS, refuse
 
 router = APIRouter(prefix="/v1/evaluations", tags=["evaluations"])

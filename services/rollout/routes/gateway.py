@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway's routes (`services/rollout/gateway.py` says what they do).
+"""The OpenAI-compatible gateway's routes (`services/rollout/gateway/chat.py` says what they do).
 
 Every refusal is OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}` (the
 `openai` client raises it as the matching `APIStatusError`): 400 for a body that does not
@@ -35,7 +35,7 @@ from asyncrl.proto.gateway import (
 )
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.deps import ServiceDep
-from asyncrl.services.rollout.gateway import GatewayError, check_request, sse_chunks
+from asyncrl.services.rollout.gateway.chat import GatewayError, check_request, sse_chunks
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,14 @@ from asyncrl.services.rollout.deps import ServiceDep
 router = APIRouter()
 
 
-class Health(BaseModel):
+class RolloutHealth(BaseModel):
     status: str
     dead_loops: list[str] = []
 
 
-@router.get("/healthz", response_model=Health)
+@router.get("/healthz", response_model=RolloutHealth)
 async def healthz(service: ServiceDep):
     dead = service.dead_loops()
     if dead:
-        return JSONResponse(Health(status="error", dead_loops=dead).model_dump(), status_code=503)
-    return Health(status="ok")
+        return JSONResponse(RolloutHealth(status="error", dead_loops=dead).model_dump(), status_code=503)
+    return RolloutHealth(status="ok")

@@ -22,10 +22,10 @@ from fastapi.concurrency import run_in_threadpool
 from asyncrl.proto.rollout import RolloutAccepted, RolloutProgress, RolloutRequest
 from asyncrl.proto.states import JOB_ENDS, GroupState, JobState
 from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.clients.environments import EnvironmentFailed
+from asyncrl.services.rollout.clients.rewards import VerifiersUnavailable
 from asyncrl.services.rollout.deps import ServiceDep
-from asyncrl.services.rollout.env_client import EnvironmentFailed
 from asyncrl.services.rollout.intake import BadRequest, body_hash, job_id_for
-from asyncrl.services.rollout.reward_client import VerifiersUnavailable
 from asyncrl.services.rollout.routes.errors import ERRORS
 from asyncrl.services.rollout.routes.errors import refuse as _refuse
 from asyncrl.services.rollout.service import RolloutService

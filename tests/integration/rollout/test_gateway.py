@@ -28,8 +28,8 @@ from asyncrl.proto import FinishReason, RewardStatus
 from asyncrl.proto.gateway import Call
 from asyncrl.proto.lineage import parse_weight_version
 from asyncrl.services.ops.tinymodel import EOS_ID, build_tiny_model
-from asyncrl.services.rollout.gateway import _tool_calls
-from asyncrl.services.rollout.gateway_groups import build_group, sessions_to_pieces
+from asyncrl.services.rollout.gateway.chat import _tool_calls
+from asyncrl.services.rollout.gateway.samples import build_group, sessions_to_pieces
 
 torch.set_num_threads(1)
 

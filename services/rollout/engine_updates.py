@@ -19,7 +19,7 @@ moved back to it at once (in-flight requests aborted; the buffer drops what the 
 sampled). A missed pub/sub message is caught up by polling the latest weights every
 `poll_s`, and at start the engines are brought to the latest disk weights.
 
-Pins (evaluations, `services/rollout/evaluations.py`): `pin()` chooses an engine and, under the
+Pins (evaluations, `services/rollout/evaluations/evaluator.py`): `pin()` chooses an engine and, under the
 same lock every update holds, counts a pin on the admin engines that serve it (the admin with
 the same URL; every admin when generation goes through a router). An update skips pinned
 engines (`deferred`, counted as `asyncrl_rollout_weight_updates_total{result="deferred"}`);
@@ -46,7 +46,7 @@ from asyncrl.buffer import Weights
 from asyncrl.proto import WeightsInfo
 from asyncrl.proto.lineage import parse_weight_version, weight_version_name
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.engine_client import EngineClient, EngineEndpoint
+from asyncrl.services.rollout.clients.engine import EngineClient, EngineEndpoint
 from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)

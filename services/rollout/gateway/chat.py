@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway (issue 18): any agent that speaks the OpenAI chat API can be
+"""The OpenAI-compatible gateway (docs/architecture.md §12): any agent that speaks the OpenAI chat API can be
 trained, unmodified, by pointing its client at the rollout service.
 
     POST /v1/sessions                  {group_id?, group_size, prompt_id?, reward_spec?} → session
@@ -11,7 +11,7 @@ groups) and answers a `chat.completion` (hermes `<tool_call>` text becomes `tool
 session, the call is recorded exactly as sampled: prompt ids, completion ids, behaviour
 logprobs, the policy version of every token. Without one the gateway is a plain proxy.
 
-When every session of a group is closed, the group is built (`gateway_groups.build_group`) and put in
+When every session of a group is closed, the group is built (`gateway.samples.build_group`) and put in
 the buffer under the same rules as the scheduler's groups: a new group takes an admission slot
 when its first session is created (its `submit_version` is the trainer version then), the put
 moves the slot to `accepted`, `min_version` comes from the policy's tokens. A session whose
@@ -72,12 +72,12 @@ from asyncrl.proto.rewards import RewardItem, RewardSpec
 from asyncrl.proto.sglang import ChatCompletionUsage
 from asyncrl.proto.states import Admission
 from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.clients.engine import EngineClient, EngineFailure, EngineRejected
+from asyncrl.services.rollout.clients.rewards import RewardClient, VerifiersUnavailable
 from asyncrl.services.rollout.config import RolloutSettings
-from asyncrl.services.rollout.engine_client import EngineClient, EngineFailure, EngineRejected
-from asyncrl.services.rollout.gateway_groups import build_group
+from asyncrl.services.rollout.gateway.samples import build_group
 from asyncrl.services.rollout.intake import BadRequest, check_reward_specs
-from asyncrl.services.rollout.reward_client import RewardClient, VerifiersUnavailable
-from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
+from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed, sample_text
 from asyncrl.services.rollout.toolcalls import (
     HERMES_CLOSE,
     HERMES_OPEN,
@@ -146,7 +146,7 @@ class Gateway:
         tokenizer,
         context_length: int,
     ):
-        self.s = settings
+        self.settings = settings
         self.store = SessionStore(buf, settings.gateway_session_ttl_s, settings.gateway_put_lease_s)
         self.groups, self.admission, self.versions = Groups(buf), AdmissionControl(buf), Weights(buf)
         self.engines, self.rewards = engines, rewards
@@ -194,7 +194,7 @@ class Gateway:
     async def _admit(self, gid: str) -> int:
         """Take the new group's admission slot (buffer/admission.py, the scheduler's rule),
         waiting up to `gateway_admission_wait_s`; the trainer version at admission."""
-        deadline = time.monotonic() + self.s.gateway_admission_wait_s
+        deadline = time.monotonic() + self.settings.gateway_admission_wait_s
         while True:
             admission = await asyncio.to_thread(self.admission.try_admit, gid)
             if admission.go:
@@ -208,9 +208,9 @@ class Gateway:
                     429,
                     "the buffer is full (admission): the trainer is behind; retry later",
                     "admission_full",
-                    retry_after=max(1.0, self.s.admission_poll_s),
+                    retry_after=max(1.0, self.settings.admission_poll_s),
                 )
-            await asyncio.sleep(self.s.admission_poll_s)
+            await asyncio.sleep(self.settings.admission_poll_s)
 
     async def close_session(self, sid: str, body: RewardRequest) -> SessionClosed:
         """Close with the reward given, or the one the session's verifier gives its last answer;
@@ -301,7 +301,7 @@ class Gateway:
     async def reap(self) -> None:
         """Run forever: expire groups idle past the TTL; put complete groups whose putter died."""
         while True:
-            await asyncio.sleep(self.s.gateway_reap_interval_s)
+            await asyncio.sleep(self.settings.gateway_reap_interval_s)
             try:
                 await self.reap_once()
             except redis.RedisError as exc:
@@ -345,12 +345,12 @@ class Gateway:
                 "context_length",
             )
         asked = body.max_completion_tokens or body.max_tokens
-        if asked is not None and asked > self.s.max_new_tokens_cap:
+        if asked is not None and asked > self.settings.max_new_tokens_cap:
             raise GatewayError(
-                400, f"max_tokens {asked} exceeds the cap {self.s.max_new_tokens_cap}", "max_tokens"
+                400, f"max_tokens {asked} exceeds the cap {self.settings.max_new_tokens_cap}", "max_tokens"
             )
         params: dict[str, Any] = {
-            "max_new_tokens": min(asked or self.s.max_new_tokens_cap, room),
+            "max_new_tokens": min(asked or self.settings.max_new_tokens_cap, room),
             "temperature": body.temperature,
             "top_p": body.top_p,
         }
@@ -410,13 +410,13 @@ class Gateway:
             engine = engines[preferred]
         else:
             try:
-                engine = await asyncio.wait_for(self.engines.pick(), self.s.gateway_engine_wait_s)
+                engine = await asyncio.wait_for(self.engines.pick(), self.settings.gateway_engine_wait_s)
             except TimeoutError:
                 raise GatewayError(
                     503,
-                    f"no healthy engine within {self.s.gateway_engine_wait_s} s",
+                    f"no healthy engine within {self.settings.gateway_engine_wait_s} s",
                     "no_engine",
-                    retry_after=self.s.engine_probe_s,
+                    retry_after=self.settings.engine_probe_s,
                 ) from None
         started = time.time()
         d = Draft(0, submitted=started)
@@ -437,13 +437,13 @@ class Gateway:
                 [params["max_new_tokens"]],
                 params_for,
                 rids=rids,
-                max_resubmits=self.s.max_resubmits,
+                max_resubmits=self.settings.max_resubmits,
                 context_length=self.context_length,
-                initial_version=self.s.initial_weight_version,
+                initial_version=self.settings.initial_weight_version,
             )
         except TooManyAborts:
             raise GatewayError(
-                502, f"the call was aborted {self.s.max_resubmits + 1} times", "aborted"
+                502, f"the call was aborted {self.settings.max_resubmits + 1} times", "aborted"
             ) from None
         except EngineRejected as exc:
             raise GatewayError(400, f"the engine refused the request: {exc}", "engine_rejected") from None
@@ -452,12 +452,12 @@ class Gateway:
         except asyncio.CancelledError:  # the client went away: stop what still runs for it
             await asyncio.gather(*(self.engines.abort(engine, rid) for rid in rids))
             raise
-        text = d.text
-        if (
-            d.segments > 1
-        ):  # several engine answers: the text of all the tokens (SGLang's rules: stop trimmed)
-            shown = d.tokens[:-1] if d.finish_reason == "stop" else d.tokens
-            text = await asyncio.to_thread(self.tokenizer.decode, shown, skip_special_tokens=True)
+        # (several engine answers: the tokens are decoded, off the event loop)
+        text = (
+            d.engine_text
+            if d.segments == 1
+            else await asyncio.to_thread(sample_text, self.tokenizer, d, params)
+        )
         return Completion(
             prompt,
             d.tokens,

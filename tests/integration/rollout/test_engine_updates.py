@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import REGISTRY
 from rollout_server import free_port
 
-from asyncrl.services.rollout.engine_client import EngineClient
+from asyncrl.services.rollout.clients.engine import EngineClient
 from asyncrl.services.runtime.serving import serve_app_in_thread
 
 

@@ -19,6 +19,10 @@ Each group's state (`proto.states.GroupState`) is reported in its job's record (
 are heartbeated; a job of a dead replica (idle past `recover_idle_s`) is recovered. On shutdown,
 unfinished groups are left pending for a restart (`Jobs.resume_own`) or another replica: no job
 is ended that was not finished.
+
+A group's samples are made through the `GroupSampler` it is given for its engine: one batch for
+a one-turn job, each turn of each episode for an episode job (`EpisodeRunner`, which sees only
+that sampler and the environments). docs/architecture.md §4–§5 has the why.
 """
 
 from __future__ import annotations
@@ -41,13 +45,19 @@ from asyncrl.proto.lineage import merge
 from asyncrl.proto.rewards import RewardResult, RewardSpec
 from asyncrl.proto.states import Admission, GroupState
 from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.clients.engine import (
+    EngineClient,
+    EngineEndpoint,
+    EngineFailure,
+    EngineRejected,
+)
+from asyncrl.services.rollout.clients.environments import EnvClient, EnvironmentFailed
+from asyncrl.services.rollout.clients.rewards import RewardClient
 from asyncrl.services.rollout.config import RolloutSettings
-from asyncrl.services.rollout.engine_client import EngineClient, EngineEndpoint, EngineFailure, EngineRejected
-from asyncrl.services.rollout.env_client import EnvClient, EnvironmentFailed
-from asyncrl.services.rollout.episodes import run_episodes
-from asyncrl.services.rollout.reward_client import RewardClient
-from asyncrl.services.rollout.segments import Draft, TooManyAborts, generate_resuming, moved_seed
-from asyncrl.services.rollout.weights import WeightSync
+from asyncrl.services.rollout.engine_updates import WeightSync
+from asyncrl.services.rollout.groups.episodes import EpisodeRunner
+from asyncrl.services.rollout.groups.sampler import GroupSampler
+from asyncrl.services.rollout.segments import Draft, sample_text
 from asyncrl.services.runtime.coalescer import GroupCommit
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.runtime.retry import Retryable, with_retries
@@ -69,7 +79,7 @@ class Active:
     rids: set[str] = field(default_factory=set)
 
 
-class Scheduler:
+class GroupScheduler:
     def __init__(
         self,
         settings: RolloutSettings,
@@ -81,7 +91,7 @@ class Scheduler:
         context_length: int,
         envs: EnvClient | None = None,
     ):
-        self.s = settings
+        self.settings = settings
         # The buffer's parts, on the process's one connection; used only on the `_redis` thread
         # (`jobs` holds this replica's claims).
         self.jobs = Jobs(buf, consumer=f"rollout-{settings.replica}")
@@ -89,6 +99,13 @@ class Scheduler:
         self.engines, self.rewards, self.weights, self.envs = engines, rewards, weights, envs
         self.tokenizer = tokenizer
         self.context_length = context_length
+        self.episodes = EpisodeRunner(
+            envs,
+            tokenizer,
+            context_length=context_length,
+            default_max_new_tokens=settings.default_max_new_tokens,
+            initial_weight_version=settings.initial_weight_version,
+        )
         self.active: dict[str, Active] = {}
         self._redis = ThreadPoolExecutor(1, thread_name_prefix="rollout-buffer")
         self._wake = asyncio.Event()
@@ -120,14 +137,14 @@ class Scheduler:
         try:
             for c in await self._db(self.jobs.resume_own):
                 self._start(c, "resumed")
-            next_recover = time.monotonic() + self.s.recover_interval_s
+            next_recover = time.monotonic() + self.settings.recover_interval_s
             while True:
                 claimed: list[tuple[ClaimedJob, str]] = []
-                free = self.s.max_active_groups - len(self.active)
+                free = self.settings.max_active_groups - len(self.active)
                 if free > 0 and time.monotonic() >= next_recover:
-                    idle_ms = int(self.s.recover_idle_s * 1000)
+                    idle_ms = int(self.settings.recover_idle_s * 1000)
                     claimed += [(c, "recovered") for c in await self._db(self.jobs.recover, idle_ms)]
-                    next_recover = time.monotonic() + self.s.recover_interval_s
+                    next_recover = time.monotonic() + self.settings.recover_interval_s
                 if free - len(claimed) > 0:
                     claimed += [(c, "new") for c in await self._db(self.jobs.claim, free - len(claimed), 0)]
                 for c, source in claimed:
@@ -135,7 +152,7 @@ class Scheduler:
                 if not claimed:
                     self._wake.clear()
                     try:
-                        await asyncio.wait_for(self._wake.wait(), self.s.claim_poll_s)
+                        await asyncio.wait_for(self._wake.wait(), self.settings.claim_poll_s)
                     except TimeoutError:
                         pass
         finally:
@@ -274,7 +291,7 @@ class Scheduler:
                 if full:
                     m.ADMISSION_WAITS.inc()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._admission_wake.wait(), self.s.admission_poll_s)
+                        await asyncio.wait_for(self._admission_wake.wait(), self.settings.admission_poll_s)
                     self._admission_wake.clear()
 
     async def _on_version(self, version: int) -> None:
@@ -373,7 +390,7 @@ class Scheduler:
     async def _heartbeat(self) -> None:
         """Keep our jobs from looking dead; stop groups of cancelled jobs before they are scored."""
         while True:
-            await asyncio.sleep(self.s.heartbeat_s)
+            await asyncio.sleep(self.settings.heartbeat_s)
             await self._db(self.jobs.touch, [a.claimed.entry_id for a in self.active.values()])
             for job_id in {a.claimed.job.job_id for a in self.active.values()}:
                 if not await self._db(self.jobs.cancelled, job_id):
@@ -395,7 +412,17 @@ class Scheduler:
             a.engine = await self.engines.pick()
             t0 = time.monotonic()
             try:
-                drafts = await (run_episodes(self, a) if episodes else self._samples(a))
+                sampler = GroupSampler(
+                    self.engines,
+                    a.engine,
+                    self.weights,
+                    group_id=job.group_id,
+                    rids=a.rids,
+                    max_resubmits=self.settings.max_resubmits,
+                    context_length=self.context_length,
+                    initial_version=self.settings.initial_weight_version,
+                )
+                drafts = await (self.episodes.run(job, sampler) if episodes else self._samples(job, sampler))
             except EngineFailure as exc:
                 m.GROUPS_REQUEUED.labels("engine").inc()
                 log_event(
@@ -416,84 +443,24 @@ class Scheduler:
             return drafts
 
         return await with_retries(
-            on_an_engine, math.inf, first_s=2 * self.s.engine_backoff_s, max_s=self.s.requeue_backoff_max_s
+            on_an_engine,
+            math.inf,
+            first_s=2 * self.settings.engine_backoff_s,
+            max_s=self.settings.requeue_backoff_max_s,
         )
 
-    async def _samples(self, a: Active) -> list[Draft]:
+    async def _samples(self, job: GroupJob, sampler: GroupSampler) -> list[Draft]:
         """The group's completions in one batched request; after a weight-update abort, the
         aborted samples' remainders (prompt + their tokens so far) go again as one batch."""
-        job = a.claimed.job
         params = dict(job.sampling_params)
-        budget = int(params.get("max_new_tokens", self.s.default_max_new_tokens))
+        budget = int(params.get("max_new_tokens", self.settings.default_max_new_tokens))
         prompt = job.prompt_tokens.tolist()
         now = time.time()
         drafts = [Draft(i, submitted=now) for i in range(job.group_size)]
-        await self._resuming(a, [prompt] * len(drafts), drafts, [budget] * len(drafts), params, 0)
+        await sampler.generate([prompt] * len(drafts), drafts, [budget] * len(drafts), params)
         for d in drafts:
-            if d.segments == 1:  # the engine's own text of these tokens (SGLang's rules: stop trim, specials)
-                continue
-            stop_trim = d.finish_reason == "stop" and not params.get("no_stop_trim")
-            d.text = self.tokenizer.decode(
-                d.tokens[:-1] if stop_trim else d.tokens,
-                skip_special_tokens=params.get("skip_special_tokens", True),
-            )
+            d.text = sample_text(self.tokenizer, d, params)
         return drafts
-
-    async def _turn(
-        self,
-        a: Active,
-        prompt: list[int],
-        d: Draft,
-        budget: int,
-        params: dict,
-        turn: int,
-        stop_ids: list[int],
-    ) -> str:
-        """One policy turn of an episode: up to `budget` tokens appended to `d` (loss mask 1),
-        resubmitting prompt + tokens so far after a weight-update abort; its finish reason."""
-        base = dict(params)
-        if stop_ids:
-            base["stop_token_ids"] = sorted({*params.get("stop_token_ids", ()), *stop_ids})
-        await self._resuming(a, [prompt], [d], [len(d.tokens) + budget], base, 1000 * turn)
-        return d.finish_reason
-
-    async def _resuming(
-        self,
-        a: Active,
-        prompts: list[list[int]],
-        drafts: list[Draft],
-        budgets: list[int],
-        params: dict,
-        first_segment: int,
-    ) -> None:
-        """`segments.generate_resuming` on the group's engine; a job's sampling_seed moves per
-        sample and segment (segment numbers from `first_segment`: an episode's turns apart)."""
-        assert a.engine is not None
-
-        def params_for(d: Draft, segment: int) -> dict:
-            if "sampling_seed" not in params:
-                return params
-            return {
-                **params,
-                "sampling_seed": moved_seed(params["sampling_seed"] + first_segment + segment, d.index + 1),
-            }
-
-        try:
-            await generate_resuming(
-                self.engines,
-                a.engine,
-                self.weights,
-                prompts,
-                drafts,
-                budgets,
-                params_for,
-                rids=a.rids,
-                max_resubmits=self.s.max_resubmits,
-                context_length=self.context_length,
-                initial_version=self.s.initial_weight_version,
-            )
-        except TooManyAborts as exc:
-            raise EngineFailure(f"samples of {a.claimed.job.group_id} were {exc}") from None
 
     # --- scoring --------------------------------------------------------------------------
 

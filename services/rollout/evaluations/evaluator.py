@@ -47,17 +47,17 @@ from asyncrl.proto.rollout import RolloutPrompt
 from asyncrl.proto.sglang import SamplingParams
 from asyncrl.proto.states import JobState
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.config import RolloutSettings
-from asyncrl.services.rollout.engine_client import (
+from asyncrl.services.rollout.clients.engine import (
     EngineClient,
     EngineEndpoint,
     EngineFailure,
     EngineRejected,
     Generation,
 )
+from asyncrl.services.rollout.clients.rewards import RewardClient
+from asyncrl.services.rollout.config import RolloutSettings
+from asyncrl.services.rollout.engine_updates import Pin, VersionNotServed, WeightSync, policy_version
 from asyncrl.services.rollout.intake import MAX_REPORTED, BadRequest, Intake
-from asyncrl.services.rollout.reward_client import RewardClient
-from asyncrl.services.rollout.weights import Pin, VersionNotServed, WeightSync, policy_version
 from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class Evaluator:
         tokenizer,
         auto: EvalTask | None = None,
     ):
-        self.s, self.store = settings, store
+        self.settings, self.store = settings, store
         self.engines, self.rewards, self.weights = engines, rewards, weights
         self.tokenizer = tokenizer
         self.auto = auto if settings.eval_every else None
@@ -234,16 +234,18 @@ class Evaluator:
                 try:
                     if time.monotonic() >= next_beat:
                         await self._heartbeat()
-                        next_beat = time.monotonic() + self.s.heartbeat_s
-                    if len(self.running) < self.s.eval_concurrency:
-                        claimed = await asyncio.to_thread(self.store.claim, self.owner, self.s.recover_idle_s)
+                        next_beat = time.monotonic() + self.settings.heartbeat_s
+                    if len(self.running) < self.settings.eval_concurrency:
+                        claimed = await asyncio.to_thread(
+                            self.store.claim, self.owner, self.settings.recover_idle_s
+                        )
                 except redis.RedisError as exc:  # Redis is away: the next poll tries again
                     m.EVAL_REDIS_ERRORS.inc()
                     log_event(log, "evaluation queue unreachable", logging.WARNING, error=str(exc))
                 if claimed is not None:
                     self._launch(claimed, None)
                 else:
-                    await asyncio.sleep(self.s.claim_poll_s)
+                    await asyncio.sleep(self.settings.claim_poll_s)
         finally:
             tasks = list(self.running.values())
             for t in tasks:  # shutdown: their leases run out and another replica starts them over
@@ -253,14 +255,14 @@ class Evaluator:
     async def on_version(self, version: int) -> None:
         """WeightSync listener, called under its lock as the engines first reach `version`:
         create the automatic evaluation due at it (once across replicas) and pin it now."""
-        if self.auto is None or version % self.s.eval_every:
+        if self.auto is None or version % self.settings.eval_every:
             return
-        eval_id = eval_id_for(self.s.run, f"auto-{self.s.eval_name}-v{version}", "auto")
+        eval_id = eval_id_for(self.settings.run, f"auto-{self.settings.eval_name}-v{version}", "auto")
         task = self.auto.model_copy(update={"target_version": version})
-        summary = new_summary(eval_id, self.s.eval_name, "auto", task)
+        summary = new_summary(eval_id, self.settings.eval_name, "auto", task)
         try:
             created = await asyncio.to_thread(
-                self.store.create, summary, task, self.owner, self.s.recover_idle_s
+                self.store.create, summary, task, self.owner, self.settings.recover_idle_s
             )
         except redis.RedisError as exc:
             m.AUTO_EVALS.labels("error").inc()
@@ -287,7 +289,7 @@ class Evaluator:
 
     async def _heartbeat(self) -> None:
         lost = await asyncio.to_thread(
-            self.store.touch, self.owner, list(self.running), self.s.recover_idle_s
+            self.store.touch, self.owner, list(self.running), self.settings.recover_idle_s
         )
         for eval_id in lost:
             if eval_id in self.running:  # another replica holds it now: stop ours, it would not be stored
@@ -297,7 +299,9 @@ class Evaluator:
     async def _evaluate(self, claimed: ClaimedEval, pin: Pin | None) -> None:
         eval_id = claimed.summary.eval_id
         run = _Run(
-            claimed.summary.model_copy(update={"attempts": claimed.attempts, "replica": self.s.replica})
+            claimed.summary.model_copy(
+                update={"attempts": claimed.attempts, "replica": self.settings.replica}
+            )
         )
         t0 = time.monotonic()
         try:
@@ -357,7 +361,7 @@ class Evaluator:
     async def _start_version(self, pin: Pin, target: int | None) -> int:
         """The version the pinned engine serves, as it reports it (the pin keeps it there)."""
         reported = await self.engines.weight_versions(only=list(pin.admins))
-        versions = {policy_version(v, self.s.initial_weight_version) for v in reported if v}
+        versions = {policy_version(v, self.settings.initial_weight_version) for v in reported if v}
         if len(versions) > 1:
             raise EvalFailed(
                 f"the engines behind {pin.engine.url} serve different versions {sorted(versions)}"
@@ -423,7 +427,7 @@ class Evaluator:
                 f"item {prompt.prompt_id} was aborted by the engine: its weights changed under "
                 "the evaluation (a distributed update, or another replica's)"
             )
-        got = policy_version(gen.weight_version, self.s.initial_weight_version)
+        got = policy_version(gen.weight_version, self.settings.initial_weight_version)
         if got != version:
             raise EvalFailed(
                 f"item {prompt.prompt_id} carries version {got}; the evaluation runs at {version}"

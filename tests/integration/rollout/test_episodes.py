@@ -1,4 +1,4 @@
-"""Episodes end to end on loopback (issue 18): real Redis, the reference engine (tiny Qwen2,
+"""Episodes end to end on loopback: real Redis, the reference engine (tiny Qwen2,
 character tokenizer), the real reward service serving the `secret` environment, the rollout
 service driving multi-turn episodes. Nothing is mocked; the "failing environment" is a real
 HTTP server that answers 500 on purpose (fault injection).

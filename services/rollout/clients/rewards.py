@@ -8,9 +8,10 @@ by position); a merged batch that fails is sent again caller by caller, so one c
 item never marks another's `invalid_input`.
 
 Items of a `local` verifier (an inline one: a pure function, `[rollout] local_verifiers`) are
-scored in this process by the reward service's own `Scorer`, with no HTTP round trip; a
-caller's item whose spec that scorer refuses makes that caller's local items `invalid_input`,
-as the service's 422 would.
+scored in this process, with no HTTP round trip, by the `LocalScorer` the reward package
+provides under the `asyncrl.local_scorers` entry point (`proto.verifiers`); a caller's item
+whose spec that scorer refuses makes that caller's local items `invalid_input`, as the
+service's 422 would.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from importlib.metadata import entry_points
 
 import httpx
 import msgspec
@@ -29,21 +30,17 @@ from pydantic import ValidationError
 from asyncrl.proto.records import RewardStatus
 from asyncrl.proto.rewards import (
     RewardItem,
-    RewardRequest,
     RewardResponse,
     RewardResult,
     RewardSpec,
     VerifierList,
 )
+from asyncrl.proto.verifiers import LOCAL_SCORER, LOCAL_SCORERS, SPECS, LocalScorer, LocalVerdict
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.engine_client import JSON_HEADERS
+from asyncrl.services.rollout.clients.engine import JSON_HEADERS
 from asyncrl.services.runtime.coalescer import Coalescer
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.runtime.retry import Retryable, with_retries
-
-if TYPE_CHECKING:
-    from asyncrl.services.reward.scoring import Scorer
-    from asyncrl.services.reward.verifiers.base import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +87,9 @@ class RewardClient:
         await self._batches.aclose()
         await self._http.aclose()
 
-    async def score(self, items: list[RewardItem]) -> list[RewardResult | Verdict]:
+    async def score(self, items: list[RewardItem]) -> list[RewardResult | LocalVerdict]:
         """One result per item, in order; never raises for reward-service failures. An item of a
-        local verifier gets the local scorer's `Verdict` (not wrapped in a `RewardResult`: per
+        local verifier gets the local scorer's verdict (not wrapped in a `RewardResult`: per
         item that cost as much as the verdict); both carry `status`, `reward` and `details`."""
         local = self._local.verifiers if self._local is not None else {}
         remote = [item for item in items if item.spec.verifier not in local]
@@ -113,7 +110,7 @@ class RewardClient:
 
     async def score_group(
         self, spec: RewardSpec, prompt: str, completions: list[str]
-    ) -> list[RewardResult | Verdict]:
+    ) -> list[RewardResult | LocalVerdict]:
         """`score` for completions of one prompt under one spec (a group's samples): judged here
         when its verifier is local, without building an item per completion."""
         if self._local is None or spec.verifier not in self._local.verifiers:
@@ -124,35 +121,15 @@ class RewardClient:
                     for i, c in enumerate(completions)
                 ]
             )
-        from asyncrl.services.reward.scoring import RequestRejected
-
         m.REWARD_CALLS.labels("local").inc()
-        try:
-            results = self._local.judge_group(spec, prompt, completions)
-        except RequestRejected as exc:
-            results = self._rejected(exc, len(completions))
-        return _counted(results)
+        return _counted(self._local.score_group(spec, prompt, completions))
 
-    @staticmethod
-    def _rejected(exc: Exception, n: int) -> list[Verdict]:
-        """The local scorer refused the spec: every item of it is `invalid_input`, saying why."""
-        from asyncrl.services.reward.verifiers.base import Verdict
-
-        details = {"error": f"{exc}: {exc.problems[:3]}"}
-        return [Verdict(RewardStatus.invalid_input, None, details) for _ in range(n)]
-
-    def _score_local(self, items: list[RewardItem]) -> list[Verdict]:
+    def _score_local(self, items: list[RewardItem]) -> list[LocalVerdict]:
         """Inline verifiers, judged here and now."""
         if not items:
             return []
-        from asyncrl.services.reward.scoring import RequestRejected
-
         m.REWARD_CALLS.labels("local").inc()
-        try:
-            jobs = self._local.prepare(RewardRequest.model_construct(items=items))
-        except RequestRejected as exc:
-            return self._rejected(exc, len(items))
-        return self._local.verdicts_now(jobs)
+        return self._local.score(items)
 
     async def _post_batch(self, _: None, items: list[RewardItem]) -> list[RewardResult]:
         """Score a merged batch, with retries: its items go under ids unique by position and
@@ -230,31 +207,28 @@ class RewardClient:
             ) from exc
         served = {v.name: v.spec_schema for v in listed}
         if self._local is not None:
-            served |= {name: v.Spec.model_json_schema() for name, v in self._local.verifiers.items()}
+            served |= {name: SPECS[name].model_json_schema() for name in self._local.verifiers}
         self._verifiers = (now, served)
         return served
 
 
-def _counted(results: list[RewardResult | Verdict]) -> list[RewardResult | Verdict]:
+def _counted(results: list[RewardResult | LocalVerdict]) -> list[RewardResult | LocalVerdict]:
     """`results`, each counted by status."""
     for status, n in Counter(r.status for r in results).items():
         m.REWARD_RESULTS.labels(status.value).inc(n)
     return results
 
 
-def _local_scorer(names: Sequence[str]) -> Scorer:
-    """The reward service's `Scorer` over the inline verifiers `names`, without a result cache
-    (a cache key costs more than these verdicts)."""
-    from asyncrl.services.reward.scoring import Scorer
-    from asyncrl.services.reward.verifiers import verifier_class
-
-    verifiers = {}
-    for name in names:
-        cls = verifier_class(name)
-        if cls is None or not cls.inline:
-            raise ValueError(f"{name!r} is not an inline verifier: it cannot be scored locally")
-        verifiers[name] = cls(concurrency=1, timeout_s=1.0)  # (inline: neither is used)
-    return Scorer(verifiers, cache_entries=0, queue_timeout_s=1.0)
+def _local_scorer(names: Sequence[str]) -> LocalScorer:
+    """The reward package's scorer of the inline verifiers `names` (its `asyncrl.local_scorers`
+    entry point); a ValueError when that package is not installed."""
+    found = entry_points(group=LOCAL_SCORERS, name=LOCAL_SCORER)
+    if not found:
+        raise ValueError(
+            f"local_verifiers {list(names)} need the reward package's local scorer "
+            f"(entry point {LOCAL_SCORERS}:{LOCAL_SCORER}), which is not installed"
+        )
+    return next(iter(found)).load()(names)
 
 
 def _match(ids: list[str], results: list[RewardResult]) -> list[RewardResult]:

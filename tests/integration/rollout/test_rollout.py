@@ -704,7 +704,7 @@ def test_local_and_remote_items_of_one_batch_keep_their_order_and_verdicts(rewar
     import asyncio
 
     from asyncrl.proto.rewards import RewardItem, RewardResult, RewardSpec
-    from asyncrl.services.rollout.reward_client import RewardClient
+    from asyncrl.services.rollout.clients.rewards import RewardClient
 
     def item(i: int, spec: dict, completion: str) -> RewardItem:
         return RewardItem(

@@ -1,4 +1,4 @@
-"""Tool calls read from the policy's text and environment answers as tokens (issue 18)."""
+"""Tool calls read from the policy's text and environment answers as tokens (docs/architecture.md §12)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from asyncrl.proto.rollout import EpisodeSpec
 from asyncrl.services.ops.tinymodel import build_char_tokenizer
-from asyncrl.services.rollout.episodes import turn_stop_ids
+from asyncrl.services.rollout.groups.episodes import turn_stop_ids
 from asyncrl.services.rollout.toolcalls import BadToolCall, ToolFormat, observation_ids, parse_tool_call
 
 HERMES = ToolFormat.of(EpisodeSpec(environment="calculator"))

@@ -30,7 +30,7 @@ from asyncrl.proto.environments import (
     StepResults,
 )
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.engine_client import JSON_HEADERS
+from asyncrl.services.rollout.clients.engine import JSON_HEADERS
 from asyncrl.services.runtime.coalescer import Coalescer
 from asyncrl.services.runtime.retry import Retryable, with_retries
 

@@ -1,4 +1,4 @@
-"""How a gateway session's calls become a group's samples (services/rollout/gateway.py serves
+"""How a gateway session's calls become a group's samples (services/rollout/gateway/chat.py serves
 the calls and puts the group).
 
 A session whose calls extend each other exactly (each prompt = the previous prompt + completion
