@@ -171,7 +171,7 @@ def run_round(pub, state, dtype: str, version: int, raw: RawBound, urls, http, p
     first alternates between rounds, so neither always meets the other's disk writeback."""
     import torch
 
-    from asyncrl.trainer.weights import cast_state
+    from asyncrl.trainer.publish import cast_state
 
     if raw_first:
         raw_write, raw_read = raw.write(), raw.read()
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     import torch
 
     from asyncrl.buffer.alloc import tune_malloc
-    from asyncrl.trainer.weights import DiskPublisher, cast_state
+    from asyncrl.trainer.publish import DiskPublisher, cast_state
 
     torch.set_num_threads(1)  # the engines run with 1 thread, the trainer with OMP_NUM_THREADS (1)
     tune_malloc()  # as in the trainer's rank 0, whose `Buffer` applies it: cast_state's allocations

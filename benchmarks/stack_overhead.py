@@ -144,7 +144,7 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
     from asyncrl.proto import WeightsInfo
     from asyncrl.services.ops.demo import DemoSection, submit
     from asyncrl.services.ops.launcher import Launcher, UpConfig
-    from asyncrl.trainer.weights import DiskPublisher
+    from asyncrl.trainer.publish import DiskPublisher
 
     raw = demo_config(port_base, trainer=False)
     raw["model"].update(path=str(run_dir / "base"), seed=0)
@@ -215,7 +215,7 @@ def guarantee_floor(run_dir: Path, model_dir: str, prompts: list[dict], group: i
     from asyncrl.services.rollout.reward_client import RewardClient
     from asyncrl.services.rollout.scheduler import Scheduler
     from asyncrl.services.rollout.segments import Draft
-    from asyncrl.trainer.weights import DiskPublisher
+    from asyncrl.trainer.publish import DiskPublisher
 
     def timed(fn) -> list[float]:
         times = []

@@ -29,7 +29,7 @@ layouts and paths they hold (`CheckedReader`); anything else in it is refused wi
 
 Limits: `<root>` must be one directory every rank sees (a shared filesystem across nodes; any
 directory on one node). DCP does not promise to read checkpoints across torch versions. Weights
-published to engines are separate (trainer/weights.py: an HF safetensors directory, or the
+published to engines are separate (trainer/publish.py: an HF safetensors directory, or the
 broadcast).
 """
 

@@ -30,10 +30,10 @@ from asyncrl.trainer.checkpoint import Checkpointer
 from asyncrl.trainer.config import TrainerSettings
 from asyncrl.trainer.data import GroupSource
 from asyncrl.trainer.model import DTYPES, Dist, build_model, full_state_dict, resolve_mixed_precision
+from asyncrl.trainer.publish import BroadcastPublisher, DiskPublisher, cast_state, detach_from
 from asyncrl.trainer.schedule import build_scheduler
 from asyncrl.trainer.step import StepConfig
 from asyncrl.trainer.tracking import Tracker, build_tracker
-from asyncrl.trainer.weights import BroadcastPublisher, DiskPublisher, cast_state, detach_from
 
 if TYPE_CHECKING:
     from asyncrl.buffer import AdmissionControl, Groups, Weights

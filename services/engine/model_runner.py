@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.services.transport.weights.filesystem import WEIGHTS_GLOB
+
 log = logging.getLogger(__name__)
 
 INITIAL_CAPACITY = 128
@@ -269,7 +271,7 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory")
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(path, WEIGHTS_GLOB)))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     named: dict[str, torch.Tensor] = {}

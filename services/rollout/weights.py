@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 from asyncrl.buffer import Weights
 from asyncrl.proto import WeightsInfo
-from asyncrl.proto.lineage import parse_weight_version, weight_version_name
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.engine_client import EngineClient, EngineEndpoint
 from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.transport.weights import parse_weight_version, weight_version_name
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from rollout_server import serve_in_thread, start_reward_service
 from asyncrl.buffer import AdmissionControl, Buffer, ClosedSession, Groups, Weights
 from asyncrl.proto import FinishReason, RewardStatus
 from asyncrl.proto.gateway import Call
-from asyncrl.proto.lineage import parse_weight_version
 from asyncrl.services.ops.tinymodel import EOS_ID, build_tiny_model
 from asyncrl.services.rollout.gateway import _tool_calls
 from asyncrl.services.rollout.gateway_groups import build_group, sessions_to_pieces
+from asyncrl.services.transport.weights import parse_weight_version
 
 torch.set_num_threads(1)
 

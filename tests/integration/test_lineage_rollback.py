@@ -24,8 +24,9 @@ from test_trainer import kill_tree, process_tree, read_audit, start_trainer, wai
 from asyncrl.buffer import Buffer, Weights, stats
 from asyncrl.buffer.groups import sampled_lineage
 from asyncrl.proto import Group, decode
-from asyncrl.proto.lineage import Lineage, parse_weight_version
+from asyncrl.proto.lineage import Lineage
 from asyncrl.services.ops.tinymodel import build_tiny_model
+from asyncrl.services.transport.weights import parse_weight_version
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)

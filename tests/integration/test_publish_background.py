@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from asyncrl.buffer import Buffer, Groups, Weights
 from asyncrl.proto import Group, Sample
 from asyncrl.trainer.config import TrainerSettings
-from asyncrl.trainer.weights import DiskPublisher, detach_from
+from asyncrl.trainer.publish import DiskPublisher, detach_from
 
 torch.set_num_threads(1)
 B, STEPS = 2, 3
