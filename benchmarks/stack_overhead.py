@@ -140,7 +140,7 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
     with η = 0 (synchronous: the figure is the latency from the version bump to the B-th group
     taken) and then with η = `eta` (the demo's admission: the figure is the time per B groups
     with generation running ahead, i.e. its throughput)."""
-    from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+    from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
     from asyncrl.proto import WeightsInfo
     from asyncrl.services.ops.demo import DemoSection, submit
     from asyncrl.services.ops.launcher import Launcher, UpConfig
@@ -157,7 +157,7 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
         launcher.start()
         buf = Buffer(launcher.redis_url, run="overhead")
         admission = AdmissionControl(buf)
-        groups, weights = Groups(buf, consumer="bench-trainer"), Weights(buf)
+        groups, weights = Groups(buf, consumer="bench-trainer"), PolicyVersions(buf)
         publisher = DiskPublisher(run_dir / "trainer" / "weights", run_dir / "base", keep=3)
         from safetensors.torch import load_file
 

@@ -6,7 +6,7 @@
 2. Weight publishing for a ~100M-parameter Qwen2: time from the end of an optimizer step to
    "version v visible", and bytes/s, for both paths, through the real trainer components
    (`trainer.components.build`, 2 ranks):
-   disk: gather → bf16 → safetensors dir (fsync + rename) → Redis `Weights.publish`; visible =
+   disk: gather → bf16 → safetensors dir (fsync + rename) → Redis `PolicyVersions.publish`; visible =
          a Redis subscriber receives the WeightsInfo of v;
    broadcast: gather → bf16 → buckets over a gloo group into a reference engine
          (`asyncrl engine` subprocess) → Redis; visible = the engine reports weight_version v.

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.buffer import metrics as m
 from asyncrl.buffer.connection import TRAINER_GROUP, Buffer, Part, Script
-from asyncrl.buffer.weights import Weights
+from asyncrl.buffer.versions import PolicyVersions
 from asyncrl.proto import Group, RecordDecodeError, decode, encode
 from asyncrl.proto.lineage import Lineage
 from asyncrl.proto.states import GroupState
@@ -242,7 +242,7 @@ class Groups:
                 self.keys.payload_prefix + f.get(b"gid", b"").decode(errors="replace") for _, f in entries
             ]
             payloads = self.buf.r.mget(keys)
-            history = history or Weights(self.buf).lineage()  # read once per take, after the wait
+            history = history or PolicyVersions(self.buf).lineage()  # read once per take, after the wait
             for (eid, fields), data in zip(entries, payloads):
                 group = self._decode(eid, fields, data, out)
                 if group is None:

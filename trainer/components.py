@@ -36,7 +36,7 @@ from asyncrl.trainer.step import StepConfig
 from asyncrl.trainer.tracking import Tracker, build_tracker
 
 if TYPE_CHECKING:
-    from asyncrl.buffer import AdmissionControl, Groups, Weights
+    from asyncrl.buffer import AdmissionControl, Groups, PolicyVersions
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -53,7 +53,7 @@ class Parts:
     source: GroupSource
     ckpt: Checkpointer
     groups: Groups | None  # rank 0: the trainer's consumer of the buffer
-    weights: Weights | None  # rank 0: versions, weight locations and lineage in the buffer
+    versions: PolicyVersions | None  # rank 0: versions, weight locations and lineage in the buffer
     admission: AdmissionControl | None  # rank 0
     disk: DiskPublisher | None
     broadcast: BroadcastPublisher | None
@@ -78,8 +78,8 @@ class Parts:
         previous one and raises its error (so does `finish_publishing`). A rollback (resume)
         publishes in the foreground."""
         if self.cfg.publish == "none":
-            if self.weights is not None:
-                self.weights.set_version(version)
+            if self.versions is not None:
+                self.versions.set_version(version)
             return
         t0 = time.perf_counter()
         state = full_state_dict(self.model)
@@ -119,7 +119,7 @@ class Parts:
                 published_at=time.time(),
                 extra={"group_name": self.broadcast.group_name},
             )
-        self.weights.publish(info, rollback=rollback, set_version=True)  # announced, then `version` set
+        self.versions.publish(info, rollback=rollback, set_version=True)  # announced, then `version` set
         seconds = time.perf_counter() - t0
         tm.PUBLISH_SECONDS.labels(info.method).observe(seconds)
         tm.PUBLISH_BYTES.labels(info.method).inc(out.nbytes)
@@ -209,13 +209,13 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
         chunk_tokens=cfg.logprob_chunk_tokens,
     )
     shaping = Shaping(cfg.overlong_max_len, cfg.overlong_cache_len, cfg.overlong_factor)
-    groups = weights = admission = disk = broadcast = None
+    groups = versions = admission = disk = broadcast = None
     health = tm.Health()
     if d.is_main:
-        from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+        from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
 
         buf = Buffer(cfg.redis_url, run=cfg.run)
-        groups, weights = Groups(buf, consumer=cfg.consumer), Weights(buf)
+        groups, versions = Groups(buf, consumer=cfg.consumer), PolicyVersions(buf)
         admission = AdmissionControl(buf, cfg.batch_groups, cfg.max_staleness)
         admission.configure(batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness)
         if cfg.publish == "disk":
@@ -269,7 +269,7 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
         source,
         Checkpointer(out / "checkpoints", d, cfg.keep_checkpoints),
         groups,
-        weights,
+        versions,
         admission,
         disk,
         broadcast,

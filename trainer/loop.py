@@ -59,8 +59,8 @@ def resume(p: Parts) -> int:
             changed={k: list(v) for k, v in meta.changed.items()},
         )
     if p.d.is_main:
-        if meta is not None or p.weights.latest() is not None or p.weights.version() > 0:
-            p.epoch = p.weights.begin_epoch(version)
+        if meta is not None or p.versions.latest() is not None or p.versions.version() > 0:
+            p.epoch = p.versions.begin_epoch(version)
         if meta:
             p.groups.ack(meta.consumed_ids)  # a crash between checkpoint and ack: finish the ack
         reclaimed = p.groups.recover(0)  # consumed after the checkpoint: train them again

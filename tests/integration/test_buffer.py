@@ -18,7 +18,16 @@ from factories import edit_sample, make_group, make_job
 from prometheus_client import REGISTRY
 from waiting import wait_until
 
-from asyncrl.buffer import AdmissionControl, Buffer, GroupReport, Groups, Jobs, RedisServer, Weights, stats
+from asyncrl.buffer import (
+    AdmissionControl,
+    Buffer,
+    GroupReport,
+    Groups,
+    Jobs,
+    PolicyVersions,
+    RedisServer,
+    stats,
+)
 from asyncrl.proto import SCHEMA_VERSION, encode
 from asyncrl.proto.states import Admission, GroupState
 
@@ -37,7 +46,7 @@ class Parts:
     groups: Groups
     jobs: Jobs
     admission: AdmissionControl
-    weights: Weights
+    weights: PolicyVersions
 
     def stats(self) -> dict:
         return stats(self.conn)
@@ -48,7 +57,7 @@ def open_parts(
 ) -> Parts:
     conn = Buffer(url, run)
     return Parts(conn, Groups(conn, consumer), Jobs(conn, consumer), AdmissionControl(conn, batch_groups, max_staleness),
-                 Weights(conn))  # fmt: skip
+                 PolicyVersions(conn))  # fmt: skip
 
 
 def all_delivered(buf: Parts) -> bool:

@@ -23,7 +23,7 @@ import torch
 from engine_server import serve_in_thread as serve_engine
 from rollout_server import serve_in_thread, start_reward_service
 
-from asyncrl.buffer import AdmissionControl, Buffer, ClosedSession, Groups, Weights
+from asyncrl.buffer import AdmissionControl, Buffer, ClosedSession, Groups, PolicyVersions
 from asyncrl.proto import FinishReason, RewardStatus
 from asyncrl.proto.gateway import Call
 from asyncrl.services.ops.tinymodel import EOS_ID, build_tiny_model
@@ -121,7 +121,7 @@ def close(url: str, sid: str, **body) -> httpx.Response:
 
 def take(redis_url: str, run_id: str, n: int) -> list:
     buf = Buffer(redis_url, run_id)
-    return Groups(buf, "test-trainer").take(n, current_version=Weights(buf).version(), max_staleness=10**6,
+    return Groups(buf, "test-trainer").take(n, current_version=PolicyVersions(buf).version(), max_staleness=10**6,
                                             block_ms=2000).groups  # fmt: skip
 
 

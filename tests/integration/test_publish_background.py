@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.buffer import Buffer, Groups, Weights
+from asyncrl.buffer import Buffer, Groups, PolicyVersions
 from asyncrl.proto import Group, Sample
 from asyncrl.trainer.config import TrainerSettings
 from asyncrl.trainer.publish import DiskPublisher, detach_from
@@ -97,7 +97,7 @@ def test_each_version_holds_its_own_steps_weights(tiny, tmp_path, redis_url, run
     assert not torch.equal(
         expected[1]["model.norm.weight"], expected[2]["model.norm.weight"]
     )  # the model moved
-    weights = Weights(Buffer(redis_url, run=run_id))
+    weights = PolicyVersions(Buffer(redis_url, run=run_id))
     assert weights.version() == STEPS  # the last write was waited for before train_steps returned
     for version in (1, 2, 3):
         written = load_file(str(tmp_path / "weights" / f"v{version:08d}" / "model.safetensors"))
@@ -123,7 +123,7 @@ def test_a_failed_background_write_stops_the_trainer(
         train_steps(build(settings(tiny, tmp_path, redis_url, run_id), one_rank))
     assert tm.PUBLISH_FAILURES._value.get() == failures + 1  # counted (and logged) when it failed
     assert [v for v, _ in calls] == [1, 2]  # version 3 was not written after the failure
-    weights = Weights(Buffer(redis_url, run=run_id))
+    weights = PolicyVersions(Buffer(redis_url, run=run_id))
     assert weights.version() == 1
     assert not (tmp_path / "weights" / f"v{2:08d}").exists()
 

@@ -27,7 +27,7 @@ import redis
 from factories import make_group
 from waiting import wait_until
 
-from asyncrl.buffer import Buffer, Groups, TakeResult, Weights, stats
+from asyncrl.buffer import Buffer, Groups, PolicyVersions, TakeResult, stats
 from asyncrl.buffer.connection import OUTAGES, TRAINER_GROUP, ReconnectRetry
 from asyncrl.buffer.server import RedisServer, embedded_binary, free_port
 from asyncrl.services.ops.launcher import Launcher, Proc, UpConfig
@@ -44,7 +44,7 @@ def test_buffer_rides_out_a_redis_crash_and_keeps_what_was_acknowledged(tmp_path
     try:
         buf = Groups(Buffer(server.url, "heal"), "trainer-0")
         producer = Buffer(server.url, "heal")  # (another process: the rollout's)
-        sub = Weights(producer).subscribe()
+        sub = PolicyVersions(producer).subscribe()
         assert Groups(producer).put([make_group(f"g{i}") for i in range(3)]) == [True] * 3
         assert [g.group_id for g in buf.take(2, 0, block_ms=100).groups] == ["g0", "g1"]
         assert buf.ack(["g0"]) == 1
@@ -67,7 +67,7 @@ def test_buffer_rides_out_a_redis_crash_and_keeps_what_was_acknowledged(tmp_path
         assert numbers["pending"]["groups"] == 0 and numbers["depth"]["groups"] == 0
         assert _outages("recovered") >= recovered + 1
         sub.get(0.2)  # the subscription reconnects (and re-subscribes) too
-        Weights(producer).publish(make_weights(1))
+        PolicyVersions(producer).publish(make_weights(1))
         assert _next_weights(sub).version == 1
         sub.close()
         buf.buf.close()

@@ -31,7 +31,7 @@ import pytest
 from msgspec.structs import replace
 from waiting import wait_until
 
-from asyncrl.buffer import Buffer, Groups, Weights, stats
+from asyncrl.buffer import Buffer, Groups, PolicyVersions, stats
 from asyncrl.buffer.server import free_port
 from asyncrl.proto import Group, Sample
 
@@ -228,13 +228,13 @@ is_correction = "tis"
     numbers = stats(buf)
     assert numbers["pending"]["groups"] == 0 and numbers["depth"]["groups"] == 0
     assert numbers["counters"].get("zero_spread") == 1 and numbers["counters"].get("lost") == 1
-    assert Weights(buf).version() == STEPS
+    assert PolicyVersions(buf).version() == STEPS
     # the resumed run's weights live beside, never over, the killed run's
-    assert Weights(buf).lineage().forks == {1: 2}
+    assert PolicyVersions(buf).lineage().forks == {1: 2}
     assert sorted(p.name for p in (out / "weights").iterdir()) == [f"v{STEPS - 1:08d}-e1", f"v{STEPS:08d}-e1"]
 
     # ---- published weights reload bit-identically in a fresh process
-    info = Weights(buf).latest()
+    info = PolicyVersions(buf).latest()
     assert (info.version, info.epoch, info.method) == (STEPS, 1, "disk")
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

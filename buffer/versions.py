@@ -1,4 +1,4 @@
-"""Policy versions, weight locations and the run's lineage (docs/architecture.md §5).
+"""Policy versions, their announcements and the run's lineage (docs/architecture.md §5).
 
 The trainer sets `version` (optimizer steps taken) and publishes where each version's weights
 are: the `weights` hash (the newest WEIGHTS_KEEP versions), `weights:latest` and an event on
@@ -51,7 +51,10 @@ return e
 )
 
 
-class Weights:
+class PolicyVersions:
+    """The run's policy version, where each version's weights are announced
+    (services/transport/weights), and its lineage: one record per run in the buffer."""
+
     def __init__(self, buf: Buffer):
         self.buf, self.keys = buf, buf.keys
 
@@ -92,8 +95,8 @@ class Weights:
         data = self.buf.r.hget(self.keys.latest_weights, "data")
         return decode(data, WeightsInfo) if data else None
 
-    def subscribe(self) -> WeightsSubscription:
-        return WeightsSubscription(self.buf)
+    def subscribe(self) -> VersionSubscription:
+        return VersionSubscription(self.buf)
 
     def begin_epoch(self, fork_version: int) -> int:
         """A trainer resumed at `fork_version`: open a new epoch and return it. Versions of older
@@ -111,7 +114,7 @@ class Weights:
         return Lineage(int(epoch or 0), {int(e): int(v) for e, v in forks.items()})
 
 
-class WeightsSubscription:
+class VersionSubscription:
     """Pub/sub on the run's `weights` channel; `get(timeout)` returns the next WeightsInfo."""
 
     def __init__(self, buf: Buffer):
