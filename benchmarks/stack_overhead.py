@@ -17,7 +17,7 @@
 (b) Trainer busy time per step (a step's time minus its wait for data) against a plain step on a
     batch of the demo's shape: one forward with entropy, the policy loss, backward, clipping and
     AdamW on the model as transformers loads it, batch tensors built once. Two trainer figures:
-    standalone (the trainer's own parts and loop, `trainer.components.build` +
+    standalone (the trainer's own parts and loop, `trainer.parts.build` +
     `trainer.loop.train_steps`, world of one, reading groups put beforehand, publishing to disk
     every step as the demo does) and in the demo runs of (c) (median over their steps after the
     first 20, sharing the 2 cores with generation).
@@ -338,10 +338,10 @@ def trainer_standalone(run_dir: Path, model_dir: str, steps: int) -> list[dict]:
     """The trainer's loop for `steps` versions over groups put beforehand (none stale)."""
     from asyncrl.buffer import Buffer, Groups
     from asyncrl.buffer.server import RedisServer
-    from asyncrl.trainer.components import build
     from asyncrl.trainer.config import TrainerSettings
     from asyncrl.trainer.loop import train_steps
     from asyncrl.trainer.model import init_distributed
+    from asyncrl.trainer.parts import build
 
     raw = tomllib.loads(DEMO_CONFIG.read_text())["trainer"]
     b = raw["batch_groups"]

@@ -62,7 +62,7 @@ import redis
 from prometheus_client import Counter
 from redis.retry import Retry
 
-from asyncrl.buffer.alloc import tune_malloc
+from asyncrl.buffer.malloc_tuning import tune_malloc
 
 BASE_S = 0.05  # first pause after a failure; doubles per failure
 CAP_S = 2.0  # longest pause between two attempts: a restarted Redis is noticed within this
@@ -278,7 +278,7 @@ class Buffer:
     groups: `groups` read by the trainer, `jobs` by the rollout replicas."""
 
     def __init__(self, redis_url: str, run: str = "default"):
-        tune_malloc()  # large payloads: keep freed memory instead of faulting it in again (buffer/alloc.py)
+        tune_malloc()  # large payloads: keep freed memory instead of faulting it in again (buffer/malloc_tuning.py)
         self.run, self.keys = run, Keys(run)
         self.retry = ReconnectRetry(f"buffer:{run}")  # its `outages` tell a consumer to look for lost reads
         self.r = redis.Redis.from_url(

@@ -24,8 +24,8 @@ from asyncrl.proto.states import GroupState
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.trainer import metrics as tm
 from asyncrl.trainer.batch import build_rows, micro_batches, zero_spread_groups
-from asyncrl.trainer.components import Parts
 from asyncrl.trainer.model import broadcast_from_main
+from asyncrl.trainer.parts import Parts
 from asyncrl.trainer.step import policy_step, recompute_logprobs
 
 log = logging.getLogger("asyncrl.trainer")

@@ -91,11 +91,11 @@ def worker(argv: list[str]) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from asyncrl.services.runtime.heap import freeze_startup_heap
+    from asyncrl.services.runtime.heap_freeze import freeze_startup_heap
     from asyncrl.trainer import metrics as tm
-    from asyncrl.trainer.components import build
     from asyncrl.trainer.loop import train
     from asyncrl.trainer.model import init_distributed
+    from asyncrl.trainer.parts import build
 
     # torchrun (`--max-restarts`) restarts every worker after one fails; each restart resumes
     # from the last durable checkpoint (trainer/loop.py) and rides out a Redis restart on the way

@@ -198,7 +198,7 @@ def test_an_exception_leaving_the_loop_finishes_the_run_as_failed(tmp_path):
 def test_disabled_tracking_never_imports_wandb():
     script = textwrap.dedent("""
         import sys
-        import asyncrl.trainer.components, asyncrl.trainer.loop, asyncrl.trainer.main
+        import asyncrl.trainer.parts, asyncrl.trainer.loop, asyncrl.trainer.main
         from asyncrl.trainer.config import TrainerSettings
         from asyncrl.trainer.tracking import build_tracker
         enabled = sys.argv[1] == "on"
