@@ -177,7 +177,7 @@ def publish_worker(
     rows = build_rows(make_groups(2, 2, 8, 8), "grpo").rows
     seen: dict[int, float] = {}
     if d.is_main and cfg.publish == "disk":
-        sub = p.weights.subscribe()
+        sub = p.versions.subscribe()
 
         def listen():
             while len(seen) < steps:

@@ -102,9 +102,9 @@ def worker(argv: list[str]) -> int:
     # (buffer/connection.py): a dead worker or a restarted Redis costs the steps since that
     # checkpoint, never a group trained twice.
     tm.WORKER_RESTARTS.set(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    d = init_distributed(cfg.device, cfg.dist_timeout_s)
-    torch.manual_seed(cfg.seed + d.rank)
-    parts = build(cfg, d)
+    ranks = init_distributed(cfg.device, cfg.dist_timeout_s)
+    torch.manual_seed(cfg.seed + ranks.rank)
+    parts = build(cfg, ranks)
     parts.source.install_signal_handlers()
     freeze_startup_heap()  # the model, optimizer and modules: never again walked by a full collection
     try:

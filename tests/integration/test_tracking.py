@@ -125,7 +125,7 @@ def test_record_logs_every_step_figure_and_finished_evaluations(tmp_path):
              {**EVAL, "eval_id": "e-3", "name": "math", "accuracy": 0.25},
              {**EVAL, "eval_id": "e-4", "name": "math", "state": "running"}]  # fmt: skip
     tracker = build_tracker(settings(tmp_path), rank=0, world=1, backend="gloo")
-    p = SimpleNamespace(d=SimpleNamespace(is_main=True), health=tm.Health(), tracker=tracker,
+    p = SimpleNamespace(ranks=SimpleNamespace(is_main=True), status=tm.TrainerStatus(), tracker=tracker,
                         fetch_evaluations=lambda: evals)  # fmt: skip
     with tracker:
         record(p, 5, taken, rows, dict(stats), {"wait": 0.5, "recompute": 0.25}, 2.0)
