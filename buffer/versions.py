@@ -59,10 +59,10 @@ class PolicyVersions:
         self.buf, self.keys = buf, buf.keys
 
     def set_version(self, version: int) -> None:
-        self.buf.r.set(self.keys.version, int(version))
+        self.buf.redis.set(self.keys.version, int(version))
 
     def version(self) -> int:
-        return int(self.buf.r.get(self.keys.version) or 0)
+        return int(self.buf.redis.get(self.keys.version) or 0)
 
     def version_part(self) -> Part:
         """`version` as part of a larger pipeline (`Buffer.pipeline_parts`)."""
@@ -92,7 +92,7 @@ class PolicyVersions:
         self.buf.pipeline(fill)
 
     def latest(self) -> WeightsInfo | None:
-        data = self.buf.r.hget(self.keys.latest_weights, "data")
+        data = self.buf.redis.hget(self.keys.latest_weights, "data")
         return decode(data, WeightsInfo) if data else None
 
     def subscribe(self) -> VersionSubscription:
@@ -109,7 +109,7 @@ class PolicyVersions:
 
     def lineage(self) -> Lineage:
         epoch, forks = (
-            self.buf.r.pipeline(transaction=False).get(self.keys.epoch).hgetall(self.keys.forks).execute()
+            self.buf.redis.pipeline(transaction=False).get(self.keys.epoch).hgetall(self.keys.forks).execute()
         )
         return Lineage(int(epoch or 0), {int(e): int(v) for e, v in forks.items()})
 
@@ -119,7 +119,7 @@ class VersionSubscription:
 
     def __init__(self, buf: Buffer):
         self._buf = buf
-        self._pubsub = buf.r.pubsub(ignore_subscribe_messages=True)
+        self._pubsub = buf.redis.pubsub(ignore_subscribe_messages=True)
         self._pubsub.subscribe(buf.keys.weights_channel)
 
     def get(self, timeout: float = 1.0) -> WeightsInfo | None:
@@ -133,7 +133,7 @@ class VersionSubscription:
             except RecordDecodeError:
                 # The authoritative copy is the `weights` hash; a bad broadcast is only counted.
                 m.DEAD_LETTERED.labels("weights").inc()
-                self._buf.r.hincrby(self._buf.keys.stats, "bad_weight_events", 1)
+                self._buf.redis.hincrby(self._buf.keys.stats, "bad_weight_events", 1)
         return None
 
     def close(self) -> None:

@@ -127,7 +127,7 @@ def take(redis_url: str, run_id: str, n: int) -> list:
 
 def group_state(redis_url: str, run_id: str, gid: str) -> str | None:
     buf = Buffer(redis_url, run_id)
-    state = buf.r.hget(buf.keys.group_state, gid)
+    state = buf.redis.hget(buf.keys.group_state, gid)
     return state.decode() if state else None
 
 
@@ -431,12 +431,12 @@ def test_idle_groups_expire_and_give_their_admission_slot_back(start, agent_toke
     url = start(agent_tokenizer, batch_groups=1, gateway_session_ttl_s=1.0, gateway_reap_interval_s=0.2).url
     buf = Buffer(redis_url, run_id)
     first = open_session(url)
-    assert buf.r.hexists(buf.keys.running, first["group_id"])  # the group holds the one slot
+    assert buf.redis.hexists(buf.keys.running, first["group_id"])  # the group holds the one slot
     full = httpx.post(f"{url}/v1/sessions", json={})
     assert full.status_code == 429 and full.headers["retry-after"] == "1"
     assert full.json()["error"]["code"] == "admission_full"
     deadline = time.monotonic() + 15
-    while buf.r.hexists(buf.keys.running, first["group_id"]):
+    while buf.redis.hexists(buf.keys.running, first["group_id"]):
         assert time.monotonic() < deadline, "the idle group never expired"
         time.sleep(0.1)
     assert close(url, first["session_id"], reward=1.0).status_code == 404  # expired: gone

@@ -40,8 +40,8 @@ def step_logged(audit: Path, version: int) -> bool:
 def buffered_lineages(buf: Buffer) -> dict[str, dict[int, int]]:
     """group id -> lineage of every group waiting in the buffer (read without consuming)."""
     out = {}
-    for _, fields in buf.r.xrange(buf.keys.groups):
-        data = buf.r.get(buf.keys.payload_prefix + fields[b"gid"].decode())
+    for _, fields in buf.redis.xrange(buf.keys.groups):
+        data = buf.redis.get(buf.keys.payload_prefix + fields[b"gid"].decode())
         if data:
             g = decode(data, Group)
             out[g.group_id] = sampled_lineage(g)

@@ -223,7 +223,7 @@ is_correction = "tis"
     all_put = {g.group_id for g in phase1 + phase2}
     exits = set(trained) | dropped | discarded | lost
     assert exits == all_put and len(trained) + len(dropped) + len(discarded) + len(lost) == len(all_put)
-    stale_ids = {f[b"gid"].decode() for _, f in buf.r.xrange(buf.keys.stale)}
+    stale_ids = {f[b"gid"].decode() for _, f in buf.redis.xrange(buf.keys.stale)}
     assert stale_ids == dropped | lost
     numbers = stats(buf)
     assert numbers["pending"]["groups"] == 0 and numbers["depth"]["groups"] == 0
