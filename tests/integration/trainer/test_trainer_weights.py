@@ -1,6 +1,6 @@
 """Weight publishing by broadcast to a real reference engine, and checkpoint round trips of a
 FSDP2-sharded model, in a one-rank gloo group inside the test process. Disk publishing is a
-unit test (tests/unit/test_weights_disk.py)."""
+unit test (tests/unit/trainer/test_publish_disk.py)."""
 
 from __future__ import annotations
 

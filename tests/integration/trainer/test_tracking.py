@@ -40,7 +40,7 @@ from asyncrl.trainer.tracking import (
 )
 
 pytest.importorskip("wandb", reason="the asyncrl[tracking] extra is not installed")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def settings(out: Path, **wandb) -> TrainerSettings:

@@ -26,7 +26,7 @@ print(tuned, libc.mallinfo2().hblkhd - before >= 4 << 20)
 
 def probe(**env: str) -> str:
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
-                         env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
+                         env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))  # fmt: skip
     return out.stdout.strip()
 
 

@@ -13,7 +13,7 @@ from factories import make_group
 from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions, RedisServer, ensure_redis
 from asyncrl.buffer.server import embedded_binary
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_embedded_redis_starts_is_shared_persists_and_stops(tmp_path):

@@ -36,7 +36,7 @@ from asyncrl.buffer.server import free_port
 from asyncrl.proto import Group, Sample
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 B, STEPS = 2, 10
 
 
