@@ -1,4 +1,4 @@
-"""Step overhead of the stack against the work itself (issue 17), every ratio paired in one run.
+"""Step overhead of the stack against the work itself, every ratio paired in one run.
 
 (a) Generation per step: B = 32 prompts x 8 samples of the demo's task through the whole
     generation side (embedded Redis, reference engine, reward and rollout services started by
@@ -183,7 +183,7 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
                 )
                 if "set_version" in inspect.signature(weights.publish).parameters:  # one round trip
                     weights.publish(info, set_version=True)
-                else:  # (the code before #17: two)
+                else:  # an older buffer without `set_version`: two round trips
                     weights.publish(info)
                     weights.set_version(v)
                 if max_staleness and i >= 3:

@@ -11,7 +11,7 @@ command, pipeline and pub/sub read of the client uses it) with a time budget ins
 count: a `ConnectionError` / `TimeoutError` (a Redis being restarted, or loading its AOF:
 `BusyLoadingError` is a `ConnectionError`) makes the caller reconnect and re-send the command
 after an exponential backoff (`BASE_S` doubling to `CAP_S`), until `budget_s` has passed since
-the first failure; then the error is raised as before and the process's own supervisor
+the first failure; then the error is raised to the caller and the process's own supervisor
 (torchrun, `asyncrl up`) takes over. The budget is `ASYNCRL_REDIS_RECONNECT_S` (default 120 s;
 `asyncrl up` sets it from `[launch] redis_reconnect_s`). Each outage is logged twice at most
 per thread (unreachable, reachable again or given up) and counted in

@@ -122,7 +122,7 @@ class DiskPublisher:
             for f in old.glob("*.safetensors"):
                 try:
                     held.append(os.open(f, os.O_RDONLY))
-                except OSError:  # gone already, or unreadable: rmtree deletes it inline as before
+                except OSError:  # gone already, or unreadable: rmtree deletes it inline
                     pass
             shutil.rmtree(old, ignore_errors=True)
         if held:
