@@ -33,7 +33,7 @@ import redis.utils
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.buffer import Buffer, Groups, RedisServer
-from asyncrl.buffer.alloc import tune_malloc
+from asyncrl.buffer.malloc_tuning import tune_malloc
 from asyncrl.proto import Group, RewardStatus, Sample, encode
 
 SAMPLES, TOKENS = 8, 2048
@@ -255,7 +255,7 @@ def main() -> int:
     )
     args = ap.parse_args()
 
-    # The buffer tunes glibc's allocator for large payloads on first use (buffer/alloc.py); apply it
+    # The buffer tunes glibc's allocator for large payloads on first use (buffer/malloc_tuning.py); apply it
     # up front so the raw path runs under the same allocator settings.
     malloc_tuned = tune_malloc()
     groups = make_groups(args.groups)

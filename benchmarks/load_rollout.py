@@ -145,8 +145,8 @@ def account(redis_url: str, run: str, results: list[RateResult]) -> dict:
     """Every accepted job's groups in the job stream exactly once, and its progress says so."""
     buf = Buffer(redis_url, run)
     expected = sum(g for r in results for g in r.accepted.values())
-    in_stream = buf.r.xlen(buf.keys.jobs)
-    indexed = buf.r.hlen(buf.keys.job_state)
+    in_stream = buf.redis.xlen(buf.keys.jobs)
+    indexed = buf.redis.hlen(buf.keys.job_state)
     jobs = [j for r in results for j in r.accepted]
     recorded = sum(p.groups for j in jobs if (p := Jobs(buf).progress(j)) is not None)
     return {"groups_accepted": expected, "groups_in_job_stream": in_stream, "groups_indexed": indexed,

@@ -22,7 +22,7 @@ every column is the median of its own per-round values. Both read from the page 
 bytes were just written), as an engine on the trainer's machine does. The engines are
 `asyncrl engine` processes on CPU in float32 with 1 torch thread (`--engine thread` serves one
 inside this process, for profiling); this process runs like the trainer's rank 0: 1 torch
-thread and `buffer.alloc.tune_malloc()` (its `Buffer` applies it). "publish s" is what a
+thread and `buffer.malloc_tuning.tune_malloc()` (its `Buffer` applies it). "publish s" is what a
 trainer step blocks on: divide it by the step time (`--step-seconds`) for the step's share.
 
     .venv/bin/python benchmarks/publish_real.py [--model runs/models/smollm2] [--rounds 5]
@@ -171,7 +171,7 @@ def run_round(pub, state, dtype: str, version: int, raw: RawBound, urls, http, p
     first alternates between rounds, so neither always meets the other's disk writeback."""
     import torch
 
-    from asyncrl.trainer.weights import cast_state
+    from asyncrl.trainer.publish import cast_state
 
     if raw_first:
         raw_write, raw_read = raw.write(), raw.read()
@@ -216,8 +216,8 @@ def main(argv=None) -> int:
     import httpx
     import torch
 
-    from asyncrl.buffer.alloc import tune_malloc
-    from asyncrl.trainer.weights import DiskPublisher, cast_state
+    from asyncrl.buffer.malloc_tuning import tune_malloc
+    from asyncrl.trainer.publish import DiskPublisher, cast_state
 
     torch.set_num_threads(1)  # the engines run with 1 thread, the trainer with OMP_NUM_THREADS (1)
     tune_malloc()  # as in the trainer's rank 0, whose `Buffer` applies it: cast_state's allocations

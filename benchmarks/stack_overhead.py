@@ -1,4 +1,4 @@
-"""Step overhead of the stack against the work itself (issue 17), every ratio paired in one run.
+"""Step overhead of the stack against the work itself, every ratio paired in one run.
 
 (a) Generation per step: B = 32 prompts x 8 samples of the demo's task through the whole
     generation side (embedded Redis, reference engine, reward and rollout services started by
@@ -17,7 +17,7 @@
 (b) Trainer busy time per step (a step's time minus its wait for data) against a plain step on a
     batch of the demo's shape: one forward with entropy, the policy loss, backward, clipping and
     AdamW on the model as transformers loads it, batch tensors built once. Two trainer figures:
-    standalone (the trainer's own parts and loop, `trainer.components.build` +
+    standalone (the trainer's own parts and loop, `trainer.parts.build` +
     `trainer.loop.train_steps`, world of one, reading groups put beforehand, publishing to disk
     every step as the demo does) and in the demo runs of (c) (median over their steps after the
     first 20, sharing the 2 cores with generation).
@@ -140,11 +140,11 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
     with η = 0 (synchronous: the figure is the latency from the version bump to the B-th group
     taken) and then with η = `eta` (the demo's admission: the figure is the time per B groups
     with generation running ahead, i.e. its throughput)."""
-    from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+    from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
     from asyncrl.proto import WeightsInfo
     from asyncrl.services.ops.demo import DemoSection, submit
     from asyncrl.services.ops.launcher import Launcher, UpConfig
-    from asyncrl.trainer.weights import DiskPublisher
+    from asyncrl.trainer.publish import DiskPublisher
 
     raw = demo_config(port_base, trainer=False)
     raw["model"].update(path=str(run_dir / "base"), seed=0)
@@ -157,7 +157,7 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
         launcher.start()
         buf = Buffer(launcher.redis_url, run="overhead")
         admission = AdmissionControl(buf)
-        groups, weights = Groups(buf, consumer="bench-trainer"), Weights(buf)
+        groups, weights = Groups(buf, consumer="bench-trainer"), PolicyVersions(buf)
         publisher = DiskPublisher(run_dir / "trainer" / "weights", run_dir / "base", keep=3)
         from safetensors.torch import load_file
 
@@ -183,7 +183,7 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
                 )
                 if "set_version" in inspect.signature(weights.publish).parameters:  # one round trip
                     weights.publish(info, set_version=True)
-                else:  # (the code before #17: two)
+                else:  # an older buffer without `set_version`: two round trips
                     weights.publish(info)
                     weights.set_version(v)
                 if max_staleness and i >= 3:
@@ -215,7 +215,7 @@ def guarantee_floor(run_dir: Path, model_dir: str, prompts: list[dict], group: i
     from asyncrl.services.rollout.clients.rewards import RewardClient
     from asyncrl.services.rollout.groups.scheduler import GroupScheduler
     from asyncrl.services.rollout.segments import Draft
-    from asyncrl.trainer.weights import DiskPublisher
+    from asyncrl.trainer.publish import DiskPublisher
 
     def timed(fn) -> list[float]:
         times = []
@@ -338,10 +338,10 @@ def trainer_standalone(run_dir: Path, model_dir: str, steps: int) -> list[dict]:
     """The trainer's loop for `steps` versions over groups put beforehand (none stale)."""
     from asyncrl.buffer import Buffer, Groups
     from asyncrl.buffer.server import RedisServer
-    from asyncrl.trainer.components import build
     from asyncrl.trainer.config import TrainerSettings
     from asyncrl.trainer.loop import train_steps
     from asyncrl.trainer.model import init_distributed
+    from asyncrl.trainer.parts import build
 
     raw = tomllib.loads(DEMO_CONFIG.read_text())["trainer"]
     b = raw["batch_groups"]

@@ -5,8 +5,8 @@
    batch, with 1 and with 2 threads (the same two cores the 2 ranks use).
 2. Weight publishing for a ~100M-parameter Qwen2: time from the end of an optimizer step to
    "version v visible", and bytes/s, for both paths, through the real trainer components
-   (`trainer.components.build`, 2 ranks):
-   disk: gather → bf16 → safetensors dir (fsync + rename) → Redis `Weights.publish`; visible =
+   (`trainer.parts.build`, 2 ranks):
+   disk: gather → bf16 → safetensors dir (fsync + rename) → Redis `PolicyVersions.publish`; visible =
          a Redis subscriber receives the WeightsInfo of v;
    broadcast: gather → bf16 → buckets over a gloo group into a reference engine
          (`asyncrl engine` subprocess) → Redis; visible = the engine reports weight_version v.
@@ -166,9 +166,9 @@ def publish_worker(
     import torch.distributed as dist
 
     from asyncrl.trainer.batch import build_rows, micro_batches
-    from asyncrl.trainer.components import build
     from asyncrl.trainer.config import TrainerSettings
     from asyncrl.trainer.model import init_distributed
+    from asyncrl.trainer.parts import build
     from asyncrl.trainer.step import policy_step, recompute_logprobs
 
     cfg = TrainerSettings(**settings)
@@ -177,7 +177,7 @@ def publish_worker(
     rows = build_rows(make_groups(2, 2, 8, 8), "grpo").rows
     seen: dict[int, float] = {}
     if d.is_main and cfg.publish == "disk":
-        sub = p.weights.subscribe()
+        sub = p.versions.subscribe()
 
         def listen():
             while len(seen) < steps:

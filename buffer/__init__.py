@@ -1,6 +1,6 @@
 """Redis replay buffer (docs/architecture.md §4–5): one connection (`Buffer`) shared by its parts:
-groups (put, take, ack), jobs (rollout work and its record), admission, weights, the gateway's
-sessions."""
+groups (put, take, ack), jobs (rollout work and its record), admission, policy versions and
+their announcements, the gateway's sessions."""
 
 from asyncrl.buffer.admission import AdmissionControl
 from asyncrl.buffer.cli import stats
@@ -10,7 +10,7 @@ from asyncrl.buffer.groups import Groups, TakeResult
 from asyncrl.buffer.jobs import ClaimedJob, GroupReport, JobProgress, Jobs
 from asyncrl.buffer.server import RedisServer, ensure_redis
 from asyncrl.buffer.sessions import ClosedSession, SessionStore
-from asyncrl.buffer.weights import Weights, WeightsSubscription
+from asyncrl.buffer.versions import PolicyVersions, VersionSubscription
 
 __all__ = [
     "AdmissionControl",
@@ -23,11 +23,11 @@ __all__ = [
     "Groups",
     "JobProgress",
     "Jobs",
+    "PolicyVersions",
     "RedisServer",
     "SessionStore",
     "TakeResult",
-    "Weights",
-    "WeightsSubscription",
+    "VersionSubscription",
     "ensure_redis",
     "stats",
 ]

@@ -72,7 +72,7 @@ class AdmissionControl:
         if batch_groups < 1 or max_staleness < 0:
             raise ValueError("batch_groups must be >= 1 and max_staleness >= 0")
         self.batch_groups, self.max_staleness = batch_groups, max_staleness
-        self.buf.r.hset(
+        self.buf.redis.hset(
             self.keys.config, mapping={"batch_groups": batch_groups, "max_staleness": max_staleness}
         )
 
@@ -107,7 +107,7 @@ class AdmissionControl:
 
     def release(self, group_id: str) -> bool:
         """Give back the slot of a group that will not be put (failed or cancelled)."""
-        return bool(self.buf.r.hdel(self.keys.running, group_id))
+        return bool(self.buf.redis.hdel(self.keys.running, group_id))
 
     def rebuild(self, version: int) -> int:
         """After a trainer restart: accepted := version·B + groups still in the buffer; sets v."""
@@ -127,7 +127,7 @@ class AdmissionControl:
     def snapshot(self) -> dict[str, int]:
         """The rule's numbers now: accepted, running, version, B, η and the capacity they give."""
         k = self.keys
-        pipe = self.buf.r.pipeline(transaction=False)
+        pipe = self.buf.redis.pipeline(transaction=False)
         accepted, running, version, cfg = (
             pipe.hget(k.admission, "accepted").hlen(k.running).get(k.version).hgetall(k.config).execute()
         )

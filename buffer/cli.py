@@ -16,7 +16,7 @@ from asyncrl.buffer.connection import ROLLOUT_GROUP, TRAINER_GROUP, Buffer
 def stats(buf: Buffer) -> dict:
     """The run-wide numbers the scripts keep in Redis."""
     k = buf.keys
-    pipe = buf.r.pipeline(transaction=False)
+    pipe = buf.redis.pipeline(transaction=False)
     for stream in (k.jobs, k.groups, k.deadletter, k.stale):
         pipe.xlen(stream)
     pipe.hgetall(k.stats).hgetall(k.staleness).xpending(k.groups, TRAINER_GROUP).xpending(

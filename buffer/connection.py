@@ -11,7 +11,7 @@ command, pipeline and pub/sub read of the client uses it) with a time budget ins
 count: a `ConnectionError` / `TimeoutError` (a Redis being restarted, or loading its AOF:
 `BusyLoadingError` is a `ConnectionError`) makes the caller reconnect and re-send the command
 after an exponential backoff (`BASE_S` doubling to `CAP_S`), until `budget_s` has passed since
-the first failure; then the error is raised as before and the process's own supervisor
+the first failure; then the error is raised to the caller and the process's own supervisor
 (torchrun, `asyncrl up`) takes over. The budget is `ASYNCRL_REDIS_RECONNECT_S` (default 120 s;
 `asyncrl up` sets it from `[launch] redis_reconnect_s`). Each outage is logged twice at most
 per thread (unreachable, reachable again or given up) and counted in
@@ -62,7 +62,7 @@ import redis
 from prometheus_client import Counter
 from redis.retry import Retry
 
-from asyncrl.buffer.alloc import tune_malloc
+from asyncrl.buffer.malloc_tuning import tune_malloc
 
 BASE_S = 0.05  # first pause after a failure; doubles per failure
 CAP_S = 2.0  # longest pause between two attempts: a restarted Redis is noticed within this
@@ -278,16 +278,16 @@ class Buffer:
     groups: `groups` read by the trainer, `jobs` by the rollout replicas."""
 
     def __init__(self, redis_url: str, run: str = "default"):
-        tune_malloc()  # large payloads: keep freed memory instead of faulting it in again (buffer/alloc.py)
+        tune_malloc()  # large payloads: keep freed memory instead of faulting it in again (buffer/malloc_tuning.py)
         self.run, self.keys = run, Keys(run)
         self.retry = ReconnectRetry(f"buffer:{run}")  # its `outages` tell a consumer to look for lost reads
-        self.r = redis.Redis.from_url(
+        self.redis = redis.Redis.from_url(
             redis_url, socket_keepalive=True, health_check_interval=30, retry=self.retry
         )
         self._scripts: dict[str, Script] = {}
         for stream, group in ((self.keys.groups, TRAINER_GROUP), (self.keys.jobs, ROLLOUT_GROUP)):
             try:
-                self.r.xgroup_create(stream, group, id="0", mkstream=True)
+                self.redis.xgroup_create(stream, group, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
@@ -300,17 +300,17 @@ class Buffer:
         if pipe is not None:
             return pipe.evalsha(script.sha, len(keys), *keys, *args)
         try:
-            return self.r.evalsha(script.sha, len(keys), *keys, *args)
+            return self.redis.evalsha(script.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
-            self.r.script_load(script.source)
-            return self.r.evalsha(script.sha, len(keys), *keys, *args)
+            self.redis.script_load(script.source)
+            return self.redis.evalsha(script.sha, len(keys), *keys, *args)
 
     def pipeline(self, fill) -> list:
         """The replies of the commands `fill(pipe)` queues, sent in one round trip. If Redis lost
         its script cache, load the scripts and run the pipeline again: every write queued in
         one is idempotent."""
         for attempt in (0, 1):
-            pipe = self.r.pipeline(transaction=False)
+            pipe = self.redis.pipeline(transaction=False)
             fill(pipe)
             try:
                 return pipe.execute()
@@ -318,7 +318,7 @@ class Buffer:
                 if attempt:
                     raise
                 for script in list(self._scripts.values()):
-                    self.r.script_load(script.source)
+                    self.redis.script_load(script.source)
         raise AssertionError("unreachable")
 
     def pipeline_parts(self, *parts: Part) -> list:
@@ -347,14 +347,14 @@ class Buffer:
     ) -> list[tuple[str, dict]]:
         """`consumer`'s entries of `stream`: new ones (`>`, waiting up to `block_ms`) or its own
         pending ones (`0`); entries deleted since they were delivered are left out."""
-        resp = self.r.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms or None)
+        resp = self.redis.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms or None)
         return [(eid.decode(), fields) for eid, fields in resp[0][1] if fields] if resp else []
 
     def autoclaim(self, stream: str, group: str, consumer: str, idle_ms: int) -> list[tuple[str, dict]]:
         """Every entry of `group` pending for ≥ idle_ms, now `consumer`'s (deleted ones left out)."""
         out, start = [], "0-0"
         while True:
-            start, entries, *_ = self.r.xautoclaim(
+            start, entries, *_ = self.redis.xautoclaim(
                 stream, group, consumer, min_idle_time=idle_ms, start_id=start, count=100
             )
             out += [(eid.decode(), fields) for eid, fields in entries if fields]
@@ -362,4 +362,4 @@ class Buffer:
                 return out
 
     def close(self) -> None:
-        self.r.close()
+        self.redis.close()

@@ -117,15 +117,15 @@ class EvalStore:
     def __init__(self, redis_url: str, run: str = "default", *, client: redis.Redis | None = None):
         p = Keys(run).prefix
         self.evals, self.queue, self.prefix = p + "evals", p + "evalq", p + "eval:"
-        self.r = client or redis.Redis.from_url(
+        self.redis = client or redis.Redis.from_url(
             redis_url, decode_responses=True, socket_keepalive=True, retry=ReconnectRetry("evals")
         )  # buffer/connection.py
         self._create, self._claim, self._touch, self._write = (
-            self.r.register_script(s) for s in (CREATE, CLAIM, TOUCH, WRITE)
+            self.redis.register_script(s) for s in (CREATE, CLAIM, TOUCH, WRITE)
         )
 
     def close(self) -> None:
-        self.r.close()
+        self.redis.close()
 
     def create(self, summary: EvalSummary, task: EvalTask, owner: str = "", lease_s: float = 0.0) -> bool:
         """Store a new evaluation, queued, or held by `owner` for `lease_s` (a runner that starts
@@ -195,12 +195,12 @@ class EvalStore:
         return bool(self._write(keys=keys, args=args))
 
     def summary(self, eval_id: str) -> EvalSummary | None:
-        raw = self.r.hget(self.evals, eval_id)
+        raw = self.redis.hget(self.evals, eval_id)
         return EvalSummary.model_validate_json(raw) if raw else None
 
     def get(self, eval_id: str) -> tuple[EvalSummary, list[EvalItem]] | None:
         """The summary and the items (empty until finished), read in one transaction."""
-        pipe = self.r.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=True)
         summary, items = pipe.hget(self.evals, eval_id).hget(self.prefix + eval_id, "items").execute()
         if not summary:
             return None
@@ -208,7 +208,7 @@ class EvalStore:
 
     def list(self, name: str | None = None) -> list[EvalSummary]:
         """Every summary (of `name`), ordered by version, then creation; queued ones last."""
-        out = [EvalSummary.model_validate_json(raw) for raw in self.r.hvals(self.evals)]
+        out = [EvalSummary.model_validate_json(raw) for raw in self.redis.hvals(self.evals)]
         if name is not None:
             out = [s for s in out if s.name == name]
         return sorted(out, key=lambda s: (s.version is None, s.version or 0, s.created_at, s.eval_id))

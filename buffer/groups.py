@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.buffer import metrics as m
 from asyncrl.buffer.connection import TRAINER_GROUP, Buffer, Part, Script
-from asyncrl.buffer.weights import Weights
+from asyncrl.buffer.versions import PolicyVersions
 from asyncrl.proto import Group, RecordDecodeError, decode, encode
 from asyncrl.proto.lineage import Lineage
 from asyncrl.proto.states import GroupState
@@ -241,8 +241,8 @@ class Groups:
             keys = [
                 self.keys.payload_prefix + f.get(b"gid", b"").decode(errors="replace") for _, f in entries
             ]
-            payloads = self.buf.r.mget(keys)
-            history = history or Weights(self.buf).lineage()  # read once per take, after the wait
+            payloads = self.buf.redis.mget(keys)
+            history = history or PolicyVersions(self.buf).lineage()  # read once per take, after the wait
             for (eid, fields), data in zip(entries, payloads):
                 group = self._decode(eid, fields, data, out)
                 if group is None:
@@ -268,7 +268,7 @@ class Groups:
                     out.dropped.append(group.group_id)
                     m.DROPPED.labels("stale").inc()
         if stale_hist:
-            pipe = self.buf.r.pipeline(transaction=False)
+            pipe = self.buf.redis.pipeline(transaction=False)
             for s, c in stale_hist.items():
                 pipe.hincrby(self.keys.staleness, str(s), c)
             pipe.xlen(self.keys.groups)
@@ -279,7 +279,7 @@ class Groups:
     def depth(self) -> int:
         """Entries in the groups stream: put and not yet out of the buffer (an exit, trained or
         dropped, deletes its entry), whether delivered to a trainer or not."""
-        return self.buf.r.xlen(self.keys.groups)
+        return self.buf.redis.xlen(self.keys.groups)
 
     def ack(self, group_ids: list[str]) -> int:
         """The groups are trained (call once the checkpoint covering them is durable). Idempotent;
@@ -388,7 +388,7 @@ class Groups:
     def _exit_stale(self, group_id: str, exit: GroupState, payload: bytes) -> None:
         """Leave untrained at `take`, and keep the payload in the `stale` stream for inspection."""
         if self._exit([group_id], exit):
-            self.buf.r.xadd(
+            self.buf.redis.xadd(
                 self.keys.stale,
                 {"gid": group_id, "reason": exit.value, "data": payload},
                 maxlen=STALE_STREAM_MAXLEN,

@@ -177,7 +177,7 @@ class Jobs:
     def touch(self, entry_ids: list[str]) -> None:
         """Reset the idle time of jobs still being worked on, so no one reclaims them."""
         if entry_ids:
-            self.buf.r.xclaim(self.keys.jobs, ROLLOUT_GROUP, self.consumer, 0, entry_ids, justid=True)
+            self.buf.redis.xclaim(self.keys.jobs, ROLLOUT_GROUP, self.consumer, 0, entry_ids, justid=True)
 
     def end(self, report: GroupReport) -> bool:
         """The group's job is over (`report.state`: buffered, failed or cancelled): record its last
@@ -258,7 +258,7 @@ class Jobs:
     # ------------------------------------------------------------------ the job's record
     def describe(self, job_id: str, groups: int, body_hash: str) -> None:
         """A new job: how many groups it has, when it came, and the hash of its request."""
-        self.buf.r.hset(
+        self.buf.redis.hset(
             self.keys.job_prefix + job_id,
             mapping={"groups": groups, "created_at": time.time(), "body_hash": body_hash},
         )
@@ -288,7 +288,7 @@ class Jobs:
     def progress(self, job_id: str) -> JobProgress | None:
         """The job's record, or None for a job never described."""
         raw, cancelled = (
-            self.buf.r.pipeline(transaction=False)
+            self.buf.redis.pipeline(transaction=False)
             .hgetall(self.keys.job_prefix + job_id)
             .sismember(self.keys.cancelled, job_id)
             .execute()
@@ -316,10 +316,10 @@ class Jobs:
         return out
 
     def cancel(self, job_id: str) -> None:
-        self.buf.r.sadd(self.keys.cancelled, job_id)
+        self.buf.redis.sadd(self.keys.cancelled, job_id)
 
     def cancelled(self, job_id: str) -> bool:
-        return bool(self.buf.r.sismember(self.keys.cancelled, job_id))
+        return bool(self.buf.redis.sismember(self.keys.cancelled, job_id))
 
 
 def _statuses(value: str) -> dict[str, int]:

@@ -215,7 +215,7 @@ class SessionStore:
         return int(((now or time.time()) + self.lease_s) * 1000)
 
     def group_exists(self, gid: str) -> bool:
-        return bool(self.buf.r.exists(self.group_prefix + gid))
+        return bool(self.buf.redis.exists(self.group_prefix + gid))
 
     def open(
         self, sid: str, gid: str, size: int, prompt_id: str, spec: str, submit_version: int
@@ -240,14 +240,14 @@ class SessionStore:
 
     def session(self, sid: str) -> dict[str, str]:
         """The session's hash (empty: no such session)."""
-        return {k.decode(): v.decode() for k, v in self.buf.r.hgetall(self.session_prefix + sid).items()}
+        return {k.decode(): v.decode() for k, v in self.buf.redis.hgetall(self.session_prefix + sid).items()}
 
     def spec(self, gid: str) -> str:
         """The group's reward spec as JSON ("": none)."""
-        return (self.buf.r.hget(self.group_prefix + gid, "spec") or b"").decode()
+        return (self.buf.redis.hget(self.group_prefix + gid, "spec") or b"").decode()
 
     def last_call(self, sid: str) -> Call | None:
-        raw = self.buf.r.lindex(self.calls_prefix + sid, -1)
+        raw = self.buf.redis.lindex(self.calls_prefix + sid, -1)
         return None if raw is None else _CALL_DECODER.decode(raw)
 
     def record(self, sid: str, call: Call, engine: int) -> str:
@@ -342,4 +342,4 @@ class SessionStore:
         return (int(raw[0]), int(raw[1])) if raw else None
 
     def lease(self, gid: str, lease: int) -> None:
-        self.buf.r.zadd(self.deadlines, {gid: lease}, xx=True)
+        self.buf.redis.zadd(self.deadlines, {gid: lease}, xx=True)

@@ -1,4 +1,4 @@
-"""HTTP bodies of the environment protocol (issue 18): episodes in which the policy calls tools.
+"""HTTP bodies of the environment protocol: episodes in which the policy calls tools.
 
 An environment is served over HTTP (by the reward service, `services/reward/environments/`, or by
 any server that speaks these bodies), in the shapes users know from OpenEnv (reset → observation;

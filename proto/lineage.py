@@ -4,12 +4,12 @@ A version number alone cannot tell two histories apart. A trainer killed at v466
 checkpoint at v460 resumes at v460 and publishes its own v461…v466: the engines, the weight
 directories and the samples must never mix those with the lost ones. So every trainer start
 that resumes a run (a checkpoint exists, or something was published) opens a new **epoch**
-(`buffer.Weights.begin_epoch`), which records its **fork point**: the version it resumed from.
+(`buffer.PolicyVersions.begin_epoch`), which records its **fork point**: the version it resumed from.
 The first start of a run is epoch 0.
 
 * A version is named `(version, epoch)`; publication order is the lexicographic order of
-  `(epoch, version)`. Engines carry it in SGLang's free-form `weight_version` string:
-  `"466"` in epoch 0 (as before lineage existed), `"466@e2"` in epoch 2.
+  `(epoch, version)`. Engines carry it in SGLang's free-form `weight_version` string
+  (`weight_version_name` in services/transport/weights).
 * A token sampled by `(v, e)` belongs to the surviving history iff `v ≤ fork(e')` for every
   later epoch `e'`: the versions at or below a fork are shared by both sides of it.
 * A group records, per epoch, the newest version that sampled any of its tokens
@@ -19,23 +19,6 @@ The first start of a run is epoch 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-SEPARATOR = "@e"
-
-
-def weight_version_name(version: int, epoch: int = 0) -> str:
-    """What an engine reports as `weight_version` for policy version `version` of `epoch`."""
-    return str(version) if epoch == 0 else f"{version}{SEPARATOR}{epoch}"
-
-
-def parse_weight_version(name: str | None) -> tuple[int, int] | None:
-    """`(version, epoch)` of a `weight_version_name`; None for anything else (SGLang's "default")."""
-    if not name:
-        return None
-    version, sep, epoch = name.partition(SEPARATOR)
-    if not version.isdigit() or (sep and not epoch.isdigit()):
-        return None
-    return int(version), int(epoch) if sep else 0
 
 
 def merge(into: dict[int, int], sampled: dict[int, int]) -> dict[int, int]:

@@ -64,7 +64,7 @@ class RolloutPrompt(BaseModel):
 
 
 class EpisodeSpec(BaseModel):
-    """A job's episodes (issue 18): each sample is an episode of up to `max_turns` policy turns
+    """A job's episodes: each sample is an episode of up to `max_turns` policy turns
     with `environment` (served at the reward service, `proto/environments.py`) answering the
     tool calls in between. A turn ends at EOS, at its `max_new_tokens` or, in the `tagged`
     format, at a one-token `tool_close` marker; its text is parsed for a tool call:

@@ -262,7 +262,7 @@ def collate(rows: list[Row | None], pad_id: int) -> Batch:
 
 def collate_packed(rows: list[Row | None], pad_id: int) -> Batch:
     """Packed layout: the samples back to back in one row, position ids restarting at 0 at
-    each (the model's attention then never crosses samples: tests/unit/test_logprobs.py).
+    each (the model's attention then never crosses samples: tests/unit/trainer/test_logprobs.py).
     Filler rows (None) are left out; a bin of fillers only is one padding token."""
     real = [r for r in rows if r is not None]
     if not real:

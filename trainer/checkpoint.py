@@ -29,7 +29,7 @@ layouts and paths they hold (`CheckedReader`); anything else in it is refused wi
 
 Limits: `<root>` must be one directory every rank sees (a shared filesystem across nodes; any
 directory on one node). DCP does not promise to read checkpoints across torch versions. Weights
-published to engines are separate (trainer/weights.py: an HF safetensors directory, or the
+published to engines are separate (trainer/publish.py: an HF safetensors directory, or the
 broadcast).
 """
 
@@ -170,11 +170,11 @@ def atomic_publish_dir(tmp: Path, final: Path, written: list[Path] | None = None
 
 
 class Checkpointer:
-    def __init__(self, root: str | Path, d: Dist, keep: int = 2):
+    def __init__(self, root: str | Path, ranks: Dist, keep: int = 2):
         self.root = Path(root)
-        self.d = d
+        self.ranks = ranks
         self.keep = keep
-        if d.is_main:
+        if ranks.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
 
     def _complete(self) -> list[Path]:
@@ -187,8 +187,8 @@ class Checkpointer:
 
     def _gather(self, mine: torch.Tensor) -> torch.Tensor:
         """[world, n]: every rank's `mine` (the same shape on every rank). Collective."""
-        dev = self.d.device if self.d.backend == "nccl" else torch.device("cpu")
-        out = [torch.empty_like(mine, device=dev) for _ in range(self.d.world)]
+        dev = self.ranks.device if self.ranks.backend == "nccl" else torch.device("cpu")
+        out = [torch.empty_like(mine, device=dev) for _ in range(self.ranks.world)]
         dist.all_gather(out, mine.to(dev))
         return torch.stack([t.cpu() for t in out])
 
@@ -205,11 +205,11 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no gather
-        cuda = self.d.device.type == "cuda"
+        cuda = self.ranks.device.type == "cuda"
         python_rng = random.getstate()
         extra = {
             "rng": self._gather(torch.get_rng_state()),
-            "cuda_rng": self._gather(torch.cuda.get_rng_state(self.d.device)) if cuda else None,
+            "cuda_rng": self._gather(torch.cuda.get_rng_state(self.ranks.device)) if cuda else None,
             "python_rng": list(python_rng[1]),
             "python_rng_gauss": python_rng[2],
             "param_groups": optim_sd["param_groups"],
@@ -217,18 +217,18 @@ class Checkpointer:
         }
         final = self.root / f"{PREFIX}{version:08d}"
         tmp = self.root / f".tmp-{final.name}"  # one name on every rank: they all write into it
-        if self.d.is_main:
+        if self.ranks.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving this version
             tmp.mkdir(parents=True)
         dist.barrier()
         dcp.save({"model": model_sd, "optim": optim_sd["state"]}, checkpoint_id=tmp)
         path = None
-        if self.d.is_main:
+        if self.ranks.is_main:
             torch.save(extra, tmp / "extra.pt")
             meta = {
                 "version": version,
                 "consumed_ids": list(consumed_ids),
-                "world": self.d.world,
+                "world": self.ranks.world,
                 "saved_at": time.time(),
             }
             (tmp / "meta.json").write_text(json.dumps(meta))
@@ -252,9 +252,9 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        latest = self.latest() if self.d.is_main else None  # rank 0 decides: all ranks load the same one
+        latest = self.latest() if self.ranks.is_main else None  # rank 0 decides: all ranks load the same one
         version = torch.tensor([-1 if latest is None else int(latest.name[len(PREFIX) :])], dtype=torch.long)
-        broadcast_from_main(self.d, version)
+        broadcast_from_main(self.ranks, version)
         if int(version) < 0:
             return None
         path = self.root / f"{PREFIX}{int(version):08d}"
@@ -282,10 +282,12 @@ class Checkpointer:
         scheduler.load_state_dict(extra["scheduler"])
         changed = _apply_hyperparameters(optimizer, scheduler, configured)
         rng = extra["rng"]
-        torch.set_rng_state(rng[self.d.rank % rng.shape[0]].clone())
-        if extra["cuda_rng"] is not None and self.d.device.type == "cuda":
-            torch.cuda.set_rng_state(extra["cuda_rng"][self.d.rank % rng.shape[0]].clone(), self.d.device)
-        if self.d.is_main:
+        torch.set_rng_state(rng[self.ranks.rank % rng.shape[0]].clone())
+        if extra["cuda_rng"] is not None and self.ranks.device.type == "cuda":
+            torch.cuda.set_rng_state(
+                extra["cuda_rng"][self.ranks.rank % rng.shape[0]].clone(), self.ranks.device
+            )
+        if self.ranks.is_main:
             random.setstate((3, tuple(extra["python_rng"]), extra["python_rng_gauss"]))
         meta = json.loads((path / "meta.json").read_text())
         return CheckpointMeta(int(version), list(meta["consumed_ids"]), path, changed)

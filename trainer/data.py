@@ -53,7 +53,7 @@ class Taken:
 class GroupSource:
     def __init__(
         self,
-        d: Dist,
+        ranks: Dist,
         groups: Groups | None,
         batch_groups: int,
         max_staleness: int,
@@ -64,7 +64,7 @@ class GroupSource:
         heartbeat_s: float = 30.0,
         prefill: int = 0,
     ):
-        self.d, self.groups = d, groups  # (the buffer's groups: rank 0 only)
+        self.ranks, self.groups = ranks, groups  # (the buffer's groups: rank 0 only)
         self.batch_groups, self.max_staleness, self.policy = batch_groups, max_staleness, policy
         self.block_ms, self.dynamic_sampling, self.shaping = block_ms, dynamic_sampling, shaping
         self.heartbeat_s = heartbeat_s
@@ -133,14 +133,14 @@ class GroupSource:
         taken = Taken()
         while True:
             state = READY
-            if self.d.is_main:
+            if self.ranks.is_main:
                 if self._prefilling(version, time.monotonic() + self.heartbeat_s):
                     state = STOP if self.stop_requested.is_set() else WAIT
                 else:
                     self._read(version, taken, time.monotonic() + self.heartbeat_s)
                     if len(taken.groups) < self.batch_groups:
                         state = STOP if self.stop_requested.is_set() else WAIT
-            if self.d.world == 1:  # no other rank to tell: no encoding, no broadcasts
+            if self.ranks.world == 1:  # no other rank to tell: no encoding, no broadcasts
                 if state == WAIT:
                     self.heartbeats += 1
                     tm.HEARTBEATS.inc()
@@ -149,11 +149,11 @@ class GroupSource:
                 return taken
             payload = (
                 msgspec.msgpack.encode([encode(g) for g in taken.groups])
-                if self.d.is_main and state == READY
+                if self.ranks.is_main and state == READY
                 else b""
             )
             header = torch.tensor([state, len(payload)], dtype=torch.long)
-            broadcast_from_main(self.d, header)
+            broadcast_from_main(self.ranks, header)
             state = int(header[0])
             if state == WAIT:
                 self.heartbeats += 1
@@ -163,11 +163,11 @@ class GroupSource:
             if state == READY:
                 data = (
                     torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                    if self.d.is_main
+                    if self.ranks.is_main
                     else torch.empty(int(header[1]), dtype=torch.uint8)
                 )
-                broadcast_from_main(self.d, data)
-                if not self.d.is_main:
+                broadcast_from_main(self.ranks, data)
+                if not self.ranks.is_main:
                     taken.groups = [
                         decode(b, Group)
                         for b in msgspec.msgpack.decode(data.numpy().tobytes(), type=list[bytes])

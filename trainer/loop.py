@@ -24,8 +24,8 @@ from asyncrl.proto.states import GroupState
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.trainer import metrics as tm
 from asyncrl.trainer.batch import build_rows, micro_batches, zero_spread_groups
-from asyncrl.trainer.components import Parts
 from asyncrl.trainer.model import broadcast_from_main
+from asyncrl.trainer.parts import Parts
 from asyncrl.trainer.step import policy_step, recompute_logprobs
 
 log = logging.getLogger("asyncrl.trainer")
@@ -50,7 +50,7 @@ def resume(p: Parts) -> int:
     buffer drops every group sampled by those lost weights."""
     meta = p.ckpt.load(p.model, p.optimizer, p.scheduler)
     version = meta.version if meta else 0
-    if p.d.is_main and meta is not None and meta.changed:
+    if p.ranks.is_main and meta is not None and meta.changed:
         log_event(
             log,
             "hyperparameters changed since the checkpoint: the configured ones apply from this update on",
@@ -58,9 +58,9 @@ def resume(p: Parts) -> int:
             version=version,
             changed={k: list(v) for k, v in meta.changed.items()},
         )
-    if p.d.is_main:
-        if meta is not None or p.weights.latest() is not None or p.weights.version() > 0:
-            p.epoch = p.weights.begin_epoch(version)
+    if p.ranks.is_main:
+        if meta is not None or p.versions.latest() is not None or p.versions.version() > 0:
+            p.epoch = p.versions.begin_epoch(version)
         if meta:
             p.groups.ack(meta.consumed_ids)  # a crash between checkpoint and ack: finish the ack
         reclaimed = p.groups.recover(0)  # consumed after the checkpoint: train them again
@@ -76,7 +76,7 @@ def resume(p: Parts) -> int:
         )
         p.audit("resume", version, epoch=p.epoch, reclaimed=reclaimed)
     epoch = torch.tensor([p.epoch], dtype=torch.long)
-    broadcast_from_main(p.d, epoch)  # rank 0 alone reads the buffer; publishing is collective
+    broadcast_from_main(p.ranks, epoch)  # rank 0 alone reads the buffer; publishing is collective
     p.epoch = int(epoch)
     if p.epoch > 0:
         p.publish(version, rollback=True)  # engines may hold weights of a lost, uncheckpointed step
@@ -91,9 +91,9 @@ def train(p: Parts) -> int:
 
 
 def train_steps(p: Parts) -> int:
-    cfg, d = p.cfg, p.d
+    cfg, ranks = p.cfg, p.ranks
     version, consumed = resume(p), []
-    p.health.state, p.health.version = "training", version
+    p.status.state, p.status.version = "training", version
     tm.VERSION.set(version)
     while cfg.max_steps == 0 or version < cfg.max_steps:
         timer, t_step = PhaseTimer(), time.perf_counter()
@@ -105,12 +105,12 @@ def train_steps(p: Parts) -> int:
             rows = build_rows(taken.groups, cfg.advantage, p.source.shaping)
             micro = micro_batches(
                 rows.rows,
-                d.rank,
-                d.world,
+                ranks.rank,
+                ranks.world,
                 cfg.minibatches,
                 cfg.micro_batch_size,
                 p.pad_id,
-                d.device,
+                ranks.device,
                 cfg.max_tokens_per_micro_batch,
                 cfg.share_prompts,
             )
@@ -120,7 +120,7 @@ def train_steps(p: Parts) -> int:
                 if p.ref_model is not None
                 else [None] * len(micro)
             )
-        stats = policy_step(p.model, p.optimizer, micro, old, ref, p.step_cfg, d.device)
+        stats = policy_step(p.model, p.optimizer, micro, old, ref, p.step_cfg, ranks.device)
         stats["lr"] = p.scheduler.get_last_lr()[0]  # the lr this version's update used
         p.scheduler.step()  # once per version (trainer/schedule.py), before a checkpoint saves it
         timer.seconds["forward_backward"] = stats.pop("forward_backward_s")
@@ -148,9 +148,9 @@ def train_steps(p: Parts) -> int:
         record(p, version, taken, rows, stats, timer.seconds, time.perf_counter() - t_step)
     if consumed:  # stopped between checkpoints: make the last steps durable before leaving
         checkpoint_and_ack(p, version, consumed)
-    if d.is_main:
+    if ranks.is_main:
         p.finish_publishing()  # the last version is announced before the trainer says it stopped
-    p.health.state = "stopped"
+    p.status.state = "stopped"
     return 0
 
 
@@ -167,7 +167,7 @@ def old_logprobs(p: Parts, micro) -> list:
 
 def checkpoint_and_ack(p: Parts, version: int, consumed: list[str]) -> None:
     p.ckpt.save(p.model, p.optimizer, p.scheduler, version, consumed)
-    if p.d.is_main:
+    if p.ranks.is_main:
         acked = p.groups.ack(consumed)  # only now: the update of these groups is durable
         tm.CHECKPOINTS.inc()
         p.audit("checkpoint", version, acked=len(consumed))
@@ -177,7 +177,7 @@ def checkpoint_and_ack(p: Parts, version: int, consumed: list[str]) -> None:
 def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_s: float) -> None:
     """Rank 0: step metrics to Prometheus, one log line and, when tracking is on, W&B (with the
     evaluations finished since the last step)."""
-    if not p.d.is_main:
+    if not p.ranks.is_main:
         return
     busy = max(step_s - phases.get("wait", 0.0), 1e-9)
     for phase, s in phases.items():
@@ -219,7 +219,7 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
     }
     tm.observe_step(gauges)
     tm.VERSION.set(version)  # last: a scrape that sees version v sees step v's figures
-    p.health.version, p.health.last_step_at = version, time.time()
+    p.status.version, p.status.last_step_at = version, time.time()
     log_event(
         log,
         "step",

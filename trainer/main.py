@@ -91,20 +91,20 @@ def worker(argv: list[str]) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from asyncrl.services.runtime.heap import freeze_startup_heap
+    from asyncrl.services.runtime.heap_freeze import freeze_startup_heap
     from asyncrl.trainer import metrics as tm
-    from asyncrl.trainer.components import build
     from asyncrl.trainer.loop import train
     from asyncrl.trainer.model import init_distributed
+    from asyncrl.trainer.parts import build
 
     # torchrun (`--max-restarts`) restarts every worker after one fails; each restart resumes
     # from the last durable checkpoint (trainer/loop.py) and rides out a Redis restart on the way
     # (buffer/connection.py): a dead worker or a restarted Redis costs the steps since that
     # checkpoint, never a group trained twice.
     tm.WORKER_RESTARTS.set(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    d = init_distributed(cfg.device, cfg.dist_timeout_s)
-    torch.manual_seed(cfg.seed + d.rank)
-    parts = build(cfg, d)
+    ranks = init_distributed(cfg.device, cfg.dist_timeout_s)
+    torch.manual_seed(cfg.seed + ranks.rank)
+    parts = build(cfg, ranks)
     parts.source.install_signal_handlers()
     freeze_startup_heap()  # the model, optimizer and modules: never again walked by a full collection
     try:

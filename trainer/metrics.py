@@ -96,8 +96,8 @@ def observe_step(stats: dict[str, float]) -> None:
             gauge.set(stats[name])
 
 
-class Health:
-    """What /healthz reports; the loop updates it."""
+class TrainerStatus:
+    """What /healthz reports (state, version, last step); the loop updates it."""
 
     def __init__(self) -> None:
         self.version = 0
@@ -115,7 +115,7 @@ class Health:
         }
 
 
-def serve(host: str, port: int, health: Health) -> ThreadingHTTPServer:
+def serve(host: str, port: int, health: TrainerStatus) -> ThreadingHTTPServer:
     """Start /metrics and /healthz on (host, port) in a daemon thread; port 0 picks one."""
 
     class Handler(BaseHTTPRequestHandler):

@@ -3,7 +3,7 @@
 Every loss term is normalised by the *global* denominator of its minibatch (all ranks, all
 micro-batches; see `losses.aggregate`), and multiplied by the world size because FSDP
 averages gradients over ranks, so the update equals one big-batch step on a single process
-(what tests/integration/test_parity.py checks). Each minibatch is one optimizer step with gradient
+(what tests/integration/trainer/test_parity.py checks). Each minibatch is one optimizer step with gradient
 clipping; PPO's `r = π_θ/π_old` departs from 1 from the second minibatch on.
 """
 

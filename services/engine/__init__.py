@@ -7,13 +7,12 @@
     model_runner.py  the model, the slot KV cache, batched prefill/decode forwards
     sampling.py      temperature / top-p / top-k / min-p sampling and the logprobs returned
     updates.py       weight updates one at a time, time-bounded, and the health they report
-    weight_sync.py   the trainer-side broadcast helper and the weight-update group
     metrics.py       Prometheus metrics (`asyncrl_engine_…`)
-    testing.py       run an engine on a free loopback port in a thread (tests, benchmarks)
 
 Control plane: a bearer token guards every endpoint but /health and /metrics; without one the
 engine listens on loopback only and refuses its control endpoints (`services/runtime/auth.py`).
-Disk updates load only directories inside `weights_root`.
+Disk updates load only directories inside `weights_root`. How weights arrive (the disk layout,
+the broadcast) is services/transport/weights, shared with the trainer.
 
 Guarantees: a forward never mixes weight versions; KV computed under old weights is never
 reused after an update; every response carries the `weight_version` that finished it. Not

@@ -28,13 +28,15 @@ from asyncrl.proto.sglang import (
     UpdateWeightsFromDistributedReqInput,
     refused_by_reference_engine,
 )
-from asyncrl.services.engine import metrics, weight_sync
+from asyncrl.services.engine import metrics
 from asyncrl.services.engine.config import EngineSettings
 from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
 from asyncrl.services.engine.sampling import RowSampling
 from asyncrl.services.engine.scheduler import Request, Scheduler
 from asyncrl.services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
 from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.transport.weights import broadcast as weight_broadcast
+from asyncrl.services.transport.weights.filesystem import WEIGHTS_GLOB
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ def resolve_weights_dir(root: str, path: str) -> str | None:
         real_root, real = os.path.realpath(root), os.path.realpath(path)
         if os.path.commonpath([real_root, real]) != real_root or not os.path.isdir(real):
             return None
-        files = glob.glob(os.path.join(glob.escape(real), "*.safetensors"))
+        files = glob.glob(os.path.join(glob.escape(real), WEIGHTS_GLOB))
         inside = [os.path.commonpath([real_root, os.path.realpath(f)]) == real_root for f in files]
     except (OSError, ValueError):  # a NUL byte in the path, an unreadable directory
         return None
@@ -385,7 +387,7 @@ class InferenceEngine:
             async with self.updates.turn("group", self.settings.weight_group_timeout_s) as deadline:
 
                 def join():
-                    return weight_sync.init_weight_update_group(
+                    return weight_broadcast.init_weight_update_group(
                         req.master_address,
                         req.master_port,
                         req.rank_offset,
@@ -428,7 +430,7 @@ class InferenceEngine:
         self, req: UpdateWeightsFromDistributedReqInput
     ) -> UpdateResult:
         try:
-            dtypes = [weight_sync.parse_dtype(d) for d in req.dtypes]
+            dtypes = [weight_broadcast.parse_dtype(d) for d in req.dtypes]
         except ValueError as exc:
             self.updates.record("distributed", "refused")
             return UpdateResult(False, str(exc), 400)
@@ -447,14 +449,7 @@ class InferenceEngine:
                 device = "cpu" if isinstance(group, dist.ProcessGroupGloo) else self.runner.device
 
                 def receive() -> dict[str, torch.Tensor]:
-                    received = {}
-                    for name, dtype, shape in zip(req.names, dtypes, req.shapes):
-                        tensor = torch.empty(shape, dtype=dtype, device=device)
-                        weight_sync.broadcast(group, tensor)
-                        received[name] = tensor
-                    if device != "cpu":  # the copies on the scheduler thread read these
-                        torch.cuda.current_stream(device).synchronize()
-                    return received
+                    return weight_broadcast.receive_bucket(group, req.names, dtypes, req.shapes, device)
 
                 try:
                     received = await in_thread(receive, deadline, "weights-receive")

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from asyncrl.services.engine.config import EngineSettings
 from asyncrl.services.runtime.config import load_settings
-from asyncrl.services.runtime.heap import freeze_startup_heap
+from asyncrl.services.runtime.heap_freeze import freeze_startup_heap
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.services.transport.weights.filesystem import WEIGHTS_GLOB
+
 log = logging.getLogger(__name__)
 
 INITIAL_CAPACITY = 128
@@ -32,8 +34,8 @@ class SlotKVCache:
         self.max_len = max_len
         self.capacity = min(INITIAL_CAPACITY, max_len)
         shape = (slots, kv_heads, self.capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
     def ensure(self, length: int) -> None:
         if length <= self.capacity:
@@ -41,7 +43,7 @@ class SlotKVCache:
         if length > self.max_len:
             raise ValueError(f"sequence of {length} tokens exceeds the context length {self.max_len}")
         new = min(max(2 * self.capacity, length), self.max_len)
-        for cache in (self.k, self.v):
+        for cache in (self.key_cache, self.value_cache):
             for i, old in enumerate(cache):
                 grown = old.new_zeros((*old.shape[:2], new, old.shape[3]))
                 grown[:, :, : self.capacity] = old
@@ -49,7 +51,7 @@ class SlotKVCache:
         self.capacity = new
 
     def move(self, src: int, dst: int, length: int) -> None:
-        for cache in (self.k, self.v):
+        for cache in (self.key_cache, self.value_cache):
             for layer in cache:
                 layer[dst, :, :length] = layer[src, :, :length]
 
@@ -61,8 +63,8 @@ class _SlotView:
     """What one forward sees: slots [first, first+n); `starts=None` means a prefill from 0."""
 
     def __init__(self, cache: SlotKVCache, first: int, n: int, starts: list[int] | None, kv_len: int):
-        self.cache, self.first, self.n, self.kv_len = cache, first, n, kv_len
-        device = cache.k[0].device
+        self.cache, self.first, self.slots, self.kv_len = cache, first, n, kv_len
+        device = cache.key_cache[0].device
         # One shared start (a prefill from 0, or rows of equal length) writes a plain slice.
         self.same_start = 0 if starts is None else (starts[0] if min(starts) == max(starts) else None)
         if self.same_start is None:
@@ -70,8 +72,8 @@ class _SlotView:
             self.starts = torch.tensor(starts, device=device)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k = self.cache.k[layer_idx][self.first : self.first + self.n]
-        v = self.cache.v[layer_idx][self.first : self.first + self.n]
+        k = self.cache.key_cache[layer_idx][self.first : self.first + self.slots]
+        v = self.cache.value_cache[layer_idx][self.first : self.first + self.slots]
         if self.same_start is not None:
             end = self.same_start + key_states.shape[2]
             k[:, :, self.same_start : end] = key_states
@@ -167,7 +169,7 @@ class ModelRunner:
         at = {row: k for k, row in enumerate(unique)}
         index = torch.tensor([at[s] for s in source], device=self.device)
         t = max(len(rows[i].token_ids) for i in unique)
-        for cache in (self.cache.k, self.cache.v):
+        for cache in (self.cache.key_cache, self.cache.value_cache):
             for layer in cache:
                 block = layer[first_slot : first_slot + len(unique), :, :t]
                 layer[first_slot : first_slot + len(rows), :, :t] = block.index_select(0, index)
@@ -269,7 +271,7 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory")
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(path, WEIGHTS_GLOB)))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     named: dict[str, torch.Tensor] = {}

@@ -27,7 +27,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncrl.proto.states import GroupState, JobState
-from asyncrl.services.runtime.heap import freeze_startup_heap
+from asyncrl.services.runtime.heap_freeze import freeze_startup_heap
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 

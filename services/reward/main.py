@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     except SandboxUnavailable as exc:
         print(f"asyncrl reward: code verifier refuses to start: {exc}", file=sys.stderr)
         return 2
-    from asyncrl.services.runtime.heap import freeze_startup_heap
+    from asyncrl.services.runtime.heap_freeze import freeze_startup_heap
 
     freeze_startup_heap()
     uvicorn.run(app, host=settings.host, port=settings.port, log_config=None, log_level=settings.log_level)

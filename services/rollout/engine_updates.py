@@ -42,12 +42,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from asyncrl.buffer import Weights
+from asyncrl.buffer import PolicyVersions
 from asyncrl.proto import WeightsInfo
-from asyncrl.proto.lineage import parse_weight_version, weight_version_name
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import EngineClient, EngineEndpoint
 from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.transport.weights import parse_weight_version, weight_version_name
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,9 @@ class Pin:
 
 
 class WeightSync:
-    def __init__(self, published: Weights, engines: EngineClient, *, poll_s: float, initial_version: int = 0):
+    def __init__(
+        self, published: PolicyVersions, engines: EngineClient, *, poll_s: float, initial_version: int = 0
+    ):
         self.published = published  # where the trainer announces its weights
         self.engines = engines
         self.poll_s = poll_s

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.runtime.config import load_settings
-from asyncrl.services.runtime.heap import freeze_startup_heap
+from asyncrl.services.runtime.heap_freeze import freeze_startup_heap
 
 
 def main(argv: list[str] | None = None) -> int:

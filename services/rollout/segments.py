@@ -16,9 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncrl.proto.gateway import SEED_MOD
-from asyncrl.proto.lineage import merge, parse_weight_version
+from asyncrl.proto.lineage import merge
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import EngineFailure
+from asyncrl.services.transport.weights import parse_weight_version
 
 SEED_STRIDE = 1_000_003  # spreads a sampling_seed over samples and segments (a prime)
 

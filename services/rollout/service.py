@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from asyncrl.buffer import Buffer, EvalStore, Jobs, Weights
+from asyncrl.buffer import Buffer, EvalStore, Jobs, PolicyVersions
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import EngineClient
 from asyncrl.services.rollout.clients.environments import EnvClient
@@ -125,7 +125,7 @@ class RolloutService:
         if not run_scheduler:
             return
         weights = WeightSync(
-            Weights(self.buf),
+            PolicyVersions(self.buf),
             self.engines,
             poll_s=s.weights_poll_s,
             initial_version=s.initial_weight_version,

@@ -165,7 +165,7 @@ def test_each_service_killed_in_turn_the_run_heals_and_accounts_exactly(tmp_path
     with RedisServer(run_dir / "redis", binary=embedded_binary()) as server:
         buf = Buffer(server.url, "heal")
         stats = buffer_stats(buf)
-        states = buf.r.hmget(buf.keys.group_state, trained)
+        states = buf.redis.hmget(buf.keys.group_state, trained)
         buf.close()
     c = stats["counters"]
     assert all(s == b"trained" for s in states), "a trained group is not recorded as trained"

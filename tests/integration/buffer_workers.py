@@ -11,7 +11,7 @@ from asyncrl.buffer import AdmissionControl, Buffer, Groups
 def consume(url: str, run: str, consumer: str, out_path: str, batch: int, idle_s: float) -> None:
     """Take groups until none arrive for idle_s; ack each batch; record what was received."""
     groups = Groups(Buffer(url, run), consumer)
-    groups.buf.r.xgroup_createconsumer(
+    groups.buf.redis.xgroup_createconsumer(
         groups.keys.groups, "trainer", consumer
     )  # visible to the producer's wait
     got: list[str] = []

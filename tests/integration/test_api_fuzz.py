@@ -7,7 +7,7 @@ that is not a 5xx. Bounded: a fixed seed, `MAX_EXAMPLES` per operation and a tim
 Left out of the engine's run, each for a reason its own tests cover: `/pause_generation` (a
 paused engine holds every later `/generate` until `/continue_generation`: by design, as in
 SGLang) and the two broadcast endpoints, whose rendezvous waits for a peer at the generated
-address (bounded by `weight_update_timeout_s`; `tests/integration/test_engine_control_plane.py`).
+address (bounded by `weight_update_timeout_s`; `tests/integration/engine/test_engine_control_plane.py`).
 """
 
 from __future__ import annotations

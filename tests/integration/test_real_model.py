@@ -274,7 +274,7 @@ def test_engine_logprobs_equal_trainer_logprobs(client, tokenizer, smollm2_dir, 
     d = one_rank
     model = build_model(smollm2_dir, d)
     rows = build_rows(groups, "grpo").rows
-    pad_id = AutoConfig.from_pretrained(smollm2_dir).pad_token_id or 0  # as trainer/components.py does
+    pad_id = AutoConfig.from_pretrained(smollm2_dir).pad_token_id or 0  # as trainer/parts.py does
     micro = micro_batches(rows, d.rank, d.world, 1, 8, pad_id, d.device)
     assert len(micro) == 1 and micro[0].input_ids.shape[0] == 6
     batch = micro[0]

@@ -27,7 +27,7 @@ import redis
 from factories import make_group
 from waiting import wait_until
 
-from asyncrl.buffer import Buffer, Groups, TakeResult, Weights, stats
+from asyncrl.buffer import Buffer, Groups, PolicyVersions, TakeResult, stats
 from asyncrl.buffer.connection import OUTAGES, TRAINER_GROUP, ReconnectRetry
 from asyncrl.buffer.server import RedisServer, embedded_binary, free_port
 from asyncrl.services.ops.launcher import Launcher, Proc, UpConfig
@@ -44,7 +44,7 @@ def test_buffer_rides_out_a_redis_crash_and_keeps_what_was_acknowledged(tmp_path
     try:
         buf = Groups(Buffer(server.url, "heal"), "trainer-0")
         producer = Buffer(server.url, "heal")  # (another process: the rollout's)
-        sub = Weights(producer).subscribe()
+        sub = PolicyVersions(producer).subscribe()
         assert Groups(producer).put([make_group(f"g{i}") for i in range(3)]) == [True] * 3
         assert [g.group_id for g in buf.take(2, 0, block_ms=100).groups] == ["g0", "g1"]
         assert buf.ack(["g0"]) == 1
@@ -67,7 +67,7 @@ def test_buffer_rides_out_a_redis_crash_and_keeps_what_was_acknowledged(tmp_path
         assert numbers["pending"]["groups"] == 0 and numbers["depth"]["groups"] == 0
         assert _outages("recovered") >= recovered + 1
         sub.get(0.2)  # the subscription reconnects (and re-subscribes) too
-        Weights(producer).publish(make_weights(1))
+        PolicyVersions(producer).publish(make_weights(1))
         assert _next_weights(sub).version == 1
         sub.close()
         buf.buf.close()
@@ -106,7 +106,7 @@ def test_a_lost_read_reply_is_handed_out_after_the_outage(redis_url, run_id):
     buf = Groups(conn, "trainer-0")
     buf.put([make_group("a"), make_group("b"), make_group("c")])
     assert [g.group_id for g in buf.take(1, 0, block_ms=50).groups] == ["a"]  # held, not yet acked
-    conn.r.xreadgroup(TRAINER_GROUP, "trainer-0", {conn.keys.groups: ">"}, count=1)  # "b": the lost reply
+    conn.redis.xreadgroup(TRAINER_GROUP, "trainer-0", {conn.keys.groups: ">"}, count=1)  # "b": the lost reply
     conn.retry.outages += 1  # what ReconnectRetry records when the connection broke
     taken = [g.group_id for g in buf.take(5, 0, block_ms=50).groups]
     assert taken == ["b", "c"]  # "a" is held already: not handed out twice
@@ -118,13 +118,13 @@ def test_a_lost_read_reply_is_handed_out_after_the_outage(redis_url, run_id):
 def test_a_resent_dead_letter_script_does_not_count_twice(redis_url, run_id):
     conn = Buffer(redis_url, run_id)
     k = conn.keys
-    eid = conn.r.xadd(k.groups, {"gid": "bad"}).decode()
-    conn.r.hset(k.group_state, "bad", "buffered")
-    conn.r.hset(k.group_entry, "bad", eid)
-    conn.r.xreadgroup(TRAINER_GROUP, "trainer-0", {k.groups: ">"}, count=1)
+    eid = conn.redis.xadd(k.groups, {"gid": "bad"}).decode()
+    conn.redis.hset(k.group_state, "bad", "buffered")
+    conn.redis.hset(k.group_entry, "bad", eid)
+    conn.redis.xreadgroup(TRAINER_GROUP, "trainer-0", {k.groups: ">"}, count=1)
     for _ in range(2):  # the second run is the re-send after a lost reply
         Groups(conn, "trainer-0")._decode(eid, {b"gid": b"bad"}, b"not msgpack", TakeResult())
-    assert conn.r.xlen(k.deadletter) == 1 and stats(conn)["counters"]["dead_lettered"] == 1
+    assert conn.redis.xlen(k.deadletter) == 1 and stats(conn)["counters"]["dead_lettered"] == 1
     conn.close()
 
 

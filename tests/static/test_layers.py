@@ -40,7 +40,6 @@ LAYER_NAMES = ["proto", "shared runtime", "buffer", "transport", "a process", "o
 # Imports that break the layers today, each to be removed with its fix (the test also fails on
 # an entry here that no longer happens, so the list cannot go stale).
 KNOWN = {
-    ("asyncrl.trainer.weights", "asyncrl.services.engine.weight_sync"),
 }
 
 

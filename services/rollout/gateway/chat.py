@@ -49,7 +49,7 @@ from typing import Any, Literal
 import msgspec
 import redis
 
-from asyncrl.buffer import AdmissionControl, Buffer, Groups, SessionStore, Weights
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions, SessionStore
 from asyncrl.proto import FinishReason, RewardStatus
 from asyncrl.proto.gateway import (
     ID_PATTERN,
@@ -148,7 +148,7 @@ class Gateway:
     ):
         self.settings = settings
         self.store = SessionStore(buf, settings.gateway_session_ttl_s, settings.gateway_put_lease_s)
-        self.groups, self.admission, self.versions = Groups(buf), AdmissionControl(buf), Weights(buf)
+        self.groups, self.admission, self.versions = Groups(buf), AdmissionControl(buf), PolicyVersions(buf)
         self.engines, self.rewards = engines, rewards
         self.tokenizer, self.context_length = tokenizer, context_length
         self.weights = None  # the replica's WeightSync, when it follows weights: no call starts mid-update

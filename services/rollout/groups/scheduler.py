@@ -39,7 +39,7 @@ from functools import partial
 
 import redis
 
-from asyncrl.buffer import AdmissionControl, Buffer, ClaimedJob, GroupReport, Groups, Jobs, Weights
+from asyncrl.buffer import AdmissionControl, Buffer, ClaimedJob, GroupReport, Groups, Jobs, PolicyVersions
 from asyncrl.proto import Group, GroupJob, RewardStatus, Samples
 from asyncrl.proto.lineage import merge
 from asyncrl.proto.rewards import RewardResult, RewardSpec
@@ -95,7 +95,7 @@ class GroupScheduler:
         # The buffer's parts, on the process's one connection; used only on the `_redis` thread
         # (`jobs` holds this replica's claims).
         self.jobs = Jobs(buf, consumer=f"rollout-{settings.replica}")
-        self.groups, self.admission, self.versions = Groups(buf), AdmissionControl(buf), Weights(buf)
+        self.groups, self.admission, self.versions = Groups(buf), AdmissionControl(buf), PolicyVersions(buf)
         self.engines, self.rewards, self.weights, self.envs = engines, rewards, weights, envs
         self.tokenizer = tokenizer
         self.context_length = context_length

@@ -28,7 +28,7 @@ from engine_server import serve_in_thread as serve_engine
 from rollout_server import free_port, serve_in_thread, start_reward_service, wait_job
 from waiting import wait_until
 
-from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
 from asyncrl.proto import WeightsInfo
 from asyncrl.services.ops.tinymodel import build_tiny_model
 
@@ -84,7 +84,7 @@ def secret_of(group_id: str, index: int) -> str:
 
 def take(redis_url: str, run_id: str, n: int) -> list:
     buf = Buffer(redis_url, run_id)
-    return Groups(buf, "test-trainer").take(n, current_version=Weights(buf).version(), max_staleness=10**6,
+    return Groups(buf, "test-trainer").take(n, current_version=PolicyVersions(buf).version(), max_staleness=10**6,
                                             block_ms=2000).groups  # fmt: skip
 
 
@@ -224,7 +224,7 @@ def test_weight_update_in_the_middle_of_turn_two(
                                                     "sampling_params": params, "episode": EPISODE}).json()  # fmt: skip
             wait_until(turn_two_under_way, timeout=60, interval=0.002, message="a turn 2 decodes")
             assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-            Weights(buf).publish(
+            PolicyVersions(buf).publish(
                 WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time())
             )
             done = wait_job(client, job["job_id"])

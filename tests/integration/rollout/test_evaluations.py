@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rollout_server import serve_in_thread, start_reward_service
 from waiting import wait_until
 
-from asyncrl.buffer import AdmissionControl, Buffer, Weights
+from asyncrl.buffer import AdmissionControl, Buffer, PolicyVersions
 from asyncrl.buffer import stats as buffer_stats
 from asyncrl.proto import WeightsInfo
 from asyncrl.services.ops.tinymodel import build_tiny_model
@@ -424,7 +424,7 @@ def test_pinned_evaluation_survives_a_weight_update(
                 message="the evaluation started",
             )
             assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-            Weights(Buffer(redis_url, run_id)).publish(
+            PolicyVersions(Buffer(redis_url, run_id)).publish(
                 WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time())
             )
             wait_until(
@@ -518,7 +518,7 @@ def test_behind_a_router_an_evaluation_pins_every_worker(
             for e in engines:
                 assert httpx.post(f"{e.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
             assert client.get(f"/v1/evaluations/{eval_id}").json()["state"] == "running"
-            Weights(Buffer(redis_url, run_id)).publish(
+            PolicyVersions(Buffer(redis_url, run_id)).publish(
                 WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time())
             )
             wait_until(
@@ -580,7 +580,7 @@ def test_automatic_evaluations_at_every_eval_every_versions_once_across_replicas
                 timeout=30,
                 message="an evaluation at version 0",
             )
-            weights = Weights(Buffer(redis_url, run_id))
+            weights = PolicyVersions(Buffer(redis_url, run_id))
             for version in range(1, 5):
                 path = model_dir_v1 if version % 2 else model_dir
                 weights.publish(

@@ -23,13 +23,13 @@ import torch
 from engine_server import serve_in_thread as serve_engine
 from rollout_server import serve_in_thread, start_reward_service
 
-from asyncrl.buffer import AdmissionControl, Buffer, ClosedSession, Groups, Weights
+from asyncrl.buffer import AdmissionControl, Buffer, ClosedSession, Groups, PolicyVersions
 from asyncrl.proto import FinishReason, RewardStatus
 from asyncrl.proto.gateway import Call
-from asyncrl.proto.lineage import parse_weight_version
 from asyncrl.services.ops.tinymodel import EOS_ID, build_tiny_model
 from asyncrl.services.rollout.gateway.chat import _tool_calls
 from asyncrl.services.rollout.gateway.samples import build_group, sessions_to_pieces
+from asyncrl.services.transport.weights import parse_weight_version
 
 torch.set_num_threads(1)
 
@@ -121,13 +121,13 @@ def close(url: str, sid: str, **body) -> httpx.Response:
 
 def take(redis_url: str, run_id: str, n: int) -> list:
     buf = Buffer(redis_url, run_id)
-    return Groups(buf, "test-trainer").take(n, current_version=Weights(buf).version(), max_staleness=10**6,
+    return Groups(buf, "test-trainer").take(n, current_version=PolicyVersions(buf).version(), max_staleness=10**6,
                                             block_ms=2000).groups  # fmt: skip
 
 
 def group_state(redis_url: str, run_id: str, gid: str) -> str | None:
     buf = Buffer(redis_url, run_id)
-    state = buf.r.hget(buf.keys.group_state, gid)
+    state = buf.redis.hget(buf.keys.group_state, gid)
     return state.decode() if state else None
 
 
@@ -431,12 +431,12 @@ def test_idle_groups_expire_and_give_their_admission_slot_back(start, agent_toke
     url = start(agent_tokenizer, batch_groups=1, gateway_session_ttl_s=1.0, gateway_reap_interval_s=0.2).url
     buf = Buffer(redis_url, run_id)
     first = open_session(url)
-    assert buf.r.hexists(buf.keys.running, first["group_id"])  # the group holds the one slot
+    assert buf.redis.hexists(buf.keys.running, first["group_id"])  # the group holds the one slot
     full = httpx.post(f"{url}/v1/sessions", json={})
     assert full.status_code == 429 and full.headers["retry-after"] == "1"
     assert full.json()["error"]["code"] == "admission_full"
     deadline = time.monotonic() + 15
-    while buf.r.hexists(buf.keys.running, first["group_id"]):
+    while buf.redis.hexists(buf.keys.running, first["group_id"]):
         assert time.monotonic() < deadline, "the idle group never expired"
         time.sleep(0.1)
     assert close(url, first["session_id"], reward=1.0).status_code == 404  # expired: gone

@@ -27,7 +27,7 @@ from engine_server import serve_in_thread as serve_engine
 from rollout_server import free_port, serve_in_thread, start_process, start_reward_service, wait_job
 from waiting import wait_until
 
-from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
 from asyncrl.buffer import stats as buffer_stats
 from asyncrl.proto import RewardStatus, WeightsInfo
 from asyncrl.services.ops.tinymodel import build_tiny_model
@@ -106,7 +106,7 @@ def rollout(redis_url, run_id, engine, reward, model_dir, tokenizer):
 
 def trainer_side(redis_url: str, run_id: str, n: int) -> list:
     buf = Buffer(redis_url, run_id)
-    return Groups(buf, "test-trainer").take(n, current_version=Weights(buf).version(), max_staleness=10**6,
+    return Groups(buf, "test-trainer").take(n, current_version=PolicyVersions(buf).version(), max_staleness=10**6,
                                             block_ms=2000).groups  # fmt: skip
 
 
@@ -239,7 +239,7 @@ def test_a_group_admitted_as_an_update_starts_samples_only_the_new_weights(
                    message="the first group is buffered")  # fmt: skip
         time.sleep(0.3)  # several admission polls: the second group is still held back
         assert client.get(f"/v1/rollouts/{job_id}").json()["buffered"] == 1
-        Weights(buf).publish(WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time()),
+        PolicyVersions(buf).publish(WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time()),
                              set_version=True)  # fmt: skip
         assert wait_job(client, job_id)["buffered"] == 2
         groups = sorted(trainer_side(redis_url, run_id, 2), key=lambda g: g.submit_version)
@@ -282,7 +282,7 @@ def test_weight_update_mid_generation(redis_url, run_id, reward, model_dir, mode
         )
         assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
         frozen = engine.engine.scheduler.stats["generated_tokens"]
-        Weights(buf).publish(
+        PolicyVersions(buf).publish(
             WeightsInfo(version=1, method="disk", path=model_dir_v1, published_at=time.time())
         )
         progress = wait_job(client, job_id)

@@ -17,7 +17,7 @@ from engine_server import serve_in_thread as serve_engine
 from rollout_server import free_port, serve_in_thread, start_process, start_reward_service, wait_job
 from waiting import wait_until
 
-from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
 from asyncrl.proto import RewardStatus, WeightsInfo
 from asyncrl.services.ops.tinymodel import build_tiny_model
 
@@ -118,7 +118,7 @@ def test_rollout_behind_sglang_router(topology, models, redis_url, run_id):
             served = [e.engine.scheduler.stats["generated_tokens"] for e in engines]
             assert all(n > 0 for n in served), f"the router sent no work to one engine: {served}"
 
-            Weights(buf).publish(
+            PolicyVersions(buf).publish(
                 WeightsInfo(version=1, method="disk", path=models[1], published_at=time.time())
             )
             wait_until(

@@ -1,6 +1,6 @@
 """Weight publishing by broadcast to a real reference engine, and checkpoint round trips of a
 FSDP2-sharded model, in a one-rank gloo group inside the test process. Disk publishing is a
-unit test (tests/unit/test_weights_disk.py)."""
+unit test (tests/unit/trainer/test_publish_disk.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from asyncrl.trainer.checkpoint import Checkpointer
 from asyncrl.trainer.model import build_model, full_state_dict, init_distributed
+from asyncrl.trainer.publish import BroadcastError, BroadcastPublisher, cast_state
 from asyncrl.trainer.schedule import build_scheduler
-from asyncrl.trainer.weights import BroadcastPublisher, WeightSyncError, cast_state
 
 torch.set_num_threads(1)
 
@@ -187,7 +187,7 @@ def test_broadcast_publisher_updates_a_reference_engine(tiny, dist1):
         info = pub.http.get(engine.url + "/get_model_info").json()
         assert info["weight_version"] == "4"
         bad = {"model.norm.weight": torch.zeros(3)}  # wrong shape: refused after the tensors are received
-        with pytest.raises(WeightSyncError):
+        with pytest.raises(BroadcastError):
             pub.publish(5, bad)
         pub.close()
     finally:
@@ -214,7 +214,7 @@ def test_an_engine_that_refuses_to_join_fails_the_connect_at_once(tiny, dist1):
             [engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60
         )
         t0 = time.monotonic()
-        with pytest.raises(WeightSyncError, match="HTTP 400 .*already exists"):
+        with pytest.raises(BroadcastError, match="HTTP 400 .*already exists"):
             second.connect()
         assert time.monotonic() - t0 < 20  # the engine's answer, not the 60 s rendezvous timeout
         first.close()

@@ -2,7 +2,7 @@
 activation checkpointing: each must give today's unchunked, padded, uncheckpointed result.
 
 Single process on plain (unsharded) tiny models; the same equivalences under FSDP2 on 2 gloo
-ranks are in tests/integration/test_parity.py."""
+ranks are in tests/integration/trainer/test_parity.py."""
 
 from __future__ import annotations
 

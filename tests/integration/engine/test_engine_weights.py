@@ -112,7 +112,7 @@ TRAINER = textwrap.dedent(
     import sys, threading, httpx, torch
     torch.set_num_threads(1)
     from safetensors.torch import load_file
-    from asyncrl.services.engine.weight_sync import broadcast_weights, http_announcer, init_weight_update_group
+    from asyncrl.services.transport.weights.broadcast import broadcast_weights, http_announcer, init_weight_update_group
 
     url, weights_file, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,

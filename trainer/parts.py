@@ -30,13 +30,13 @@ from asyncrl.trainer.checkpoint import Checkpointer
 from asyncrl.trainer.config import TrainerSettings
 from asyncrl.trainer.data import GroupSource
 from asyncrl.trainer.model import DTYPES, Dist, build_model, full_state_dict, resolve_mixed_precision
+from asyncrl.trainer.publish import BroadcastPublisher, DiskPublisher, cast_state, detach_from
 from asyncrl.trainer.schedule import build_scheduler
 from asyncrl.trainer.step import StepConfig
 from asyncrl.trainer.tracking import Tracker, build_tracker
-from asyncrl.trainer.weights import BroadcastPublisher, DiskPublisher, cast_state, detach_from
 
 if TYPE_CHECKING:
-    from asyncrl.buffer import AdmissionControl, Groups, Weights
+    from asyncrl.buffer import AdmissionControl, Groups, PolicyVersions
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -44,7 +44,7 @@ log = logging.getLogger("asyncrl.trainer")
 @dataclass
 class Parts:
     cfg: TrainerSettings
-    d: Dist
+    ranks: Dist  # this process: rank, world size, device, backend
     model: nn.Module
     ref_model: nn.Module | None
     optimizer: torch.optim.Optimizer
@@ -53,11 +53,11 @@ class Parts:
     source: GroupSource
     ckpt: Checkpointer
     groups: Groups | None  # rank 0: the trainer's consumer of the buffer
-    weights: Weights | None  # rank 0: versions, weight locations and lineage in the buffer
+    versions: PolicyVersions | None  # rank 0: versions, weight locations and lineage in the buffer
     admission: AdmissionControl | None  # rank 0
     disk: DiskPublisher | None
     broadcast: BroadcastPublisher | None
-    health: tm.Health
+    status: tm.TrainerStatus  # what /healthz reports
     pad_id: int
     audit_path: Path | None
     tracker: Tracker | None = None  # rank 0's W&B run when [trainer.wandb] is enabled
@@ -78,12 +78,12 @@ class Parts:
         previous one and raises its error (so does `finish_publishing`). A rollback (resume)
         publishes in the foreground."""
         if self.cfg.publish == "none":
-            if self.weights is not None:
-                self.weights.set_version(version)
+            if self.versions is not None:
+                self.versions.set_version(version)
             return
         t0 = time.perf_counter()
         state = full_state_dict(self.model)
-        if not self.d.is_main:
+        if not self.ranks.is_main:
             return
         state = cast_state(state, DTYPES[self.cfg.publish_dtype])
         self.finish_publishing()
@@ -119,7 +119,7 @@ class Parts:
                 published_at=time.time(),
                 extra={"group_name": self.broadcast.group_name},
             )
-        self.weights.publish(info, rollback=rollback, set_version=True)  # announced, then `version` set
+        self.versions.publish(info, rollback=rollback, set_version=True)  # announced, then `version` set
         seconds = time.perf_counter() - t0
         tm.PUBLISH_SECONDS.labels(info.method).observe(seconds)
         tm.PUBLISH_BYTES.labels(info.method).inc(out.nbytes)
@@ -136,7 +136,7 @@ class Parts:
 
     def audit(self, event: str, version: int, **fields) -> None:
         """Rank 0: append one JSON line (one write: a killed process leaves whole lines)."""
-        if self.audit_path is None or not self.d.is_main:
+        if self.audit_path is None or not self.ranks.is_main:
             return
         line = json.dumps({"event": event, "version": version, "t": time.time(), **fields}) + "\n"
         fd = os.open(self.audit_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -154,23 +154,23 @@ def _log_failed_publish(version: int, shipping: Future) -> None:
         )
 
 
-def build(cfg: TrainerSettings, d: Dist) -> Parts:
+def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
     from transformers import AutoConfig
 
     out = Path(cfg.output_dir)
-    if d.is_main:
+    if ranks.is_main:
         out.mkdir(parents=True, exist_ok=True)
     tracker = build_tracker(
-        cfg, d.rank, d.world, d.backend
+        cfg, ranks.rank, ranks.world, ranks.backend
     )  # enabled without wandb: stop before the model loads
-    compute_dtype = resolve_mixed_precision(cfg.mixed_precision, d.device)
-    if d.is_main:
+    compute_dtype = resolve_mixed_precision(cfg.mixed_precision, ranks.device)
+    if ranks.is_main:
         log_event(
-            log, "compute dtype", setting=cfg.mixed_precision, dtype=compute_dtype, device=d.device.type
+            log, "compute dtype", setting=cfg.mixed_precision, dtype=compute_dtype, device=ranks.device.type
         )
     model = build_model(
         cfg.model_path,
-        d,
+        ranks,
         random_init=cfg.random_init,
         seed=cfg.seed,
         mixed_precision=compute_dtype,
@@ -181,7 +181,7 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
     if cfg.kl_coef > 0:
         ref_model = build_model(
             cfg.model_path,
-            d,
+            ranks,
             random_init=cfg.random_init,
             seed=cfg.seed,
             mixed_precision=compute_dtype,
@@ -209,13 +209,13 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
         chunk_tokens=cfg.logprob_chunk_tokens,
     )
     shaping = Shaping(cfg.overlong_max_len, cfg.overlong_cache_len, cfg.overlong_factor)
-    groups = weights = admission = disk = broadcast = None
-    health = tm.Health()
-    if d.is_main:
-        from asyncrl.buffer import AdmissionControl, Buffer, Groups, Weights
+    groups = versions = admission = disk = broadcast = None
+    status = tm.TrainerStatus()
+    if ranks.is_main:
+        from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
 
         buf = Buffer(cfg.redis_url, run=cfg.run)
-        groups, weights = Groups(buf, consumer=cfg.consumer), Weights(buf)
+        groups, versions = Groups(buf, consumer=cfg.consumer), PolicyVersions(buf)
         admission = AdmissionControl(buf, cfg.batch_groups, cfg.max_staleness)
         admission.configure(batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness)
         if cfg.publish == "disk":
@@ -223,7 +223,7 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
         elif cfg.publish == "distributed":
             from asyncrl.buffer.server import free_port
 
-            backend = cfg.broadcast_backend if cfg.broadcast_backend != "auto" else d.backend
+            backend = cfg.broadcast_backend if cfg.broadcast_backend != "auto" else ranks.backend
             broadcast = BroadcastPublisher(
                 cfg.engine_urls,
                 cfg.broadcast_master_addr,
@@ -235,9 +235,9 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
             )
             # a fresh group name per trainer start: engines still hold the dead group of a crashed one
         if cfg.metrics_port:
-            tm.serve(cfg.metrics_host, cfg.metrics_port, health)
+            tm.serve(cfg.metrics_host, cfg.metrics_port, status)
     source = GroupSource(
-        d,
+        ranks,
         groups,
         cfg.batch_groups,
         cfg.max_staleness,
@@ -250,7 +250,7 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
     )
     pad_id = AutoConfig.from_pretrained(cfg.model_path).pad_token_id or 0
     fetch = None
-    if tracker is not None and d.is_main:
+    if tracker is not None and ranks.is_main:
         from asyncrl.buffer import EvalStore
 
         evals = EvalStore(cfg.redis_url, run=cfg.run)  # the rollout service's evaluations of this run
@@ -260,20 +260,20 @@ def build(cfg: TrainerSettings, d: Dist) -> Parts:
 
     return Parts(
         cfg,
-        d,
+        ranks,
         model,
         ref_model,
         optimizer,
         scheduler,
         step_cfg,
         source,
-        Checkpointer(out / "checkpoints", d, cfg.keep_checkpoints),
+        Checkpointer(out / "checkpoints", ranks, cfg.keep_checkpoints),
         groups,
-        weights,
+        versions,
         admission,
         disk,
         broadcast,
-        health,
+        status,
         int(pad_id),
         out / "trained.jsonl" if cfg.audit_log else None,
         tracker,

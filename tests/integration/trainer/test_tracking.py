@@ -40,7 +40,7 @@ from asyncrl.trainer.tracking import (
 )
 
 pytest.importorskip("wandb", reason="the asyncrl[tracking] extra is not installed")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def settings(out: Path, **wandb) -> TrainerSettings:
@@ -125,7 +125,7 @@ def test_record_logs_every_step_figure_and_finished_evaluations(tmp_path):
              {**EVAL, "eval_id": "e-3", "name": "math", "accuracy": 0.25},
              {**EVAL, "eval_id": "e-4", "name": "math", "state": "running"}]  # fmt: skip
     tracker = build_tracker(settings(tmp_path), rank=0, world=1, backend="gloo")
-    p = SimpleNamespace(d=SimpleNamespace(is_main=True), health=tm.Health(), tracker=tracker,
+    p = SimpleNamespace(ranks=SimpleNamespace(is_main=True), status=tm.TrainerStatus(), tracker=tracker,
                         fetch_evaluations=lambda: evals)  # fmt: skip
     with tracker:
         record(p, 5, taken, rows, dict(stats), {"wait": 0.5, "recompute": 0.25}, 2.0)
@@ -198,7 +198,7 @@ def test_an_exception_leaving_the_loop_finishes_the_run_as_failed(tmp_path):
 def test_disabled_tracking_never_imports_wandb():
     script = textwrap.dedent("""
         import sys
-        import asyncrl.trainer.components, asyncrl.trainer.loop, asyncrl.trainer.main
+        import asyncrl.trainer.parts, asyncrl.trainer.loop, asyncrl.trainer.main
         from asyncrl.trainer.config import TrainerSettings
         from asyncrl.trainer.tracking import build_tracker
         enabled = sys.argv[1] == "on"

@@ -1,4 +1,4 @@
-"""buffer/alloc.py: glibc keeps large payloads' memory on its heap once tuned (each case in a
+"""buffer/malloc_tuning.py: glibc keeps large payloads' memory on its heap once tuned (each case in a
 fresh interpreter, since the settings are process-wide)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 PROBE = """
 import ctypes, sys
-from asyncrl.buffer.alloc import tune_malloc
+from asyncrl.buffer.malloc_tuning import tune_malloc
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -26,7 +26,7 @@ print(tuned, libc.mallinfo2().hblkhd - before >= 4 << 20)
 
 def probe(**env: str) -> str:
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
-                         env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
+                         env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))  # fmt: skip
     return out.stdout.strip()
 
 

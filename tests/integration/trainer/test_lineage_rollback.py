@@ -21,11 +21,12 @@ from engine_server import serve_in_thread as serve_engine
 from rollout_server import free_port, serve_in_thread, start_reward_service
 from test_trainer import kill_tree, process_tree, read_audit, start_trainer, wait_for
 
-from asyncrl.buffer import Buffer, Weights, stats
+from asyncrl.buffer import Buffer, PolicyVersions, stats
 from asyncrl.buffer.groups import sampled_lineage
 from asyncrl.proto import Group, decode
-from asyncrl.proto.lineage import Lineage, parse_weight_version
+from asyncrl.proto.lineage import Lineage
 from asyncrl.services.ops.tinymodel import build_tiny_model
+from asyncrl.services.transport.weights import parse_weight_version
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -39,8 +40,8 @@ def step_logged(audit: Path, version: int) -> bool:
 def buffered_lineages(buf: Buffer) -> dict[str, dict[int, int]]:
     """group id -> lineage of every group waiting in the buffer (read without consuming)."""
     out = {}
-    for _, fields in buf.r.xrange(buf.keys.groups):
-        data = buf.r.get(buf.keys.payload_prefix + fields[b"gid"].decode())
+    for _, fields in buf.redis.xrange(buf.keys.groups):
+        data = buf.redis.get(buf.keys.payload_prefix + fields[b"gid"].decode())
         if data:
             g = decode(data, Group)
             out[g.group_id] = sampled_lineage(g)
@@ -147,7 +148,7 @@ device = "cpu"
     events = read_audit(audit)
     resumes = [e for e in events if e["event"] == "resume"]
     assert [(e["version"], e["epoch"]) for e in resumes] == [(0, 0), (FORK, 1)]
-    assert Weights(buf).lineage() == Lineage(1, {1: FORK})
+    assert PolicyVersions(buf).lineage() == Lineage(1, {1: FORK})
     # the engine went from the lost v3 straight back to v2 of epoch 1, then only forward
     history = [parse_weight_version(v) for v in served]
     back = history.index((FORK, 1))
@@ -167,7 +168,8 @@ device = "cpu"
     ]
     assert len({gid for gid, _ in trained}) == len(trained) == STEPS * B  # each group once
     for gid, lin in trained:
-        assert not Weights(buf).lineage().lost(lin), (gid, lin)  # nothing sampled by the lost v3 was trained
+        # nothing sampled by the lost v3 was trained
+        assert not PolicyVersions(buf).lineage().lost(lin), (gid, lin)
     lost = {gid for e in steps for gid in e["lost"]}
     assert doomed and doomed <= lost, (doomed, lost)
     assert not lost & {gid for gid, _ in trained}

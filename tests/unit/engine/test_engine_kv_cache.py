@@ -78,7 +78,7 @@ def test_rows_with_one_prompt_are_prefilled_once_and_decode_apart(runner):
 
     runner._prefill = counting
     try:
-        runner.cache.k[0].fill_(7.0)  # stale values in the slots: all must be overwritten
+        runner.cache.key_cache[0].fill_(7.0)  # stale values in the slots: all must be overwritten
         seqs = [[1, 5, 6], [1, 8, 9, 10, 11], [1, 5, 6]]
         rows = [ForwardRow(list(s)) for s in seqs]
         last, full = runner.prefill(1, rows)

@@ -1,28 +1,23 @@
-"""Publishing a new policy version to the engines: to disk, or broadcast over torch.distributed.
+"""Publishing a new policy version to the engines, the sender's side of
+services/transport/weights (whose docstring is the contract): to disk, or broadcast over
+torch.distributed.
 
-Disk: rank 0 writes `<root>/v<version:08d>/` (`…-e<epoch>` after a resume: a version of
-another history is never overwritten, proto/lineage.py) holding `model.safetensors` (tied weights once,
-as HF writes them) plus the source directory's config and tokenizer files (hard links where
-the filesystem allows, so the 3.5 MB tokenizer.json is not copied every version: the source
-directory must not be rewritten in place while the run publishes), in a temp directory that
-is fsynced and renamed into place, keeps the newest `keep` versions, deletes those of a lost
-history, and
-announces `WeightsInfo(method="disk", path=…)` through the buffer. Engines load it with
-`/update_weights_from_disk` (SGLang) or `AutoModelForCausalLM.from_pretrained`.
+Disk (`DiskPublisher`): rank 0 writes the version's directory in a temp directory that is
+fsynced and renamed into place, with the source directory's config and tokenizer files as hard
+links where the filesystem allows (the 3.5 MB tokenizer.json is not copied every version: the
+source directory must not be rewritten in place while the run publishes), keeps the newest
+`keep` versions and deletes those of a lost history.
 
-Broadcast: SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`
-protocol as written down in `services/engine/weight_sync.py` (the contract shared with the
-engine): the trainer's rank 0 is rank 0 of a separate process group on its own TCPStore,
-tensors go in buckets of about `bucket_bytes`, one metadata request per bucket and engine,
-then one broadcast per tensor. Generation is paused on every engine for the update. Not
-handled here: engines joining after the group is formed (list them at start), and re-forming
-a broken group (restart the trainer).
+Broadcast (`BroadcastPublisher`): the trainer's rank 0 is rank 0 of a separate process group on
+its own TCPStore; this side adds group membership from each engine's TP size, pausing
+generation on every engine for the update, and a typed error when an engine refuses. Not
+handled: engines joining after the group is formed (list them at start), and re-forming a
+broken group (restart the trainer).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import threading
 import time
@@ -33,12 +28,15 @@ from pathlib import Path
 import httpx
 import torch
 
-from asyncrl.proto.lineage import weight_version_name
+from asyncrl.services.transport.weights import weight_version_name
+from asyncrl.services.transport.weights.filesystem import (
+    MODEL_FILE,
+    file_metadata,
+    is_source_weights,
+    published_versions,
+    version_dir_name,
+)
 from asyncrl.trainer.checkpoint import atomic_publish_dir
-
-WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
-WEIGHT_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-VERSION_DIR = re.compile(r"v(\d+)(?:-e(\d+))?")
 
 
 @dataclass
@@ -78,16 +76,7 @@ class DiskPublisher:
         self._synced: set[str] = set()  # source files fsynced once: their links need no fsync again
 
     def path_of(self, version: int, epoch: int = 0) -> Path:
-        return self.root / (f"v{version:08d}" if epoch == 0 else f"v{version:08d}-e{epoch}")
-
-    def _published(self) -> list[tuple[tuple[int, int], Path]]:
-        """((epoch, version), directory) of every published version, in publication order."""
-        found = []
-        for p in self.root.glob("v*"):
-            named = VERSION_DIR.fullmatch(p.name)
-            if named:
-                found.append(((int(named[2] or 0), int(named[1])), p))
-        return sorted(found)
+        return self.root / version_dir_name(version, epoch)
 
     def write(self, version: int, state: dict[str, torch.Tensor], epoch: int = 0) -> Published:
         """Rank 0: write version `version` of `epoch` durably; returns where and how many bytes."""
@@ -101,18 +90,14 @@ class DiskPublisher:
         tmp = self.root / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        written = [tmp / "model.safetensors"]  # files whose bytes this write put on disk
+        written = [tmp / MODEL_FILE]  # files whose bytes this write put on disk
         for f in self.source_dir.iterdir():
-            if not f.is_file() or f.name.endswith(WEIGHT_FILES) or f.name in WEIGHT_INDEX:
+            if not f.is_file() or is_source_weights(f.name):
                 continue
             if not _link_or_copy(f, tmp / f.name) or f.name not in self._synced:
                 written.append(tmp / f.name)
                 self._synced.add(f.name)
-        save_file(
-            state,
-            str(tmp / "model.safetensors"),
-            metadata={"format": "pt", "asyncrl_version": str(version), "asyncrl_epoch": str(epoch)},
-        )
+        save_file(state, str(tmp / MODEL_FILE), metadata=file_metadata(version, epoch))
         atomic_publish_dir(tmp, final, written)  # at one publish per step every fsync counts (~2-3 ms each)
         self._prune()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -122,7 +107,7 @@ class DiskPublisher:
         """Versions above `version` of this or an older epoch come from steps lost in a crash
         (the trainer resumed from an older checkpoint): they must never be served again, and
         must not crowd out `version`."""
-        for (e, v), p in self._published():
+        for (e, v), p in published_versions(self.root):
             if e <= epoch and v > version:
                 shutil.rmtree(p, ignore_errors=True)
 
@@ -131,13 +116,13 @@ class DiskPublisher:
         file costs ~0.1 s per 540 MB on ext4, paid when its last reference goes (the kernel
         frees its blocks and cached pages then): an fd held across the unlink lets a
         background thread pay it, so the trainer does not wait for the filesystem."""
-        versions = [p for _, p in self._published()]
+        versions = [p for _, p in published_versions(self.root)]
         held: list[int] = []
         for old in versions[: -self.keep]:
             for f in old.glob("*.safetensors"):
                 try:
                     held.append(os.open(f, os.O_RDONLY))
-                except OSError:  # gone already, or unreadable: rmtree deletes it inline as before
+                except OSError:  # gone already, or unreadable: rmtree deletes it inline
                     pass
             shutil.rmtree(old, ignore_errors=True)
         if held:
@@ -161,9 +146,9 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
 class BroadcastPublisher:
     """Rank 0 only. `connect()` once (engines join the group), then `publish(version, state)`.
 
-    The wire protocol is `services/engine/weight_sync.py`'s (SGLang's): this class adds the
-    engine-side choreography around it: group membership from each engine's TP size, pausing
-    generation for the duration of an update, and a typed error when an engine refuses."""
+    The wire protocol is services/transport/weights/broadcast.py's (SGLang's): this class adds
+    the choreography around it: group membership from each engine's TP size, pausing generation
+    for the duration of an update, and a typed error when an engine refuses."""
 
     def __init__(
         self,
@@ -198,7 +183,7 @@ class BroadcastPublisher:
             )
         failed = [a for a in answers if a]
         if failed:
-            raise WeightSyncError("; ".join(failed))
+            raise BroadcastError("; ".join(failed))
 
     def _post(self, url: str, body: dict) -> str:
         """'' on success, else what went wrong."""
@@ -210,7 +195,7 @@ class BroadcastPublisher:
         return "" if ok else f"{url}: HTTP {resp.status_code} {resp.text[:300]}"
 
     def connect(self) -> None:
-        from asyncrl.services.engine.weight_sync import init_weight_update_group
+        from asyncrl.services.transport.weights.broadcast import init_weight_update_group
 
         sizes = [self._engine_world_size(u) for u in self.engine_urls]
         world = 1 + sum(sizes)
@@ -253,7 +238,7 @@ class BroadcastPublisher:
         self.group = hosted.result(timeout=self.timeout_s)
 
     def publish(self, version: int, state: dict[str, torch.Tensor], epoch: int = 0) -> Published:
-        from asyncrl.services.engine.weight_sync import broadcast_weights, http_announcer
+        from asyncrl.services.transport.weights.broadcast import broadcast_weights, http_announcer
 
         if self.group is None:
             self.connect()
@@ -279,7 +264,7 @@ class BroadcastPublisher:
                 announce=announce,
             )
         except RuntimeError as exc:
-            raise WeightSyncError(str(exc)) from exc
+            raise BroadcastError(str(exc)) from exc
         finally:
             self._post_all("/continue_generation", [{}] * len(self.engine_urls))
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -289,5 +274,5 @@ class BroadcastPublisher:
         self.http.close()
 
 
-class WeightSyncError(RuntimeError):
+class BroadcastError(RuntimeError):
     """An engine refused or failed a weight update."""

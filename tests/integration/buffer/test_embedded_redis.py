@@ -10,10 +10,10 @@ import sys
 import redis
 from factories import make_group
 
-from asyncrl.buffer import AdmissionControl, Buffer, Groups, RedisServer, Weights, ensure_redis
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions, RedisServer, ensure_redis
 from asyncrl.buffer.server import embedded_binary
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_embedded_redis_starts_is_shared_persists_and_stops(tmp_path):
@@ -63,7 +63,7 @@ def _asyncrl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
 def test_buffer_stats_cli(redis_url, run_id):
     buf = Buffer(redis_url, run_id)
     AdmissionControl(buf).configure(batch_groups=2, max_staleness=1)
-    Weights(buf).set_version(3)
+    PolicyVersions(buf).set_version(3)
     groups = Groups(buf, "t")
     groups.put([make_group(f"g{i}", version=v) for i, v in enumerate([3, 2, 1])])
     groups.take(3, current_version=3, max_staleness=1, block_ms=50)  # staleness 0, 1 fresh; 2 dropped

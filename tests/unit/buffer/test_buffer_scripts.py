@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from asyncrl.buffer import admission, groups, jobs, weights
+from asyncrl.buffer import admission, groups, jobs, versions
 from asyncrl.buffer.connection import Script
 from asyncrl.proto.states import Admission, GroupState
 
@@ -17,7 +17,10 @@ from asyncrl.proto.states import Admission, GroupState
 FIELDS = {"accepted", "put", "duplicates", "jobs_enqueued", "jobs_", "gid", "mv", "entry", "stream", "reason",
           "data", "groups", "jobs", "table", "batch_groups", "max_staleness", "version"}  # fmt: skip
 SCRIPTS = [
-    s for module in (groups, jobs, admission, weights) for s in vars(module).values() if isinstance(s, Script)
+    s
+    for module in (groups, jobs, admission, versions)
+    for s in vars(module).values()
+    if isinstance(s, Script)
 ]
 
 

@@ -18,7 +18,16 @@ from factories import edit_sample, make_group, make_job
 from prometheus_client import REGISTRY
 from waiting import wait_until
 
-from asyncrl.buffer import AdmissionControl, Buffer, GroupReport, Groups, Jobs, RedisServer, Weights, stats
+from asyncrl.buffer import (
+    AdmissionControl,
+    Buffer,
+    GroupReport,
+    Groups,
+    Jobs,
+    PolicyVersions,
+    RedisServer,
+    stats,
+)
 from asyncrl.proto import SCHEMA_VERSION, encode
 from asyncrl.proto.states import Admission, GroupState
 
@@ -37,7 +46,7 @@ class Parts:
     groups: Groups
     jobs: Jobs
     admission: AdmissionControl
-    weights: Weights
+    weights: PolicyVersions
 
     def stats(self) -> dict:
         return stats(self.conn)
@@ -48,12 +57,12 @@ def open_parts(
 ) -> Parts:
     conn = Buffer(url, run)
     return Parts(conn, Groups(conn, consumer), Jobs(conn, consumer), AdmissionControl(conn, batch_groups, max_staleness),
-                 Weights(conn))  # fmt: skip
+                 PolicyVersions(conn))  # fmt: skip
 
 
 def all_delivered(buf: Parts) -> bool:
     """The trainer group has handed every entry added so far to a consumer."""
-    r, stream = buf.conn.r, buf.conn.keys.groups
+    r, stream = buf.conn.redis, buf.conn.keys.groups
     (group,) = r.xinfo_groups(stream)
     return group["last-delivered-id"] == r.xinfo_stream(stream)["last-generated-id"]
 
@@ -100,16 +109,16 @@ def test_batched_put_and_ack_of_many_groups_stay_exact(buf):
     assert stats["counters"]["trained"] == 2100 and stats["counters"]["duplicates"] == 5
     assert buf.admission.snapshot()["accepted"] == 2100  # trained groups keep their admission count
     assert buf.jobs.progress("job1").exits == {GroupState.trained: 700}
-    assert not list(buf.conn.r.scan_iter(buf.conn.keys.payload_prefix + "*"))
+    assert not list(buf.conn.redis.scan_iter(buf.conn.keys.payload_prefix + "*"))
 
 
 def test_pipelined_scripts_survive_a_flushed_script_cache(buf):
     """Pipelines call scripts by sha without checking first; a Redis that lost its scripts (a
     restart) gets them loaded again and the idempotent writes run again, once."""
     assert buf.groups.put([make_group("a")]) == [True]
-    buf.conn.r.script_flush()
+    buf.conn.redis.script_flush()
     assert buf.groups.put([make_group("b"), make_group("a")]) == [True, False]
-    buf.conn.r.script_flush()
+    buf.conn.redis.script_flush()
     assert buf.jobs.enqueue([make_job("j1"), make_job("j2")]) == 2
     assert buf.admission.snapshot()["accepted"] == 2 and buf.stats()["counters"]["put"] == 2
     assert [g.group_id for g in buf.groups.take(5, current_version=0, block_ms=50).groups] == ["a", "b"]
@@ -124,7 +133,7 @@ def test_parts_of_one_pipeline_get_their_own_replies(buf):
     assert len(buf.jobs.claim(3, block_ms=50)) == 3
     buf.weights.set_version(7)
     assert buf.groups.put([make_group("g0")]) == [True]
-    buf.conn.r.script_flush()
+    buf.conn.redis.script_flush()
     ends = [GroupReport("j0", "g0", GroupState.buffered), GroupReport("j0", "g1", GroupState.buffered, error="late"),
             GroupReport("j0", "g0", GroupState.buffered)]  # fmt: skip
     new, ended, version = buf.conn.pipeline_parts(
@@ -155,7 +164,7 @@ def test_two_concurrent_consumers_never_receive_the_same_group(redis_url, run_id
     ]
     for p in procs:
         p.start()
-    wait_until(lambda: len(producer.conn.r.xinfo_consumers(producer.conn.keys.groups, "trainer")) == 2,
+    wait_until(lambda: len(producer.conn.redis.xinfo_consumers(producer.conn.keys.groups, "trainer")) == 2,
                message="both consumers are reading")  # fmt: skip
     ids = [f"g{i}" for i in range(120)]
     for gid in ids:
@@ -334,7 +343,7 @@ def test_rebuild_admission_after_trainer_restart(buf):
 
 
 def test_bad_payloads_go_to_dead_letter_and_good_ones_keep_flowing(buf):
-    r, keys = buf.conn.r, buf.conn.keys
+    r, keys = buf.conn.redis, buf.conn.keys
     good_bytes = encode(make_group("x"))
     bad = {
         "truncated": good_bytes[:-7],
@@ -372,7 +381,7 @@ def test_jobs_stream_claim_ack_and_recovery(redis_url, run_id):
     jobs = [make_job(f"g{i}") for i in range(5)]
     assert [a.enqueue([j]) for j in jobs] == [1] * 5
     assert a.enqueue([jobs[0]]) == 0
-    a.buf.r.xadd(a.keys.jobs, {"gid": "junk", "data": b"\x00\x01"})
+    a.buf.redis.xadd(a.keys.jobs, {"gid": "junk", "data": b"\x00\x01"})
     got_a = a.claim(3, block_ms=50)
     assert [c.job for c in got_a] == jobs[:3]
     got_b = b.claim(10, block_ms=50)
@@ -393,7 +402,7 @@ def test_jobs_stream_claim_ack_and_recovery(redis_url, run_id):
 def test_weights_publish_and_subscribe(buf):
     from asyncrl.proto import WeightsInfo
 
-    weights, r = buf.weights, buf.conn.r
+    weights, r = buf.weights, buf.conn.redis
     assert weights.latest() is None
     with weights.subscribe() as sub:
         channel = buf.conn.keys.weights_channel

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.proto.lineage import Lineage, parse_weight_version, weight_version_name
-from asyncrl.trainer.weights import DiskPublisher
+from asyncrl.proto.lineage import Lineage
+from asyncrl.services.transport.weights import parse_weight_version, weight_version_name
+from asyncrl.trainer.publish import DiskPublisher
 
 
 @pytest.mark.parametrize(("version", "epoch", "name"), [(0, 0, "0"), (466, 0, "466"), (460, 2, "460@e2")])

@@ -31,12 +31,12 @@ import pytest
 from msgspec.structs import replace
 from waiting import wait_until
 
-from asyncrl.buffer import Buffer, Groups, Weights, stats
+from asyncrl.buffer import Buffer, Groups, PolicyVersions, stats
 from asyncrl.buffer.server import free_port
 from asyncrl.proto import Group, Sample
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 B, STEPS = 2, 10
 
 
@@ -223,18 +223,18 @@ is_correction = "tis"
     all_put = {g.group_id for g in phase1 + phase2}
     exits = set(trained) | dropped | discarded | lost
     assert exits == all_put and len(trained) + len(dropped) + len(discarded) + len(lost) == len(all_put)
-    stale_ids = {f[b"gid"].decode() for _, f in buf.r.xrange(buf.keys.stale)}
+    stale_ids = {f[b"gid"].decode() for _, f in buf.redis.xrange(buf.keys.stale)}
     assert stale_ids == dropped | lost
     numbers = stats(buf)
     assert numbers["pending"]["groups"] == 0 and numbers["depth"]["groups"] == 0
     assert numbers["counters"].get("zero_spread") == 1 and numbers["counters"].get("lost") == 1
-    assert Weights(buf).version() == STEPS
+    assert PolicyVersions(buf).version() == STEPS
     # the resumed run's weights live beside, never over, the killed run's
-    assert Weights(buf).lineage().forks == {1: 2}
+    assert PolicyVersions(buf).lineage().forks == {1: 2}
     assert sorted(p.name for p in (out / "weights").iterdir()) == [f"v{STEPS - 1:08d}-e1", f"v{STEPS:08d}-e1"]
 
     # ---- published weights reload bit-identically in a fresh process
-    info = Weights(buf).latest()
+    info = PolicyVersions(buf).latest()
     assert (info.version, info.epoch, info.method) == (STEPS, 1, "disk")
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

@@ -1,5 +1,5 @@
 """Background weight publishing (`[trainer] publish_background`): the trainer's own parts and
-loop (`trainer.components.build` + `trainer.loop.train_steps`) on a one-rank gloo world in this
+loop (`trainer.parts.build` + `trainer.loop.train_steps`) on a one-rank gloo world in this
 process, over the real Redis buffer, with the disk writer slowed down so that the next step's
 optimizer updates the model while a version is still being written."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.buffer import Buffer, Groups, Weights
+from asyncrl.buffer import Buffer, Groups, PolicyVersions
 from asyncrl.proto import Group, Sample
 from asyncrl.trainer.config import TrainerSettings
-from asyncrl.trainer.weights import DiskPublisher, detach_from
+from asyncrl.trainer.publish import DiskPublisher, detach_from
 
 torch.set_num_threads(1)
 B, STEPS = 2, 3
@@ -71,9 +71,9 @@ def slowed(monkeypatch, fail_at: int | None = None) -> list[tuple[int, float]]:
 
 
 def test_each_version_holds_its_own_steps_weights(tiny, tmp_path, redis_url, run_id, one_rank, monkeypatch):
-    from asyncrl.trainer.components import Parts, build
     from asyncrl.trainer.loop import train_steps
     from asyncrl.trainer.model import full_state_dict
+    from asyncrl.trainer.parts import Parts, build
 
     Groups(Buffer(redis_url, run=run_id)).put(groups(B * STEPS, seed=1))
     calls = slowed(monkeypatch)
@@ -97,7 +97,7 @@ def test_each_version_holds_its_own_steps_weights(tiny, tmp_path, redis_url, run
     assert not torch.equal(
         expected[1]["model.norm.weight"], expected[2]["model.norm.weight"]
     )  # the model moved
-    weights = Weights(Buffer(redis_url, run=run_id))
+    weights = PolicyVersions(Buffer(redis_url, run=run_id))
     assert weights.version() == STEPS  # the last write was waited for before train_steps returned
     for version in (1, 2, 3):
         written = load_file(str(tmp_path / "weights" / f"v{version:08d}" / "model.safetensors"))
@@ -113,8 +113,8 @@ def test_a_failed_background_write_stops_the_trainer(
     """The write of version 2 fails (disk full): the trainer raises it at its next publish, and
     version 2 is never announced."""
     from asyncrl.trainer import metrics as tm
-    from asyncrl.trainer.components import build
     from asyncrl.trainer.loop import train_steps
+    from asyncrl.trainer.parts import build
 
     Groups(Buffer(redis_url, run=run_id)).put(groups(B * STEPS, seed=2))
     calls = slowed(monkeypatch, fail_at=2)
@@ -123,15 +123,15 @@ def test_a_failed_background_write_stops_the_trainer(
         train_steps(build(settings(tiny, tmp_path, redis_url, run_id), one_rank))
     assert tm.PUBLISH_FAILURES._value.get() == failures + 1  # counted (and logged) when it failed
     assert [v for v, _ in calls] == [1, 2]  # version 3 was not written after the failure
-    weights = Weights(Buffer(redis_url, run=run_id))
+    weights = PolicyVersions(Buffer(redis_url, run=run_id))
     assert weights.version() == 1
     assert not (tmp_path / "weights" / f"v{2:08d}").exists()
 
 
 def test_foreground_publishing_waits_for_each_write(tiny, tmp_path, redis_url, run_id, one_rank, monkeypatch):
     """`publish_background = false`: the step does not end before its version is written."""
-    from asyncrl.trainer.components import Parts, build
     from asyncrl.trainer.loop import train_steps
+    from asyncrl.trainer.parts import Parts, build
 
     Groups(Buffer(redis_url, run=run_id)).put(groups(B * STEPS, seed=3))
     calls = slowed(monkeypatch)

@@ -1,4 +1,4 @@
-"""Policy versions, weight locations and the run's lineage (docs/architecture.md §5).
+"""Policy versions, their announcements and the run's lineage (docs/architecture.md §5).
 
 The trainer sets `version` (optimizer steps taken) and publishes where each version's weights
 are: the `weights` hash (the newest WEIGHTS_KEEP versions), `weights:latest` and an event on
@@ -51,15 +51,18 @@ return e
 )
 
 
-class Weights:
+class PolicyVersions:
+    """The run's policy version, where each version's weights are announced
+    (services/transport/weights), and its lineage: one record per run in the buffer."""
+
     def __init__(self, buf: Buffer):
         self.buf, self.keys = buf, buf.keys
 
     def set_version(self, version: int) -> None:
-        self.buf.r.set(self.keys.version, int(version))
+        self.buf.redis.set(self.keys.version, int(version))
 
     def version(self) -> int:
-        return int(self.buf.r.get(self.keys.version) or 0)
+        return int(self.buf.redis.get(self.keys.version) or 0)
 
     def version_part(self) -> Part:
         """`version` as part of a larger pipeline (`Buffer.pipeline_parts`)."""
@@ -89,11 +92,11 @@ class Weights:
         self.buf.pipeline(fill)
 
     def latest(self) -> WeightsInfo | None:
-        data = self.buf.r.hget(self.keys.latest_weights, "data")
+        data = self.buf.redis.hget(self.keys.latest_weights, "data")
         return decode(data, WeightsInfo) if data else None
 
-    def subscribe(self) -> WeightsSubscription:
-        return WeightsSubscription(self.buf)
+    def subscribe(self) -> VersionSubscription:
+        return VersionSubscription(self.buf)
 
     def begin_epoch(self, fork_version: int) -> int:
         """A trainer resumed at `fork_version`: open a new epoch and return it. Versions of older
@@ -106,17 +109,17 @@ class Weights:
 
     def lineage(self) -> Lineage:
         epoch, forks = (
-            self.buf.r.pipeline(transaction=False).get(self.keys.epoch).hgetall(self.keys.forks).execute()
+            self.buf.redis.pipeline(transaction=False).get(self.keys.epoch).hgetall(self.keys.forks).execute()
         )
         return Lineage(int(epoch or 0), {int(e): int(v) for e, v in forks.items()})
 
 
-class WeightsSubscription:
+class VersionSubscription:
     """Pub/sub on the run's `weights` channel; `get(timeout)` returns the next WeightsInfo."""
 
     def __init__(self, buf: Buffer):
         self._buf = buf
-        self._pubsub = buf.r.pubsub(ignore_subscribe_messages=True)
+        self._pubsub = buf.redis.pubsub(ignore_subscribe_messages=True)
         self._pubsub.subscribe(buf.keys.weights_channel)
 
     def get(self, timeout: float = 1.0) -> WeightsInfo | None:
@@ -130,7 +133,7 @@ class WeightsSubscription:
             except RecordDecodeError:
                 # The authoritative copy is the `weights` hash; a bad broadcast is only counted.
                 m.DEAD_LETTERED.labels("weights").inc()
-                self._buf.r.hincrby(self._buf.keys.stats, "bad_weight_events", 1)
+                self._buf.redis.hincrby(self._buf.keys.stats, "bad_weight_events", 1)
         return None
 
     def close(self) -> None:

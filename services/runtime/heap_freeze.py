@@ -3,8 +3,7 @@
 After start-up a service's heap holds a few hundred thousand objects that live as long as the
 process (torch, transformers and their modules, the model, the app). Python 3.11's full
 collection walks all of them: ~140 ms each in the rollout service, which ran one every ~2 s
-of the CPU demo (17 full collections, 2.8 s, in a 30-s run; the engine 1.7 s, the trainer
-0.9 s: benchmarks/RESULTS.md, #17 step overhead). `freeze_startup_heap`, called once when a
+of the CPU demo (benchmarks/RESULTS.md, "Frozen start-up heap"). `freeze_startup_heap`, called once when a
 service is built and before it serves, moves them to the collector's permanent generation, so
 later collections look only at what the service allocated since. Nothing frozen is ever
 collected: call it once, after start-up, never from a library or a test process.

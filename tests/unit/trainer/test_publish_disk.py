@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.trainer.weights import DiskPublisher
+from asyncrl.trainer.publish import DiskPublisher
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""Buckets of a weight broadcast (services/engine/weight_sync.py `_buckets`): every tensor once,
+"""Buckets of a weight broadcast (services/transport/weights/broadcast.py `plan_buckets`): every tensor once,
 in order, bucket by bucket, and drawn lazily, so a trainer that moves each tensor to the GPU as
 it is drawn holds one bucket there, not a second copy of the model."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.services.engine.weight_sync import _buckets
+from asyncrl.services.transport.weights.broadcast import plan_buckets
 
 
 def named(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
@@ -15,7 +15,7 @@ def named(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
 
 def test_buckets_hold_every_tensor_once_in_order_up_to_the_size():
     items = named([10, 30, 5, 60, 1, 1, 100])
-    buckets = list(_buckets(items, bucket_bytes=40 * 4))
+    buckets = list(plan_buckets(items, bucket_bytes=40 * 4))
     names = [n for _, b in buckets for n in b.names]
     assert names == [n for n, _ in items]
     assert [b.last for _, b in buckets] == [False] * (len(buckets) - 1) + [True]
@@ -27,8 +27,8 @@ def test_buckets_hold_every_tensor_once_in_order_up_to_the_size():
     for (n, t), got in zip(items, [t for ts, _ in buckets for t in ts]):
         assert torch.equal(t, got), n
     assert [b.names for _, b in buckets] == [["p0", "p1"], ["p2", "p3"], ["p4", "p5", "p6"]]
-    assert list(_buckets([], 1024)) == []
-    (only,) = _buckets(named([3]), 1024)
+    assert list(plan_buckets([], 1024)) == []
+    (only,) = plan_buckets(named([3]), 1024)
     assert only[1].last and only[1].names == ["p0"]
 
 
@@ -41,7 +41,7 @@ def test_tensors_are_drawn_one_bucket_at_a_time():
             yield n, t
 
     sent = 0
-    for tensors, _ in _buckets(lazily(), bucket_bytes=3 * 16 * 4):
+    for tensors, _ in plan_buckets(lazily(), bucket_bytes=3 * 16 * 4):
         assert len(tensors) == 3
         sent += len(tensors)
         assert len(drawn) <= sent + 1  # this bucket and, at most, the next tensor

@@ -35,7 +35,7 @@ from asyncrl.services.runtime.auth import ENGINE_TOKEN_ENV, check_token, generat
 
 torch.set_num_threads(1)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TOKEN = "Ctl-plane-test-token-7f3K9q"  # strong enough for check_token; never used outside tests
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 GROUP_TIMEOUT_S = 2.0

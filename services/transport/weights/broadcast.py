@@ -1,25 +1,25 @@
-"""Weight broadcast from the trainer (rank 0) to inference engines, SGLang's protocol.
+"""The broadcast of weights over torch.distributed, SGLang's protocol, both ends of it: the
+sender's bucket planning, send and per-bucket announcement (trainer/publish.py drives them) and
+the receiver's join and receive (services/engine/engine.py). The contract, what `last` means
+included, is services/transport/weights' docstring.
 
-Contract (the same for a real SGLang server and the reference engine):
+The sequence, the same for a real SGLang server and the reference engine:
 
 1. Every engine is told to join a group: `POST /init_weights_update_group` with
-   `{master_address, master_port, rank_offset, world_size, group_name, backend}`. The trainer
+   `{master_address, master_port, rank_offset, world_size, group_name, backend}`. The sender
    is rank 0 and hosts the rendezvous store on `master_address:master_port`; engine `i` is
-   rank `rank_offset` (one rank per engine here; an SGLang engine with TP=k takes k ranks).
-   The trainer calls `init_weight_update_group(..., rank=0)` *concurrently* with those HTTP
+   rank `rank_offset` (one rank per reference engine; an SGLang engine with TP=k takes k ranks).
+   The sender calls `init_weight_update_group(..., rank=0)` *concurrently* with those HTTP
    calls: the rendezvous completes only when every rank has joined.
-2. For each bucket of parameters the trainer announces the bucket to every engine with one
-   `POST /update_weights_from_distributed` `{names, dtypes, shapes, group_name, flush_cache,
-   weight_version}`, then broadcasts each tensor of the bucket from rank 0, in `names` order,
-   one collective per tensor. The HTTP call returns once the engine has received and loaded
-   the bucket. `weight_version` goes with the last bucket only.
-3. Callers pause generation (`POST /pause_generation`) before the first bucket and continue
-   after the last, as slime does, so no request is decoded with half-updated weights; the
+2. For each bucket (`plan_buckets`) the sender announces it to every engine with one
+   `POST /update_weights_from_distributed` (`bucket_request`), then broadcasts each tensor of
+   the bucket from rank 0, in `names` order, one collective per tensor (`receive_bucket` on
+   the engine). The HTTP call returns once the engine has received and loaded the bucket.
+3. The sender pauses generation (`POST /pause_generation`) before the first bucket and
+   continues after the last, so no request is decoded with half-updated weights; the
    reference engine applies each bucket between two scheduler steps and drops old-weight KV.
-4. An engine that refuses a bucket (unknown name, wrong shape) still receives every tensor
-   of it first, so the trainer never blocks; the refusal comes back through the HTTP answer
-   and `broadcast_weights` raises. A body the engine cannot even parse (HTTP 422) leaves the
-   trainer's broadcast to time out after `timeout_s`.
+4. A body the engine cannot even parse (HTTP 422) leaves the sender's broadcast to time out
+   after `timeout_s`.
 
 Names are the HF state-dict names (`model.layers.0.self_attn.q_proj.weight`); dtypes are torch
 dtype names (`"bfloat16"`, `"float32"`; a `"torch."` prefix is accepted); tensors are sent
@@ -105,6 +105,9 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Bucket:
+    """What the sender announces of one bucket; `last`: no bucket follows, so the announcement
+    carries the new `weight_version`."""
+
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -126,7 +129,7 @@ def broadcast_weights(
     """Send `named_tensors` to every engine of `group` (called on rank 0); returns the number
     of buckets. One `announce` (one metadata HTTP call per engine) per bucket."""
     count = 0
-    for tensors, bucket in _buckets(named_tensors, bucket_bytes):
+    for tensors, bucket in plan_buckets(named_tensors, bucket_bytes):
         pending = announce(bucket)
         for tensor in tensors:
             broadcast(group, tensor)
@@ -135,7 +138,7 @@ def broadcast_weights(
     return count
 
 
-def _buckets(
+def plan_buckets(
     named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[tuple[list[torch.Tensor], Bucket]]:
     """`named` in buckets of about `bucket_bytes`, drawn lazily: a bucket is yielded once its
@@ -162,6 +165,37 @@ def _buckets(
                 ),
             )
             current, size = [], 0
+
+
+def receive_bucket(
+    group, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], device
+) -> dict[str, torch.Tensor]:
+    """The receiver's half of one bucket: every announced tensor, in `names` order, on `device`
+    (the group's: CPU for gloo). Nothing is checked here, so the sender is never left blocked on
+    a tensor the receiver refuses afterwards."""
+    received = {}
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        broadcast(group, tensor)
+        received[name] = tensor
+    if device != "cpu":  # the receiver's next reads run on other threads and streams
+        torch.cuda.current_stream(device).synchronize()
+    return received
+
+
+def bucket_request(
+    bucket: Bucket, *, weight_version: str | None, group_name: str, flush_cache: bool = True
+) -> dict:
+    """The body of `/update_weights_from_distributed` announcing `bucket`
+    (`UpdateWeightsFromDistributedReqInput` in proto/sglang.py)."""
+    return {
+        "names": bucket.names,
+        "dtypes": bucket.dtypes,
+        "shapes": bucket.shapes,
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+        "weight_version": weight_version if bucket.last else None,
+    }
 
 
 def http_announcer(
@@ -191,14 +225,9 @@ def http_announcer(
             raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:500]}")
 
     def announce(bucket: Bucket) -> Future:
-        body = {
-            "names": bucket.names,
-            "dtypes": bucket.dtypes,
-            "shapes": bucket.shapes,
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-            "weight_version": weight_version if bucket.last else None,
-        }
+        body = bucket_request(
+            bucket, weight_version=weight_version, group_name=group_name, flush_cache=flush_cache
+        )
         futures = [pool.submit(post, url, body) for url in engine_urls]
         done: Future = Future()
 
