@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.services.ops.launcher import Launcher, UpConfig
+from asyncrl.services.ops.launcher import Launcher
+from asyncrl.services.ops.run_config import RunConfig
 
 
 def test_launcher_refuses_a_port_another_process_holds(tmp_path):
@@ -25,7 +26,7 @@ def test_launcher_refuses_a_port_another_process_holds(tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen()
         raw["launch"]["trainer_metrics_port"] = held.getsockname()[1]
-        launcher = Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
+        launcher = Launcher(RunConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
         with pytest.raises(RuntimeError, match=f"port {held.getsockname()[1]} for trainer is already in use"):
             launcher.start()
     assert launcher.procs == [] and not (tmp_path / "base").exists()  # refused before anything ran

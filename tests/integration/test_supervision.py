@@ -30,7 +30,8 @@ from waiting import wait_until
 from asyncrl.buffer import Buffer, Groups, TakeResult, Weights, stats
 from asyncrl.buffer.connection import OUTAGES, TRAINER_GROUP, ReconnectRetry
 from asyncrl.buffer.server import RedisServer, embedded_binary, free_port
-from asyncrl.services.ops.launcher import Launcher, Proc, UpConfig
+from asyncrl.services.ops.launcher import Launcher, Proc
+from asyncrl.services.ops.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -178,7 +179,7 @@ def _launcher(tmp_path: Path, **launch) -> Launcher:
     raw["model"]["path"] = str(tmp_path / "base")
     raw["launch"].update(metrics_port=free_port(), restart_backoff_s=0.2, restart_backoff_max_s=0.4,
                          max_restarts=2, **launch)  # fmt: skip
-    return Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
+    return Launcher(RunConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
 
 
 def _supervise_until(launcher: Launcher, predicate, timeout: float = 20.0) -> int | None:
