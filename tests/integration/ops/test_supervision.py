@@ -33,7 +33,7 @@ from asyncrl.buffer.server import RedisServer, embedded_binary, free_port
 from asyncrl.services.ops.launcher import Launcher, Proc
 from asyncrl.services.ops.run_config import RunConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _outages(outcome: str) -> float:

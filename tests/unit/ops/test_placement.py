@@ -92,7 +92,7 @@ def test_the_launcher_refuses_an_nccl_publish_on_a_shared_gpu(tmp_path):
     import tomllib
     from pathlib import Path
 
-    raw = tomllib.loads((Path(__file__).resolve().parents[2] / "configs" / "demo.toml").read_text())
+    raw = tomllib.loads((Path(__file__).resolve().parents[3] / "configs" / "demo.toml").read_text())
     raw["launch"].update(gpus=1, allow_shared_gpus=True)
     raw["engine"]["device"] = "cuda"
     # (the trainer's own settings refuse a distributed publish without the engines to broadcast to)

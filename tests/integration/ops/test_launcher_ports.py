@@ -16,7 +16,7 @@ def test_launcher_refuses_a_port_another_process_holds(tmp_path):
     """A leftover service on a planned port would answer the health check for the new one."""
     import socket
 
-    raw = tomllib.loads((Path(__file__).resolve().parents[2] / "configs" / "demo.toml").read_text())
+    raw = tomllib.loads((Path(__file__).resolve().parents[3] / "configs" / "demo.toml").read_text())
     raw["run"].update(redis_url="redis://127.0.0.1:1/0", dir=str(tmp_path / "run"))
     raw["model"]["path"] = str(tmp_path / "base")
     from rollout_server import free_port

@@ -13,7 +13,7 @@ from asyncrl.services.ops.launcher import Launcher
 from asyncrl.services.ops.run_config import RunConfig, load_run_config, validate_run_config
 from asyncrl.services.runtime.config import load_settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 RUN_CONFIGS = [c for c in CONFIGS if "example" not in c.name]
 
