@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -62,6 +62,7 @@ from asyncrl.services.ops.placement import (
 )
 from asyncrl.services.ops.run_config import RunConfig, RunConfigError, load_run_config
 from asyncrl.services.runtime import auth
+from asyncrl.services.runtime.metrics import serve_metrics
 
 STOP_GRACE_S = 15.0
 PROBE_TIMEOUT_S = 2.0  # one liveness probe; a service too busy to answer this fast is failing one
@@ -372,7 +373,9 @@ class Launcher:
             "ASYNCRL_REDIS_RECONNECT_S": str(ln.redis_reconnect_s),
         }
         if ln.metrics_port:
-            self._metrics_server = _serve_metrics(self.registry, ln.metrics_port)
+            self._metrics_server = serve_metrics(
+                "127.0.0.1", ln.metrics_port, self.registry, thread_name="launcher-metrics"
+            )
         if self.redis_proc is not None:
             self.m_up.labels("redis").set(1)
         for stage in self.plan():
@@ -563,28 +566,6 @@ def _answers(url: str, timeout: float) -> bool:
     with contextlib.suppress(httpx.HTTPError):
         return httpx.get(url, timeout=timeout).status_code == 200
     return False
-
-
-def _serve_metrics(registry, port: int) -> ThreadingHTTPServer:
-    """The launcher's /metrics on 127.0.0.1:port (a stdlib server in a daemon thread, like the trainer's)."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            ok = self.path == "/metrics"
-            body = generate_latest(registry) if ok else b'{"detail":"not found"}'
-            self.send_response(200 if ok else 404)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST if ok else "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args) -> None:  # scrapes are not events worth a log line
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    threading.Thread(target=server.serve_forever, name="launcher-metrics", daemon=True).start()
-    return server
 
 
 def _check_port_free(proc: Proc) -> None:

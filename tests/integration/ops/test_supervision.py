@@ -32,6 +32,7 @@ from asyncrl.buffer.connection import OUTAGES, TRAINER_GROUP, ReconnectRetry
 from asyncrl.buffer.server import RedisServer, embedded_binary, free_port
 from asyncrl.services.ops.launcher import Launcher, Proc
 from asyncrl.services.ops.run_config import RunConfig
+from asyncrl.services.runtime.metrics import serve_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -197,12 +198,12 @@ def _supervise_until(launcher: Launcher, predicate, timeout: float = 20.0) -> in
 
 def _start_fake(launcher: Launcher, *names: str) -> None:
     """Embedded Redis and metrics as `start` does them, with sleepers for services."""
-    from asyncrl.services.ops.launcher import _serve_metrics
-
     launcher.cfg.model.build_tiny = False
     launcher.prepare()
     launcher._env = dict(os.environ)
-    launcher._metrics_server = _serve_metrics(launcher.registry, launcher.cfg.launch.metrics_port)
+    launcher._metrics_server = serve_metrics(
+        "127.0.0.1", launcher.cfg.launch.metrics_port, launcher.registry, thread_name="launcher-metrics"
+    )
     for name in names:
         proc = Proc(name, list(SLEEPER), None)
         launcher._spawn(proc)
