@@ -19,11 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from asyncrl.proto.records import RewardStatus
 from asyncrl.services.reward.metrics import JUDGE_CALLS
 from asyncrl.services.reward.verifiers.base import Verdict, Verifier
-from asyncrl.services.runtime.retry import Retryable, with_retries
+from asyncrl.services.runtime.retry import JUDGE_RETRY_STATUSES, Retryable, may_retry, with_retries
 
 RAW_CHARS = 500  # judge output echoed in details
 RETRY_JITTER = 0.25  # each retry delay lengthened by up to this fraction, so judges' retries spread out
-RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 NUMBER = r"[-+]?\d+(?:\.\d+)?"
 SCORE_LINE = re.compile(
     rf"score\W{{0,6}}?\s*(?:is|of|=|:)\s*\W{{0,4}}?({NUMBER})(?:\s*(?:/|out of)\s*({NUMBER}))?", re.IGNORECASE
@@ -199,7 +198,7 @@ class JudgeVerifier(Verifier):
             except httpx.TransportError as exc:  # includes connect/read timeouts
                 JUDGE_CALLS.labels("transport_error").inc()
                 raise Retryable(f"{type(exc).__name__}: {exc}") from None
-            if reply.status_code in RETRY_STATUSES:
+            if may_retry(reply.status_code, JUDGE_RETRY_STATUSES, any_5xx=False):
                 JUDGE_CALLS.labels("http_error").inc()
                 raise Retryable(f"HTTP {reply.status_code}: {reply.text[:200]}")
             if reply.status_code != 200:
