@@ -2,7 +2,7 @@
 what it does), and the record of one chat call it keeps in Redis.
 
 * `POST /v1/sessions`: `SessionRequest` → `SessionCreated`.
-* `POST /v1/sessions/{id}/reward`: `RewardRequest` → `SessionClosed`.
+* `POST /v1/sessions/{id}/reward`: `SessionReward` → `SessionClosed`.
 * `POST /v1/chat/completions`: `ChatRequest` → `ChatCompletion` (or its chunks,
   `services.rollout.gateway.sse_chunks`). These follow OpenAI's chat completions API, the part
   the gateway serves: text content (or text parts), `function` tools, `tool_choice` auto or
@@ -59,7 +59,7 @@ class SessionCreated(BaseModel):
     index: int = Field(description="position of the session in its group")
 
 
-class RewardRequest(BaseModel):
+class SessionReward(BaseModel):
     """Body of `POST /v1/sessions/{id}/reward`: the session's reward, or nothing to have the
     session's `reward_spec` verifier score its last answer."""
 

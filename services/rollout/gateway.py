@@ -61,10 +61,10 @@ from asyncrl.proto.gateway import (
     ChoiceLogprobs,
     FunctionCall,
     Message,
-    RewardRequest,
     SessionClosed,
     SessionCreated,
     SessionRequest,
+    SessionReward,
     TokenLogprob,
     ToolCallOut,
 )
@@ -212,7 +212,7 @@ class Gateway:
                 )
             await asyncio.sleep(self.s.admission_poll_s)
 
-    async def close_session(self, sid: str, body: RewardRequest) -> SessionClosed:
+    async def close_session(self, sid: str, body: SessionReward) -> SessionClosed:
         """Close with the reward given, or the one the session's verifier gives its last answer;
         the close that completes the group puts it in the buffer."""
         info = await self._session(sid)

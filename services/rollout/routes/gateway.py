@@ -28,10 +28,10 @@ from starlette.exceptions import HTTPException
 from asyncrl.proto.gateway import (
     ChatCompletion,
     ChatRequest,
-    RewardRequest,
     SessionClosed,
     SessionCreated,
     SessionRequest,
+    SessionReward,
 )
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.deps import ServiceDep
@@ -133,7 +133,7 @@ async def create_session(body: SessionRequest, service: ServiceDep) -> SessionCr
 @router.post(
     "/v1/sessions/{session_id}/reward", name="reward", response_model=SessionClosed, responses=ERRORS
 )
-async def close_session(session_id: str, body: RewardRequest, service: ServiceDep) -> SessionClosed:
+async def close_session(session_id: str, body: SessionReward, service: ServiceDep) -> SessionClosed:
     """Close a session with its reward; closing the group's last session puts the group in the buffer."""
     return await service.gateway.close_session(session_id, body)
 
