@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncrl.proto.gateway import SEED_MOD
 from asyncrl.proto.lineage import merge, parse_weight_version
+from asyncrl.proto.openai import SEED_MOD
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.engine_client import EngineFailure
 

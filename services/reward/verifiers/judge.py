@@ -3,8 +3,9 @@
 
 The judge is asked to end with `Score: N`; `parse_score` also accepts a JSON object with a
 `score` key, whichever comes last. The score is normalised to [0, 1] with the spec's scale.
-Retries (exponential backoff) cover transport errors, timeouts, 429 and 5xx; other 4xx are
-not retried. An unparseable, out-of-range or failed judgment is `error`, never a 0 reward.
+Retries (exponential backoff) cover transport errors, timeouts and the statuses
+services/runtime/retry.py names for a third-party server (`JUDGE_RETRY_STATUSES`); other
+answers are not retried. An unparseable, out-of-range or failed judgment is `error`, never a 0 reward.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from asyncrl.proto.openai import ChatRequest
 from asyncrl.proto.records import RewardStatus
 from asyncrl.services.reward.metrics import JUDGE_CALLS
 from asyncrl.services.reward.verifiers.base import Verdict, Verifier
@@ -159,13 +161,14 @@ class JudgeVerifier(Verifier):
             if len(completion) <= self.max_chars
             else completion[: self.max_chars] + "\n[truncated]"
         )
-        body = {
-            "model": self.model,
-            "messages": judge_messages(spec.rubric, prompt, response, spec.reference, spec.scale),
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "stream": False,
-        }
+        request = ChatRequest(
+            model=self.model,
+            messages=judge_messages(spec.rubric, prompt, response, spec.reference, spec.scale),
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            stream=False,
+        )
+        body = request.model_dump(mode="json", exclude_unset=True)  # what was set, nothing else
         try:
             content, attempts = await self._complete(body)
         except JudgeFailure as exc:
