@@ -145,11 +145,11 @@ def config_for(cell: dict, seed: int, budget: float, base: Path | None = None) -
 
 
 def run_cell(cell: dict, seed: int, budget: float, tmp: Path) -> dict:
-    from asyncrl.services.ops.demo import _to_toml
+    import tomli_w  # the demo's own writer of the run config
 
     name = f"{cell['slice']}-eta{cell['eta']}-{cell['mismatch']}-{cell['correction']}-{'bypass' if cell['bypass'] else 'decoupled'}{'-prefill' if cell.get('prefill') else ''}-s{seed}"
     config, run_dir = tmp / f"{name}.toml", tmp / name
-    config.write_text(_to_toml(config_for(cell, seed, budget, tiny_model(tmp / f"base-s{seed}", seed))))
+    config.write_text(tomli_w.dumps(config_for(cell, seed, budget, tiny_model(tmp / f"base-s{seed}", seed))))
     t0 = time.time()
     subprocess.run([str(ROOT / ".venv" / "bin" / "asyncrl"), "demo", "--config", str(config), "--run-dir", str(run_dir),
                     "--max-staleness", str(cell["eta"])], cwd=ROOT, stdout=subprocess.DEVNULL,

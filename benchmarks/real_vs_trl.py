@@ -107,7 +107,7 @@ def load_bench(args: argparse.Namespace):
     """(Bench, the raw TOML, the demo section) from `--config` and the overrides."""
     import torch
 
-    from asyncrl.services.ops.demo import DemoSection
+    from asyncrl.services.ops.run_config import DemoSection
     from asyncrl.trainer.config import TrainerSettings
     from asyncrl.trainer.model import resolve_mixed_precision
 
@@ -407,8 +407,9 @@ def run_trl(b: Bench, demo, out_dir: Path) -> dict:
 def run_ours(b: Bench, raw: dict, bench_dir: Path) -> dict:
     """`asyncrl demo` for `b.minutes` on a copy of the config (free ports, no tracking, no
     evaluations while training)."""
+    import tomli_w  # the demo's own writer of the run config
+
     from asyncrl.buffer.server import free_port
-    from asyncrl.services.ops.demo import _to_toml  # the demo's own writer of the run config
 
     raw = json.loads(json.dumps(raw))  # a copy
     raw["model"].update(path=b.model, build_tiny=False)
@@ -419,7 +420,7 @@ def run_ours(b: Bench, raw: dict, bench_dir: Path) -> dict:
     for key in ("engine_port", "reward_port", "rollout_port", "trainer_metrics_port"):
         launch[key] = free_port()
     config = bench_dir / "ours.toml"
-    config.write_text(_to_toml(raw))
+    config.write_text(tomli_w.dumps(raw))
     run_dir = bench_dir / "ours"
     cmd = [sys.executable, "-m", "asyncrl.services.ops.cli", "demo", "--config", str(config), "--seed", str(b.seed),
            "--time-limit", str(b.minutes * 60), "--run-dir", str(run_dir)]  # fmt: skip

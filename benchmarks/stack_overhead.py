@@ -83,9 +83,9 @@ def demo_config(port_base: int, **launch) -> dict:
 
 
 def write_config(raw: dict, path: Path) -> Path:
-    from asyncrl.services.ops.demo import _to_toml
+    import tomli_w  # the demo's own writer of the run config
 
-    path.write_text(_to_toml(raw))
+    path.write_text(tomli_w.dumps(raw))
     return path
 
 
@@ -142,8 +142,9 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
     with generation running ahead, i.e. its throughput)."""
     from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
     from asyncrl.proto import WeightsInfo
-    from asyncrl.services.ops.demo import DemoSection, submit
-    from asyncrl.services.ops.launcher import Launcher, UpConfig
+    from asyncrl.services.ops.demo import submit
+    from asyncrl.services.ops.launcher import Launcher
+    from asyncrl.services.ops.run_config import DemoSection, RunConfig
     from asyncrl.trainer.publish import DiskPublisher
 
     raw = demo_config(port_base, trainer=False)
@@ -151,7 +152,7 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
     raw["run"].update(id="overhead", dir=str(run_dir))
     demo = DemoSection.model_validate(raw["demo"])
     b = demo.prompts_per_step
-    launcher = Launcher(UpConfig.model_validate(raw), write_config(raw, run_dir / "config.toml"), echo=False)
+    launcher = Launcher(RunConfig.model_validate(raw), write_config(raw, run_dir / "config.toml"), echo=False)
     out: dict = {}
     try:
         launcher.start()
@@ -448,7 +449,7 @@ def main() -> int:
         if not args.skip_generation:
             from transformers import AutoTokenizer
 
-            from asyncrl.services.ops.demo import DemoSection
+            from asyncrl.services.ops.run_config import DemoSection
             from asyncrl.services.ops.tasks import reverse_prompts
 
             # The stack's task (configs/demo.toml's [demo], with --set): B prompts of prompt_len

@@ -31,10 +31,10 @@ def run(seed: int, tools: bool, time_limit: float, tmp: Path, figures: Path | No
     raw = tomllib.loads(CONFIG.read_text())
     raw["demo"]["tools"] = tools
     sys.path.insert(0, str(ROOT))
-    from asyncrl.services.ops.demo import _to_toml
+    import tomli_w  # the demo's own writer of the run config
 
     config = tmp / f"config-{seed}-{int(tools)}.toml"
-    config.write_text(_to_toml(raw))
+    config.write_text(tomli_w.dumps(raw))
     run_dir = tmp / f"run-{seed}-{'tools' if tools else 'none'}"
     cmd = [str(ROOT / ".venv" / "bin" / "asyncrl"), "demo", "--config", str(config), "--seed", str(seed),
            "--time-limit", str(time_limit), "--run-dir", str(run_dir)]  # fmt: skip

@@ -20,16 +20,16 @@ import os
 import random
 import shutil
 import sys
-import tomllib
 from pathlib import Path
 
-from asyncrl.services.ops.demo import DemoSection, make_prompts
-from asyncrl.services.ops.launcher import ModelSection
+from asyncrl.services.ops.demo import make_prompts
+from asyncrl.services.ops.run_config import DemoSection, ModelSection, RunConfigError, load_run_config
 
 
 def load_config(path: Path) -> tuple[ModelSection, DemoSection]:
-    data = tomllib.loads(path.read_text())
-    return ModelSection.model_validate(data["model"]), DemoSection.model_validate(data.get("demo", {}))
+    """[model] and [demo], the whole file validated first (the services share it)."""
+    config = load_run_config(path, require=("model",))
+    return config.model, config.demo
 
 
 def build_model(out: Path, model: ModelSection) -> None:
@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompts < 1:
         parser.error("--prompts must be at least 1")
-    model, demo = load_config(args.config)
+    try:
+        model, demo = load_config(args.config)
+    except RunConfigError as exc:
+        parser.exit(2, f"init_demo: {exc}\n")
 
     if (args.model / "config.json").exists():
         print(f"init_demo: model already at {args.model}", flush=True)

@@ -1,19 +1,16 @@
-"""Trainer metrics (docs/architecture.md §6) and rank 0's `/metrics` + `/healthz` server.
+"""Trainer metrics (docs/architecture.md §6) and what rank 0's `/healthz` reports.
 
-The trainer is not a FastAPI service: it serves two read-only routes from a stdlib
-ThreadingHTTPServer in a daemon thread, so a slow scrape never touches the training loop.
-Gauges hold the last step's value; counters and histograms accumulate. Names follow
+The trainer is not a FastAPI service: rank 0 serves `/metrics` and `/healthz` with
+services/runtime/metrics.py `serve_metrics` (a stdlib server in a daemon thread, so a slow
+scrape never touches the training loop). Gauges hold the last step's value; counters and histograms accumulate. Names follow
 docs/architecture.md §9 (`asyncrl_` prefix, base units, `_total` counters, bounded labels).
 """
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Counter, Gauge, Histogram
 
 PHASES = ("wait", "recompute", "forward_backward", "optimizer", "publish", "checkpoint")
 
@@ -113,28 +110,3 @@ class TrainerStatus:
             "last_step_at": self.last_step_at,
             "uptime_s": round(time.time() - self.started_at, 3),
         }
-
-
-def serve(host: str, port: int, health: TrainerStatus) -> ThreadingHTTPServer:
-    """Start /metrics and /healthz on (host, port) in a daemon thread; port 0 picks one."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path == "/metrics":
-                body, ctype, code = generate_latest(REGISTRY), CONTENT_TYPE_LATEST, 200
-            elif self.path == "/healthz":
-                body, ctype, code = json.dumps(health.as_dict()).encode(), "application/json", 200
-            else:
-                body, ctype, code = b'{"detail":"not found"}', "application/json", 404
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args) -> None:  # scrapes are not events worth a log line
-            pass
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="trainer-metrics", daemon=True).start()
-    return server

@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from asyncrl.proto import WeightsInfo
 from asyncrl.services.runtime.auth import engine_token
 from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.runtime.metrics import serve_metrics
 from asyncrl.trainer import metrics as tm
 from asyncrl.trainer.batch import Shaping
 from asyncrl.trainer.checkpoint import Checkpointer
@@ -235,7 +236,12 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
             )
             # a fresh group name per trainer start: engines still hold the dead group of a crashed one
         if cfg.metrics_port:
-            tm.serve(cfg.metrics_host, cfg.metrics_port, status)
+            serve_metrics(
+                cfg.metrics_host,
+                cfg.metrics_port,
+                json_routes={"/healthz": status.as_dict},
+                thread_name="trainer-metrics",
+            )
     source = GroupSource(
         ranks,
         groups,

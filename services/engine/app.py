@@ -27,12 +27,12 @@ from contextlib import asynccontextmanager
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from asyncrl.proto.openai import ChatCompletion, ChatRequest
 from asyncrl.proto.sglang import (
     AbortReq,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
     ModelInfo,
@@ -67,6 +67,17 @@ FINISH_TO_OPENAI = {"stop": "stop", "length": "length", "abort": "abort"}
 # OpenAI request fields that do not change what is generated.
 HARMLESS_CHAT_FIELDS = frozenset(
     {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
+)
+# Fields of an OpenAI chat request the reference engine does not serve: set to anything but
+# an empty value, each is refused (400) rather than ignored, like an unknown field.
+UNSERVED_CHAT_FIELDS = (
+    "tools",
+    "tool_choice",
+    "stop",
+    "frequency_penalty",
+    "presence_penalty",
+    "top_logprobs",
+    "session_id",
 )
 
 
@@ -119,8 +130,9 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
         # lists) and encode with msgspec (several times faster than the json module).
         return Response(_JSON.encode(await engine.generate(body)), media_type="application/json")
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-    async def chat_completions(body: ChatCompletionRequest) -> ChatCompletionResponse:
+    # (exclude_unset: an answer carries the fields the engine sets, no `tool_calls: null`)
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, response_model_exclude_unset=True)
+    async def chat_completions(body: ChatRequest) -> ChatCompletion:
         return await _chat(engine, body)
 
     @app.get("/v1/models")
@@ -217,19 +229,48 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
     return app
 
 
-async def _chat(engine: InferenceEngine, body: ChatCompletionRequest) -> ChatCompletionResponse:
+def check_text_messages(body: ChatRequest) -> None:
+    """The reference engine renders text messages only: content a string (not parts, not
+    missing), role, content and model valid Unicode. Refused as an invalid body (422)."""
+    errors = []
+    for i, message in enumerate(body.messages):
+        if not isinstance(message.content, str):
+            errors.append(
+                _invalid(("messages", i, "content"), "string_type", "Input should be a valid string")
+            )
+    texts = [(("model",), body.model)] + [
+        ((("messages", i, name)), getattr(m, name))
+        for i, m in enumerate(body.messages)
+        for name in ("role", "content")
+    ]
+    for loc, text in texts:
+        if isinstance(text, str) and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                message = "Value error, contains a lone UTF-16 surrogate, which is not valid Unicode"
+                errors.append(_invalid(loc, "value_error", message))
+    if errors:
+        raise RequestValidationError(errors)
+
+
+def _invalid(loc: tuple, kind: str, message: str) -> dict:
+    return {"loc": ("body", *loc), "type": kind, "msg": message}
+
+
+async def _chat(engine: InferenceEngine, body: ChatRequest) -> ChatCompletion:
+    check_text_messages(body)
     if body.stream:
         raise InvalidRequest("stream=true is not supported by the reference engine")
-    changes_output = {
-        k: v for k, v in (body.model_extra or {}).items() if v not in (None, 0, 0.0, [], {}, False)
-    }
+    fields = {**{k: getattr(body, k) for k in UNSERVED_CHAT_FIELDS}, **(body.model_extra or {})}
+    changes_output = {k: v for k, v in fields.items() if v not in (None, 0, 0.0, [], {}, False)}
     changes_output = {k: v for k, v in changes_output.items() if k not in HARMLESS_CHAT_FIELDS}
     if changes_output:
         raise InvalidRequest(f"not supported by the reference engine: {sorted(changes_output)}")
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("the model's tokenizer has no chat template")
-    messages = [m.model_dump() for m in body.messages]
+    messages = [m.model_dump(exclude_unset=True) for m in body.messages]  # as given, nothing added
     engine.check_text_length(sum(len(m.content) for m in body.messages))
 
     def render() -> list[int]:  # in a thread, like /generate's tokenization: /health stays fast
@@ -263,8 +304,9 @@ async def _chat(engine: InferenceEngine, body: ChatCompletionRequest) -> ChatCom
                 for lp, _, text in meta["output_token_logprobs"]
             ]
         }
-    return ChatCompletionResponse(
+    return ChatCompletion(
         id=f"chatcmpl-{uuid.uuid4().hex}",
+        object="chat.completion",
         created=int(time.time()),
         model=body.model or engine.settings.served_model_name or engine.settings.model,
         choices=[

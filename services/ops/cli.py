@@ -1,13 +1,17 @@
 """The `asyncrl` console script: a table of subcommands, each imported only when used.
 
 Every subcommand lives in its own module with `main(argv: list[str]) -> int`, so
-`asyncrl --help` stays instant and the reward service never imports torch.
+`asyncrl --help` stays instant and the reward service never imports torch. A service started
+with `--config FILE` has the whole run config validated here first (services/ops/run_config.py),
+so a bad table is refused, named, whichever service reads the file; `asyncrl up` and
+`asyncrl demo` validate it themselves, before they start anything.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
@@ -30,6 +34,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "buffer": ("asyncrl.buffer.cli", "inspect the replay buffer: `asyncrl buffer stats`"),
 }
 
+# The services that read their own table of a run config (`--config FILE`).
+RUN_CONFIG_COMMANDS = frozenset({"engine", "rollout", "reward", "train"})
+
 
 def _usage() -> str:
     width = max(map(len, SUBCOMMANDS))
@@ -48,6 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"asyncrl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if name in RUN_CONFIG_COMMANDS and (path := _config_path(rest)) is not None:
+        from asyncrl.services.ops.run_config import RunConfigError, load_run_config
+
+        try:
+            load_run_config(path)
+        except RunConfigError as exc:
+            print(f"asyncrl {name}: {exc}", file=sys.stderr)
+            return 2
     module_name = SUBCOMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)
@@ -57,6 +72,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl {name}: not yet available in this build", file=sys.stderr)
         return 2
     return int(module.main(rest) or 0)
+
+
+def _config_path(argv: list[str]) -> Path | None:
+    """The `--config FILE` of a service's arguments, if given (`--help` shows the options first)."""
+    if "-h" in argv or "--help" in argv:
+        return None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if arg.startswith("--config="):
+            return Path(arg.partition("=")[2])
+    return None
 
 
 if __name__ == "__main__":

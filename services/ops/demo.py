@@ -21,61 +21,20 @@ import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+import tomli_w
 
 from asyncrl.proto.states import GroupState, JobState
+from asyncrl.services.ops.run_config import (
+    DemoSection,
+    RunConfigError,
+    load_run_config,
+    validate_run_config,
+)
 from asyncrl.services.runtime.heap_freeze import freeze_startup_heap
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
-
-
-class DemoSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    task: Literal["reverse", "math", "secret"] = Field(
-        "reverse",
-        description="what to train on (services/ops/tasks.py; secret: a tool-use episode, configs/demo-tools.toml)",
-    )
-    prompts_per_step: int = Field(32, ge=1)
-    group_size: int = Field(8, ge=2)
-    letters: str = Field("abcdefghij", min_length=2, description="reverse: the alphabet")
-    prompt_len: int = Field(
-        3,
-        ge=1,
-        le=128,
-        description="reverse: letters per prompt (= answer tokens; over 64 needs "
-        "[rollout] and [engine] max_new_tokens_cap raised); secret: letters of the word",
-    )
-    tools: bool = Field(
-        True, description="secret: the policy may call the lookup tool (false: the no-tool baseline)"
-    )
-    max_turns: int = Field(2, ge=1, le=8, description="secret: policy turns per episode")
-    max_new_tokens: int = Field(256, ge=1, description="math: answer budget (EOS-terminated)")
-    temperature: float = Field(1.0, gt=0, description="math: sampling temperature of training rollouts")
-    word_fraction: float = Field(0.4, ge=0, le=1, description="math: share of word problems")
-    level: Literal["easy", "hard"] = Field(
-        "easy", description="math: difficulty (services/ops/tasks.py LEVELS)"
-    )
-    eval_size: int = Field(200, ge=0, description="math: held-out problems (0: no evaluation)")
-    eval_seed: int = Field(1234, description="math: seed of the held-out set (fixed across runs)")
-    eval_every: int = Field(
-        10,
-        ge=0,
-        description="math: evaluate at version 0 and every this many versions "
-        "(0: no evaluations; the held-out problems are still never trained on)",
-    )
-    final_eval: bool = Field(True, description="math: evaluate the last served version before stopping")
-    final_eval_timeout_s: float = Field(
-        900, gt=0, description="math: how long to wait for the final evaluation"
-    )
-    target_reward: float | None = Field(
-        None, gt=0, le=1, description="stop when the windowed reward reaches it (none: run to the time limit)"
-    )
-    target_window: int = Field(5, ge=1)
-    time_limit_s: float = Field(300, gt=0)
-    seed: int = 0
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
 
 @dataclass
@@ -579,10 +538,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-staleness", type=int, help="η (0 = synchronous)")
     args = parser.parse_args(argv)
 
-    from asyncrl.services.ops.launcher import Launcher, UpConfig, stop_on_first_signal
+    from asyncrl.services.ops.launcher import Launcher, stop_on_first_signal
 
+    try:
+        demo = load_run_config(args.config, require=("model",)).demo
+    except RunConfigError as exc:
+        print(f"asyncrl demo: {exc}", file=sys.stderr)
+        return 2
     raw = tomllib.loads(args.config.read_text())
-    demo = DemoSection.model_validate(raw.get("demo", {}))
     if args.seed is not None:
         demo.seed = args.seed
     if args.time_limit is not None:
@@ -617,11 +580,16 @@ def main(argv: list[str] | None = None) -> int:
             eval_max_new_tokens=demo.max_new_tokens,
         )
     config_path = run_dir / "config.toml"
-    config_path.write_text(_to_toml(raw))
+    try:
+        cfg = validate_run_config(raw, config_path)  # what the flags above changed is checked too
+    except RunConfigError as exc:
+        print(f"asyncrl demo: {exc}", file=sys.stderr)
+        return 2
+    config_path.write_text(tomli_w.dumps(raw))
     eta = int(trainer_cfg.get("max_staleness", 1))
     max_steps = args.max_steps or int(trainer_cfg.get("max_steps", 0)) or 10**9
 
-    launcher = Launcher(UpConfig.model_validate(raw), config_path, echo=False)
+    launcher = Launcher(cfg, config_path, echo=False)
     topups = ThreadPoolExecutor(1, thread_name_prefix="demo-submit")
     stop_on_first_signal()
     history, progress = History(), (run_dir / "progress.jsonl").open("w")
@@ -793,33 +761,3 @@ def _summary(history: History, demo: DemoSection, eta: int, reached_at: float | 
         "seed": demo.seed,
         "plot": str(run_dir / "demo.png"),
     }
-
-
-def _to_toml(data: dict) -> str:
-    """Write the (flat-tabled) run config back out; values are str/int/float/bool/lists."""
-
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-    out: list[str] = []
-
-    def table(name: str, d: dict) -> None:
-        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
-        out.append(f"[{name}]")
-        out.extend(f"{k} = {value(v)}" for k, v in scalars.items())
-        out.append("")
-        for k, v in d.items():
-            if isinstance(v, dict):
-                table(f"{name}.{k}", v)
-
-    for name, d in data.items():
-        table(name, d)
-    return "\n".join(out)

@@ -1,7 +1,9 @@
 """`asyncrl up --config configs/X.toml`: launch a local topology and supervise it.
 
-Reads `[run]`, `[model]` and `[launch]` from the TOML file; every service also gets
-`--config FILE` and reads its own table (`[engine]`, `[rollout]`, `[reward]`, `[trainer]`).
+Validates the whole TOML file first (services/ops/run_config.py): a bad table or field is
+refused, named, before any process starts. Reads `[run]`, `[model]` and `[launch]`; every
+service also gets `--config FILE` and reads its own table (`[engine]`, `[rollout]`, `[reward]`,
+`[trainer]`).
 Starts, in order: Redis (embedded when no URL is given), reward replicas, engines (unless
 external `engine_urls` are given), rollout replicas, the trainer (torchrun); health-checks each
 before the next; streams every log line with a `[name]` prefix (and into `run_dir/logs/`);
@@ -44,15 +46,12 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncrl.services.ops.placement import (
     Placement,
@@ -61,208 +60,13 @@ from asyncrl.services.ops.placement import (
     place,
     visible_gpus,
 )
+from asyncrl.services.ops.run_config import RunConfig, RunConfigError, load_run_config
 from asyncrl.services.runtime import auth
+from asyncrl.services.runtime.metrics import serve_metrics
 
 STOP_GRACE_S = 15.0
 PROBE_TIMEOUT_S = 2.0  # one liveness probe; a service too busy to answer this fast is failing one
 STARTING_PROBE_TIMEOUT_S = 0.5  # health polls of a restarted service, once per supervision round
-# SGLang flags that pick GPUs or multiply them: the launcher sets the GPUs from [launch] (engine_tp,
-# engine_gpus; one engine per data-parallel replica), so engine_args may not (`--tp` and `--dp` are
-# argparse's abbreviations of --tp-size and --dp-size).
-SGLANG_PLACEMENT_FLAGS = frozenset(
-    {
-        "--tp",
-        "--tp-size",
-        "--tensor-parallel-size",
-        "--base-gpu-id",
-        "--dp",
-        "--dp-size",
-        "--data-parallel-size",
-    }
-)
-GpuIndex = Annotated[int, Field(ge=0, le=1023)]
-
-
-class RunSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    id: str = Field("default", min_length=1, max_length=64, description="run id: buffer namespace")
-    dir: str = Field("runs/default", description="logs, model, weights, checkpoints and embedded Redis")
-    redis_url: str | None = Field(None, description="external Redis; unset starts an embedded one")
-
-
-class ModelSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    path: str = Field(description="local HF model directory used by engines, rollout and trainer")
-    build_tiny: bool = Field(False, description="build a tiny Qwen2 model + char tokenizer there if absent")
-    tiny_chars: str | None = Field(None, description="vocabulary of the tiny model's char tokenizer")
-    tiny_hidden_size: int = Field(128, gt=0)
-    tiny_layers: int = Field(2, gt=0)
-    tiny_tie_embeddings: bool = Field(
-        True, description="share input embedding and LM head (Qwen2 default: no)"
-    )
-    seed: int = Field(0)
-
-
-class LaunchSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    engine_kind: Literal["reference", "sglang"] = Field("reference", description="what `engines` starts")
-    engine_args: list[str] = Field(default_factory=list, description="extra flags for each started engine")
-    engines: int = Field(1, ge=0, le=64, description="engines to start")
-    engine_urls: list[str] = Field(default_factory=list, description="external engines (SGLang) instead")
-    engine_port: int = Field(30000, gt=0, lt=65536, description="port of engine 0; engine i uses +i")
-    reward_replicas: int = Field(1, ge=1, le=64)
-    reward_port: int = Field(8002, gt=0, lt=65536)
-    rollout_replicas: int = Field(1, ge=1, le=64)
-    rollout_port: int = Field(8001, gt=0, lt=65536)
-    trainer: bool = Field(True, description="start the trainer")
-    trainer_nproc_per_node: int = Field(1, ge=1, le=64)
-    trainer_metrics_port: int = Field(8003, gt=0, lt=65536)
-    health_timeout_s: float = Field(180.0, gt=0)
-    # supervision (see the module docstring)
-    max_restarts: int = Field(
-        5,
-        ge=0,
-        le=10_000,
-        description="restarts of each service (and of the embedded "
-        "Redis) before one more crash stops the run; 0: the first crash stops it",
-    )
-    restart_backoff_s: float = Field(
-        1.0,
-        gt=0,
-        le=600,
-        description="delay before a service's first restart; doubles with each restart of that service",
-    )
-    restart_backoff_max_s: float = Field(30.0, gt=0, le=3600, description="longest delay before a restart")
-    trainer_max_restarts: int = Field(
-        3,
-        ge=0,
-        le=1000,
-        description="torchrun --max-restarts: worker restarts "
-        "within one trainer launch (each resumes from the last checkpoint)",
-    )
-    liveness_interval_s: float = Field(
-        10.0,
-        ge=0,
-        description="probe running services' health this often; "
-        "0: only an exit counts as a crash (the trainer is left to torchrun)",
-    )
-    liveness_failures: int = Field(
-        6, ge=1, le=10_000, description="failed probes in a row that count as a crash"
-    )
-    redis_appendfsync: Literal["always", "everysec"] = Field(
-        "always",
-        description="embedded Redis AOF fsync: "
-        "`always` keeps every acknowledged write across a Redis "
-        "crash (exactly-once); `everysec` may lose the last ~1 s",
-    )
-    redis_reconnect_s: float = Field(
-        120.0,
-        gt=0,
-        description="how long every client retries a lost Redis "
-        "before it gives up (ASYNCRL_REDIS_RECONNECT_S)",
-    )
-    metrics_port: int = Field(
-        8004,
-        ge=0,
-        lt=65536,
-        description="the launcher's /metrics on 127.0.0.1 (restarts per service, up); 0: not served",
-    )
-    # GPU placement (services/ops/placement.py): engines on GPUs 0..k-1, the trainer on the next ones
-    gpus: int | None = Field(
-        None,
-        ge=0,
-        le=1024,
-        description="GPUs the run may use; unset: those the "
-        "launcher's CUDA_VISIBLE_DEVICES lists, else `nvidia-smi -L`'s; 0: CPU, no placement",
-    )
-    engine_tp: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="GPUs per started SGLang engine, passed as its --tp-size (the reference engine uses one)",
-    )
-    engine_gpus: list[GpuIndex] | None = Field(
-        None,
-        max_length=1024,
-        description="GPU indices of the started "
-        "engines, engine i on entries [i*engine_tp, (i+1)*engine_tp); "
-        "unset: the first engines*engine_tp GPUs",
-    )
-    trainer_gpus: list[GpuIndex] | None = Field(
-        None,
-        max_length=1024,
-        description="GPU indices of the "
-        "trainer, one per rank (as many as trainer_nproc_per_node); "
-        "unset: the GPUs after the engines'",
-    )
-    allow_shared_gpus: bool = Field(
-        False,
-        description="let engines and the trainer share GPUs (models small "
-        "enough for one GPU's memory together); otherwise a shared GPU is refused",
-    )
-
-    @model_validator(mode="after")
-    def _one_tp_setting(self) -> LaunchSection:
-        if self.engine_tp > 1 and self.engine_kind != "sglang":
-            raise ValueError('engine_tp > 1 needs engine_kind = "sglang" (the reference engine uses one GPU)')
-        for arg in self.engine_args:
-            if arg.split("=")[0] in SGLANG_PLACEMENT_FLAGS:
-                raise ValueError(
-                    f"engine_args may not set {arg.split('=')[0]}: the launcher places engines on "
-                    "GPUs itself; set [launch] engine_tp for tensor parallelism, engines for "
-                    "data parallelism, engine_gpus to choose the GPUs"
-                )
-        return self
-
-
-class SubmitSection(BaseModel):
-    """A dataset posted to rollout-0 once everything is healthy (`asyncrl submit`'s options)."""
-
-    model_config = ConfigDict(extra="forbid")
-    file: str = Field(description="JSONL of prompts: text | messages | input_ids, optional reward_spec")
-    group_size: int | None = Field(None, ge=1)
-    sampling_params: dict | None = None
-    reward_spec: dict | None = None
-    idempotency_key: str | None = None
-
-
-class DeviceField(BaseModel):
-    """The one field of a service's own table (`[engine]`, `[trainer]`) the launcher reads: whether
-    that service runs on a GPU, so that only GPU processes are given GPUs. The TOML value only: an
-    ASYNCRL_<SERVICE>_DEVICE override is not seen here."""
-
-    model_config = ConfigDict(extra="ignore")  # the rest of the table is the service's
-    device: str = Field("auto", description="the service's own `device`: 'cpu' uses no GPU")
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.device != "cpu"
-
-
-class TrainerField(DeviceField):
-    """What the launcher reads of `[trainer]`: its device, and how it publishes weights (an
-    NCCL weight group constrains where the engines may run)."""
-
-    publish: str = "disk"
-    broadcast_backend: str = "auto"
-
-    @property
-    def nccl_weight_group(self) -> bool:
-        return self.on_gpu and self.publish == "distributed" and self.broadcast_backend != "gloo"
-
-
-class UpConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # the services' own tables are theirs
-    run: RunSection = Field(default_factory=RunSection)
-    model: ModelSection
-    launch: LaunchSection = Field(default_factory=LaunchSection)
-    submit: SubmitSection | None = None
-    engine: DeviceField = Field(default_factory=DeviceField)
-    trainer: TrainerField = Field(default_factory=TrainerField)
-
-    @classmethod
-    def load(cls, path: Path) -> UpConfig:
-        return cls.model_validate(tomllib.loads(path.read_text()))
 
 
 @dataclass
@@ -287,7 +91,9 @@ class Proc:
 
 
 class Launcher:
-    def __init__(self, cfg: UpConfig, config_path: Path, *, echo: bool = True):
+    def __init__(self, cfg: RunConfig, config_path: Path, *, echo: bool = True):
+        if cfg.model is None:
+            raise ValueError("[model]: a launched topology needs this table (the model's path)")
         self.cfg, self.config_path, self.echo = cfg, config_path.resolve(), echo
         self.run_dir = Path(cfg.run.dir).resolve()
         self.procs: list[Proc] = []
@@ -356,7 +162,7 @@ class Launcher:
         started engines on GPUs 0..k-1 unless [engine] device = "cpu" (SGLang always uses GPUs),
         the trainer on the next trainer_nproc_per_node unless [trainer] device = "cpu"."""
         ln, cfg = self.cfg.launch, self.cfg
-        engines_on_gpu = not ln.engine_urls and (ln.engine_kind == "sglang" or cfg.engine.on_gpu)
+        engines_on_gpu = not ln.engine_urls and (ln.engine_kind == "sglang" or cfg.engine_on_gpu)
         devices = visible_gpus(ln.gpus, os.environ)
         pinned = ln.engine_kind == "reference" and cfg.engine.device not in ("auto", "cuda", "cuda:0")
         if devices and engines_on_gpu and pinned:
@@ -368,12 +174,12 @@ class Launcher:
             devices,
             engines=ln.engines if engines_on_gpu else 0,
             engine_tp=ln.engine_tp,
-            trainer_nproc=ln.trainer_nproc_per_node if ln.trainer and cfg.trainer.on_gpu else 0,
+            trainer_nproc=ln.trainer_nproc_per_node if ln.trainer and cfg.trainer_on_gpu else 0,
             engine_gpus=ln.engine_gpus,
             trainer_gpus=ln.trainer_gpus,
             allow_shared=ln.allow_shared_gpus,
         )
-        if ln.trainer and cfg.trainer.nccl_weight_group and not ln.engine_urls:
+        if ln.trainer and cfg.nccl_weight_group and not ln.engine_urls:
             check_nccl_weight_group(placed, engines_on_gpu=engines_on_gpu)
         return placed
 
@@ -567,7 +373,9 @@ class Launcher:
             "ASYNCRL_REDIS_RECONNECT_S": str(ln.redis_reconnect_s),
         }
         if ln.metrics_port:
-            self._metrics_server = _serve_metrics(self.registry, ln.metrics_port)
+            self._metrics_server = serve_metrics(
+                "127.0.0.1", ln.metrics_port, self.registry, thread_name="launcher-metrics"
+            )
         if self.redis_proc is not None:
             self.m_up.labels("redis").set(1)
         for stage in self.plan():
@@ -760,28 +568,6 @@ def _answers(url: str, timeout: float) -> bool:
     return False
 
 
-def _serve_metrics(registry, port: int) -> ThreadingHTTPServer:
-    """The launcher's /metrics on 127.0.0.1:port (a stdlib server in a daemon thread, like the trainer's)."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            ok = self.path == "/metrics"
-            body = generate_latest(registry) if ok else b'{"detail":"not found"}'
-            self.send_response(200 if ok else 404)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST if ok else "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args) -> None:  # scrapes are not events worth a log line
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    threading.Thread(target=server.serve_forever, name="launcher-metrics", daemon=True).start()
-    return server
-
-
 def _check_port_free(proc: Proc) -> None:
     """Refuse to start when a service's port is taken: its health check would answer for the
     other process (e.g. a previous run still up) and the launcher would trust the wrong service."""
@@ -821,7 +607,11 @@ def main(argv: list[str] | None = None) -> int:
         "--config", type=Path, required=True, help="run config (TOML), e.g. configs/demo.toml"
     )
     args = parser.parse_args(argv)
-    cfg = UpConfig.load(args.config)
+    try:
+        cfg = load_run_config(args.config, require=("model",))
+    except RunConfigError as exc:
+        print(f"asyncrl up: {exc}", file=sys.stderr)
+        return 2
     launcher = Launcher(cfg, args.config)
     stop_on_first_signal()
     code = 0

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncrl.proto.gateway import SEED_MOD
 from asyncrl.proto.lineage import merge
+from asyncrl.proto.openai import SEED_MOD
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import EngineFailure
 from asyncrl.services.transport.weights import parse_weight_version

@@ -18,12 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 import readme_commands
+import tomli_w
 from readme_commands import sample_dataset
 from waiting import wait_until
 
 from asyncrl.buffer.server import free_port
-from asyncrl.services.ops.demo import DemoSection, History, _to_toml, scrape_trainer, submit
-from asyncrl.services.ops.launcher import Launcher, UpConfig
+from asyncrl.services.ops.demo import History, scrape_trainer, submit
+from asyncrl.services.ops.launcher import Launcher
+from asyncrl.services.ops.run_config import DemoSection, RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 40  # enough for the rise to clear the early noise (the first steps are ~0.05-0.1)
@@ -44,7 +46,7 @@ def _config(tmp_path: Path) -> tuple[dict, Path]:
     raw["demo"].update(prompts_per_step=16)
     raw["reward"]["code_enabled"] = True  # the README's `code` example (CI has bubblewrap)
     path = tmp_path / "config.toml"
-    path.write_text(_to_toml(raw))
+    path.write_text(tomli_w.dumps(raw))
     return raw, path
 
 
@@ -64,7 +66,7 @@ def _group_alive(pgid: int) -> bool:
 @pytest.mark.timeout(400)
 def test_demo_topology_learns_and_shuts_down_cleanly(tmp_path):
     raw, path = _config(tmp_path)
-    launcher = Launcher(UpConfig.model_validate(raw), path, echo=False)
+    launcher = Launcher(RunConfig.model_validate(raw), path, echo=False)
     demo = DemoSection.model_validate(raw["demo"])
     history = History()
     metrics_answered: dict[str, bool] = {}

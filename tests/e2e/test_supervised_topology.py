@@ -24,12 +24,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tomli_w
 
 from asyncrl.buffer import Buffer
 from asyncrl.buffer import stats as buffer_stats
 from asyncrl.buffer.server import RedisServer, embedded_binary, free_port
-from asyncrl.services.ops.demo import DemoSection, _to_toml, scrape_trainer, submit
-from asyncrl.services.ops.launcher import Launcher, UpConfig
+from asyncrl.services.ops.demo import scrape_trainer, submit
+from asyncrl.services.ops.launcher import Launcher
+from asyncrl.services.ops.run_config import DemoSection, RunConfig
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +57,7 @@ def _config(tmp_path: Path) -> tuple[dict, Path]:
     )  # every item scored by the reward service: killing it matters
     raw["demo"].update(prompts_per_step=B, group_size=4)
     path = tmp_path / "config.toml"
-    path.write_text(_to_toml(raw))
+    path.write_text(tomli_w.dumps(raw))
     return raw, path
 
 
@@ -110,7 +112,7 @@ def _audit(run_dir: Path) -> list[dict]:
 def test_each_service_killed_in_turn_the_run_heals_and_accounts_exactly(tmp_path):
     raw, path = _config(tmp_path)
     run_dir = Path(raw["run"]["dir"])
-    launcher = Launcher(UpConfig.model_validate(raw), path, echo=False)
+    launcher = Launcher(RunConfig.model_validate(raw), path, echo=False)
     demo = DemoSection.model_validate(raw["demo"])
     timeline: list[tuple[str, int, float]] = []  # (victim, version when killed, seconds until back)
     outcome = None

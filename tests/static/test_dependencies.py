@@ -20,16 +20,21 @@ from asyncrl.services.reward.verifiers import BUILTIN
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # Each service's entry modules (what `asyncrl <command>` imports, the modules it imports by name
-# and the scripts it starts as processes) and the extras that must cover them.
+# and the scripts it starts as processes) and the extras that must cover them. The console
+# script validates the whole run config before a service starts (RUN_CONFIG).
+RUN_CONFIG = "asyncrl.services.ops.run_config"
 SERVICES = {
     "reward": (
-        ["asyncrl.services.reward.main", "asyncrl.services.reward.verifiers.math_worker"]
+        ["asyncrl.services.reward.main", "asyncrl.services.reward.verifiers.math_worker", RUN_CONFIG]
         + [path.partition(":")[0] for path in BUILTIN.values()],
         ["reward"],
     ),
-    "rollout": (["asyncrl.services.rollout.main", "asyncrl.services.rollout.submit"], ["rollout", "parquet"]),
-    "engine": (["asyncrl.services.engine.main"], ["engine"]),
-    "trainer": (["asyncrl.trainer.main"], ["trainer", "tracking"]),
+    "rollout": (
+        ["asyncrl.services.rollout.main", "asyncrl.services.rollout.submit", RUN_CONFIG],
+        ["rollout", "parquet"],
+    ),
+    "engine": (["asyncrl.services.engine.main", RUN_CONFIG], ["engine"]),
+    "trainer": (["asyncrl.trainer.main", RUN_CONFIG], ["trainer", "tracking"]),
     "demo": (["asyncrl.services.ops.demo", "asyncrl.services.ops.launcher"], ["demo"]),
 }
 # Lazy imports in modules a service loads, inside functions it never calls.

@@ -37,11 +37,6 @@ PLACES = [
 ]
 LAYER_NAMES = ["proto", "shared runtime", "buffer", "transport", "a process", "operator tools"]
 
-# Imports that break the layers today, each to be removed with its fix (the test also fails on
-# an entry here that no longer happens, so the list cannot go stale).
-KNOWN = {
-}
-
 
 def place(module: str) -> tuple[int, str | None]:
     for prefix, layer, process in PLACES:
@@ -78,13 +73,10 @@ def violations() -> set[tuple[str, str]]:
 
 
 def test_no_module_imports_a_higher_layer_or_another_process():
-    found = violations()
-    new = sorted(found - KNOWN)
-    assert not new, "imports that break the layers:\n" + "\n".join(
-        f"  {a} ({LAYER_NAMES[place(a)[0]]}) imports {b} ({LAYER_NAMES[place(b)[0]]})" for a, b in new
+    found = sorted(violations())
+    assert not found, "imports that break the layers:\n" + "\n".join(
+        f"  {a} ({LAYER_NAMES[place(a)[0]]}) imports {b} ({LAYER_NAMES[place(b)[0]]})" for a, b in found
     )
-    fixed = sorted(KNOWN - found)
-    assert not fixed, f"fixed, remove from KNOWN: {fixed}"
 
 
 def test_the_layer_rule_catches_a_reversed_import():

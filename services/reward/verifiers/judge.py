@@ -3,8 +3,9 @@
 
 The judge is asked to end with `Score: N`; `parse_score` also accepts a JSON object with a
 `score` key, whichever comes last. The score is normalised to [0, 1] with the spec's scale.
-Retries (exponential backoff) cover transport errors, timeouts, 429 and 5xx; other 4xx are
-not retried. An unparseable, out-of-range or failed judgment is `error`, never a 0 reward.
+Retries (exponential backoff) cover transport errors, timeouts and the statuses
+services/runtime/retry.py names for a third-party server (`JUDGE_RETRY_STATUSES`); other
+answers are not retried. An unparseable, out-of-range or failed judgment is `error`, never a 0 reward.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ import re
 
 import httpx
 
+from asyncrl.proto.openai import ChatRequest
 from asyncrl.proto.records import RewardStatus
 from asyncrl.proto.verifiers import JudgeSpec
 from asyncrl.services.reward.metrics import JUDGE_CALLS
 from asyncrl.services.reward.verifiers.base import Verdict, Verifier
-from asyncrl.services.runtime.retry import Retryable, with_retries
+from asyncrl.services.runtime.retry import JUDGE_RETRY_STATUSES, Retryable, may_retry, with_retries
 
 RAW_CHARS = 500  # judge output echoed in details
 RETRY_JITTER = 0.25  # each retry delay lengthened by up to this fraction, so judges' retries spread out
-RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 NUMBER = r"[-+]?\d+(?:\.\d+)?"
 SCORE_LINE = re.compile(
     rf"score\W{{0,6}}?\s*(?:is|of|=|:)\s*\W{{0,4}}?({NUMBER})(?:\s*(?:/|out of)\s*({NUMBER}))?", re.IGNORECASE
@@ -143,13 +144,14 @@ class JudgeVerifier(Verifier):
             if len(completion) <= self.max_chars
             else completion[: self.max_chars] + "\n[truncated]"
         )
-        body = {
-            "model": self.model,
-            "messages": judge_messages(spec.rubric, prompt, response, spec.reference, spec.scale),
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "stream": False,
-        }
+        request = ChatRequest(
+            model=self.model,
+            messages=judge_messages(spec.rubric, prompt, response, spec.reference, spec.scale),
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            stream=False,
+        )
+        body = request.model_dump(mode="json", exclude_unset=True)  # what was set, nothing else
         try:
             content, attempts = await self._complete(body)
         except JudgeFailure as exc:
@@ -182,7 +184,7 @@ class JudgeVerifier(Verifier):
             except httpx.TransportError as exc:  # includes connect/read timeouts
                 JUDGE_CALLS.labels("transport_error").inc()
                 raise Retryable(f"{type(exc).__name__}: {exc}") from None
-            if reply.status_code in RETRY_STATUSES:
+            if may_retry(reply.status_code, JUDGE_RETRY_STATUSES, any_5xx=False):
                 JUDGE_CALLS.labels("http_error").inc()
                 raise Retryable(f"HTTP {reply.status_code}: {reply.text[:200]}")
             if reply.status_code != 200:

@@ -36,11 +36,10 @@ from asyncrl.services.rollout import metrics as m
 from asyncrl.services.runtime.auth import engine_auth_headers
 from asyncrl.services.runtime.coalescer import Coalescer
 from asyncrl.services.runtime.logging import log_event
-from asyncrl.services.runtime.retry import Retryable, with_retries
+from asyncrl.services.runtime.retry import Retryable, may_retry, with_retries
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 MAX_BACKOFF_S = 10.0  # one engine retry never sleeps longer than this
 GENERATE_KEEPALIVE = 64  # idle generation connections kept
 JSON_HEADERS = {"content-type": "application/json"}
@@ -261,7 +260,7 @@ class EngineClient:
                 engine.in_flight -= len(items)
                 m.ENGINE_IN_FLIGHT.labels(engine.label).set(engine.in_flight)
             if resp is not None:
-                if 400 <= resp.status_code < 500 and resp.status_code not in RETRY_STATUSES:
+                if 400 <= resp.status_code < 500 and not may_retry(resp.status_code):
                     self._record(engine, "generate", True)  # the engine is fine; the request is not
                     raise EngineRejected(_error_message(resp), resp.status_code)
                 if resp.status_code != 200:

@@ -32,7 +32,7 @@ from asyncrl.proto.environments import (
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import JSON_HEADERS
 from asyncrl.services.runtime.coalescer import Coalescer
-from asyncrl.services.runtime.retry import Retryable, with_retries
+from asyncrl.services.runtime.retry import Retryable, may_retry, with_retries
 
 RETRY_DELAY_S = 0.2
 _JSON = msgspec.json.Encoder()
@@ -116,7 +116,7 @@ class EnvClient:
                 )
             except httpx.HTTPError as exc:
                 raise Retryable(f"{type(exc).__name__}: {exc}") from None
-            if resp.status_code in (429,) or resp.status_code >= 500:
+            if may_retry(resp.status_code):
                 raise Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}")
             if resp.status_code != 200:
                 raise EnvironmentFailed(

@@ -40,7 +40,7 @@ from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import JSON_HEADERS
 from asyncrl.services.runtime.coalescer import Coalescer
 from asyncrl.services.runtime.logging import log_event
-from asyncrl.services.runtime.retry import Retryable, with_retries
+from asyncrl.services.runtime.retry import Retryable, may_retry, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class RewardClient:
             except httpx.HTTPError as exc:
                 m.REWARD_CALLS.labels("transport_error").inc()
                 raise Retryable(f"{type(exc).__name__}: {exc}") from None
-            if 400 <= resp.status_code < 500 and resp.status_code != 429:
+            if 400 <= resp.status_code < 500 and not may_retry(resp.status_code):
                 # The batch itself was refused: resending it as it is cannot help.
                 m.REWARD_CALLS.labels("rejected").inc()
                 raise _BatchFailed(RewardStatus.invalid_input, f"HTTP {resp.status_code}: {resp.text[:300]}")

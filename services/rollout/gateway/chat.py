@@ -53,23 +53,26 @@ from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions, Ses
 from asyncrl.proto import FinishReason, RewardStatus
 from asyncrl.proto.gateway import (
     ID_PATTERN,
-    AssistantMessage,
     Call,
+    SessionClosed,
+    SessionCreated,
+    SessionRequest,
+    SessionReward,
+)
+from asyncrl.proto.openai import (
+    ROLES,
+    AssistantMessage,
     ChatCompletion,
+    ChatCompletionUsage,
     ChatRequest,
     Choice,
     ChoiceLogprobs,
     FunctionCall,
     Message,
-    RewardRequest,
-    SessionClosed,
-    SessionCreated,
-    SessionRequest,
     TokenLogprob,
     ToolCallOut,
 )
 from asyncrl.proto.rewards import RewardItem, RewardSpec
-from asyncrl.proto.sglang import ChatCompletionUsage
 from asyncrl.proto.states import Admission
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import EngineClient, EngineFailure, EngineRejected
@@ -212,7 +215,7 @@ class Gateway:
                 )
             await asyncio.sleep(self.settings.admission_poll_s)
 
-    async def close_session(self, sid: str, body: RewardRequest) -> SessionClosed:
+    async def close_session(self, sid: str, body: SessionReward) -> SessionClosed:
         """Close with the reward given, or the one the session's verifier gives its last answer;
         the close that completes the group puts it in the buffer."""
         info = await self._session(sid)
@@ -517,6 +520,12 @@ def check_request(body: ChatRequest) -> None:
     }
     if extra:
         raise GatewayError(400, f"not supported by the gateway: {sorted(extra)[:10]}", "unsupported_field")
+    for i, message in enumerate(body.messages):
+        if message.role not in ROLES:
+            roles = ", ".join(repr(r) for r in ROLES[:-1]) + f" or {ROLES[-1]!r}"
+            raise GatewayError(
+                400, f"invalid request body: messages.{i}.role: Input should be {roles}", "invalid_body"
+            )
     _check_unicode(body.model_dump(exclude_unset=True))
 
 

@@ -9,7 +9,7 @@ engine that failed, 503 no engine or no Redis. Each answer is counted by route a
 (`asyncrl_rollout_gateway_errors_total`).
 
 `POST /v1/chat/completions` reads its body itself, so that every refusal has that shape; the
-body is OpenAI's (`proto.gateway.ChatRequest`) and is not described in `/openapi.json`.
+body is OpenAI's (`proto.openai.ChatRequest`) and is not described in `/openapi.json`.
 """
 
 from __future__ import annotations
@@ -25,14 +25,8 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from asyncrl.proto.gateway import (
-    ChatCompletion,
-    ChatRequest,
-    RewardRequest,
-    SessionClosed,
-    SessionCreated,
-    SessionRequest,
-)
+from asyncrl.proto.gateway import SessionClosed, SessionCreated, SessionRequest, SessionReward
+from asyncrl.proto.openai import ChatCompletion, ChatRequest
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.deps import ServiceDep
 from asyncrl.services.rollout.gateway.chat import GatewayError, check_request, sse_chunks
@@ -133,7 +127,7 @@ async def create_session(body: SessionRequest, service: ServiceDep) -> SessionCr
 @router.post(
     "/v1/sessions/{session_id}/reward", name="reward", response_model=SessionClosed, responses=ERRORS
 )
-async def close_session(session_id: str, body: RewardRequest, service: ServiceDep) -> SessionClosed:
+async def close_session(session_id: str, body: SessionReward, service: ServiceDep) -> SessionClosed:
     """Close a session with its reward; closing the group's last session puts the group in the buffer."""
     return await service.gateway.close_session(session_id, body)
 

@@ -4,6 +4,7 @@ finish reasons, bad input, SGLang response shapes, chat completions and metrics.
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -389,9 +390,36 @@ def test_chat_completions_round_trip(client, hf_model):
         "completion_tokens": same["meta_info"]["completion_tokens"],
         "total_tokens": len(ids) + same["meta_info"]["completion_tokens"],
     }
+    # the answer's keys are the engine's own (proto/openai.py's optional fields left out)
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
+    assert set(choice) == {"index", "message", "finish_reason", "logprobs"} and choice["logprobs"] is None
+    assert set(choice["message"]) == {"role", "content"}
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 422
     refused = client.post("/v1/chat/completions", json={"messages": messages, "stop": ["\n"], "user": "u1"})
     assert refused.status_code == 400 and "stop" in refused.text  # never silently ignored
+    for field, value in (
+        ("tools", [{"function": {"name": "f"}}]),
+        ("frequency_penalty", 0.5),
+        ("session_id", "s"),
+    ):
+        refused = client.post("/v1/chat/completions", json={"messages": messages, field: value})
+        assert refused.status_code == 400 and field in refused.text, field
+    # text messages only, valid Unicode: refused as an invalid body
+    for bad in (
+        {"role": "user"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "user", "content": "\ud800"},
+    ):
+        raw = json.dumps({"messages": [bad]})  # (ASCII escapes: a lone surrogate reaches the server)
+        answer = client.post(
+            "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+        )
+        assert answer.status_code == 422, (bad, answer.text)
+    # any role the chat template takes (the gateway's five are its own check)
+    narrator = [{"role": "narrator", "content": "once"}, *messages]
+    assert (
+        client.post("/v1/chat/completions", json={"messages": narrator, "max_tokens": 1}).status_code != 422
+    )
     assert client.get("/v1/models").json()["data"][0]["object"] == "model"
 
 

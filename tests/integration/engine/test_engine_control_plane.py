@@ -501,13 +501,14 @@ def _post_quietly(url: str, body: dict) -> None:
 def test_asyncrl_up_gives_engines_a_strong_token_and_the_run_weights_root(tmp_path, monkeypatch):
     import tomllib
 
-    from asyncrl.services.ops.launcher import Launcher, UpConfig
+    from asyncrl.services.ops.launcher import Launcher
+    from asyncrl.services.ops.run_config import RunConfig
 
     for key in [k for k in os.environ if k.startswith("ASYNCRL_")]:
         monkeypatch.delenv(key)
     raw = tomllib.loads((REPO / "configs" / "demo.toml").read_text())
     raw["run"].update(dir=str(tmp_path / "run"), redis_url="redis://127.0.0.1:1/0")
-    one, two = (Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False) for _ in range(2))
+    one, two = (Launcher(RunConfig.model_validate(raw), tmp_path / "x.toml", echo=False) for _ in range(2))
     check_token(one.engine_token)
     assert one.engine_token != two.engine_token  # generated per run, never a fixed default
     engine = one.plan()[1][0].cmd
@@ -515,7 +516,7 @@ def test_asyncrl_up_gives_engines_a_strong_token_and_the_run_weights_root(tmp_pa
     assert one.engine_token not in engine  # the reference engine gets it by env, not argv
     monkeypatch.setenv("ASYNCRL_API_TOKEN", API)  # an operator's token is used as it is
     raw["launch"]["engine_kind"] = "sglang"
-    sglang = Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
+    sglang = Launcher(RunConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
     assert sglang.engine_token == API
     cmd = sglang.plan()[1][0].cmd
     assert cmd[cmd.index("--api-key") + 1] == API

@@ -366,6 +366,7 @@ def test_refusals_are_openai_errors(start, agent_tokenizer):
         b"{not json",
         b'{"messages": []}',
         b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        b'{"messages": [{"role": "narrator", "content": "hi"}]}',  # OpenAI's five roles only
     ):
         resp = httpx.post(
             f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from asyncrl.services.ops.launcher import Launcher, UpConfig
+from asyncrl.services.ops.launcher import Launcher
 from asyncrl.services.ops.placement import (
     PlacementError,
     check_nccl_weight_group,
@@ -14,6 +14,7 @@ from asyncrl.services.ops.placement import (
     place,
     visible_gpus,
 )
+from asyncrl.services.ops.run_config import RunConfig
 
 FOUR = ("0", "1", "2", "3")
 EIGHT = tuple(str(i) for i in range(8))
@@ -91,14 +92,15 @@ def test_the_launcher_refuses_an_nccl_publish_on_a_shared_gpu(tmp_path):
     import tomllib
     from pathlib import Path
 
-    raw = tomllib.loads((Path(__file__).resolve().parents[2] / "configs" / "demo.toml").read_text())
+    raw = tomllib.loads((Path(__file__).resolve().parents[3] / "configs" / "demo.toml").read_text())
     raw["launch"].update(gpus=1, allow_shared_gpus=True)
     raw["engine"]["device"] = "cuda"
-    raw["trainer"].update(device="cuda", publish="distributed")
+    # (the trainer's own settings refuse a distributed publish without the engines to broadcast to)
+    raw["trainer"].update(device="cuda", publish="distributed", engine_urls=["http://127.0.0.1:30000"])
 
     def placement(**trainer):
         cfg = {**raw, "trainer": {**raw["trainer"], **trainer}}
-        return Launcher(UpConfig.model_validate(cfg), tmp_path / "x.toml", echo=False).placement
+        return Launcher(RunConfig.model_validate(cfg), tmp_path / "x.toml", echo=False).placement
 
     with pytest.raises(PlacementError, match=r"GPU 0 holds trainer rank 0 and engine-0"):
         placement()
@@ -182,7 +184,7 @@ def launcher(tmp_path, monkeypatch, launch: dict, **tables) -> Launcher:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     raw = {"run": {"dir": str(tmp_path / "run"), "redis_url": "redis://127.0.0.1:1/0"},
            "model": {"path": str(tmp_path / "model")}, "launch": launch, **tables}  # fmt: skip
-    return Launcher(UpConfig.model_validate(raw), tmp_path / "run.toml", echo=False)
+    return Launcher(RunConfig.model_validate(raw), tmp_path / "run.toml", echo=False)
 
 
 def visible(launcher: Launcher) -> dict[str, str | None]:
@@ -249,7 +251,7 @@ def test_launcher_on_the_cpu_sets_no_cuda_variable(tmp_path, monkeypatch):
 ])  # fmt: skip
 def test_launch_settings_refuse_gpu_flags_the_launcher_owns(launch, match):
     with pytest.raises(ValidationError, match=match):
-        UpConfig.model_validate({"model": {"path": "/m"}, "launch": launch})
+        RunConfig.model_validate({"model": {"path": "/m"}, "launch": launch})
 
 
 def test_a_reference_engine_pinned_to_another_cuda_device_is_refused(tmp_path, monkeypatch):

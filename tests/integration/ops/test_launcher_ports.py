@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.services.ops.launcher import Launcher, UpConfig
+from asyncrl.services.ops.launcher import Launcher
+from asyncrl.services.ops.run_config import RunConfig
 
 
 def test_launcher_refuses_a_port_another_process_holds(tmp_path):
     """A leftover service on a planned port would answer the health check for the new one."""
     import socket
 
-    raw = tomllib.loads((Path(__file__).resolve().parents[2] / "configs" / "demo.toml").read_text())
+    raw = tomllib.loads((Path(__file__).resolve().parents[3] / "configs" / "demo.toml").read_text())
     raw["run"].update(redis_url="redis://127.0.0.1:1/0", dir=str(tmp_path / "run"))
     raw["model"]["path"] = str(tmp_path / "base")
     from rollout_server import free_port
@@ -25,7 +26,7 @@ def test_launcher_refuses_a_port_another_process_holds(tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen()
         raw["launch"]["trainer_metrics_port"] = held.getsockname()[1]
-        launcher = Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
+        launcher = Launcher(RunConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
         with pytest.raises(RuntimeError, match=f"port {held.getsockname()[1]} for trainer is already in use"):
             launcher.start()
     assert launcher.procs == [] and not (tmp_path / "base").exists()  # refused before anything ran

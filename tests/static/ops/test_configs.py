@@ -1,5 +1,5 @@
-"""Every shipped run config validates against every service's own settings, so a config and
-the code cannot drift apart unnoticed."""
+"""Every shipped run config validates whole (services/ops/run_config.py) and against every
+service's own settings loader, so a config and the code cannot drift apart unnoticed."""
 
 from __future__ import annotations
 
@@ -7,12 +7,28 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
-from asyncrl.services.ops.launcher import Launcher, UpConfig
+from asyncrl.services.ops.launcher import Launcher
+from asyncrl.services.ops.run_config import RunConfig, load_run_config, validate_run_config
 from asyncrl.services.runtime.config import load_settings
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+ROOT = Path(__file__).resolve().parents[3]
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 RUN_CONFIGS = [c for c in CONFIGS if "example" not in c.name]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates_whole(path):
+    config = load_run_config(path)
+    if path in RUN_CONFIGS:  # what `asyncrl up` and `asyncrl demo` read
+        assert load_run_config(path, require=("model",)).model == config.model is not None
+
+
+def test_the_k8s_run_config_validates_whole():
+    configmap = yaml.safe_load((ROOT / "deploy/k8s/configmap.yaml").read_text())
+    config = validate_run_config(tomllib.loads(configmap["data"]["run.toml"]), "configmap run.toml")
+    assert config.model is None and config.trainer.device == "cuda"
 
 
 def test_the_three_run_configs_ship():
@@ -25,7 +41,7 @@ def test_run_config_validates_for_every_service(path):
     from asyncrl.services.rollout.config import RolloutSettings
     from asyncrl.trainer.config import TrainerSettings
 
-    up = UpConfig.model_validate(tomllib.loads(path.read_text()))
+    up = load_run_config(path, require=("model",))
     trainer = load_settings(TrainerSettings, ["--config", str(path), "--model-path", up.model.path], prog="t",
                             section="trainer")  # fmt: skip
     reward = load_settings(RewardSettings, ["--config", str(path)], prog="r", section="reward")
@@ -36,12 +52,12 @@ def test_run_config_validates_for_every_service(path):
     if path.name in ("demo.toml", "demo-tools.toml"):  # the CPU demos
         assert up.launch.engine_kind == "reference" and up.model.build_tiny and not reward.code_enabled
         if path.name == "demo-tools.toml":
-            from asyncrl.services.ops.demo import DemoSection
+            from asyncrl.services.ops.run_config import DemoSection
 
             demo = DemoSection.model_validate(tomllib.loads(path.read_text())["demo"])
             assert demo.task == "secret" and demo.tools and demo.max_turns >= 2
     elif path.name == "smollm2-math.toml":  # the pretrained model on the CPU, through `asyncrl demo`
-        from asyncrl.services.ops.demo import DemoSection
+        from asyncrl.services.ops.run_config import DemoSection
 
         demo = DemoSection.model_validate(tomllib.loads(path.read_text())["demo"])
         assert up.launch.engine_kind == "reference" and not up.model.build_tiny and demo.task == "math"
@@ -52,12 +68,12 @@ def test_run_config_validates_for_every_service(path):
 
 
 def test_launcher_plans_the_topology_in_start_order(tmp_path):
-    raw = tomllib.loads((Path(__file__).resolve().parents[2] / "configs" / "math.toml").read_text())
+    raw = tomllib.loads((ROOT / "configs" / "math.toml").read_text())
     raw["launch"].update(
         engines=2, rollout_replicas=2, reward_replicas=1, gpus=0
     )  # any machine: no GPU placement
     raw["run"]["redis_url"] = "redis://127.0.0.1:1/0"
-    launcher = Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
+    launcher = Launcher(RunConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
     stages = [[p.name for p in stage] for stage in launcher.plan()]
     assert stages == [["reward-0"], ["engine-0", "engine-1"], ["rollout-0", "rollout-1"], ["trainer"]]
     engine = launcher.plan()[1][1]

@@ -30,9 +30,11 @@ from waiting import wait_until
 from asyncrl.buffer import Buffer, Groups, PolicyVersions, TakeResult, stats
 from asyncrl.buffer.connection import OUTAGES, TRAINER_GROUP, ReconnectRetry
 from asyncrl.buffer.server import RedisServer, embedded_binary, free_port
-from asyncrl.services.ops.launcher import Launcher, Proc, UpConfig
+from asyncrl.services.ops.launcher import Launcher, Proc
+from asyncrl.services.ops.run_config import RunConfig
+from asyncrl.services.runtime.metrics import serve_metrics
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _outages(outcome: str) -> float:
@@ -178,7 +180,7 @@ def _launcher(tmp_path: Path, **launch) -> Launcher:
     raw["model"]["path"] = str(tmp_path / "base")
     raw["launch"].update(metrics_port=free_port(), restart_backoff_s=0.2, restart_backoff_max_s=0.4,
                          max_restarts=2, **launch)  # fmt: skip
-    return Launcher(UpConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
+    return Launcher(RunConfig.model_validate(raw), tmp_path / "x.toml", echo=False)
 
 
 def _supervise_until(launcher: Launcher, predicate, timeout: float = 20.0) -> int | None:
@@ -196,12 +198,12 @@ def _supervise_until(launcher: Launcher, predicate, timeout: float = 20.0) -> in
 
 def _start_fake(launcher: Launcher, *names: str) -> None:
     """Embedded Redis and metrics as `start` does them, with sleepers for services."""
-    from asyncrl.services.ops.launcher import _serve_metrics
-
     launcher.cfg.model.build_tiny = False
     launcher.prepare()
     launcher._env = dict(os.environ)
-    launcher._metrics_server = _serve_metrics(launcher.registry, launcher.cfg.launch.metrics_port)
+    launcher._metrics_server = serve_metrics(
+        "127.0.0.1", launcher.cfg.launch.metrics_port, launcher.registry, thread_name="launcher-metrics"
+    )
     for name in names:
         proc = Proc(name, list(SLEEPER), None)
         launcher._spawn(proc)
