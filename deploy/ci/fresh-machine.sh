@@ -16,7 +16,7 @@
 #      certificates (the egress proxy's), its pip config files and their constraints file,
 #      its PIP_* environment, /opt/wheels, /opt/pypi and /opt/pypi-more bind-mounted
 #      read-only at the same paths (so `pip install torch==2.13.0` takes the local CPU wheel),
-#      /etc/resolv.conf. The network is the host's (pip and apt need it);
+#      /etc/resolv.conf and /etc/hosts. The network is the host's (pip and apt need it);
 #   3. GIT_REF (resolved in the repository this script lives in) pushed alone to a bare
 #      repository, bind-mounted read-only at /src/asyncrl.git;
 #   4. a real container, not a chroot (bubblewrap, which the tests use, cannot create user
@@ -191,8 +191,9 @@ fi
 R=$WORK/root
 mkdir -p "$R"
 tar --numeric-owner --xattrs -C "$R" -xf "$TARBALL"
-cp /etc/resolv.conf "$R/etc/resolv.conf"
-grep -qs localhost "$R/etc/hosts" || printf '127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' >"$R/etc/hosts"
+# The container shares the host's network and host name: the machine's resolver and its
+# /etc/hosts (its own name resolves there; torch.distributed's gloo looks it up).
+cp /etc/resolv.conf /etc/hosts "$R/etc/"
 # The local CA certificates (update-ca-certificates' local directory: the egress proxy's).
 if compgen -G '/usr/local/share/ca-certificates/*.crt' >/dev/null; then
     cp /usr/local/share/ca-certificates/*.crt "$R/usr/local/share/ca-certificates/"
