@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TEST_TIERS := test-unit test-static test-integration test-security test-e2e
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-packages demo test $(TEST_TIERS) lint bench clean model-smollm2 demo-real compose-ci
+.PHONY: install system-packages demo test $(TEST_TIERS) lint bench clean model-smollm2 demo-real compose-ci fresh-machine
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ test: $(STAMP) system-packages
 compose-ci:
 	deploy/ci/system-packages.sh compose
 	deploy/ci/compose-up.sh
+
+# A fresh clone's `make demo` and `make test` in a container of a fresh Debian 12 machine of
+# this CI kind (root; the root filesystem is cached in /var/tmp). See deploy/ci/fresh-machine.sh.
+fresh-machine:
+	deploy/ci/fresh-machine.sh
 
 # One tier of tests/ (what each may do: tests/README.md); `make test-unit` is the fast one.
 $(TEST_TIERS): test-%: $(STAMP) system-packages
