@@ -1,4 +1,4 @@
-"""The reward service's environments (issue 18) over real HTTP (uvicorn on loopback): the list,
+"""The reward service's environments over real HTTP (uvicorn on loopback): the list,
 `secret` (seeded, stateless, judged), `calculator` (safe arithmetic), `python` (real bubblewrap),
 refusals (404, 422) and the Prometheus counters each call moves."""
 

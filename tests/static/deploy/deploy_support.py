@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy/k8s"
 
 SETTINGS = {  # asyncrl subcommand -> (module, settings class, run-config table)

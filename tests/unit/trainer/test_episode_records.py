@@ -1,4 +1,4 @@
-"""Episodes in the records and the trainer (issue 18): loss masks, turns, pieces of a session.
+"""Episodes in the records and the trainer: loss masks, turns, pieces of a session.
 
 A loss computed by hand over the policy's tokens only equals the trainer's; environment tokens
 change neither the loss, the importance weights nor the entropy; pieces of one episode share

@@ -1,6 +1,6 @@
 """Verifiers of the reward service, called directly (no HTTP, no worker processes): math answer
 extraction and spec checks, the toy verifiers, judge score parsing, code extraction and
-normalisation. The math worker pool is tested in tests/integration/test_reward_verifier_processes.py."""
+normalisation. The math worker pool is tested in tests/integration/reward/test_reward_verifier_processes.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "real_vs_trl.py"
+PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "real_vs_trl.py"
 spec = importlib.util.spec_from_file_location("real_vs_trl", PATH)
 bench = importlib.util.module_from_spec(spec)
 sys.modules["real_vs_trl"] = bench  # dataclasses look their module up while the class is built
