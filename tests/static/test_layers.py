@@ -9,6 +9,7 @@ those under `if TYPE_CHECKING` included: a design dependency is one whether or n
 from __future__ import annotations
 
 import ast
+import re
 
 from source_tree import (
     FOLDERS,
@@ -126,3 +127,28 @@ def test_the_installed_packages_are_the_tree():
         if not (path.parent / "__init__.py").is_file()
     )
     assert not loose, f"folders with modules but no __init__.py (not installed): {sorted(set(loose))}"
+
+
+def test_the_readme_layout_table_is_the_tree():
+    """Every folder the README's layout table names exists, and every top-level folder and every
+    package folder directly under services/ is in it (a new process or layer gets a row)."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| path | what |") :]
+    table = table[: table.index("\n\n")]
+    first_cells = [row.split("|")[1] for row in table.splitlines()[2:]]
+    named = {path.rstrip("/") for cell in first_cells for path in re.findall(r"`([\w./-]+/)`", cell)}
+    missing = sorted(path for path in named if not (ROOT / path).is_dir())
+    assert not missing, f"the README's layout table names folders that do not exist: {missing}"
+    expected = {
+        p.name
+        for p in ROOT.iterdir()
+        if p.is_dir()
+        and not p.name.startswith(".")
+        and p.name not in {"runs", "build", "services"}
+        and not p.name.endswith(".egg-info")
+    } | {f"services/{p.name}" for p in (ROOT / "services").iterdir() if (p / "__init__.py").is_file()}
+    covered = {path for path in named if path in expected} | {
+        path.split("/")[0] + "/" + path.split("/")[1] for path in named if path.count("/") >= 2
+    }
+    unlisted = sorted(expected - covered)
+    assert not unlisted, f"folders missing from the README's layout table: {unlisted}"
