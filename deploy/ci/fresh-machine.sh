@@ -49,6 +49,8 @@ PATH_IN=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 log() { printf '[fresh-machine %4ss] %s\n' "$(($(date +%s) - T0))" "$*" | tee -a "$LOG" >&2; }
 die() { log "FAIL: $*"; exit 1; }
+# shellcheck source=deploy/ci/lib.sh
+. "$(dirname "$0")/lib.sh"  # stop_pid, mirror
 usage() { sed -n '2,5s/^# \{0,1\}//p' "$0"; }
 
 REBUILD=${ASYNCRL_FRESH_REBUILD:-0}
@@ -73,13 +75,6 @@ WORK=$(mktemp -d /var/tmp/asyncrl-fresh.XXXXXX)
 # --- cleanup, armed before anything changes ------------------------------------------------
 CHILD=""  # the host pid of the `unshare` running now; its child is the container's init
 
-stop_pid() {  # stop_pid PID SECONDS: TERM, wait, then KILL; only the process we started
-    local pid=$1 wait_s=$2
-    kill -0 "$pid" 2>/dev/null || return 0
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq "$wait_s"); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1; done
-    kill -9 "$pid" 2>/dev/null || true
-}
 
 cleanup() {
     local rc=$?
@@ -122,11 +117,6 @@ run_container() {  # run_container SCRIPT ARGS...: SCRIPT (host bash) in new mou
 }
 
 # --- 1. the root filesystem, built once ------------------------------------------------------
-mirror() {  # the Debian mirror of the machine's apt sources (deb822 or one-line format)
-    cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null |
-        awk '/^URIs:/ {for (i = 2; i <= NF; i++) print $i} /^deb / {print ($2 ~ /^\[/) ? $3 : $2}' |
-        grep -E '/debian/?$' | head -1 || true
-}
 debian_sources() {  # the machine's apt source files that name a Debian archive
     for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
         [ -f "$f" ] && grep -qE '^(URIs:|deb ).*/debian(-security)?/?( |$)' "$f" && echo "$f"
