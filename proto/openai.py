@@ -1,15 +1,16 @@
 """OpenAI's chat completions bodies, the part asyncrl speaks, defined once for every user: the
-rollout service's gateway (`POST /v1/chat/completions` of services/rollout/gateway.py), the
+rollout service's gateway (`POST /v1/chat/completions` of services/rollout/gateway/chat.py), the
 reference engine's endpoint of the same name (services/engine/app.py) and the judge verifier's
 requests to an OpenAI-compatible server (services/reward/verifiers/judge.py).
 
-What the models accept is the union of what the users serve: text content or text parts,
-`function` tools, `tool_choice` auto or none, one choice, the sampled tokens' logprobs without
-alternatives. Unknown request fields are kept (`model_extra`) so that a server refuses one that
-would change the output instead of ignoring it. Each server's narrower checks are its own: the
-gateway takes only OpenAI's five roles (`ROLES`, services/rollout/gateway.py
-`check_request`); the reference engine renders text messages only and refuses tools, stop
-strings and penalties (services/engine/app.py). Both refuse text that is not valid Unicode.
+`ChatRequest` and `Message` are the fields every server here reads; every other request field
+is kept untyped (`model_extra`) so that a server refuses one that would change its output
+instead of ignoring it: the reference engine renders text messages only and refuses tools, stop
+strings and penalties with a 400 naming them (services/engine/app.py). `GatewayChatRequest` and
+`GatewayMessage` add what the gateway serves, typed: `function` tools, `tool_choice` auto or
+none, tool calls and answers in messages, stop strings, one choice, the sampled tokens'
+logprobs without alternatives; it takes only OpenAI's five roles (`ROLES`,
+services/rollout/gateway/chat.py `check_request`). Both refuse text that is not valid Unicode.
 """
 
 from __future__ import annotations
@@ -45,13 +46,20 @@ class ToolCallIn(BaseModel):
 
 
 class Message(BaseModel):
-    """One message; other fields (e.g. `reasoning_content`) are handed to the chat template.
-    `role` is any name a chat template may know (OpenAI's are `ROLES`)."""
+    """One message as the reference engine and the judge send it: a role and its content; other
+    fields are kept and handed to the chat template. `role` is any name a chat template may know
+    (OpenAI's are `ROLES`)."""
 
     model_config = ConfigDict(extra="allow")
 
     role: str = Field(min_length=1)
     content: str | list[TextPart] | None = None
+
+
+class GatewayMessage(Message):
+    """A message of an agent's conversation through the gateway: also the assistant's tool calls
+    and the tool's answers, typed, since the gateway renders them into the sampled context."""
+
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -79,28 +87,37 @@ class StreamOptions(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    """OpenAI's chat completion body; unknown fields are kept so that one changing the output is
-    refused rather than ignored."""
+    """OpenAI's chat completion body, the fields every server here reads. Every other field is
+    kept (`model_extra`), untyped, so that a server refuses one that would change its output
+    (the reference engine answers 400 naming it) instead of ignoring it."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = Field(
-        None, description="auto (the default with tools) or none"
-    )
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=0, lt=SEED_MOD)
+    seed: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1, le=1)
     logprobs: bool = False
+    stream: bool = False
+
+
+class GatewayChatRequest(ChatRequest):
+    """The body the gateway serves: also tools, stop strings, penalties, stream options and the
+    session, typed; its seeds stay below `SEED_MOD` (a resubmitted segment's seed wraps at it)."""
+
+    messages: list[GatewayMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none"] | None = Field(
+        None, description="auto (the default with tools) or none"
+    )
+    seed: int | None = Field(None, ge=0, lt=SEED_MOD)
     top_logprobs: int | None = Field(
         None, ge=0, le=0, description="0 only: top alternatives are not returned"
     )
-    stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

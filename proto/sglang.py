@@ -34,7 +34,7 @@ MAX_TEMPERATURE = 100.0
 MAX_TOKEN_ID = 2**31 - 1
 
 
-def _valid_unicode(value: Any) -> Any:
+def check_unicode(value: Any) -> Any:
     """Refuse a lone UTF-16 surrogate (a JSON "\\ud800" escape): it is not text, the tokenizer
     cannot take it and UTF-8 cannot encode it back into an answer."""
     for text in value if isinstance(value, list) else [value]:
@@ -136,7 +136,7 @@ class GenerateReqInput(BaseModel):
     background: bool = False
     no_logs: bool = False
 
-    _unicode = field_validator("text", "rid")(_valid_unicode)
+    _unicode = field_validator("text", "rid")(check_unicode)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:

@@ -41,6 +41,7 @@ from asyncrl.proto.sglang import (
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromDistributedReqInput,
     WeightUpdateOutput,
+    check_unicode,
 )
 from asyncrl.services.engine import metrics
 from asyncrl.services.engine.config import is_loopback
@@ -67,17 +68,6 @@ FINISH_TO_OPENAI = {"stop": "stop", "length": "length", "abort": "abort"}
 # OpenAI request fields that do not change what is generated.
 HARMLESS_CHAT_FIELDS = frozenset(
     {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
-)
-# Fields of an OpenAI chat request the reference engine does not serve: set to anything but
-# an empty value, each is refused (400) rather than ignored, like an unknown field.
-UNSERVED_CHAT_FIELDS = (
-    "tools",
-    "tool_choice",
-    "stop",
-    "frequency_penalty",
-    "presence_penalty",
-    "top_logprobs",
-    "session_id",
 )
 
 
@@ -244,12 +234,10 @@ def check_text_messages(body: ChatRequest) -> None:
         for name in ("role", "content")
     ]
     for loc, text in texts:
-        if isinstance(text, str) and not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                message = "Value error, contains a lone UTF-16 surrogate, which is not valid Unicode"
-                errors.append(_invalid(loc, "value_error", message))
+        try:
+            check_unicode(text)
+        except ValueError as exc:
+            errors.append(_invalid(loc, "value_error", f"Value error, {exc}"))
     if errors:
         raise RequestValidationError(errors)
 
@@ -262,8 +250,9 @@ async def _chat(engine: InferenceEngine, body: ChatRequest) -> ChatCompletion:
     check_text_messages(body)
     if body.stream:
         raise InvalidRequest("stream=true is not supported by the reference engine")
-    fields = {**{k: getattr(body, k) for k in UNSERVED_CHAT_FIELDS}, **(body.model_extra or {})}
-    changes_output = {k: v for k, v in fields.items() if v not in (None, 0, 0.0, [], {}, False)}
+    changes_output = {
+        k: v for k, v in (body.model_extra or {}).items() if v not in (None, 0, 0.0, [], {}, False)
+    }
     changes_output = {k: v for k, v in changes_output.items() if k not in HARMLESS_CHAT_FIELDS}
     if changes_output:
         raise InvalidRequest(f"not supported by the reference engine: {sorted(changes_output)}")

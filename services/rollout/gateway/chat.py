@@ -64,11 +64,11 @@ from asyncrl.proto.openai import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionUsage,
-    ChatRequest,
     Choice,
     ChoiceLogprobs,
     FunctionCall,
-    Message,
+    GatewayChatRequest,
+    GatewayMessage,
     TokenLogprob,
     ToolCallOut,
 )
@@ -331,7 +331,7 @@ class Gateway:
 
     # --- chat calls ---------------------------------------------------------------------------
 
-    async def complete(self, body: ChatRequest, session_id: str | None) -> tuple[ChatCompletion, bool]:
+    async def complete(self, body: GatewayChatRequest, session_id: str | None) -> tuple[ChatCompletion, bool]:
         """Answer one chat call; with a session, record it. Returns (answer, recorded)."""
         info = await self._session(session_id) if session_id is not None else None
         tools = body.tools if body.tool_choice != "none" else None
@@ -474,7 +474,7 @@ class Gateway:
             time.time(),
         )
 
-    def _answer(self, body: ChatRequest, done: Completion, tools: bool) -> ChatCompletion:
+    def _answer(self, body: GatewayChatRequest, done: Completion, tools: bool) -> ChatCompletion:
         content, calls = _tool_calls(done.text) if tools else (done.text, [])
         finish = "length" if done.finish_reason == "length" else ("tool_calls" if calls else "stop")
         logprobs = None
@@ -511,7 +511,7 @@ class _UsesDefault:
     reward_spec = None
 
 
-def check_request(body: ChatRequest) -> None:
+def check_request(body: GatewayChatRequest) -> None:
     """What the models cannot say: unsupported fields set, text that is not Unicode."""
     extra = {
         k: v
@@ -550,7 +550,7 @@ def _check_unicode(value: Any) -> None:
             _check_unicode(v)
 
 
-def _template_messages(messages: list[Message]) -> list[dict]:
+def _template_messages(messages: list[GatewayMessage]) -> list[dict]:
     """OpenAI messages as chat templates read them (Hugging Face's conventions): content as one
     string (text parts joined by newlines), `developer` as `system`, tool call arguments as
     objects when they are JSON."""

@@ -9,7 +9,7 @@ engine that failed, 503 no engine or no Redis. Each answer is counted by route a
 (`asyncrl_rollout_gateway_errors_total`).
 
 `POST /v1/chat/completions` reads its body itself, so that every refusal has that shape; the
-body is OpenAI's (`proto.openai.ChatRequest`) and is not described in `/openapi.json`.
+body is OpenAI's (`proto.openai.GatewayChatRequest`) and is not described in `/openapi.json`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from asyncrl.proto.gateway import SessionClosed, SessionCreated, SessionRequest, SessionReward
-from asyncrl.proto.openai import ChatCompletion, ChatRequest
+from asyncrl.proto.openai import ChatCompletion, GatewayChatRequest
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.deps import ServiceDep
 from asyncrl.services.rollout.gateway.chat import GatewayError, check_request, sse_chunks
@@ -137,7 +137,7 @@ async def chat_completions(request: Request, service: ServiceDep):
     """OpenAI's chat completions; the session is `X-Session-Id` or the body's `session_id`
     (none: answered, not recorded)."""
     try:
-        body = ChatRequest.model_validate_json(await request.body())
+        body = GatewayChatRequest.model_validate_json(await request.body())
     except ValidationError as exc:
         raise GatewayError(400, _summary(exc), "invalid_body") from None
     check_request(body)

@@ -401,9 +401,19 @@ def test_chat_completions_round_trip(client, hf_model):
         ("tools", [{"function": {"name": "f"}}]),
         ("frequency_penalty", 0.5),
         ("session_id", "s"),
+        # values the gateway's typed body would refuse (422) are the engine's to refuse, as
+        # not served (400), whatever their type
+        ("stop", 5),
+        ("tool_choice", "required"),
+        ("frequency_penalty", 3),
+        ("top_logprobs", 5),
     ):
         refused = client.post("/v1/chat/completions", json={"messages": messages, field: value})
         assert refused.status_code == 400 and field in refused.text, field
+    # harmless fields are taken as given, and so are seeds of the engine's whole range
+    for extra in ({"stream_options": True}, {"seed": 2**63}, {"user": 5}):
+        taken = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **extra})
+        assert taken.status_code == 200, (extra, taken.text)
     # text messages only, valid Unicode: refused as an invalid body
     for bad in (
         {"role": "user"},
