@@ -2,8 +2,9 @@
 
 Every subcommand lives in its own module with `main(argv: list[str]) -> int`, so
 `asyncrl --help` stays instant and the reward service never imports torch. A service started
-with `--config FILE` has the whole run config validated here first (services/ops/run_config.py),
-so a bad table is refused, named, whichever service reads the file; `asyncrl up` and
+with `--config FILE` has the whole run config validated here first (services/ops/run_config.py;
+its own table as its flags leave it), so a bad table is refused, named, whichever service reads
+the file; `asyncrl up` and
 `asyncrl demo` validate it themselves, before they start anything.
 """
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl.services.ops.run_config import RunConfigError, load_run_config
 
         try:
-            load_run_config(path)
+            load_run_config(path, command=name, argv=rest)
         except RunConfigError as exc:
             print(f"asyncrl {name}: {exc}", file=sys.stderr)
             return 2

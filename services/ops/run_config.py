@@ -6,11 +6,12 @@ the latter with `[trainer.loss]` and `[trainer.wandb]`). `RunConfig` validates a
 once with the services' own settings classes, so an unknown key or a wrong type in any table is
 refused by whichever `asyncrl` command reads the file, with the table and the field named.
 
-What the check covers: the file's values, over the `ASYNCRL_…` environment the command sees
-(when a service starts, its own precedence applies: env, then flags, over the file). What it
-does not: values a service is given on its command line. The fields every launch passes there
-(`COMMAND_LINE_FIELDS`) may be left out of the file; the check fills them with `[model] path`,
-or a placeholder when the file has no `[model]` table (compose and k8s pass them per container).
+What the check covers: the file's values, over the `ASYNCRL_…` environment the command sees,
+and for a service being started, its own table as its flags leave it (the flags replace the
+file's values, as they do when the service loads its settings). Other services' flags are not
+known here: the fields every launch passes on the command line (`COMMAND_LINE_FIELDS`) may be
+left out of the file; the check fills them with `[model] path`, or a placeholder when the file
+has no `[model]` table (compose and k8s pass them per container).
 
 Importing this module pulls no torch: each service's settings module is torch-free.
 """
@@ -299,16 +300,42 @@ class RunConfigError(ValueError):
         super().__init__("\n  ".join(lines))
 
 
-def load_run_config(path: Path, *, require: tuple[str, ...] = ()) -> RunConfig:
+# The table each service reads, and its settings (`asyncrl <command> --config FILE`).
+SERVICE_TABLES: dict[str, tuple[str, type[BaseModel]]] = {
+    "engine": ("engine", EngineSettings),
+    "rollout": ("rollout", RolloutSettings),
+    "reward": ("reward", RewardSettings),
+    "train": ("trainer", TrainerSettings),
+}
+
+
+def load_run_config(
+    path: Path, *, require: tuple[str, ...] = (), command: str | None = None, argv: list[str] = ()
+) -> RunConfig:
     """Read and validate the whole run config at `path`; `require` names tables that must be there
-    (`("model",)` for the commands that launch a topology). Raises RunConfigError."""
+    (`("model",)` for the commands that launch a topology). For a service `command` started with
+    `argv`, its own table is checked as the service will see it: the fields its flags set
+    replace the file's. Raises RunConfigError."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except OSError as exc:
         raise RunConfigError(path, [f"cannot read it: {exc.strerror}"]) from None
     except tomllib.TOMLDecodeError as exc:
         raise RunConfigError(path, [f"not TOML: {exc}"]) from None
+    if command in SERVICE_TABLES:
+        data = _with_flags(data, *SERVICE_TABLES[command], list(argv))
     return validate_run_config(data, path, require=require)
+
+
+def _with_flags(data: dict, table: str, settings: type[BaseModel], argv: list[str]) -> dict:
+    """`data` with the fields that `argv` sets (the service's own flags) in `table`."""
+    from asyncrl.services.runtime.config import flag_values, settings_parser
+
+    args, _ = settings_parser(settings, prog=table).parse_known_args(argv)  # (others: the command's own)
+    flags = flag_values(args)
+    if not flags or not isinstance(data.get(table, {}), dict):
+        return data
+    return {**data, table: {**data.get(table, {}), **flags}}
 
 
 def validate_run_config(

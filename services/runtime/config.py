@@ -50,6 +50,26 @@ def _is_model(annotation: Any) -> bool:
 
 def load_settings(cls: type[S], argv: list[str] | None, *, prog: str, section: str | None = None) -> S:
     """Parse `--config FILE` (TOML; a `[section]` table if given), env and `--field value` flags."""
+    args = settings_parser(cls, prog).parse_args(argv)
+    file_values: dict[str, Any] = {}
+    if args.config:
+        data = tomllib.loads(args.config.read_text())
+        file_values = data.get(section, {}) if section else data
+    cli_values = flag_values(args)
+    # Init values beat env in pydantic-settings; drop file values that env overrides so
+    # the order is defaults → file → env → CLI.
+    env_set = {k for k in cls.model_fields if _env_has(cls, k)}
+    merged = {**{k: v for k, v in file_values.items() if k not in env_set}, **cli_values}
+    settings = cls(**merged)
+    if args.print_config:
+        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        sys.exit(0)
+    return settings
+
+
+def settings_parser(cls: type[ServiceSettings], prog: str) -> argparse.ArgumentParser:
+    """The command line of a service's settings: `--config`, `--print-config` and one
+    `--field-name value` flag per scalar field (`--x` / `--no-x` for a bool)."""
     parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
     parser.add_argument("--config", type=Path, help="TOML file with these settings")
     parser.add_argument("--print-config", action="store_true", help="print the resolved settings and exit")
@@ -61,23 +81,12 @@ def load_settings(cls: type[S], argv: list[str] | None, *, prog: str, section: s
             )
         else:
             parser.add_argument(flag, dest=name, default=None, help=field.description)
-    args = parser.parse_args(argv)
-    file_values: dict[str, Any] = {}
-    if args.config:
-        data = tomllib.loads(args.config.read_text())
-        file_values = data.get(section, {}) if section else data
-    cli_values = {
-        k: v for k, v in vars(args).items() if k not in ("config", "print_config") and v is not None
-    }
-    # Init values beat env in pydantic-settings; drop file values that env overrides so
-    # the order is defaults → file → env → CLI.
-    env_set = {k for k in cls.model_fields if _env_has(cls, k)}
-    merged = {**{k: v for k, v in file_values.items() if k not in env_set}, **cli_values}
-    settings = cls(**merged)
-    if args.print_config:
-        print(json.dumps(settings.model_dump(mode="json"), indent=2))
-        sys.exit(0)
-    return settings
+    return parser
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings fields given on the command line, by name."""
+    return {k: v for k, v in vars(args).items() if k not in ("config", "print_config") and v is not None}
 
 
 def _env_has(cls: type[ServiceSettings], field: str) -> bool:

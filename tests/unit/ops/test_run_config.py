@@ -100,3 +100,34 @@ def test_the_written_config_reads_back_as_it_was(path, tmp_path):
     written.write_text(tomli_w.dumps(raw))
     assert tomllib.loads(written.read_text()) == raw
     assert load_run_config(written) == validate_run_config(raw)
+
+
+@pytest.mark.parametrize(
+    ("command", "table", "values", "flags", "refused"),
+    [
+        # a non-loopback engine needs a token, here given as a flag
+        ("engine", "engine", {"host": "0.0.0.0"}, ["--api-token", "t0k3n-long-enough-4-check"], "API token"),
+        # automatic evaluations need their file
+        ("rollout", "rollout", {"eval_every": 5}, ["--eval-file", "/data/eval.jsonl"], "eval_file"),
+    ],
+)
+def test_a_service_s_flags_complete_its_own_table(
+    tmp_path, monkeypatch, command, table, values, flags, refused
+):
+    """The check of `asyncrl <service> --config F …` sees the service's table as the service will:
+    the flags replace the file's values. Without the flag, the same file is refused, named."""
+    monkeypatch.delenv("ASYNCRL_API_TOKEN", raising=False)
+    monkeypatch.delenv("ASYNCRL_ENGINE_API_TOKEN", raising=False)
+    raw = demo_raw()
+    raw[table] = {**raw.get(table, {}), **values}
+    path = tmp_path / "run.toml"
+    path.write_text(tomli_w.dumps(raw))
+    config = load_run_config(path, command=command, argv=["--config", str(path), *flags])
+    assert getattr(config, table).model_dump()[flags[0][2:].replace("-", "_")] not in (None, [])
+    with pytest.raises(RunConfigError) as without:
+        load_run_config(path, command=command, argv=["--config", str(path)])
+    assert any(f"[{table}]" in p and refused in p for p in without.value.problems), without.value.problems
+    # another service's flags never fill this table
+    other = "reward" if command != "reward" else "engine"
+    with pytest.raises(RunConfigError):
+        load_run_config(path, command=other, argv=["--config", str(path), *flags])
