@@ -26,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(
+    0, str(ROOT / "tests")
+)  # the in-thread test servers: tests/engine_server.py, rollout_server.py
 
 
 def parse_args(argv=None):

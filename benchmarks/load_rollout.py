@@ -35,6 +35,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(
+    0, str(ROOT / "tests")
+)  # the in-thread test servers: tests/engine_server.py, rollout_server.py
 
 from rollout_server import start_process, start_reward_service
 

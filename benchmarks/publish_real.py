@@ -45,6 +45,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(
+    0, str(ROOT / "tests")
+)  # the in-thread test servers: tests/engine_server.py, rollout_server.py
 
 ENGINE_START_TIMEOUT_S = 300.0  # loading a 135M model on a busy 2-core machine takes ~10 s
 UPDATE_TIMEOUT_S = 600.0

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import tomli_w
 
 from asyncrl.proto.states import GroupState, JobState
 from asyncrl.services.ops.run_config import (
@@ -585,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunConfigError as exc:
         print(f"asyncrl demo: {exc}", file=sys.stderr)
         return 2
+    import tomli_w  # (here: deploy/init_demo.py imports this module in an image without it)
+
     config_path.write_text(tomli_w.dumps(raw))
     eta = int(trainer_cfg.get("max_staleness", 1))
     max_steps = args.max_steps or int(trainer_cfg.get("max_steps", 0)) or 10**9
