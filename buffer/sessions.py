@@ -1,4 +1,4 @@
-"""The gateway's sessions in Redis (services/rollout/gateway.py, docs/architecture.md §12): who
+"""The gateway's sessions in Redis (services/rollout/gateway/, docs/architecture.md §12): who
 belongs to which group, each session's chat calls as sampled, and when a reaper acts on a group.
 
 Keys (all `asyncrl:{run}:` + …; every key of a group expires `KEY_TTL_FACTOR` × the TTL after

@@ -1,11 +1,11 @@
-"""Bodies of the rollout service's OpenAI-compatible gateway (services/rollout/gateway.py says
-what it does), and the record of one chat call it keeps in Redis.
+"""Bodies of the rollout service's OpenAI-compatible gateway (services/rollout/gateway/chat.py
+says what it does), and the record of one chat call it keeps in Redis.
 
 * `POST /v1/sessions`: `SessionRequest` → `SessionCreated`.
 * `POST /v1/sessions/{id}/reward`: `SessionReward` → `SessionClosed`.
-* `POST /v1/chat/completions`: proto/openai.py's `ChatRequest` → `ChatCompletion` (or its
-  chunks, `services.rollout.gateway.sse_chunks`); the gateway refuses a field that would change
-  the output instead of ignoring it (`services.rollout.gateway.check_request`).
+* `POST /v1/chat/completions`: proto/openai.py's `GatewayChatRequest` → `ChatCompletion` (or its
+  chunks, `sse_chunks` in services/rollout/gateway/chat.py); the gateway refuses a field that would change
+  the output instead of ignoring it (its `check_request`).
 * `Call`: one chat call of a session as sampled (token ids, behaviour logprobs, the policy
   version of every token), written by the replica that served it and read by whichever
   replica builds the group (buffer/sessions.py stores it).

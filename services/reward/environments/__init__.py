@@ -1,4 +1,4 @@
-"""Environments of the reward service (issue 18, `proto/environments.py`). Each module defines
+"""Environments of the reward service (`proto/environments.py`, docs/architecture.md §12). Each module defines
 one `Environment` subclass; the app builds the enabled ones from settings
 (`services.reward.app.build_environments`).
 

@@ -1,4 +1,4 @@
-"""`secret`: the CPU demo's environment, where the tool is worth something (issue 18).
+"""`secret`: the CPU demo's environment, where the tool is worth something.
 
 The episode's secret is `length` letters drawn from `letters` by `random.Random(seed)`, so the
 request's seed alone determines it (no state). The one tool, `lookup`, answers the secret

@@ -1,5 +1,5 @@
-"""`GET /v1/environments`, `POST /v1/environments/{name}/reset` and `…/{name}/step` (issue 18,
-`proto/environments.py`). Every step is counted by environment and status, every masked or
+"""`GET /v1/environments`, `POST /v1/environments/{name}/reset` and `…/{name}/step` (the
+bodies in `proto/environments.py`). Every step is counted by environment and status, every masked or
 crashed step by failure kind, every refusal by reason (`services/reward/metrics.py`)."""
 
 from __future__ import annotations
