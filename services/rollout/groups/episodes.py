@@ -155,6 +155,13 @@ class EpisodeRunner:
             env, ResetRequest(episode_id=episode_id, seed=seed, prompt=job.prompt_text, args=spec.env_args)
         )
         state = reset.state
+
+        def step(turn: int, action: Action):  # the environment's step, in the episode's current state
+            request = StepRequest(
+                episode_id=episode_id, seed=seed, turn=turn, args=spec.env_args, state=state, action=action
+            )
+            return envs.step(env, request)
+
         if reset.observation:
             _observe(
                 d, tok(reset.observation, add_special_tokens=False)["input_ids"], self.initial_weight_version
@@ -178,17 +185,7 @@ class EpisodeRunner:
                 answer = _answer(tok, d.tokens[start:], finish, params)
                 reward = 0.0  # (an environment that does not judge: a verifier scores the answer)
                 if judges:
-                    out = await envs.step(
-                        env,
-                        StepRequest(
-                            episode_id=episode_id,
-                            seed=seed,
-                            turn=turn,
-                            args=spec.env_args,
-                            state=state,
-                            action=Action(text=answer),
-                        ),
-                    )
+                    out = await step(turn, Action(text=answer))
                     reward = out.reward or 0.0
                 d.turn_rewards.append(reward)
                 break
@@ -202,17 +199,7 @@ class EpisodeRunner:
                 observation, reward = f"[invalid_call] {problem}", 0.0
             else:
                 m.TOOL_CALLS.labels("called").inc()
-                out = await envs.step(
-                    env,
-                    StepRequest(
-                        episode_id=episode_id,
-                        seed=seed,
-                        turn=turn,
-                        args=spec.env_args,
-                        state=state,
-                        action=Action(tool_call=call),
-                    ),
-                )
+                out = await step(turn, Action(tool_call=call))
                 state, reward = out.state, out.reward or 0.0
                 observation = (
                     out.observation
