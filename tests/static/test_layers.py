@@ -2,14 +2,17 @@
 
 proto ← shared runtime ← buffer ← transport ← processes ← operator tools: a module imports only
 from its own layer and the layers below it, and no process imports another process's code
-(docs/architecture.md §2, CONTRIBUTING.md). Imports are read from the source, lazy ones and
-those under `if TYPE_CHECKING` included: a design dependency is one whether or not it runs.
+(docs/architecture.md §2, docs/CONTRIBUTING.md). Imports are read from the source, lazy ones
+and those under `if TYPE_CHECKING` included, and so are modules named in strings (what
+`importlib` may load): a design dependency is one whether or not it runs. The one way a process
+runs another's code is a declared entry point against an interface in proto/ (`SEAMS`).
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 from source_tree import (
     FOLDERS,
@@ -61,12 +64,39 @@ def own_modules(names: set[str]) -> set[str]:
     return found
 
 
+def strings(path: Path) -> set[str]:
+    """The string constants of a file, docstrings aside."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    }
+
+
+def named_modules(path: Path) -> set[str]:
+    """The project's modules a file names in strings: what it may import by name
+    (`importlib.import_module`, a `"module:attr"` registry)."""
+    return own_modules({s.partition(":")[0] for s in strings(path) if MODULE_STRING.fullmatch(s)})
+
+
+MODULE_STRING = re.compile(rf"{NAMESPACE}(\.\w+)+(:\w+)?")
+
+
 def violations() -> set[tuple[str, str]]:
     broken = set()
     for path in source_files():
         module = module_name(path)
         layer, process = place(module)
-        for target in own_modules(imports(path, type_checking=True)):
+        for target in own_modules(imports(path, type_checking=True)) | named_modules(path):
             target_layer, target_process = place(target)
             if target_layer > layer or (process and target_process and target_process != process):
                 broken.add((module, target))
@@ -88,6 +118,9 @@ def test_the_layer_rule_catches_a_reversed_import():
     assert own_modules({"asyncrl.services.reward.verifiers.BUILTIN", "numpy"}) == {
         "asyncrl.services.reward.verifiers"
     }
+    # a module named in a string (a "module:attr" registry) counts as imported
+    registry = source_of("asyncrl.services.reward.verifiers")
+    assert "asyncrl.services.reward.verifiers.toy" in named_modules(registry)
 
 
 BARE = set(FOLDERS)  # proto, buffer, trainer, services: installed only as asyncrl.*
@@ -152,3 +185,36 @@ def test_the_readme_layout_table_is_the_tree():
     }
     unlisted = sorted(expected - covered)
     assert not unlisted, f"folders missing from the README's layout table: {unlisted}"
+
+
+# The one place a process runs code another process owns, through a Python entry point against
+# an interface in proto/ (docs/architecture.md §2): group → (the interface, the process that
+# loads it, the process that provides it). A new cross-process entry point is a design decision:
+# it gets a row here.
+SEAMS = {
+    "asyncrl.local_scorers": ("asyncrl.proto.verifiers", "rollout", "reward"),
+}
+
+
+def test_cross_process_entry_points_are_declared_seams():
+    """Every `asyncrl.*` entry point of pyproject is a seam listed above: its interface is in
+    proto/, its target is in the providing process, and the loading process names the group
+    only through that proto module's constant (it never names the target's module)."""
+    import tomllib
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("entry-points", {})
+    groups = {group: targets for group, targets in declared.items() if group.startswith(NAMESPACE + ".")}
+    assert set(groups) == set(SEAMS), f"entry-point groups without a row in SEAMS: {set(groups) ^ set(SEAMS)}"
+    for group, targets in groups.items():
+        interface, loader, provider = SEAMS[group]
+        assert place(interface)[0] == 0, f"{group}: its interface {interface} is not in proto/"
+        assert group in source_of(interface).read_text(), f"{interface} does not define the group {group!r}"
+        for target in targets.values():
+            module = target.partition(":")[0]
+            assert source_of(module) is not None, f"{group}: {target} does not exist"
+            assert place(module)[1] == provider, f"{group}: {target} is not in the {provider} process"
+        for path in source_files():
+            if place(module_name(path))[1] == loader:
+                assert group not in strings(path), (
+                    f"{path}: names {group!r} itself, not through {interface}"
+                )
