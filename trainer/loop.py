@@ -42,15 +42,15 @@ class PhaseTimer:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
 
-def resume(p: Parts) -> int:
+def resume(parts: Parts) -> int:
     """Restore the last durable checkpoint, settle the buffer, return the version.
 
     Resuming a run opens a new epoch forked at the checkpoint's version (proto/lineage.py):
     what was published above it came from steps this start will redo differently, and the
     buffer drops every group sampled by those lost weights."""
-    meta = p.ckpt.load(p.model, p.optimizer, p.scheduler)
+    meta = parts.ckpt.load(parts.model, parts.optimizer, parts.scheduler)
     version = meta.version if meta else 0
-    if p.ranks.is_main and meta is not None and meta.changed:
+    if parts.ranks.is_main and meta is not None and meta.changed:
         log_event(
             log,
             "hyperparameters changed since the checkpoint: the configured ones apply from this update on",
@@ -58,79 +58,79 @@ def resume(p: Parts) -> int:
             version=version,
             changed={k: list(v) for k, v in meta.changed.items()},
         )
-    if p.ranks.is_main:
-        if meta is not None or p.versions.latest() is not None or p.versions.version() > 0:
-            p.epoch = p.versions.begin_epoch(version)
+    if parts.ranks.is_main:
+        if meta is not None or parts.versions.latest() is not None or parts.versions.version() > 0:
+            parts.epoch = parts.versions.begin_epoch(version)
         if meta:
-            p.groups.ack(meta.consumed_ids)  # a crash between checkpoint and ack: finish the ack
-        reclaimed = p.groups.recover(0)  # consumed after the checkpoint: train them again
-        accepted = p.admission.rebuild(version)
+            parts.groups.ack(meta.consumed_ids)  # a crash between checkpoint and ack: finish the ack
+        reclaimed = parts.groups.recover(0)  # consumed after the checkpoint: train them again
+        accepted = parts.admission.rebuild(version)
         log_event(
             log,
             "trainer resumed",
             version=version,
-            epoch=p.epoch,
+            epoch=parts.epoch,
             reclaimed=reclaimed,
             accepted=accepted,
             checkpoint=str(meta.path) if meta else None,
         )
-        p.audit("resume", version, epoch=p.epoch, reclaimed=reclaimed)
-    epoch = torch.tensor([p.epoch], dtype=torch.long)
-    broadcast_from_main(p.ranks, epoch)  # rank 0 alone reads the buffer; publishing is collective
-    p.epoch = int(epoch)
-    if p.epoch > 0:
-        p.publish(version, rollback=True)  # engines may hold weights of a lost, uncheckpointed step
+        parts.audit("resume", version, epoch=parts.epoch, reclaimed=reclaimed)
+    epoch = torch.tensor([parts.epoch], dtype=torch.long)
+    broadcast_from_main(parts.ranks, epoch)  # rank 0 alone reads the buffer; publishing is collective
+    parts.epoch = int(epoch)
+    if parts.epoch > 0:
+        parts.publish(version, rollback=True)  # engines may hold weights of a lost, uncheckpointed step
     return version
 
 
-def train(p: Parts) -> int:
+def train(parts: Parts) -> int:
     """The steps, inside rank 0's W&B run when tracking is on: the run is finished however the
     steps end (exit code 1 when an exception leaves them)."""
-    with p.tracker if p.tracker is not None else nullcontext():
-        return train_steps(p)
+    with parts.tracker if parts.tracker is not None else nullcontext():
+        return train_steps(parts)
 
 
-def train_steps(p: Parts) -> int:
-    cfg, ranks = p.cfg, p.ranks
-    version, consumed = resume(p), []
-    p.status.state, p.status.version = "training", version
+def train_steps(parts: Parts) -> int:
+    cfg, ranks = parts.cfg, parts.ranks
+    version, consumed = resume(parts), []
+    parts.status.state, parts.status.version = "training", version
     tm.VERSION.set(version)
     while cfg.max_steps == 0 or version < cfg.max_steps:
         timer, t_step = PhaseTimer(), time.perf_counter()
         with timer("wait"):
-            taken = p.source.next(version)
+            taken = parts.source.next(version)
         if taken.stop:
             break
         with timer("recompute"):
-            rows = build_rows(taken.groups, cfg.advantage, p.source.shaping)
+            rows = build_rows(taken.groups, cfg.advantage, parts.source.shaping)
             micro = micro_batches(
                 rows.rows,
                 ranks.rank,
                 ranks.world,
                 cfg.minibatches,
                 cfg.micro_batch_size,
-                p.pad_id,
+                parts.pad_id,
                 ranks.device,
                 cfg.max_tokens_per_micro_batch,
                 cfg.share_prompts,
             )
-            old = old_logprobs(p, micro)
+            old = old_logprobs(parts, micro)
             ref = (
-                recompute_logprobs(p.ref_model, micro, cfg.temperature, cfg.logprob_chunk_tokens)
-                if p.ref_model is not None
+                recompute_logprobs(parts.ref_model, micro, cfg.temperature, cfg.logprob_chunk_tokens)
+                if parts.ref_model is not None
                 else [None] * len(micro)
             )
-        stats = policy_step(p.model, p.optimizer, micro, old, ref, p.step_cfg, ranks.device)
-        stats["lr"] = p.scheduler.get_last_lr()[0]  # the lr this version's update used
-        p.scheduler.step()  # once per version (trainer/schedule.py), before a checkpoint saves it
+        stats = policy_step(parts.model, parts.optimizer, micro, old, ref, parts.step_cfg, ranks.device)
+        stats["lr"] = parts.scheduler.get_last_lr()[0]  # the lr this version's update used
+        parts.scheduler.step()  # once per version (trainer/schedule.py), before a checkpoint saves it
         timer.seconds["forward_backward"] = stats.pop("forward_backward_s")
         timer.seconds["optimizer"] = stats.pop("optimizer_s")
         version += 1
         with timer("publish"):
-            p.publish(version)
+            parts.publish(version)
         ids = [g.group_id for g in taken.groups]
         consumed += ids
-        p.audit(
+        parts.audit(
             "step",
             version,
             groups=ids,
@@ -143,41 +143,41 @@ def train_steps(p: Parts) -> int:
         )
         if version % cfg.checkpoint_every == 0 or version == cfg.max_steps:
             with timer("checkpoint"):
-                checkpoint_and_ack(p, version, consumed)
+                checkpoint_and_ack(parts, version, consumed)
             consumed = []
-        record(p, version, taken, rows, stats, timer.seconds, time.perf_counter() - t_step)
+        record(parts, version, taken, rows, stats, timer.seconds, time.perf_counter() - t_step)
     if consumed:  # stopped between checkpoints: make the last steps durable before leaving
-        checkpoint_and_ack(p, version, consumed)
+        checkpoint_and_ack(parts, version, consumed)
     if ranks.is_main:
-        p.finish_publishing()  # the last version is announced before the trainer says it stopped
-    p.status.state = "stopped"
+        parts.finish_publishing()  # the last version is announced before the trainer says it stopped
+    parts.status.state = "stopped"
     return 0
 
 
-def old_logprobs(p: Parts, micro) -> list:
+def old_logprobs(parts: Parts, micro) -> list:
     """log π_old per micro-batch. Bypass: μ itself. One minibatch: π_old is π_θ before its only
     update, i.e. the training forward's own logprobs, detached; `policy_step` takes them from
     there (None here), which is the decoupled loss at no extra forward. Otherwise: recompute."""
-    if p.cfg.bypass:
+    if parts.cfg.bypass:
         return [mb.behavior_logprobs for mb in micro]
-    if p.cfg.minibatches == 1:
+    if parts.cfg.minibatches == 1:
         return [None] * len(micro)
-    return recompute_logprobs(p.model, micro, p.cfg.temperature, p.cfg.logprob_chunk_tokens)
+    return recompute_logprobs(parts.model, micro, parts.cfg.temperature, parts.cfg.logprob_chunk_tokens)
 
 
-def checkpoint_and_ack(p: Parts, version: int, consumed: list[str]) -> None:
-    p.ckpt.save(p.model, p.optimizer, p.scheduler, version, consumed)
-    if p.ranks.is_main:
-        acked = p.groups.ack(consumed)  # only now: the update of these groups is durable
+def checkpoint_and_ack(parts: Parts, version: int, consumed: list[str]) -> None:
+    parts.ckpt.save(parts.model, parts.optimizer, parts.scheduler, version, consumed)
+    if parts.ranks.is_main:
+        acked = parts.groups.ack(consumed)  # only now: the update of these groups is durable
         tm.CHECKPOINTS.inc()
-        p.audit("checkpoint", version, acked=len(consumed))
+        parts.audit("checkpoint", version, acked=len(consumed))
         log_event(log, "checkpoint", version=version, groups=len(consumed), acked=acked)
 
 
-def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_s: float) -> None:
+def record(parts: Parts, version: int, taken, rows, stats: dict, phases: dict, step_s: float) -> None:
     """Rank 0: step metrics to Prometheus, one log line and, when tracking is on, W&B (with the
     evaluations finished since the last step)."""
-    if not p.ranks.is_main:
+    if not parts.ranks.is_main:
         return
     busy = max(step_s - phases.get("wait", 0.0), 1e-9)
     for phase, s in phases.items():
@@ -219,7 +219,7 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
     }
     tm.observe_step(gauges)
     tm.VERSION.set(version)  # last: a scrape that sees version v sees step v's figures
-    p.status.version, p.status.last_step_at = version, time.time()
+    parts.status.version, parts.status.last_step_at = version, time.time()
     log_event(
         log,
         "step",
@@ -231,8 +231,8 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
         lr=float(f"{stats['lr']:.6g}"),  # ~1e-6: six decimals would print 0
         **{f"{k}_s": round(v, 4) for k, v in phases.items()},
     )
-    if p.tracker is not None:
-        p.tracker.log_step(
+    if parts.tracker is not None:
+        parts.tracker.log_step(
             version,
             {
                 **{f"train/{k}": v for k, v in gauges.items()},
@@ -249,5 +249,5 @@ def record(p: Parts, version: int, taken, rows, stats: dict, phases: dict, step_
                 "data/groups_dropped": len(taken.dropped),
             },
         )
-        if p.fetch_evaluations is not None:
-            p.tracker.log_evaluations(p.fetch_evaluations)
+        if parts.fetch_evaluations is not None:
+            parts.tracker.log_evaluations(parts.fetch_evaluations)
