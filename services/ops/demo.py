@@ -40,7 +40,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 class Scrape:
     """What the demo reads off the trainer's /metrics each poll."""
 
-    t: float
+    elapsed_s: float  # since the demo started
     version: int
     reward: float | None
     entropy: float | None
@@ -75,7 +75,7 @@ def scrape_trainer(url: str, t0: float) -> Scrape | None:
     max_bucket = next((le for le, c in sorted(buckets) if c >= count), None) if count else None
     version = int(values.get("asyncrl_trainer_version", 0))
     return Scrape(
-        t=time.monotonic() - t0,
+        elapsed_s=time.monotonic() - t0,
         version=version,
         # before the first step the trainer's gauges hold their initial 0, not a measurement
         reward=values.get("asyncrl_trainer_reward_mean") if version else None,
@@ -147,7 +147,7 @@ class History:
         dc = s.staleness_count - (prev.staleness_count if prev else 0)
         ds = s.staleness_sum - (prev.staleness_sum if prev else 0)
         row = {
-            "t": round(s.t, 3),
+            "t": round(s.elapsed_s, 3),
             "version": s.version,
             "reward": s.reward,
             "entropy": s.entropy,
