@@ -215,6 +215,4 @@ def test_cross_process_entry_points_are_declared_seams():
             assert place(module)[1] == provider, f"{group}: {target} is not in the {provider} process"
         for path in source_files():
             if place(module_name(path))[1] == loader:
-                assert group not in strings(path), (
-                    f"{path}: names {group!r} itself, not through {interface}"
-                )
+                assert group not in strings(path), f"{path}: names {group!r} itself, not through {interface}"
