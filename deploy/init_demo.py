@@ -40,8 +40,13 @@ def build_model(out: Path, model: ModelSection) -> None:
 
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(tmp, chars=model.tiny_chars or DEFAULT_CHARS, hidden_size=model.tiny_hidden_size,
-                     num_layers=model.tiny_layers, seed=model.seed)  # fmt: skip
+    build_tiny_model(
+        tmp,
+        chars=model.tiny_chars or DEFAULT_CHARS,
+        hidden_size=model.tiny_hidden_size,
+        num_layers=model.tiny_layers,
+        seed=model.seed,
+    )
     os.replace(tmp, out)  # all files or none: a lone config.json never passes for a model
 
 

@@ -33,8 +33,11 @@ import urllib.request
 SERVICES = ["redis", "init", "engine-cpu", "rollout", "reward", "trainer", "submit", "prometheus"]
 ONE_SHOT = {"init", "submit"}
 ROLLOUT = "http://127.0.0.1:8001"
-PUBLISHED_METRICS = {"rollout": f"{ROLLOUT}/metrics", "reward": "http://127.0.0.1:8002/metrics",
-                     "prometheus": "http://127.0.0.1:9090/metrics"}  # fmt: skip
+PUBLISHED_METRICS = {
+    "rollout": f"{ROLLOUT}/metrics",
+    "reward": "http://127.0.0.1:8002/metrics",
+    "prometheus": "http://127.0.0.1:9090/metrics",
+}
 PROM_JOBS = {"prometheus", "rollout", "reward", "trainer", "engine"}
 T0 = time.time()
 
@@ -228,9 +231,18 @@ def submit_from_host() -> str:
             "exec", "-T", "rollout", "head", "-n", "16", "/weights/data/reverse.jsonl"
         ).splitlines()
     ]
-    body = {"prompts": [{**r, "prompt_id": f"host-{r['prompt_id']}"} for r in rows], "group_size": 8,
-            "sampling_params": {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True, "skip_special_tokens": False},
-            "reward_spec": {"verifier": "reverse"}, "idempotency_key": "ci-from-host"}  # fmt: skip
+    body = {
+        "prompts": [{**r, "prompt_id": f"host-{r['prompt_id']}"} for r in rows],
+        "group_size": 8,
+        "sampling_params": {
+            "temperature": 1.0,
+            "max_new_tokens": 3,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+        },
+        "reward_spec": {"verifier": "reverse"},
+        "idempotency_key": "ci-from-host",
+    }
     status, raw = http("POST", f"{ROLLOUT}/v1/rollouts", body)
     if status != 202:
         raise Failed(f"POST /v1/rollouts from the host: {status} {raw[:500]!r}")
