@@ -36,7 +36,7 @@ demo-real: $(SMOLLM2)/model.safetensors
 	$(BIN)/asyncrl demo --config configs/smollm2-math.toml $(ARGS)
 
 # The Debian packages the tests need (redis-server, bubblewrap, util-linux, docker-compose,
-# prometheus for promtool), installed on first use when missing: apt-get as root or with
+# prometheus for promtool, curl, procps), installed on first use when missing: apt-get as root or with
 # password-less sudo; otherwise it stops and prints the one command to run. The list is
 # deploy/ci/system-packages.txt, the same one .ci/run's stages use.
 system-packages:
