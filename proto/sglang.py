@@ -4,13 +4,23 @@ Both sides import these: the reference engine (`services/engine`) validates requ
 them, and the rollout service's engine client builds requests and parses responses with them,
 so a real SGLang server, `sglang-router` or the reference engine are interchangeable.
 
-Field names and defaults follow SGLang's `python/sglang/srt/managers/io_struct.py`
+Checked against the SGLang **0.5.23** wheel (`pip download --no-deps sglang==0.5.23`), read
+file by file: `sglang/srt/entrypoints/http_server.py` (routes), `sglang/srt/managers/io_struct.py`
 (`GenerateReqInput`, `AbortReq`, `UpdateWeightFromDiskReqInput`, `InitWeightsUpdateGroupReqInput`,
-`UpdateWeightsFromDistributedReqInput`, `PauseGenerationReqInput`) and
-`python/sglang/srt/sampling/sampling_params.py`, pinned to sgl-project/sglang commit
-`001067fffe33427bee0ed2f007fb7551a1d76b44` (the v0.5 line). Response shapes follow
-`TokenizerManager` (`{"text", "output_ids", "meta_info"}`, `finish_reason` from
-`BaseFinishReason.to_json()`, `output_token_logprobs` as `[logprob, token_id, text|None]`).
+`UpdateWeightsFromDistributedReqInput`, `PauseGenerationReqInput`, `ContinueGenerationReqInput`),
+`sglang/srt/sampling/sampling_params.py`, `sglang/srt/utils/weight_versions.py` (per-token
+version spans) and `sglang/api/v1/api_types.py`, the generated schema `/generate` checks every
+body with (`api_contract.generate_contract_error`): unknown top-level keys are ignored, unknown
+keys inside `sampling_params` are refused with a 400. The names this module may send are
+vendored in `tests/data/sglang_0_5_23_contract.json` (extracted from those files) and a unit
+test holds our models to them. Response shapes follow `TokenizerManager` (`{"text",
+"output_ids", "meta_info"}`, `finish_reason` from `BaseFinishReason.to_json()`,
+`output_token_logprobs` as `[logprob, token_id, text|None]`, `weight_versions` as
+`[{"version", "start", "end"}]` spans over the output tokens, `weight_version` the last span's).
+
+Routes: 0.5.23 names `/model_info` and `/server_info`; `/get_model_info` and `/get_server_info`
+still answer but are deprecated, and servers before them know only the old names. `ROUTES`
+maps each new name to its old one; clients try the new one and fall back on a 404.
 
 Limits of this subset, stated rather than silently ignored: `stream`, `n > 1`, penalties,
 grammars (`regex`, `json_schema`, `ebnf`), `logit_bias`, `top_logprobs_num > 0`, stop strings
@@ -27,7 +37,10 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SGLANG_COMMIT = "001067fffe33427bee0ed2f007fb7551a1d76b44"
+SGLANG_RELEASE = "0.5.23"  # the release this module is checked against (docstring)
+
+# Current route -> the deprecated name older servers (and 0.5.23, with a warning) answer.
+ROUTES = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}
 
 # Sanity bounds on sampling values: anything outside is a client bug, not a preference.
 MAX_TEMPERATURE = 100.0
@@ -89,6 +102,32 @@ class SamplingParams(BaseModel):
         if value is not None and any(not 0 <= t <= MAX_TOKEN_ID for t in value):
             raise ValueError("token ids must be non-negative 32-bit integers")
         return value
+
+
+def _aliases() -> dict[str, str]:
+    """Each accepted alias of a `SamplingParams` field -> SGLang's own name for it."""
+    out = {}
+    for name, info in SamplingParams.model_fields.items():
+        if isinstance(info.validation_alias, AliasChoices):
+            out.update({a: name for a in info.validation_alias.choices if isinstance(a, str) and a != name})
+    return out
+
+
+# `seed` -> `sampling_seed`: accepted by our validation, refused by 0.5.23's schema.
+SAMPLING_ALIASES: dict[str, str] = _aliases()
+
+
+def wire_sampling_params(params: dict) -> dict:
+    """`params` with every alias our validation accepts renamed to SGLang's field (the name
+    wins where both are given, as pydantic's `populate_by_name` does). SGLang 0.5.23 refuses
+    an unknown key inside `sampling_params`, so nothing else may reach the wire."""
+    if not SAMPLING_ALIASES.keys() & params.keys():
+        return params  # the usual case: no copy
+    out = {k: v for k, v in params.items() if k not in SAMPLING_ALIASES}
+    for alias, name in SAMPLING_ALIASES.items():
+        if alias in params and name not in out:
+            out[name] = params[alias]
+    return out
 
 
 # What the reference engine cannot do, per sampling field: (how its refusal names it, whether
@@ -237,6 +276,17 @@ class FinishReasonInfo(BaseModel):
     message: str | None = None
 
 
+class WeightVersionSpan(BaseModel):
+    """`meta_info.weight_versions[i]`: output tokens `[start, end)` were sampled under `version`
+    (SGLang 0.5.23 `utils/weight_versions.py`; spans are contiguous from 0 and in order)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    version: str
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
 class MetaInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -246,6 +296,8 @@ class MetaInfo(BaseModel):
     completion_tokens: int
     cached_tokens: int = 0
     weight_version: str | None = None
+    # Per-token versions (0.5.23): one span per weight version the output tokens were sampled under.
+    weight_versions: list[WeightVersionSpan] | None = None
     e2e_latency: float | None = None
     # Present when `return_logprob`: one `[logprob, token_id, text_or_None]` per output token.
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
@@ -279,6 +331,11 @@ class UpdateWeightFromDiskReqInput(BaseModel):
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
     flush_cache: bool = True
 
 
@@ -316,6 +373,8 @@ class UpdateWeightsFromDistributedReqInput(BaseModel):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
 
     @model_validator(mode="after")
     def _same_lengths(self) -> UpdateWeightsFromDistributedReqInput:
@@ -340,6 +399,14 @@ class PauseGenerationReqInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReqInput(BaseModel):
+    """Body of `/continue_generation` (0.5.23; older servers take none and ignore one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    torch_empty_cache: bool = True  # SGLang empties the CUDA allocator cache before resuming
 
 
 class ModelInfo(BaseModel):

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from asyncrl.proto.openai import ChatCompletion, ChatRequest
 from asyncrl.proto.sglang import (
     AbortReq,
+    ContinueGenerationReqInput,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
     ModelInfo,
@@ -58,6 +59,8 @@ DATA_PATHS = frozenset(
         "/generate",
         "/v1/chat/completions",
         "/v1/models",
+        "/model_info",
+        "/server_info",
         "/get_model_info",
         "/get_server_info",
         "/get_weight_version",
@@ -173,7 +176,9 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
         }
 
     @app.post("/continue_generation")
-    async def continue_generation() -> dict:
+    async def continue_generation(body: ContinueGenerationReqInput | None = None) -> dict:
+        # `torch_empty_cache` (0.5.23's body) asks SGLang to return cached CUDA blocks before
+        # resuming; this engine keeps no allocator cache to return, so there is nothing to do.
         await engine.on_scheduler(engine.scheduler.resume)
         return {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -201,8 +206,9 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
     async def health_generate() -> Response:
         return Response(status_code=200 if await engine.health_generate() else 503)
 
-    @app.get("/get_model_info", response_model=ModelInfo)
-    async def get_model_info() -> ModelInfo:
+    @app.get("/model_info", response_model=ModelInfo)
+    @app.get("/get_model_info", response_model=ModelInfo)  # deprecated name, as in SGLang 0.5.23
+    async def model_info() -> ModelInfo:
         config = engine.runner.config
         return ModelInfo(
             model_path=engine.settings.model,
@@ -212,8 +218,9 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
             architectures=getattr(config, "architectures", None),
         )
 
-    @app.get("/get_server_info")
-    async def get_server_info() -> dict:
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # deprecated name, as in SGLang 0.5.23
+    async def server_info() -> dict:
         return engine.server_info()
 
     return app

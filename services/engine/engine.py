@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.proto.sglang import (
-    SGLANG_COMMIT,
+    SGLANG_RELEASE,
     GenerateItem,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
@@ -32,7 +32,7 @@ from asyncrl.services.engine import metrics
 from asyncrl.services.engine.config import EngineSettings
 from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
 from asyncrl.services.engine.sampling import RowSampling
-from asyncrl.services.engine.scheduler import Request, Scheduler
+from asyncrl.services.engine.scheduler import Request, Scheduler, version_spans
 from asyncrl.services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.transport.weights import broadcast as weight_broadcast
@@ -290,13 +290,15 @@ class InferenceEngine:
         text_ids = r.output_ids
         if r.finish_reason and r.finish_reason.get("type") == "stop" and not sp.no_stop_trim:
             text_ids = r.output_ids[:-1]  # SGLang trims the matched stop token from `text`
+        spans = version_spans(r)
         meta: dict = {
             "id": r.rid,
             "finish_reason": r.finish_reason,
             "prompt_tokens": len(r.prompt_ids),
             "completion_tokens": len(r.output_ids),
             "cached_tokens": r.cached_tokens,  # shared prefill within one batch; no cache across batches
-            "weight_version": r.weight_version,
+            "weight_version": spans[-1]["version"],  # the last token's, as SGLang reports it
+            "weight_versions": spans,
             "e2e_latency": (r.finished_at or time.monotonic()) - r.submitted_at,
         }
         if r.return_logprob:
@@ -516,5 +518,7 @@ class InferenceEngine:
                 }
             ],
             "weight_updates": self.updates.state(),
-            "sglang_api_commit": SGLANG_COMMIT,
+            # The release tag of the API it follows; the rollout's `engine_kind` tells the
+            # reference engine by this key.
+            "sglang_api_commit": f"v{SGLANG_RELEASE}",
         }

@@ -55,6 +55,9 @@ class Request:
     input_logprobs: list[float | None] | None = None
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
+    # (old version, output tokens so far) at each weight update it lived through: its tokens'
+    # versions, reported as SGLang 0.5.23's `weight_versions` spans (`version_spans`).
+    version_events: list[tuple[str, int]] = field(default_factory=list)
     kv_len: int = 0  # tokens of this request whose KV is in its slot
     cached_tokens: int = 0  # prompt tokens not computed for it (SGLang's meta_info field; see _prefill)
     submitted_at: float = field(default_factory=time.monotonic)
@@ -64,6 +67,23 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+
+def version_spans(r: Request) -> list[dict[str, Any]]:
+    """`meta_info.weight_versions` of a finished request: `{"version", "start", "end"}` over
+    its output tokens, one span per version in order (the shape of SGLang 0.5.23's
+    `compute_weight_version_spans` + `add_weight_versions_to_meta_info`)."""
+    n = len(r.output_ids)
+    spans: list[dict[str, Any]] = []
+    for version, end in [*r.version_events, (r.weight_version, n)]:
+        end = min(end, n)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = end
+        else:
+            spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
 
 
 class Scheduler:
@@ -375,7 +395,10 @@ class Scheduler:
     def set_weights(self, apply: Callable[[], None], version: str | None) -> int:
         """Apply new weights now; returns how many frozen requests lost their old-weight KV."""
         apply()
-        if version is not None:
+        if version is not None and version != self.weight_version:
+            for r in [*self.running, *self.waiting]:
+                if r.output_ids:
+                    r.version_events.append((self.weight_version, len(r.output_ids)))
             self.weight_version = version
             metrics.set_weight_version(version)
         return self.retract_running() if self.running else 0

@@ -128,6 +128,13 @@ class RolloutSettings(ServiceSettings):
         "weights (partial rollouts, docs/architecture.md §5); false: the engine finishes them under the old "
         "weights first (SGLang's default), cheaper than a resubmission when completions are a few tokens",
     )
+    weight_update_in_flight: bool = Field(
+        False,
+        description="a disk weight update pauses the engines (mode retract), loads and continues them without "
+        "aborting anything: requests in flight go on under the new weights and each token carries the version "
+        "that sampled it (SGLang >= 0.5.23's meta_info.weight_versions; PipelineRL's in-flight updates). "
+        "Overrides weight_update_abort",
+    )
     weights_poll_s: float = Field(
         5.0, gt=0, description="fallback poll of the latest weights (pub/sub may drop)"
     )

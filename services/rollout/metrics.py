@@ -61,6 +61,11 @@ RESUBMITS = Counter("asyncrl_rollout_resubmits_total", "Partial samples resubmit
 ENGINE_REQUESTS = Counter(
     "asyncrl_rollout_engine_requests_total", "Engine HTTP calls by outcome", ["engine", "op", "result"]
 )
+ENGINE_ROUTE_FALLBACKS = Counter(
+    "asyncrl_rollout_engine_route_fallbacks_total",
+    "Engines that answered 404 on an SGLang 0.5.23 route, so its deprecated name is used",
+    ["route"],
+)
 ENGINE_HEALTHY = Gauge(
     "asyncrl_rollout_engine_healthy", "1 when the engine is used, 0 when marked unhealthy", ["engine"]
 )

@@ -3,8 +3,10 @@ groups, an episode's turns, the gateway's calls).
 
 A weight update may abort the requests in flight (`weight_update_abort`). An aborted sample with
 budget left goes again as prompt + its tokens so far, with the budget that is left: a new
-**segment**. Every token keeps the `weight_version` of the segment that sampled it, and the
-sample's lineage the newest version per epoch (proto/lineage.py). `generate_resuming` runs the
+**segment**. Every token keeps the `weight_version` of the segment that sampled it (or, when
+the engine reports per-token `weight_versions` spans, its own: with in-flight updates one
+answer spans several versions), and the sample's lineage the newest version per epoch
+(proto/lineage.py). `generate_resuming` runs the
 segments of any number of samples on one engine, the aborted ones of each round together as one
 batch; the callers differ only in each segment's sampling parameters (`params_for`).
 """
@@ -110,25 +112,28 @@ def sample_text(tokenizer, d: Draft, params: dict) -> str:
     )
 
 
+def _version(name: str | None, initial_version: int) -> tuple[int, int]:
+    """`(version, epoch)` of an engine's weight version name (SGLang starts at "default")."""
+    return parse_weight_version(name) or (initial_version, 0)
+
+
 def _extend(d: Draft, gen, budget: int, prompt_len: int, context_length: int, initial_version: int) -> bool:
     """Append one segment's tokens (each with the version that sampled it); True when the
     sample was aborted with budget left and must be resubmitted."""
-    version, epoch = parse_weight_version(gen.weight_version) or (
-        initial_version,
-        0,
-    )  # (SGLang starts at "default")
     n = len(gen.output_ids)
+    names = gen.token_versions or [gen.weight_version] * n
+    parsed = {name: _version(name, initial_version) for name in set(names)}
     d.segments += 1
     d.engine_text = gen.text if d.segments == 1 else ""
     d.tokens += gen.output_ids
     d.logprobs += gen.logprobs
-    d.versions += [version] * n
+    d.versions += [parsed[name][0] for name in names]
     if d.loss_mask is not None:  # an episode's turn: the policy sampled these
         d.loss_mask += [1] * n
-    if n:
+    for version, epoch in parsed.values():
         merge(d.lineage, {epoch: version})
-        if d.first_token is None:
-            d.first_token = time.time()
+    if n and d.first_token is None:
+        d.first_token = time.time()
     if gen.finish_reason != "abort":
         d.finish_reason, d.finished = gen.finish_reason, time.time()
         return False

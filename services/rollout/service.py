@@ -104,6 +104,7 @@ class RolloutService:
             probe_s=s.engine_probe_s,
             update_timeout_s=s.weight_update_timeout_s,
             update_abort=s.weight_update_abort,
+            update_in_flight=s.weight_update_in_flight,
             headers=self._headers(),
         )
         self.rewards = RewardClient(

@@ -14,6 +14,10 @@ Guarantees:
   healthy. Callers keep affinity by passing the same `EngineEndpoint` for a whole group.
 * Control calls (`update_weights_from_disk`, `continue_generation`) go to the admin URLs
   (the workers, when generation goes through a router).
+* Bodies follow SGLang 0.5.23 (`proto/sglang.py`): sampling-param aliases our validation
+  accepts (`seed`) are renamed to SGLang's fields before sending, since its schema refuses
+  unknown keys; `/model_info` falls back to the deprecated `/get_model_info` on a 404;
+  per-token `meta_info.weight_versions` spans become one version per output token.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ import msgspec
 from pydantic import ValidationError
 
 from asyncrl.proto.limits import MAX_LOGPROB
-from asyncrl.proto.sglang import FinishType, UpdateWeightFromDiskReqOutput
+from asyncrl.proto.sglang import (
+    ROUTES,
+    ContinueGenerationReqInput,
+    FinishType,
+    UpdateWeightFromDiskReqOutput,
+    wire_sampling_params,
+)
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.runtime.auth import engine_auth_headers
 from asyncrl.services.runtime.coalescer import Coalescer
@@ -83,6 +93,9 @@ class Generation:
     finish_reason: str  # stop | length | abort
     weight_version: str | None
     text: str
+    # One weight version per output token, from `meta_info.weight_versions` (SGLang 0.5.23);
+    # None when the engine reports only `weight_version` (every token has that one).
+    token_versions: list[str] | None = None
 
 
 # A coalesced `/generate` goes to one engine with one `sampling_params` (its canonical JSON is the
@@ -104,6 +117,7 @@ class EngineClient:
         probe_s: float,
         update_timeout_s: float,
         update_abort: bool = True,
+        update_in_flight: bool = False,
         headers: dict[str, str] | None = None,
     ):
         self.engines = [EngineEndpoint(i, u) for i, u in enumerate(urls)]
@@ -111,6 +125,8 @@ class EngineClient:
         self.retries, self.backoff_s = retries, backoff_s
         self.unhealthy_after, self.probe_s = unhealthy_after, probe_s
         self.update_timeout_s, self.update_abort = update_timeout_s, update_abort
+        self.update_in_flight = update_in_flight
+        self._old_routes: set[tuple[str, str]] = set()  # (url, route) answered 404: use the old name
         # Generation requests can sit in a paused engine for as long as a weight update takes;
         # they get a pool sized for them, and control calls (pause, update, flush, continue,
         # abort, probes) get their own, so an update is never queued behind the requests it
@@ -208,6 +224,7 @@ class EngineClient:
         window: a step's worth of groups costs a few HTTP requests, not one per sample.
         `in_flight` holds the engine rids of this call's items while their request runs (for
         cancels)."""
+        sampling_params = [wire_sampling_params(p) for p in sampling_params]
         by_params: dict[str, list[int]] = {}
         for i, params in enumerate(sampling_params):
             by_params.setdefault(_KEY.encode(params).decode(), []).append(i)
@@ -309,15 +326,28 @@ class EngineClient:
         background, so an engine someone paused runs again; generation does not wait for it
         (an engine queues requests while paused). A separate pause before the update and a
         flush after it, as separate round trips, made generation stand still twice as long at
-        one update per trainer step."""
+        one update per trainer step.
+
+        With `update_in_flight` (PipelineRL's in-flight updates) the engine is first paused with
+        `mode: retract` (running requests keep their tokens and drop their KV), updated without
+        aborting anything and continued: the requests go on under the new weights, their KV
+        recomputed, and the engine reports each token's version in `meta_info.weight_versions`.
+        """
         try:
+            if self.update_in_flight:
+                paused = await self._control_http.post(
+                    f"{e.url}/pause_generation", json={"mode": "retract"}, timeout=self.update_timeout_s
+                )
+                if paused.status_code != 200:
+                    m.ENGINE_REQUESTS.labels(e.label, "pause", "error").inc()
+                    return f"{e.url}: pause_generation: {_error_message(paused)}"
             resp = await self._control_http.post(
                 f"{e.url}/update_weights_from_disk",
                 json={
                     "model_path": path,
                     "weight_version": str(version),
                     "flush_cache": True,
-                    "abort_all_requests": self.update_abort,
+                    "abort_all_requests": self.update_abort and not self.update_in_flight,
                 },
                 timeout=self.update_timeout_s,
             )
@@ -339,7 +369,9 @@ class EngineClient:
     async def _continue(self, e: EngineEndpoint) -> None:
         try:
             resp = await self._control_http.post(
-                f"{e.url}/continue_generation", json={}, timeout=self.update_timeout_s
+                f"{e.url}/continue_generation",
+                json=ContinueGenerationReqInput().model_dump(),
+                timeout=self.update_timeout_s,
             )
         except httpx.HTTPError as exc:
             resp, message = None, f"{type(exc).__name__}: {exc}"
@@ -362,13 +394,26 @@ class EngineClient:
 
         async def one(e: EngineEndpoint) -> str | None:
             try:
-                resp = await self._control_http.get(f"{e.url}/get_model_info", timeout=10.0)
+                resp = await self.info(e, "/model_info")
                 return resp.json().get("weight_version") if resp.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
                 return None
 
         admins = self.admins if only is None else [self.admins[i] for i in only]
         return list(await asyncio.gather(*(one(e) for e in admins)))
+
+    async def info(self, e: EngineEndpoint, route: str) -> httpx.Response:
+        """`GET route` (`/model_info`, `/server_info`), or its deprecated name (`ROUTES`) where
+        the engine answers 404, as servers before 0.5.23's names do; remembered per engine."""
+        old = ROUTES[route]
+        if (e.url, route) in self._old_routes:
+            return await self._control_http.get(f"{e.url}{old}", timeout=10.0)
+        resp = await self._control_http.get(f"{e.url}{route}", timeout=10.0)
+        if resp.status_code != 404:
+            return resp
+        m.ENGINE_ROUTE_FALLBACKS.labels(route).inc()
+        self._old_routes.add((e.url, route))
+        return await self._control_http.get(f"{e.url}{old}", timeout=10.0)
 
 
 # What the client reads of a `/generate` answer (`proto.sglang.GenerateResponse`), decoded by
@@ -378,12 +423,19 @@ class _Finish(msgspec.Struct):
     type: FinishType
 
 
+class _Span(msgspec.Struct):
+    version: str
+    start: int
+    end: int
+
+
 class _Meta(msgspec.Struct):
     id: str
     finish_reason: _Finish
     prompt_tokens: int
     completion_tokens: int
     weight_version: str | None = None
+    weight_versions: list[_Span] | None = None
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
 
 
@@ -419,7 +471,27 @@ def _check_generation(out: _Answer) -> Generation:
     # (a sum is NaN or infinite when a term is; logprobs are far too small to overflow one)
     if logprobs and not (math.isfinite(sum(logprobs)) and max(logprobs) <= MAX_LOGPROB):
         raise ValueError(f"logprobs must be finite and <= {MAX_LOGPROB}")
-    return Generation(out.output_ids, logprobs, meta.finish_reason.type, meta.weight_version, out.text)
+    versions = token_versions(meta.weight_versions, len(out.output_ids)) if meta.weight_versions else None
+    return Generation(
+        out.output_ids, logprobs, meta.finish_reason.type, meta.weight_version, out.text, versions
+    )
+
+
+def token_versions(spans: list, n: int) -> list[str]:
+    """One version per output token from SGLang's `weight_versions` spans (`version`, `start`,
+    `end`: tokens `[start, end)`). They must tile `[0, n)` in order, as
+    `add_weight_versions_to_meta_info` writes them; anything else is a garbage answer (a
+    token with a guessed version would break the staleness bound)."""
+    out: list[str] = []
+    for span in spans:
+        if span.start != len(out) or span.end < span.start:
+            raise ValueError(
+                f"weight_versions spans do not tile the output: {span.start}..{span.end} at {len(out)}"
+            )
+        out += [span.version] * (span.end - span.start)
+    if len(out) != n:
+        raise ValueError(f"weight_versions cover {len(out)} tokens of {n}")
+    return out
 
 
 def _error_message(resp: httpx.Response) -> str:
