@@ -9,6 +9,9 @@ each new policy version; hold back the engines an evaluation has pinned.
   tokens so far) run on the new weights and their tokens carry the new version. No KV from
   old weights is reused: the engine flushes its cache and the remainder is prefilled from
   scratch.
+  With `weight_update_in_flight` the update is pause (`retract`), load without abort,
+  continue instead (`EngineClient._update_one`): nothing is resubmitted, and each token's
+  version comes from the engine's per-token `weight_versions` spans.
 * `distributed` events: the trainer broadcasts to the engines itself; this service only
   records the version. Any request the trainer's update aborts comes back with
   `finish_reason: abort` and is resubmitted like any other.
