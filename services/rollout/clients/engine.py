@@ -284,7 +284,7 @@ class EngineClient:
                     problem = f"HTTP {resp.status_code}: {_error_message(resp)}"
                 else:
                     try:
-                        out = _parse_generations(resp, len(items))
+                        out = _parse_generations(resp, len(items), need_spans=self.update_in_flight)
                     except ValueError as exc:
                         problem = f"garbage response: {exc}"
                     else:
@@ -448,7 +448,11 @@ class _Answer(msgspec.Struct):
 _BATCH = msgspec.json.Decoder(list[_Answer])
 
 
-def _parse_generations(resp: httpx.Response, n: int) -> list[Generation]:
+def _parse_generations(resp: httpx.Response, n: int, need_spans: bool = False) -> list[Generation]:
+    """The checked answers of a batch of `n`. `need_spans` (in-flight updates): an answer
+    without `meta_info.weight_versions` is refused, since one answer may then hold tokens of
+    two versions and labelling them all with `weight_version` would hide the older ones from
+    the staleness bound."""
     try:
         outs = _BATCH.decode(resp.content)
     except msgspec.ValidationError as exc:
@@ -457,6 +461,11 @@ def _parse_generations(resp: httpx.Response, n: int) -> list[Generation]:
         raise ValueError(f"not JSON: {exc}") from exc
     if len(outs) != n:
         raise ValueError(f"{len(outs)} answers for a batch of {n}")
+    if need_spans and any(out.meta_info.weight_versions is None for out in outs):
+        raise ValueError(
+            "no meta_info.weight_versions: weight_update_in_flight needs an engine that reports "
+            "per-token versions (SGLang >= 0.5.23 or the reference engine)"
+        )
     return [_check_generation(out) for out in outs]
 
 

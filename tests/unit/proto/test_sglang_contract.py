@@ -99,6 +99,9 @@ def test_weight_versions_spans_become_one_version_per_token():
     assert gen.token_versions == ["1", "1", "2", "2", "2"]
     (plain,) = _parse_generations(answer([4, 5], None), 1)
     assert plain.token_versions is None
+    # with in-flight updates an answer without spans cannot say which tokens are old
+    with pytest.raises(ValueError, match="weight_update_in_flight needs"):
+        _parse_generations(answer([4, 5], None), 1, need_spans=True)
     # an empty answer has SGLang's one empty span at 0
     (empty,) = _parse_generations(answer([], [{"version": "2", "start": 0, "end": 0}]), 1)
     assert empty.token_versions == []
