@@ -11,6 +11,7 @@ import time
 import httpx
 
 from asyncrl.buffer import Buffer, EvalStore, Jobs, PolicyVersions
+from asyncrl.proto.sglang import ROUTES
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import EngineClient
 from asyncrl.services.rollout.clients.environments import EnvClient
@@ -161,7 +162,7 @@ class RolloutService:
 
     async def engine_kind(self) -> str | None:
         """`reference` when any generation URL is the reference engine (`services/engine`: its
-        `GET /get_server_info` names the `sglang_api_commit` it follows), `sglang` when every one
+        `GET /server_info` names the `sglang_api_commit` it follows), `sglang` when every one
         that answers is something else (a real SGLang, or a router in front of SGLang), None when
         none answers (then nothing is refused for the engine's sake: it judges the request).
         Cached ENGINE_KIND_TTL_S; an unknown kind is probed again after ENGINE_KIND_RETRY_S."""
@@ -201,10 +202,14 @@ class RolloutService:
 
 
 async def _server_info(http: httpx.AsyncClient, index: int, url: str) -> dict | None:
-    """`GET /get_server_info` of the engine at `url` (its `index` in engine_urls), None if it
+    """`GET /server_info` of the engine at `url` (its `index` in engine_urls), or its deprecated
+    `/get_server_info` where the engine (SGLang before 0.5.23's names) answers 404; None if it
     does not answer with a JSON object (counted)."""
     try:
-        resp = await http.get(f"{url}/get_server_info")
+        resp = await http.get(f"{url}/server_info")
+        if resp.status_code == 404:
+            m.ENGINE_ROUTE_FALLBACKS.labels("/server_info").inc()
+            resp = await http.get(f"{url}{ROUTES['/server_info']}")
         info = resp.json() if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         info = None

@@ -1,11 +1,15 @@
 """In-flight weight updates (`[rollout] weight_update_in_flight`, PipelineRL's): a request that
 spans an update is not aborted; the reference engine reports SGLang 0.5.23's per-token
 `meta_info.weight_versions` spans, each token keeps the version that sampled it, and the
-buffer's staleness bound holds per token. Plus the route fallback for servers before 0.5.23."""
+buffer's staleness bound holds per token. Plus the route fallback for servers before 0.5.23
+and the `seed` alias against a stub that refuses unknown `sampling_params` keys as 0.5.23's
+schema does (its accepted names from tests/data/sglang_0_5_23_contract.json)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -13,7 +17,8 @@ import pytest
 import torch
 from engine_server import serve_in_thread
 from factories import make_sample
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from msgspec.structs import replace
 from prometheus_client import REGISTRY
 from rollout_server import free_port
@@ -24,9 +29,12 @@ from asyncrl.proto import Group
 from asyncrl.services.ops.tinymodel import build_tiny_model
 from asyncrl.services.rollout.clients.engine import EngineClient
 from asyncrl.services.rollout.segments import Draft, _extend
+from asyncrl.services.rollout.service import _server_info
 from asyncrl.services.runtime.serving import serve_app_in_thread
 
 torch.set_num_threads(1)
+
+CONTRACT = json.loads((Path(__file__).parents[2] / "data" / "sglang_0_5_23_contract.json").read_text())
 
 PROMPT = [1, 12, 13, 14, 15, 16]
 TOTAL = 150
@@ -123,15 +131,58 @@ def test_a_request_spanning_an_in_flight_update_keeps_each_tokens_version(weight
         conn.close()
 
 
-def old_routes_only() -> FastAPI:
-    """A server before 0.5.23's route names: only `/get_model_info`."""
+def old_routes_only(bodies: list | None = None) -> FastAPI:
+    """A server before 0.5.23's route names (only `/get_model_info`, `/get_server_info`) that
+    refuses unknown `sampling_params` keys as 0.5.23's schema does, and records `/generate`."""
     app = FastAPI()
+    accepted = set(CONTRACT["sampling_params"])
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict:
         return {"model_path": "m", "tokenizer_path": "m", "weight_version": "7"}
 
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        return {"version": "0.5.4"}
+
+    @app.post("/generate")
+    async def generate(req: Request) -> JSONResponse:
+        body = await req.json()
+        (bodies if bodies is not None else []).append(body)
+        unknown = set(body["sampling_params"]) - accepted
+        if unknown:
+            return JSONResponse({"error": f"unknown field `{min(unknown)}`"}, status_code=400)
+        meta = {"id": "r_0", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 1,
+                "completion_tokens": 1, "weight_version": "7", "output_token_logprobs": [[-0.5, 9, None]]}  # fmt: skip
+        return JSONResponse([{"text": "x", "output_ids": [9], "meta_info": meta}])
+
     return app
+
+
+def test_an_alias_reaches_the_engine_as_sglangs_field_and_server_info_falls_back():
+    bodies: list = []
+    server = serve_app_in_thread(old_routes_only(bodies), free_port(), "old-sglang")
+
+    async def go() -> tuple:
+        engines = EngineClient([server.url], [server.url], timeout_s=10, retries=0, backoff_s=0.1,
+                               unhealthy_after=3, probe_s=1.0, update_timeout_s=10)  # fmt: skip
+        try:
+            gens = await engines.generate(
+                engines.engines[0], [[1, 2]], [{"seed": 5, "max_new_tokens": 1}], set()
+            )
+        finally:
+            await engines.aclose()
+        async with httpx.AsyncClient() as http:
+            info = await _server_info(http, 0, server.url)
+        return gens, info
+
+    try:
+        (gen,), info = asyncio.run(go())
+    finally:
+        server.stop()
+    assert gen.output_ids == [9]
+    assert bodies[0]["sampling_params"] == {"sampling_seed": 5, "max_new_tokens": 1}
+    assert info == {"version": "0.5.4"}
 
 
 def fallbacks() -> float:
