@@ -13,7 +13,10 @@ version spans) and `sglang/api/v1/api_types.py`, the generated schema `/generate
 body with (`api_contract.generate_contract_error`): unknown top-level keys are ignored, unknown
 keys inside `sampling_params` are refused with a 400. The names this module may send are
 vendored in `tests/data/sglang_0_5_23_contract.json` (extracted from those files) and a unit
-test holds our models to them. Response shapes follow `TokenizerManager` (`{"text",
+test holds our models to them; `tests/integration/rollout/test_sglang_schema.py` runs the
+bodies the engine client sends through the wheel's own `api_types.py`. Not modelled (so not
+requestable through the rollout): 0.5.23's `stop_regex`, `structural_tag`, `custom_params`,
+`beam_width`, `watermark`, `choice`, `stream_interval`. Response shapes follow `TokenizerManager` (`{"text",
 "output_ids", "meta_info"}`, `finish_reason` from `BaseFinishReason.to_json()`,
 `output_token_logprobs` as `[logprob, token_id, text|None]`, `weight_versions` as
 `[{"version", "start", "end"}]` spans over the output tokens, `weight_version` the last span's).
