@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from engine_server import serve_in_thread as serve_engine
+from prometheus_client import REGISTRY
 from rollout_server import free_port, serve_in_thread, start_process, start_reward_service, wait_job
 from waiting import wait_until
 
@@ -196,14 +197,14 @@ def model_dir_v1(tmp_path):
 
 @contextlib.contextmanager
 def own_engine_and_rollout(
-    redis_url, run_id, reward, model_dir, tokenizer, *, batch_groups: int, max_staleness: int
+    redis_url, run_id, reward, model_dir, tokenizer, *, batch_groups: int, max_staleness: int, **extra
 ):
     """An engine of its own (its weights change under the test) and a rollout service on it."""
     engine = serve_engine(model_dir, max_running_requests=16, max_new_tokens_cap=CAP, context_length=CONTEXT)
     buf = Buffer(redis_url, run_id)
     AdmissionControl(buf).configure(batch_groups=batch_groups, max_staleness=max_staleness)
     running = serve_in_thread(
-        redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id)
+        redis_url, loaded_tokenizer=tokenizer, **settings(engine.url, reward.url, model_dir, run_id, **extra)
     )
     try:
         yield engine, buf, running
@@ -257,13 +258,20 @@ def in_the_middle(engine, requests: int, tokens: int) -> bool:
     return len(running) == requests and min(len(r.output_ids) for r in running) >= tokens
 
 
-def test_weight_update_mid_generation(redis_url, run_id, reward, model_dir, model_dir_v1, tokenizer):
+@pytest.mark.parametrize("in_flight", [False, True], ids=["abort", "in_flight"])
+def test_weight_update_mid_generation(
+    redis_url, run_id, reward, model_dir, model_dir_v1, tokenizer, in_flight
+):
     """Freeze the engine mid-sequence, publish version 1: the service aborts, updates, resubmits
-    the remainders; each token's logprob matches the weights of its version."""
+    the remainders (or, `weight_update_in_flight`, pauses, updates and continues them with no
+    abort, the engine reporting per-token versions); each token's logprob matches the weights
+    of its version."""
     from transformers import AutoModelForCausalLM
 
+    aborts_before = REGISTRY.get_sample_value("asyncrl_rollout_aborts_total") or 0.0
     with (
-        own_engine_and_rollout(redis_url, run_id, reward, model_dir, tokenizer, batch_groups=8, max_staleness=1) as (engine, buf, running),
+        own_engine_and_rollout(redis_url, run_id, reward, model_dir, tokenizer, batch_groups=8, max_staleness=1,
+                               weight_update_in_flight=in_flight) as (engine, buf, running),
         httpx.Client(base_url=running.url, timeout=30) as client,
         httpx.Client(base_url=engine.url) as eng,
     ):  # fmt: skip
@@ -311,6 +319,8 @@ def test_weight_update_mid_generation(redis_url, run_id, reward, model_dir, mode
     assert switched == 4, (
         f"only {switched} of 4 samples changed version mid-sequence (frozen at {frozen} tokens)"
     )
+    aborts = (REGISTRY.get_sample_value("asyncrl_rollout_aborts_total") or 0.0) - aborts_before
+    assert (aborts == 0) if in_flight else (aborts >= 4), aborts
 
 
 # --------------------------------------------------------------------------------- replica death
