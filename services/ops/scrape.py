@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -69,3 +70,44 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def target_problems(prometheus_url: str, jobs: list[str], *, timeout: float = 5.0) -> dict[str, str]:
+    """{job -> what is wrong} for each of `jobs` a running Prometheus does not scrape healthily:
+    no active target at all (the case promtool cannot see), or a target not `up` (its last
+    error). Empty when every job has targets and all are up. For CI checks of a deployment
+    (e.g. compose-ci) as much as for tests."""
+    import httpx
+
+    body = httpx.get(f"{prometheus_url.rstrip('/')}/api/v1/targets", timeout=timeout).json()
+    active = body["data"]["activeTargets"]
+    problems = {}
+    for job in jobs:
+        mine = [t for t in active if t["labels"].get("job") == job]
+        down = [t for t in mine if t["health"] != "up"]
+        if not mine:
+            problems[job] = "no target"
+        elif down:
+            problems[job] = "; ".join(
+                f"{t['scrapeUrl']}: {t['health']} {t.get('lastError', '')}".strip() for t in down
+            )
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m asyncrl.services.ops.scrape PROMETHEUS_URL JOB...`: exit 1, naming each job
+    that has no target or a target down."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("prometheus_url")
+    parser.add_argument("jobs", nargs="+")
+    args = parser.parse_args(argv)
+    problems = target_problems(args.prometheus_url, args.jobs)
+    for job, why in problems.items():
+        print(f"prometheus job {job}: {why}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,6 +23,8 @@ from waiting import wait_until
 from asyncrl.buffer.server import free_port
 from asyncrl.services.ops.launcher import Launcher
 from asyncrl.services.ops.run_config import RunConfig
+from asyncrl.services.ops.scrape import main as check_targets
+from asyncrl.services.ops.scrape import target_problems
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -95,6 +97,11 @@ def test_prometheus_finds_every_service_of_asyncrl_up(tmp_path):
         ln = launcher.cfg.launch
         assert ports == {"reward-0": ln.reward_port, "engine-0": ln.engine_port, "rollout-0": ln.rollout_port,
                          "trainer": ln.trainer_metrics_port, "launcher": ln.metrics_port}  # fmt: skip
+        assert target_problems(base, sorted(jobs)) == {}
+        assert check_targets([base, *sorted(jobs)]) == 0
+        # a job Prometheus has no target for is an error, not silence
+        assert target_problems(base, ["rollout", "grader"]) == {"grader": "no target"}
+        assert check_targets([base, "grader"]) == 1
         for job in jobs:  # the scrape landed in the TSDB as well
             assert wait_until(lambda j=job: _up(base, j), message=f"up{{job={job!r}}}", timeout=30) == [1.0]
     finally:
