@@ -31,6 +31,10 @@ restarts torchrun when it exits non-zero. The clients ride out a Redis restart
 `asyncrl_launcher_restarts_total{service}`, `asyncrl_launcher_service_up{service}`,
 `asyncrl_launcher_health_check_failures_total{service}` and `asyncrl_launcher_max_restarts`. torchrun's own worker restarts show on the trainer's /metrics
 as `asyncrl_trainer_worker_restarts`.
+
+Before the first process starts, `run_dir/prometheus.yml` (services/ops/scrape.py) is written:
+a scrape config with a job per kind of service on the ports above, the launcher's own included;
+its `prometheus --config.file=…` command is logged.
 """
 
 from __future__ import annotations
