@@ -31,6 +31,10 @@ restarts torchrun when it exits non-zero. The clients ride out a Redis restart
 `asyncrl_launcher_restarts_total{service}`, `asyncrl_launcher_service_up{service}`,
 `asyncrl_launcher_health_check_failures_total{service}` and `asyncrl_launcher_max_restarts`. torchrun's own worker restarts show on the trainer's /metrics
 as `asyncrl_trainer_worker_restarts`.
+
+Before the first process starts, `run_dir/prometheus.yml` (services/ops/scrape.py) is written:
+a scrape config with a job per kind of service on the ports above, the launcher's own included;
+its `prometheus --config.file=…` command is logged.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from asyncrl.services.ops.placement import (
     visible_gpus,
 )
 from asyncrl.services.ops.run_config import RunConfig, RunConfigError, load_run_config
+from asyncrl.services.ops.scrape import write_scrape_config
 from asyncrl.services.runtime import auth
 from asyncrl.services.runtime.metrics import serve_metrics
 
@@ -107,6 +112,7 @@ class Launcher:
         # one made for this run; every process started gets it as ASYNCRL_ENGINE_API_TOKEN.
         self.engine_token = auth.engine_token() or auth.generate_token()
         self._metrics_server: ThreadingHTTPServer | None = None
+        self.scrape_config: Path | None = None  # run_dir/prometheus.yml, once start() wrote it
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.registry = CollectorRegistry()  # the launcher's own: not mixed with a library's
@@ -152,6 +158,16 @@ class Launcher:
     @property
     def trainer_url(self) -> str:
         return f"http://127.0.0.1:{self.cfg.launch.trainer_metrics_port}"
+
+    def scrape_urls(self) -> dict[str, str]:
+        """{service -> base URL of its /metrics}: what services/ops/scrape.py writes for Prometheus.
+        External engines are included (both engine kinds serve /metrics); Redis has none."""
+        urls = {p.name: p.health_url.rsplit("/", 1)[0] for stage in self.plan() for p in stage}
+        for i, url in enumerate(self.cfg.launch.engine_urls):
+            urls[f"engine-{i}"] = url
+        if self.cfg.launch.metrics_port:
+            urls["launcher"] = f"http://127.0.0.1:{self.cfg.launch.metrics_port}"
+        return urls
 
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "asyncrl.services.ops.cli", *args, "--config", str(self.config_path)]
@@ -378,6 +394,8 @@ class Launcher:
             )
         if self.redis_proc is not None:
             self.m_up.labels("redis").set(1)
+        self.scrape_config = write_scrape_config(self.run_dir, self.scrape_urls(), run_id=self.cfg.run.id)
+        self._say("launcher", f"Prometheus scrape config: prometheus --config.file={self.scrape_config}")
         for stage in self.plan():
             for proc in stage:
                 self._spawn(proc)
