@@ -14,6 +14,8 @@ from asyncrl.services.rollout.gateway.verifiers import read_traces
 
 # Two tasks × two rollouts with rubric rewards of different weights, and one rollout that
 # errored (verifiers marks its episode not ok): that one must come back as failed, not scored.
+# vf-eval itself stamps no `group` (its runner plans num_rollouts per task and never builds a
+# GroupInfo), so task t-b's episodes have none and group by the task's key; t-a's carry one.
 WRITER = r"""
 import json, sys
 from pathlib import Path
@@ -29,9 +31,10 @@ for key, correct, style, ok in plan:
     rewards = {"correct": Reward(score=correct, weight=2.0), "style": Reward(score=style)}
     trace = Trace(task=task, agent=AgentInfo(config={}), rewards=rewards, ok=ok)
     errors = [] if ok else [Error(type="ModelError", message="upstream 500")]
-    write_episode(out, Episode(task=task, group=GroupInfo(id="grp-" + key), ok=ok,
+    group = "grp-" + key if key == "t-a" else None
+    write_episode(out, Episode(task=task, group=group and GroupInfo(id=group), ok=ok,
                                errors=errors, traces=[trace]))
-    expected[trace.id] = {"group": "grp-" + key, "reward": trace.reward, "ok": ok}
+    expected[trace.id] = {"group": group or key, "reward": trace.reward, "ok": ok}
 print(json.dumps(expected))
 """
 
@@ -49,7 +52,7 @@ def test_episodes_become_groups_with_verifiers_rewards(tmp_path):
     want = {tid: (e["group"], e["reward"]) for tid, e in expected.items() if e["ok"]}
     assert got == want
     assert sorted(r for _, r in got.values()) == [1.0, 1.75, 2.0, 2.25]  # 2·correct + style
-    assert [(g.key, len(g.rollouts)) for g in traces.groups] == [("grp-t-a", 2), ("grp-t-b", 2)]
+    assert [(g.key, len(g.rollouts)) for g in traces.groups] == [("grp-t-a", 2), ("t-b", 2)]
     [bad] = [tid for tid, e in expected.items() if not e["ok"]]
     assert traces.failed == [(bad, "rollout failed in verifiers: upstream 500")]
 
