@@ -67,12 +67,14 @@ end
 """
 _PREFIXES = "group_prefix members_prefix session_prefix calls_prefix ttl_ms"
 
-# A session joins its group (created by the first session); refusals name what differs.
+# A session joins its group (created by the first session); refusals name what differs. A
+# session id already taken answers 'exists' (two first calls of one named session race).
 OPEN = Script(
     "group members session deadlines",
     f"{_PREFIXES} sid gid size prompt_id spec submit_version now deadline",
     _TOUCH
     + """
+if redis.call('EXISTS', session) == 1 then return {'exists', sid} end
 local state = redis.call('HGET', group, 'state')
 if state then
   if state ~= 'open' then return {'complete', state} end

@@ -123,7 +123,10 @@ class GatewayChatRequest(ChatRequest):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     session_id: str | None = Field(
-        None, min_length=1, max_length=128, description="the gateway's session (or the X-Session-Id header)"
+        None,
+        min_length=1,
+        max_length=128,
+        description="the gateway's session (or the X-AsyncRL-Session header)",
     )
 
 

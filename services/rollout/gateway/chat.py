@@ -2,7 +2,10 @@
 trained, unmodified, by pointing its client at the rollout service.
 
     POST /v1/sessions                  {group_id?, group_size, prompt_id?, reward_spec?} → session
-    POST /v1/chat/completions          OpenAI body; session from `X-Session-Id` or `session_id`
+    POST /v1/chat/completions          OpenAI body; session from `X-AsyncRL-Session` or `session_id`
+    POST /v1/sessions/{id}/v1/chat/completions   the same, the session in the URL (base_url alone
+                                       suffices), created on first use: group `X-AsyncRL-Group`
+                                       of `X-AsyncRL-Group-Size` (default: its own group of 1)
     POST /v1/sessions/{id}/reward      {reward} (or the session's reward_spec scores it) → closed
 
 A chat call renders the messages with the policy's chat template, generates on an engine
@@ -159,9 +162,10 @@ class Gateway:
 
     # --- sessions -----------------------------------------------------------------------------
 
-    async def open_session(self, body: SessionRequest, verifiers) -> SessionCreated:
+    async def open_session(self, body: SessionRequest, verifiers, sid: str | None = None) -> SessionCreated:
         """A new session in `body.group_id` (a new group: after it is admitted). `verifiers`:
-        an awaitable of the reward service's verifiers, asked only for a reward spec."""
+        an awaitable of the reward service's verifiers, asked only for a reward spec. `sid`: the
+        client's own id (create-on-first-use), else a random one."""
         spec = ""
         if body.reward_spec is not None:
             try:
@@ -174,7 +178,7 @@ class Gateway:
                 raise GatewayError(400, str(exc), exc.reason) from exc
             spec = json.dumps(body.reward_spec.model_dump(), sort_keys=True)
         gid = body.group_id or f"g{uuid.uuid4().hex}"
-        sid = f"s{uuid.uuid4().hex}"
+        sid = sid or f"s{uuid.uuid4().hex}"
         submit_version = 0
         if not await asyncio.to_thread(self.store.group_exists, gid):
             submit_version = await self._admit(gid)
@@ -182,6 +186,8 @@ class Gateway:
             self.store.open, sid, gid, body.group_size, body.prompt_id or "", spec, submit_version
         )
         outcome = answer[0]
+        if outcome == "exists":  # a concurrent first call created it: that one is used
+            return SessionCreated(session_id=sid, group_id=gid, index=-1)
         if outcome != "ok":
             messages = {
                 "complete": f"group {gid!r} is {answer[-1]}: it has all its sessions closed",
@@ -214,6 +220,18 @@ class Gateway:
                     retry_after=max(1.0, self.settings.admission_poll_s),
                 )
             await asyncio.sleep(self.settings.admission_poll_s)
+
+    async def ensure_session(self, sid: str, gid: str | None, size: int) -> None:
+        """Create-on-first-use: a session named in the URL that the gateway does not know is
+        opened in `gid`'s group of `size` (default: a group of one, named after the session).
+        A known session is left as it is (its own checks refuse a closed one)."""
+        if not _ID.match(sid):
+            raise GatewayError(400, f"session id {sid[:128]!r} must match {ID_PATTERN}", "invalid_session_id")
+        if await asyncio.to_thread(self.store.session, sid):
+            return
+        body = SessionRequest(group_id=gid or sid, group_size=size)
+        await self.open_session(body, _no_verifiers, sid=sid)
+        m.GATEWAY_SESSIONS.labels("created_on_use").inc()
 
     async def close_session(self, sid: str, body: SessionReward) -> SessionClosed:
         """Close with the reward given, or the one the session's verifier gives its last answer;
@@ -503,6 +521,10 @@ class Gateway:
                 total_tokens=len(done.prompt) + len(done.tokens),
             ),
         )
+
+
+async def _no_verifiers():  # a session created on first use has no reward_spec: never asked
+    raise AssertionError("no reward_spec")
 
 
 class _UsesDefault:

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from asyncrl.proto.gateway import SessionClosed, SessionCreated, SessionRequest, SessionReward
+from asyncrl.proto.limits import MAX_GROUP_SIZE
 from asyncrl.proto.openai import ChatCompletion, GatewayChatRequest
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.deps import ServiceDep
@@ -132,19 +133,61 @@ async def close_session(session_id: str, body: SessionReward, service: ServiceDe
     return await service.gateway.close_session(session_id, body)
 
 
+SESSION_HEADER = "x-asyncrl-session"  # (not X-Session-Id: verifiers sends its own trace id there)
+GROUP_HEADER, GROUP_SIZE_HEADER = "x-asyncrl-group", "x-asyncrl-group-size"
+
+
 @router.post("/v1/chat/completions", name="chat", response_model=ChatCompletion, responses=ERRORS)
 async def chat_completions(request: Request, service: ServiceDep):
-    """OpenAI's chat completions; the session is `X-Session-Id` or the body's `session_id`
-    (none: answered, not recorded)."""
+    """OpenAI's chat completions; the session is `X-AsyncRL-Session` or the body's `session_id`
+    (none: answered, not recorded). A foreign `X-Session-Id` is ignored."""
+    return await _chat(request, service, None)
+
+
+@router.post(
+    "/v1/sessions/{session_id}/v1/chat/completions",
+    name="session_chat",
+    response_model=ChatCompletion,
+    responses=ERRORS,
+)
+async def session_chat_completions(session_id: str, request: Request, service: ServiceDep):
+    """The same, the session in the URL (`base_url=.../v1/sessions/{id}/v1`); an unknown session
+    is created on first use, in the group `X-AsyncRL-Group` (default: the session's own) of
+    `X-AsyncRL-Group-Size` (default 1)."""
+    return await _chat(request, service, session_id)
+
+
+def _group_size(request: Request) -> int:
+    raw = request.headers.get(GROUP_SIZE_HEADER, "1")
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if not 1 <= size <= MAX_GROUP_SIZE:
+        raise GatewayError(
+            400,
+            f"X-AsyncRL-Group-Size must be an integer in 1..{MAX_GROUP_SIZE}, not {raw[:32]!r}",
+            "group_size",
+        )
+    return size
+
+
+async def _chat(request: Request, service: ServiceDep, url_session: str | None):
     try:
         body = GatewayChatRequest.model_validate_json(await request.body())
     except ValidationError as exc:
         raise GatewayError(400, _summary(exc), "invalid_body") from None
     check_request(body)
-    header = request.headers.get("x-session-id")
-    if header is not None and body.session_id is not None and header != body.session_id:
-        raise GatewayError(400, "X-Session-Id and session_id name different sessions", "session_mismatch")
-    answer, _ = await service.gateway.complete(body, header or body.session_id)
+    named = {n for n in (url_session, request.headers.get(SESSION_HEADER), body.session_id) if n is not None}
+    if len(named) > 1:
+        raise GatewayError(
+            400, "the URL, X-AsyncRL-Session and session_id name different sessions", "session_mismatch"
+        )
+    session = next(iter(named), None)
+    if url_session is not None:
+        group = request.headers.get(GROUP_HEADER)
+        await service.gateway.ensure_session(url_session, group, _group_size(request))
+    answer, _ = await service.gateway.complete(body, session)
     if not body.stream:
         return answer
     chunks = sse_chunks(answer, bool(body.stream_options and body.stream_options.include_usage))

@@ -181,7 +181,7 @@ def test_agent_loop_through_the_openai_client_is_one_sample(
     for turn in range(3):
         prompts.append(render(tok, messages))
         answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=1.0,
-                                                seed=11 + turn, logprobs=True, extra_headers={"X-Session-Id": sid})  # fmt: skip
+                                                seed=11 + turn, logprobs=True, extra_headers={"X-AsyncRL-Session": sid})  # fmt: skip
         answers.append(answer)
         ids = completion_ids(tok, answer)
         completions.append(ids)
@@ -234,7 +234,7 @@ def test_agent_loop_through_the_openai_client_is_one_sample(
     # The session is closed: another call, or another close, is a conflict.
     with pytest.raises(openai.ConflictError):
         client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=2, extra_headers={"X-Session-Id": sid}
+            model="tiny", messages=messages, max_tokens=2, extra_headers={"X-AsyncRL-Session": sid}
         )
     second = close(url, sid, reward=1.0)
     assert second.status_code == 409 and "closed" in second.json()["error"]["message"]
@@ -313,7 +313,7 @@ def test_a_group_is_put_only_when_all_its_sessions_are_closed(start, agent_token
     texts = {}
     for s, word in ((a, "ab>"), (b, "cd>")):
         answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": word}],
-                                                max_tokens=4, seed=3, extra_headers={"X-Session-Id": s["session_id"]})  # fmt: skip
+                                                max_tokens=4, seed=3, extra_headers={"X-AsyncRL-Session": s["session_id"]})  # fmt: skip
         texts[s["session_id"]] = answer.choices[0].message.content
     first = close(url, b["session_id"], reward=0.0)
     assert first.status_code == 200 and first.json()["group"] == "open"
@@ -343,7 +343,7 @@ def test_refusals_are_openai_errors(start, agent_tokenizer):
     hello = [{"role": "user", "content": "hi>"}]
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(
-            model="tiny", messages=hello, extra_headers={"X-Session-Id": "snosuchsession"}
+            model="tiny", messages=hello, extra_headers={"X-AsyncRL-Session": "snosuchsession"}
         )
     assert "no session" in unknown.value.message
     assert close(url, "snosuchsession", reward=1.0).status_code == 404
@@ -453,7 +453,7 @@ def test_any_replica_serves_a_session_and_a_dead_putter_loses_nothing(
     session = open_session(a.url, group_size=1)
     sid, gid = session["session_id"], session["group_id"]
     answer = client_of(b.url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "xy>"}],
-                                                      max_tokens=4, seed=2, extra_headers={"X-Session-Id": sid})  # fmt: skip
+                                                      max_tokens=4, seed=2, extra_headers={"X-AsyncRL-Session": sid})  # fmt: skip
     # Replica a closes the group's last session and dies before it puts the group: its close is
     # done in Redis (the store's own call), the put never happens there.
     answer_a = a.service.gateway.store.close(sid, {"reward": 0.25, "status": "scored"})
@@ -517,3 +517,48 @@ def test_hermes_tool_calls_become_openai_tool_calls():
     )
     assert only is None and [c.function.name for c in calls] == ["a", "b"]
     assert [c.function.arguments for c in calls] == ["{}", "{}"]
+
+
+def test_a_session_named_in_the_base_url_is_created_on_first_use(start, agent_tokenizer, redis_url, run_id):
+    """`base_url=.../v1/sessions/{id}/v1` alone records the calls; a foreign `X-Session-Id`
+    (verifiers' trace id) is ignored; two sessions named into one group via the group headers
+    make one group of two."""
+    url = start(agent_tokenizer).url
+    group = {"X-AsyncRL-Group": "url-grp", "X-AsyncRL-Group-Size": "2"}
+    texts = {}
+    for sid, word in (("agent-a", "ab>"), ("agent-b", "cd>")):
+        client = openai.OpenAI(base_url=f"{url}/v1/sessions/{sid}/v1", api_key="x", max_retries=0,
+                               timeout=60, default_headers={**group, "X-Session-Id": "trace-123"})  # fmt: skip
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": word}], max_tokens=4, seed=5
+        )
+        texts[sid] = answer.choices[0].message.content
+    assert close(url, "agent-a", reward=1.0).json()["group"] == "open"
+    assert close(url, "agent-b", reward=0.0).json()["group"] == "buffered"
+    [built] = take(redis_url, run_id, 1)
+    assert built.group_id == "url-grp"
+    assert [s.text for s in built.samples] == [texts["agent-a"], texts["agent-b"]]
+    assert [s.reward for s in built.samples] == [1.0, 0.0]
+    assert metric(url, "asyncrl_rollout_gateway_sessions_total", event="created_on_use") == 2
+
+    # no group header: a group of one named after the session
+    solo = openai.OpenAI(base_url=f"{url}/v1/sessions/solo-1/v1", api_key="x", max_retries=0, timeout=60)
+    solo.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x>"}], max_tokens=2)
+    assert close(url, "solo-1", reward=0.5).json() | {"reward_status": None} == {
+        "session_id": "solo-1", "group_id": "solo-1", "reward": 0.5, "reward_status": None, "group": "buffered"}  # fmt: skip
+
+    # the old header names no session any more: the call is answered, not recorded
+    plain = client_of(url)
+    plain.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y>"}], max_tokens=2,
+                                  extra_headers={"X-Session-Id": "solo-2"})  # fmt: skip
+    assert close(url, "solo-2", reward=0.5).status_code == 404
+    # URL and header naming different sessions; a bad group size
+    with pytest.raises(openai.BadRequestError) as mismatch:
+        solo.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x>"}],
+                                     extra_headers={"X-AsyncRL-Session": "other"})  # fmt: skip
+    assert mismatch.value.code == "session_mismatch"
+    bad = openai.OpenAI(base_url=f"{url}/v1/sessions/s-new/v1", api_key="x", max_retries=0,
+                        default_headers={"X-AsyncRL-Group-Size": "zero"})  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as size:
+        bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x>"}])
+    assert "X-AsyncRL-Group-Size" in size.value.message
