@@ -11,9 +11,8 @@ import time
 import httpx
 
 from asyncrl.buffer import Buffer, EvalStore, Jobs, PolicyVersions
-from asyncrl.proto.sglang import ROUTES
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.clients.engine import EngineClient
+from asyncrl.services.rollout.clients.engine import EngineClient, get_info
 from asyncrl.services.rollout.clients.environments import EnvClient
 from asyncrl.services.rollout.clients.rewards import RewardClient
 from asyncrl.services.rollout.config import RolloutSettings
@@ -206,10 +205,7 @@ async def _server_info(http: httpx.AsyncClient, index: int, url: str) -> dict | 
     `/get_server_info` where the engine (SGLang before 0.5.23's names) answers 404; None if it
     does not answer with a JSON object (counted)."""
     try:
-        resp = await http.get(f"{url}/server_info")
-        if resp.status_code == 404:
-            m.ENGINE_ROUTE_FALLBACKS.labels("/server_info").inc()
-            resp = await http.get(f"{url}{ROUTES['/server_info']}")
+        resp, _ = await get_info(http, url, "/server_info")
         info = resp.json() if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         info = None

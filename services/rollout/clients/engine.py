@@ -405,15 +405,24 @@ class EngineClient:
     async def info(self, e: EngineEndpoint, route: str) -> httpx.Response:
         """`GET route` (`/model_info`, `/server_info`), or its deprecated name (`ROUTES`) where
         the engine answers 404, as servers before 0.5.23's names do; remembered per engine."""
-        old = ROUTES[route]
         if (e.url, route) in self._old_routes:
-            return await self._control_http.get(f"{e.url}{old}", timeout=10.0)
-        resp = await self._control_http.get(f"{e.url}{route}", timeout=10.0)
-        if resp.status_code != 404:
-            return resp
-        m.ENGINE_ROUTE_FALLBACKS.labels(route).inc()
-        self._old_routes.add((e.url, route))
-        return await self._control_http.get(f"{e.url}{old}", timeout=10.0)
+            return await self._control_http.get(f"{e.url}{ROUTES[route]}", timeout=10.0)
+        resp, fell_back = await get_info(self._control_http, e.url, route, timeout=10.0)
+        if fell_back:
+            self._old_routes.add((e.url, route))
+        return resp
+
+
+async def get_info(
+    http: httpx.AsyncClient, url: str, route: str, timeout=httpx.USE_CLIENT_DEFAULT
+) -> tuple[httpx.Response, bool]:
+    """`GET url+route` (`/model_info`, `/server_info`), or its deprecated name (`ROUTES`) where
+    the engine answers 404 (counted); the answer and whether it came from the old name."""
+    resp = await http.get(f"{url}{route}", timeout=timeout)
+    if resp.status_code != 404:
+        return resp, False
+    m.ENGINE_ROUTE_FALLBACKS.labels(route).inc()
+    return await http.get(f"{url}{ROUTES[route]}", timeout=timeout), True
 
 
 # What the client reads of a `/generate` answer (`proto.sglang.GenerateResponse`), decoded by
