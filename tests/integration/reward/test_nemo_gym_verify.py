@@ -399,3 +399,71 @@ def test_response_output_items():
     assert items[0]["content"][0]["text"] == "a"
     assert (items[1]["name"], json.loads(items[1]["arguments"])) == ("f", {"x": 1})
     assert items[2]["content"][0]["text"] == "b <tool_call>nope</tool_call>"
+
+
+def test_a_rollout_job_buffers_masked_samples_masked(service, gym, redis_url, run_id, tmp_path):
+    """Through the rollout service (tiny random model on the reference engine, real Redis): a
+    group the server masks reaches the buffer with no reward and is masked out of the trainer's
+    rows; a scored group keeps the server's rewards."""
+    import torch
+    from engine_server import serve_in_thread as serve_engine
+    from rollout_server import serve_in_thread as serve_rollout
+    from rollout_server import wait_job
+
+    from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
+    from asyncrl.services.ops.tinymodel import build_tiny_model
+    from asyncrl.trainer.batch import build_rows
+
+    torch.set_num_threads(1)
+    model = tmp_path / "model"
+    build_tiny_model(model, seed=0, max_position_embeddings=128)
+    engine = serve_engine(str(model), max_running_requests=8, max_new_tokens_cap=16, context_length=128)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=8, max_staleness=0)
+    rollout = serve_rollout(
+        redis_url,
+        run=run_id,
+        replica="r0",
+        engine_urls=engine.url,
+        reward_url=str(service.base_url),
+        tokenizer=str(model),
+        max_new_tokens_cap=16,
+        default_max_new_tokens=8,
+        claim_poll_s=0.05,
+        admission_poll_s=0.05,
+    )
+
+    def spec(**task) -> dict:
+        return {"verifier": "nemo_gym", "server": "math", "task": task}
+
+    try:
+        with httpx.Client(base_url=rollout.url, timeout=30) as client:
+            body = {
+                "prompts": [
+                    {"text": "ab>", "reward_spec": spec(case="ok", expected_answer="a")},
+                    {"text": "cd>", "reward_spec": spec(case="mask", expected_answer="c")},
+                ],
+                "group_size": 3,
+            }
+            reply = client.post("/v1/rollouts", json=body)
+            assert reply.status_code in (200, 201, 202), reply.text
+            assert wait_job(client, reply.json()["job_id"], timeout_s=120)["buffered"] == 2
+    finally:
+        rollout.stop()
+        engine.stop()
+    buf = Buffer(redis_url, run_id)
+    groups = (
+        Groups(buf, "test-trainer")
+        .take(2, current_version=PolicyVersions(buf).version(), max_staleness=10**6, block_ms=2000)
+        .groups
+    )
+    by_case = {g.reward_spec["task"]["case"]: g for g in groups}
+    ok, masked = by_case["ok"].samples, by_case["mask"].samples
+    assert [s.value for s in ok.reward_status] == ["scored"] * 3
+    assert list(ok.reward) == [float("a" in text) for text in ok.text]  # the stand-in's rule
+    assert [s.value for s in masked.reward_status] == ["error"] * 3
+    assert list(masked.reward) == [None] * 3
+    assert [d["reason"] for d in masked.reward_details] == ["masked"] * 3
+    assert [d["failure_kind"] for d in masked.reward_details] == ["sandbox"] * 3
+    batch = build_rows([by_case["ok"], by_case["mask"]], "grpo")
+    assert batch.masked == {"error": 3}
+    assert [row.valid for row in batch.rows] == [True] * 3 + [False] * 3
