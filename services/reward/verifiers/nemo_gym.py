@@ -227,8 +227,10 @@ class NemoGymVerifier(Verifier):
 
         async def attempt(n: int) -> tuple[dict, int]:
             jar = httpx.Cookies()
+            if n:
+                NEMO_GYM_CALLS.labels(server, "seed_session", "retried").inc()  # a session begun again
             try:
-                await self._call(server, "/seed_session", seed, jar, retried=n > 0)
+                await self._call(server, "/seed_session", seed, jar)
                 reply = await self._call(server, "/verify", body, jar)
             finally:
                 if jar:  # the server opened a session: release it, whatever verify said
@@ -242,13 +244,9 @@ class NemoGymVerifier(Verifier):
                 "nemo_gym_unavailable", "unavailable", attempts=self.max_retries + 1, last_error=str(exc)
             ) from None
 
-    async def _call(
-        self, server: str, route: str, payload: dict, jar: httpx.Cookies, retried: bool = False
-    ) -> dict:
+    async def _call(self, server: str, route: str, payload: dict, jar: httpx.Cookies) -> dict:
         """POST `payload` with the session's cookies, keep what the answer sets; its JSON object."""
         assert self.client is not None, "NemoGymVerifier.start() was not called"
-        if retried:
-            NEMO_GYM_CALLS.labels(server, route.strip("/"), "retried").inc()
         label = route.strip("/")
         try:
             reply = await self.client.post(

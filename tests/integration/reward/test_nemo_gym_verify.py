@@ -389,18 +389,6 @@ def test_settings_read_servers_from_toml(tmp_path):
         RewardSettings(nemo_gym={"Bad Name": {"url": "http://127.0.0.1:1"}})
 
 
-def test_response_output_items():
-    from asyncrl.services.reward.verifiers.nemo_gym import response_output
-
-    items = response_output(
-        'a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> b <tool_call>nope</tool_call>'
-    )
-    assert [i["type"] for i in items] == ["message", "function_call", "message"]
-    assert items[0]["content"][0]["text"] == "a"
-    assert (items[1]["name"], json.loads(items[1]["arguments"])) == ("f", {"x": 1})
-    assert items[2]["content"][0]["text"] == "b <tool_call>nope</tool_call>"
-
-
 def test_a_rollout_job_buffers_masked_samples_masked(service, gym, redis_url, run_id, tmp_path):
     """Through the rollout service (tiny random model on the reference engine, real Redis): a
     group the server masks reaches the buffer with no reward and is masked out of the trainer's
