@@ -12,22 +12,19 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from test_gateway import (  # noqa: F401 — fixtures, used by name
-    agent_tokenizer,
-    client_of,
-    close,
-    engine,
-    group_state,
-    metric,
-    model_dir,
-    open_session,
-    reward,
-    start,
-    take,
-)
+import test_gateway as gw
+from test_gateway import client_of, close, group_state, metric, open_session, take
 
 from asyncrl.buffer import Buffer
 
+# test_gateway's fixtures, used here by name
+agent_tokenizer, engine, model_dir, reward, start = (
+    gw.agent_tokenizer,
+    gw.engine,
+    gw.model_dir,
+    gw.reward,
+    gw.start,
+)
 HELLO = [{"role": "user", "content": "hi>"}]
 
 

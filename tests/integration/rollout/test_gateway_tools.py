@@ -14,24 +14,14 @@ import json
 import httpx
 import openai
 import pytest
-from test_gateway import (  # noqa: F401 — fixtures, used by name
-    CONTEXT,
-    client_of,
-    close,
-    completion_ids,
-    engine,
-    metric,
-    open_session,
-    reward,
-    start,
-    take,
-    tokenizer_with,
-)
+import test_gateway as gw
+from test_gateway import CONTEXT, client_of, close, completion_ids, metric, open_session, take, tokenizer_with
 
 from asyncrl.proto.openai import GatewayChatRequest
 from asyncrl.services.ops.tinymodel import DEFAULT_CHARS, EOS_ID, build_tiny_model
 from asyncrl.services.rollout.gateway.chat import _json_schema
 
+engine, reward, start = gw.engine, gw.reward, gw.start  # test_gateway's fixtures, used by name
 # Qwen-like: the tools listed up front, an assistant's calls written back in hermes form.
 TOOL_TEMPLATE = (
     "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
