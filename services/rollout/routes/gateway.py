@@ -3,8 +3,9 @@
 Every refusal is OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}` (the
 `openai` client raises it as the matching `APIStatusError`): 400 for a body that does not
 validate or asks what the gateway does not do, 404 an unknown or expired session, 409 a closed
-session or a group that does not take this session, 429 a full buffer (admission), 502 an
-engine that failed, 503 no engine or no Redis. Each answer is counted by route and status
+session or a group that does not take this session (or was abandoned), 429 a full buffer
+(admission), 502 an engine that failed, 503 no engine or no Redis; an unknown path under `/v1/`
+(404) and a gateway route asked with the wrong method (405) too (`install_openai_errors`). Each answer is counted by route and status
 (`asyncrl_rollout_gateway_requests_total`), each refusal by reason
 (`asyncrl_rollout_gateway_errors_total`).
 
