@@ -61,4 +61,5 @@ def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI
         m.REQUESTS_REJECTED.labels("malformed_json" if malformed_json else "invalid_body").inc()
 
     install_validation_handler(app, count_invalid, malformed_status=400)
+    gateway.install_openai_errors(app)  # (after: its 404/405 under /v1/ answer OpenAI's shape)
     return app

@@ -128,12 +128,13 @@ GATEWAY_COMPLETIONS = Counter(
 )
 GATEWAY_SESSIONS = Counter(
     "asyncrl_rollout_gateway_sessions_total",
-    "Gateway sessions opened, closed, split (into several samples) and expired (never closed)",
+    "Gateway sessions opened, closed, split (into several samples), expired and abandoned (never closed)",
     ["event"],
 )
 GATEWAY_GROUPS = Counter(
     "asyncrl_rollout_gateway_groups_total",
-    "Gateway groups put in the buffer, put before (duplicate), expired, or failed to build",
+    "Gateway groups put in the buffer, put before (duplicate), expired, abandoned (a session deleted), "
+    "or failed to build",
     ["result"],
 )
 
