@@ -33,10 +33,12 @@ class VfRollout:
 
 @dataclass
 class VfGroup:
-    """The rollouts of one group (one task), in the order `vf-eval` wrote them."""
+    """The rollouts of one group (one task), in the order `vf-eval` wrote them, and those of
+    its rollouts that failed (trace id, why): a group with any fails whole."""
 
     key: str
     rollouts: list[VfRollout] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -80,7 +82,8 @@ def _failure(record: dict) -> str | None:
 
 
 def read_traces(lines: Iterable[str]) -> VfTraces:
-    """Group a `traces.jsonl`'s episodes; every trace lands in a group or in `failed`."""
+    """Group a `traces.jsonl`'s episodes; every trace lands in its group's `rollouts` or in
+    `failed` (and, when its episode named its group, in that group's `failed` too)."""
     groups: dict[str, VfGroup] = {}
     failed: list[tuple[str, str]] = []
     for number, line in enumerate(lines, start=1):
@@ -102,8 +105,10 @@ def read_traces(lines: Iterable[str]) -> VfTraces:
                     reward = trace_reward(trace.get("rewards") or {})
             except (ValueError, TypeError, AttributeError) as exc:
                 reason = f"unreadable trace: {type(exc).__name__}: {exc}"
+            group = groups.setdefault(key, VfGroup(key))
             if reason is not None:
                 failed.append((where, reason))
+                group.failed.append((where, reason))
                 continue
-            groups.setdefault(key, VfGroup(key)).rollouts.append(VfRollout(where, reward))
+            group.rollouts.append(VfRollout(where, reward))
     return VfTraces(list(groups.values()), failed)
