@@ -47,6 +47,9 @@ class VfGroupRequest(BaseModel):
     group_id: str = Field(min_length=1, max_length=MAX_GROUP_KEY_CHARS, pattern=ID_PATTERN)
     prompt_id: str | None = Field(None, min_length=1, max_length=128, pattern=ID_PATTERN)
     rollouts: list[VfRollout] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
+    num_rollouts: int | None = Field(
+        None, ge=1, le=MAX_GROUP_SIZE, description="the run's rollouts per task: fewer named fails the group"
+    )
 
 
 class VfGroupClosed(BaseModel):

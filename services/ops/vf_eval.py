@@ -8,8 +8,8 @@ has it); this adds only `--client.base-url URL/v1/runs/ID/v1`, `--output-dir DIR
 every model call of a rollout as one session. While it runs, `traces.jsonl` is read as it
 grows: a task's group is named to the gateway (`POST /v1/runs/ID/groups`) as soon as its
 `num_rollouts` traces are written, with each trace's reward (verifiers' `Trace.reward`) or the
-error it ended with. Groups still short of `num_rollouts` when `vf-eval` exits, and lines that
-cannot be read, fail (counted by the gateway, listed in the summary).
+error it ended with, and `num_rollouts`: a group still short of it when `vf-eval` exits fails
+(counted by the gateway, listed in the summary, as are lines that cannot be read).
 
 Prints one JSON summary line; exits with `vf-eval`'s status when it failed, 1 when a group
 could not be named to the gateway, else 0. A full buffer (429) is waited out, up to
@@ -97,7 +97,7 @@ class TraceTail:
     """The complete lines appended to `traces.jsonl` since the last read."""
 
     def __init__(self, path: Path):
-        self.path, self.offset = path, 0
+        self.path, self.offset, self.lines = path, 0, 0  # bytes and lines read so far
 
     def new_lines(self) -> list[str]:
         if not self.path.exists():
@@ -107,14 +107,19 @@ class TraceTail:
             data = f.read()
         end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
         self.offset += end
-        return data[:end].decode("utf-8", "replace").splitlines()
+        lines = data[:end].decode("utf-8", "replace").splitlines()
+        self.lines += len(lines)
+        return lines
 
 
-def merge(pending: dict[str, Pending], unattributed: list[tuple[str, str]], lines: list[str]) -> None:
-    """Add newly written episodes to their tasks' groups (services/rollout/gateway/verifiers.py)."""
+def merge(
+    pending: dict[str, Pending], unattributed: list[tuple[str, str]], lines: list[str], first_line: int = 1
+) -> None:
+    """Add newly written episodes (from line `first_line` on) to their tasks' groups
+    (services/rollout/gateway/verifiers.py)."""
     from asyncrl.services.rollout.gateway.verifiers import read_traces
 
-    traces = read_traces(lines)
+    traces = read_traces(lines, first_line)
     attributed = set()
     for group in traces.groups:
         entry = pending.setdefault(group.key, Pending())
@@ -162,14 +167,14 @@ def main(argv: list[str]) -> int:
     size: int | None = None
     headers = {"Authorization": f"Bearer {os.environ[TOKEN_ENV]}"} if os.environ.get(TOKEN_ENV) else {}
 
-    def send(key: str, entry: Pending, short: str | None = None) -> None:
+    def send(key: str, entry: Pending) -> None:
         rollouts = [
             {"trace_id": trace_key(t), **({"error": e[:500]} if e is not None else {"reward": r})}
             for t, r, e in entry.rollouts
         ]
-        if short is not None:  # an incomplete group fails whole: every rollout says why
-            rollouts = [{"trace_id": x["trace_id"], "error": x.get("error", short)} for x in rollouts]
         body = {"group_id": group_key(key), "prompt_id": group_key(key), "rollouts": rollouts}
+        if size is not None:  # (a group short of it when vf-eval exits fails whole)
+            body["num_rollouts"] = size
         entry.sent = True
         try:
             answer = post_group(client, f"{gateway}/v1/runs/{run}/groups", body, args.admission_wait_s)
@@ -184,7 +189,8 @@ def main(argv: list[str]) -> int:
             done = proc.poll() is not None
             if size is None and (run_dir / SAVED_CONFIG).exists():
                 size = int(json.loads((run_dir / SAVED_CONFIG).read_text())["num_rollouts"])
-            merge(pending, unattributed, tail.new_lines())
+            first = tail.lines + 1
+            merge(pending, unattributed, tail.new_lines(), first)
             for key, entry in pending.items():
                 if size is not None and not entry.sent and len(entry.rollouts) >= size:
                     send(key, entry)
@@ -193,7 +199,7 @@ def main(argv: list[str]) -> int:
             time.sleep(args.poll_s)
         for key, entry in pending.items():
             if not entry.sent:
-                send(key, entry, short=f"only {len(entry.rollouts)} of {size} rollouts in {TRACES_FILE}")
+                send(key, entry)
     summary = {
         "run": run,
         "traces": str(tail.path),

@@ -81,12 +81,13 @@ def _failure(record: dict) -> str | None:
     return f"rollout failed in verifiers: {errors[-1].get('message', 'error') if errors else 'not ok'}"
 
 
-def read_traces(lines: Iterable[str]) -> VfTraces:
+def read_traces(lines: Iterable[str], first_line: int = 1) -> VfTraces:
     """Group a `traces.jsonl`'s episodes; every trace lands in its group's `rollouts` or in
-    `failed` (and, when its episode named its group, in that group's `failed` too)."""
+    `failed` (and, when its episode named its group, in that group's `failed` too). Lines are
+    numbered from `first_line` (a file read in pieces)."""
     groups: dict[str, VfGroup] = {}
     failed: list[tuple[str, str]] = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(lines, start=first_line):
         if not line.strip():
             continue
         try:

@@ -13,8 +13,8 @@ traces as they are written, names each group's rollouts with their rewards. Then
 takes its admission slot (the scheduler's rule, as the gateway's other groups), its sessions
 are gathered into the group `{run}.g.{group}`, closed with verifiers' rewards and put.
 
-A group with a failed rollout (verifiers' error, or a rollout that made no call here) fails
-whole: its sessions are dropped and every rollout of it counted
+A group with a failed rollout (verifiers' error, a rollout that made no call here, or fewer
+rollouts named than the run's `num_rollouts`) fails whole: its sessions are dropped and every rollout of it counted
 (`asyncrl_rollout_vf_rollouts_failed_total`), never trained on with a reward verifiers did not
 give. The same request again answers as the first (a retried close buffers nothing twice).
 
@@ -108,6 +108,13 @@ async def close_group(gateway: Gateway, run: str, body: VfGroupRequest) -> VfGro
             len(errors),
             f"rollout {trace} failed in verifiers: {error}",
         )
+    missing = (body.num_rollouts or len(sids)) - len(sids)
+    if missing:
+        why = f"{len(sids)} of the run's {body.num_rollouts} rollouts per task were named"
+        if missing < 0:
+            raise GatewayError(400, f"group {body.group_id!r}: {why}", "group_size")
+        m.VF_ROLLOUTS_FAILED.labels("missing").inc(missing)
+        return await _fail(gateway, body.group_id, gid, sids, "group_failed", 0, why)
     state = await asyncio.to_thread(gateway.store.session, sids[0])
     if state.get("group_id") != gid:  # not gathered by an earlier request: take a slot and gather
         try:
@@ -165,7 +172,8 @@ async def _fail(
     dropped = 0
     for sid in sids:
         dropped += await asyncio.to_thread(drop_holding, gateway.store, sid)
-    m.VF_ROLLOUTS_FAILED.labels(reason).inc(failed)
+    if failed:
+        m.VF_ROLLOUTS_FAILED.labels(reason).inc(failed)
     if len(sids) > failed:
         m.VF_ROLLOUTS_FAILED.labels("group_failed").inc(len(sids) - failed)
     m.VF_GROUPS.labels("failed").inc()

@@ -152,7 +152,7 @@ def counts() -> dict[str, float]:
         },
         **{
             f"rollout_{r}": metric("asyncrl_rollout_vf_rollouts_failed_total", reason=r)
-            for r in ("verifiers_error", "group_failed", "no_session")
+            for r in ("verifiers_error", "group_failed", "no_session", "missing")
         },
     }
 
@@ -295,6 +295,17 @@ def test_a_group_named_again_is_not_buffered_twice_and_one_without_calls_fails(r
     }
     assert delta(before) == {"group_buffered": 1, "group_duplicate": 1, "group_failed": 1, "rollout_no_session": 1,
                              "rollout_group_failed": 1}  # fmt: skip
+
+    # A group short of the run's rollouts per task (vf-eval exited before writing them all).
+    assert chat("c1").status_code == 200
+    short = {"group_id": "k3", "num_rollouts": 2, "rollouts": [{"trace_id": "c1", "reward": 1.0}]}
+    answer = httpx.post(f"{rollout.url}/v1/runs/r2/groups", json=short, timeout=30).json()
+    assert (answer["group"], answer["reason"], answer["dropped"]) == (
+        "failed", "1 of the run's 2 rollouts per task were named", 1,
+    )  # fmt: skip
+    assert delta(before) == {"group_buffered": 1, "group_duplicate": 1, "group_failed": 2, "rollout_no_session": 1,
+                             "rollout_group_failed": 2, "rollout_missing": 1}  # fmt: skip
+    assert Groups(buf, "t").take(5, current_version=0, max_staleness=10**6, block_ms=200).groups == []
     snapshot = AdmissionControl(buf).snapshot()
     assert snapshot["running"] == 0  # the failed group's slot was given back
 
