@@ -192,3 +192,15 @@ TOOL_CALLS = Counter(
     "Tool calls the policy made, by outcome (called, unparsable)",
     ["result"],
 )
+
+VF_GROUPS = Counter(
+    "asyncrl_rollout_vf_groups_total",
+    "Groups of verifiers runs (`vf-eval` through the gateway): buffered, put before, or failed whole",
+    ["result"],
+)
+VF_ROLLOUTS_FAILED = Counter(
+    "asyncrl_rollout_vf_rollouts_failed_total",
+    "Rollouts of verifiers runs not trained on: failed in verifiers, no session here, or a "
+    "rollout that was fine in a group that failed",
+    ["reason"],
+)

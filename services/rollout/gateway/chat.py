@@ -202,7 +202,7 @@ class Gateway:
         sid = sid or f"s{uuid.uuid4().hex}"
         submit_version = 0
         if not await asyncio.to_thread(self.store.group_exists, gid):
-            submit_version = await self._admit(gid)
+            submit_version = await self.admit(gid)
         answer = await asyncio.to_thread(
             self.store.open, sid, gid, body.group_size, body.prompt_id or "", spec, submit_version
         )
@@ -226,7 +226,7 @@ class Gateway:
         m.GATEWAY_SESSIONS.labels("opened").inc()
         return SessionCreated(session_id=sid, group_id=gid, index=int(answer[1]))
 
-    async def _admit(self, gid: str) -> int:
+    async def admit(self, gid: str) -> int:
         """Take the new group's admission slot (buffer/admission.py, the scheduler's rule),
         waiting up to `gateway_admission_wait_s`; the trainer version at admission."""
         deadline = time.monotonic() + self.settings.gateway_admission_wait_s
