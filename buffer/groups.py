@@ -178,6 +178,7 @@ return marked
 """,
 )
 
+
 @dataclass
 class TakeResult:
     groups: list[Group] = field(default_factory=list)

@@ -177,7 +177,9 @@ class RolloutProgress(BaseModel):
     dropped: int
     withheld: int
     zero_spread: int
-    dead_lettered: int = Field(0, description="buffered groups whose record did not decode (dead-letter stream)")
+    dead_lettered: int = Field(
+        0, description="buffered groups whose record did not decode (dead-letter stream)"
+    )
     in_buffer: int = Field(description="buffered groups the trainer has not consumed yet")
     created_at: float
     cancel_requested: bool = False
