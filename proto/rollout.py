@@ -151,8 +151,11 @@ class RolloutProgress(BaseModel):
     `proto.states.GroupState`.
 
     `queued + generating + scoring + buffered + failed + cancelled == groups`; `trained`,
-    `dropped`, `withheld` and `zero_spread` count what the trainer did with buffered groups
-    (`other`: any other way they left the buffer, e.g. `lost`).
+    `dropped`, `withheld`, `zero_spread` and `dead_lettered` count what the trainer did with
+    buffered groups (`other`: any other way they left the buffer, e.g. `lost`). A group is
+    `trained` from the optimizer step that used it; `checkpointed` of them are durable (acked by
+    the checkpoint after that step: a trainer crash before it redelivers the rest, which are
+    trained again or leave another way, and are counted once either way).
     `unscored` counts the buffered groups in which no sample was scored (every reward came back
     `timeout`, `error` or `invalid_input`): they are in the buffer, and the trainer may ack
     them (`trained`), but they carry no reward. A finished job reads `failed` when no group
@@ -170,9 +173,13 @@ class RolloutProgress(BaseModel):
     failed: int
     cancelled: int
     trained: int
+    checkpointed: int = Field(0, description="trained groups whose update a checkpoint has made durable")
     dropped: int
     withheld: int
     zero_spread: int
+    dead_lettered: int = Field(
+        0, description="buffered groups whose record did not decode (dead-letter stream)"
+    )
     in_buffer: int = Field(description="buffered groups the trainer has not consumed yet")
     created_at: float
     cancel_requested: bool = False

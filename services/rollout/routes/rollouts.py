@@ -41,7 +41,13 @@ ROLLOUT_STATES = (
     GroupState.cancelled,
 )
 # How buffered groups left the buffer, each a field of the answer; any other exit goes to `other`.
-TRAINER_EXITS = (GroupState.trained, GroupState.dropped, GroupState.withheld, GroupState.zero_spread)
+TRAINER_EXITS = (
+    GroupState.trained,
+    GroupState.dropped,
+    GroupState.withheld,
+    GroupState.zero_spread,
+    GroupState.dead_lettered,
+)
 MAX_ERRORS_SHOWN = 10
 
 
@@ -153,8 +159,10 @@ def _progress(service: RolloutService, job_id: str) -> RolloutProgress:
         groups=job.groups,
         queued=queued,
         **{s.value: counts[s] for s in ROLLOUT_STATES},
-        **{s.value: job.exits.get(s, 0) for s in TRAINER_EXITS},
-        in_buffer=max(buffered - sum(job.exits.values()), 0),
+        **{s.value: job.exits.get(s, 0) for s in TRAINER_EXITS if s != GroupState.trained},
+        trained=job.exits.get(GroupState.trained, 0) + job.stepped,  # from its step on
+        checkpointed=job.exits.get(GroupState.trained, 0),
+        in_buffer=max(buffered - sum(job.exits.values()) - job.stepped, 0),
         created_at=job.created_at,
         cancel_requested=job.cancel_requested,
         unscored=unscored,
