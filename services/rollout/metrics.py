@@ -191,3 +191,9 @@ TOOL_CALLS = Counter(
     "Tool calls the policy made, by outcome (called, unparsable)",
     ["result"],
 )
+GATEWAY_RESPONSES = Counter(
+    "asyncrl_rollout_gateway_responses_total",
+    "Responses API answers and their stored conversations, by event (answered, continued, "
+    "stored, not_stored: too large or Redis failed)",
+    ["event"],
+)
