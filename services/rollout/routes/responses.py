@@ -17,10 +17,11 @@ from asyncrl.services.rollout.gateway.responses import Responses, check_response
 from asyncrl.services.rollout.routes.gateway import (
     ERRORS,
     GROUP_HEADER,
+    MAX_SUMMARY_ERRORS,
+    MAX_TEXT_CHARS,
     SESSION_HEADER,
     GatewayRoute,
     _group_size,
-    _summary,
 )
 
 router = APIRouter(tags=["gateway"], route_class=GatewayRoute)
@@ -50,7 +51,7 @@ async def _respond(request: Request, service: ServiceDep, url_session: str | Non
     try:
         body = ResponsesRequest.model_validate_json(await request.body())
     except ValidationError as exc:
-        raise GatewayError(400, _summary(exc), "invalid_body") from None
+        raise GatewayError(400, summary(exc), "invalid_body") from None
     check_responses_request(body)
     named = {n for n in (url_session, request.headers.get(SESSION_HEADER), body.session_id) if n is not None}
     if len(named) > 1:
@@ -72,3 +73,35 @@ async def _respond(request: Request, service: ServiceDep, url_session: str | Non
             yield event
 
     return StreamingResponse(send(), media_type="text/event-stream")
+
+
+# Location parts that name a union's member, not a field: the tags of `InputItem`, the types.
+_MEMBER_TAGS = frozenset({"str", "message", "function_call", "function_call_output"})
+
+
+def summary(exc: ValidationError) -> str:
+    """The body's errors at the fields the client wrote (`input.0.content.0.type`), without
+    pydantic's union members, and without the "not a string" of `input` when it is a list."""
+    found: list[tuple[tuple, str]] = []
+    for error in exc.errors():
+        loc = tuple(
+            p
+            for p in error.get("loc", ())
+            if not (isinstance(p, str) and (p in _MEMBER_TAGS or "[" in p or p[:1].isupper()))
+        )
+        if (loc, error["msg"]) not in found:
+            found.append((loc, str(error["msg"])))
+    kept = [
+        (loc, msg)
+        for loc, msg in found
+        if not (
+            msg == "Input should be a valid string"
+            and any(o[: len(loc)] == loc and len(o) > len(loc) for o, _ in found)
+        )
+    ]
+    parts = [
+        f"{'.'.join(str(p) for p in loc)[:MAX_TEXT_CHARS]}: {msg[:MAX_TEXT_CHARS]}"
+        for loc, msg in kept[:MAX_SUMMARY_ERRORS]
+    ]
+    more = f" (and {len(kept) - len(parts)} more)" if len(kept) > len(parts) else ""
+    return "invalid request body: " + "; ".join(parts) + more
