@@ -10,8 +10,9 @@ else a client may set is kept untyped (`model_extra`) so that the gateway refuse
 instead of ignoring it: built-in tools, images and files, background runs, conversations,
 server-side truncation, reasoning settings.
 
-The answer is a `response` whose output is a `message` (one `output_text`) and / or
-`function_call` items; `ResponsesStream` events are the same answer as server-sent events.
+The answer is a `response` (`ResponseObject`) whose output is a `message` (one `output_text`)
+and / or `function_call` items; streamed, the same answer as Responses events
+(`stream_events` in services/rollout/gateway/responses.py).
 """
 
 from __future__ import annotations
