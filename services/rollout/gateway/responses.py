@@ -200,8 +200,10 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Gate
         else choice,
     }
     fmt = body.text.format if body.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        fields["response_format"] = fmt.model_dump()
+    if fmt is not None and fmt.type == "json_object":
+        fields["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":  # flat in Responses, nested in chat
+        fields["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(exclude={"type"})}
     try:
         chat = GatewayChatRequest.model_validate({k: v for k, v in fields.items() if v is not None})
         check_request(chat)
