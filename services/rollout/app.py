@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.routes import evaluations, gateway, health, rollouts, vf_runs
+from asyncrl.services.rollout.routes import evaluations, gateway, health, responses, rollouts, vf_runs
 from asyncrl.services.rollout.service import RolloutService
 from asyncrl.services.runtime.auth import install_auth
 from asyncrl.services.runtime.limits import BodyLimit, InflightLimit, install_validation_handler
@@ -49,7 +49,7 @@ def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI
         InflightLimit,
         max_inflight=service.settings.gateway_max_inflight,
         on_refused=m.GATEWAY_ERRORS.labels("any", "overloaded").inc,
-        prefixes=("/v1/sessions", "/v1/chat/", "/v1/runs/"),
+        prefixes=("/v1/sessions", "/v1/chat/", "/v1/responses", "/v1/runs/"),
     )
     app.include_router(metrics_router)
     app.include_router(health.router)
@@ -57,6 +57,7 @@ def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI
     app.include_router(evaluations.router)
     app.include_router(gateway.router)
     app.include_router(vf_runs.router)  # verifiers runs through the gateway
+    app.include_router(responses.router)
 
     def count_invalid(request: Request, malformed_json: bool) -> None:
         m.REQUESTS_REJECTED.labels("malformed_json" if malformed_json else "invalid_body").inc()

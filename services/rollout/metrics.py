@@ -204,3 +204,10 @@ VF_ROLLOUTS_FAILED = Counter(
     "rollout that was fine in a group that failed",
     ["reason"],
 )
+
+GATEWAY_RESPONSES = Counter(
+    "asyncrl_rollout_gateway_responses_total",
+    "Responses API answers and their stored conversations, by event (answered, continued, "
+    "stored, not_stored: too large or Redis failed)",
+    ["event"],
+)
