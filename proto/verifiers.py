@@ -99,8 +99,8 @@ class MathSpec(BaseModel):
     answer: str = Field(min_length=1, max_length=10_000, description="gold answer (LaTeX or plain)")
     strict: bool | None = Field(
         None,
-        description="pay only a marked final answer (last \\boxed{}, else a last `#### x` or "
-        "`Answer: x` line); null: the reward server's `math_strict`",
+        description="pay only a marked final answer (last \\boxed{}, else <answer>…</answer>, else a "
+        "last `#### x` or `Answer: x` line); null: the reward server's `math_strict`",
     )
 
 

@@ -32,7 +32,7 @@ class RewardSettings(ServiceSettings):
     math_memory_mb: int = Field(2048, ge=256, le=1 << 20, description="address-space limit of a math worker")
     math_strict: bool = Field(
         False,
-        description="math specs that leave `strict` unset pay only a \\boxed{} (or ####/Answer: line) answer",
+        description="math specs that leave `strict` unset pay only a marked answer (\\boxed{}, <answer>, ####, Answer:)",
     )
 
     reasoning_gym_enabled: bool = Field(

@@ -8,8 +8,9 @@ before parsing: the last `\\boxed{…}` is cut out of the completion (else its l
 never a 0 reward.
 
 Strict mode (`MathSpec.strict`, else the server's `math_strict`) pays only a marked final
-answer: the last `\\boxed{…}`, else the last line that starts with `####` (GSM8K's marker)
-or `Answer:` / `Final answer:` (markdown bold allowed). An unmarked completion scores 0
+answer: the last `\\boxed{…}`, else the last `<answer>…</answer>` (reasoning-gym's tag), else
+the last line that starts with `####` (GSM8K's marker) or `Answer:` / `Final answer:`
+(markdown bold allowed). An unmarked completion scores 0
 (`details.unmarked`): its text never reaches math-verify's extractor, which would find "14"
 in "maybe 14" and pay it (the gold is still parsed, so a bad gold stays `invalid_input`).
 """
@@ -55,30 +56,41 @@ def answer_region(completion: str, max_chars: int) -> tuple[str, bool]:
     return completion[-max_chars:], len(completion) > max_chars
 
 
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"  # reasoning-gym's (and DeepSeek-R1's) answer tags
 # A strict answer line: `#### 14`, `Answer: 14`, `Final answer: 14`, `**Final Answer:** 14`.
 MARKED_LINE = re.compile(r"\s*(?:####|\**\s*(?:final\s+)?answer\s*:)(.*)", re.IGNORECASE)
 
 
 def marked_answer(completion: str, max_chars: int) -> str | None:
-    """Strict mode's answer: the last `\\boxed{…}`, else the value of the last marked line (in
-    the last `max_chars` characters), `$…$`-wrapped when it is LaTeX (bare LaTeX does not
-    parse as text); None when the completion marks no answer."""
+    """Strict mode's answer: the last `\\boxed{…}`, else (in the last `max_chars` characters)
+    the last `<answer>…</answer>`, else the value of the last marked line; None when the
+    completion marks no answer."""
     boxed = last_boxed(completion, max_chars)
     if boxed is not None:
         return boxed
-    for line in reversed(completion[-max_chars:].splitlines()):
+    tail = completion[-max_chars:]
+    close = tail.rfind(ANSWER_CLOSE)
+    open_ = tail.rfind(ANSWER_OPEN, 0, max(close, 0))
+    if close >= 0 and open_ >= 0 and tail[open_ + len(ANSWER_OPEN) : close].strip():
+        return _as_math(tail[open_ + len(ANSWER_OPEN) : close].strip())
+    for line in reversed(tail.splitlines()):
         match = MARKED_LINE.match(line)
         value = match.group(1).strip().strip("*").strip() if match else ""
         if value:
-            return f"${value}$" if "\\" in value and "$" not in value else value
+            return _as_math(value)
     return None
+
+
+def _as_math(value: str) -> str:
+    """A marked value as math-verify reads it: bare LaTeX does not parse as text, `$…$` does."""
+    return f"${value}$" if "\\" in value and "$" not in value else value
 
 
 class MathVerifier(Verifier):
     name = "math"
     description = (
         "Final-answer equivalence with math-verify: the last \\boxed{} of the completion (else its "
-        "tail; strict: else a `####`/`Answer:` line, else 0) against `answer`. 1 if equivalent, "
+        "tail; strict: else an <answer> tag or a `####`/`Answer:` line, else 0) against `answer`. 1 if equivalent, "
         "0 if not; a gold that does not parse is invalid_input."
     )
     Spec = MathSpec
