@@ -87,6 +87,7 @@ def service():
         code_enabled=False,
         math_workers=1,
         math_timeout_s=10.0,
+        math_strict=True,  # the default of specs that leave `strict` unset (the lenient ones say false)
         reasoning_gym_enabled=True,
         reasoning_gym_workers=2,
         reasoning_gym_timeout_s=30.0,  # a loaded 2-core box: generous, nothing here is slow
@@ -182,6 +183,10 @@ def test_rewards_equal_the_datasets_own_scores_and_the_doc_table(service, entrie
     # The case: lenient math-verify pays "maybe 70", strict does not, reasoning-gym neither.
     unmarked = next(n for n, c in enumerate(CASES) if c[0] == "unmarked")
     assert [got[f"{k}{unmarked}"]["reward"] for k in ("lenient", "strict", "rg")] == [1.0, 0.0, 0.0]
+    gsm = entries["gsm"][1]
+    default = score(service, [{"id": "d", "completion": f"maybe {gsm['answer']}",
+                               "spec": {"verifier": "math", "answer": gsm["answer"]}}])  # fmt: skip
+    assert (default["d"]["reward"], default["d"]["details"]["strict"]) == (0.0, True)  # math_strict applies
     # gsm_symbolic's partial credit for a well-formed wrong number passes through unchanged.
     wrong_tag = next(n for n, c in enumerate(CASES) if c[:2] == ("tag, wrong", "gsm"))
     assert got[f"rg{wrong_tag}"]["reward"] == expected[f"rg{wrong_tag}"] > 0
