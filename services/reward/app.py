@@ -1,8 +1,9 @@
 """Builds the reward service's FastAPI app from `RewardSettings`.
 
 `build_verifiers` decides what this server serves: `reverse`, `arith` and `math` always,
-`reasoning_gym` when enabled, `code` unless disabled (it refuses to start without a working bubblewrap unless
-`allow_unsandboxed`), `judge` when `judge_base_url` is set. `build_environments` likewise:
+`reasoning_gym` when enabled, `code` unless disabled (it refuses to start without a working
+bubblewrap unless `allow_unsandboxed`), `judge` when `judge_base_url` is set, `nemo_gym` when
+any `[reward.nemo_gym.<name>]` server is configured. `build_environments` likewise:
 `secret` and `calculator` always, `python` under the same rule as `code`, in a sandbox of its
 own (its host uids follow the code verifier's). Nothing here imports torch.
 """
@@ -111,6 +112,19 @@ def build_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
                 max_tokens=settings.judge_max_tokens,
                 temperature=settings.judge_temperature,
                 max_chars=settings.judge_max_chars,
+            )
+        )
+    if settings.nemo_gym:
+        from asyncrl.services.reward.verifiers.nemo_gym import NemoGymVerifier
+
+        verifiers.append(
+            NemoGymVerifier(
+                settings.nemo_gym,
+                concurrency=settings.nemo_gym_concurrency,
+                request_timeout_s=settings.nemo_gym_request_timeout_s,
+                item_timeout_s=settings.nemo_gym_item_timeout_s,
+                max_retries=settings.nemo_gym_max_retries,
+                backoff_s=settings.nemo_gym_backoff_s,
             )
         )
     return {v.name: v for v in verifiers}

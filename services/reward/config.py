@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from asyncrl.proto.verifiers import NEMO_GYM_SERVER_NAME
 from asyncrl.services.runtime.config import ServiceSettings, refuse_placeholder_secret
+
+
+class NemoGymServer(BaseModel):
+    """One NeMo Gym resources server the `nemo_gym` verifier may call (`[reward.nemo_gym.<name>]`).
+    Specs name it; its address is the operator's alone, so a job cannot aim the service at a URL."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="base URL of the resources server (http(s)://host:port)")
+    close_path: str | None = Field(
+        None,
+        pattern=r"^/[A-Za-z0-9_/-]{1,128}$",
+        description="POSTed (with the session cookie) after verify, e.g. /end_session; unset: none",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be an http(s) URL, got {url!r}")
+        return url.rstrip("/")
 
 
 class RewardSettings(ServiceSettings):
@@ -106,6 +130,29 @@ class RewardSettings(ServiceSettings):
     judge_max_chars: int = Field(
         32_000, ge=256, le=1_000_000, description="completion chars shown to the judge"
     )
+
+    nemo_gym: dict[str, NemoGymServer] = Field(
+        default_factory=dict, description="NeMo Gym resources servers by name; none: `nemo_gym` disabled"
+    )
+    nemo_gym_concurrency: int = Field(16, ge=1, le=1024, description="NeMo Gym samples in flight")
+    nemo_gym_request_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="timeout of one seed_session/verify/close call"
+    )
+    nemo_gym_item_timeout_s: float = Field(
+        300.0, gt=0, le=7200, description="budget for one sample's calls, retries included"
+    )
+    nemo_gym_max_retries: int = Field(
+        2, ge=0, le=20, description="retries of a sample on 5xx/transport errors"
+    )
+    nemo_gym_backoff_s: float = Field(0.5, ge=0, le=60, description="first retry delay; doubles each retry")
+
+    @field_validator("nemo_gym")
+    @classmethod
+    def _server_names(cls, servers: dict[str, NemoGymServer]) -> dict[str, NemoGymServer]:
+        bad = [name for name in servers if not re.fullmatch(NEMO_GYM_SERVER_NAME, name)]
+        if bad:
+            raise ValueError(f"NeMo Gym server names must match {NEMO_GYM_SERVER_NAME}, got {bad}")
+        return servers
 
     @model_validator(mode="after")
     def _check(self) -> RewardSettings:

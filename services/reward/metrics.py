@@ -77,3 +77,22 @@ ENV_STEP_LATENCY = Histogram(
     ["environment"],
     buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+NEMO_GYM_CALLS = Counter(
+    "asyncrl_reward_nemo_gym_calls_total",
+    "NeMo Gym resources-server HTTP calls by server, route (seed_session, verify, close) and outcome "
+    "(ok, retried, http_error, transport_error, bad_response)",
+    ["server", "route", "outcome"],
+)
+NEMO_GYM_VERDICTS = Counter(
+    "asyncrl_reward_nemo_gym_verdicts_total",
+    "NeMo Gym samples by server and outcome: scored, masked (mask_sample), failed (judge failure, "
+    "server unavailable, refused, bad answer); masked and failed samples carry no reward",
+    ["server", "outcome"],
+)
+NEMO_GYM_FAILURES = Counter(
+    "asyncrl_reward_nemo_gym_failures_total",
+    "NeMo Gym samples masked or failed, by server and failure kind (the server's failure_kind or "
+    "_ng_failure_class if known, `other` if not, `unspecified` if absent; ours: unavailable, "
+    "http_error, bad_response)",
+    ["server", "kind"],
+)

@@ -128,12 +128,13 @@ GATEWAY_COMPLETIONS = Counter(
 )
 GATEWAY_SESSIONS = Counter(
     "asyncrl_rollout_gateway_sessions_total",
-    "Gateway sessions opened, closed, split (into several samples) and expired (never closed)",
+    "Gateway sessions opened, closed, split (into several samples), expired and abandoned (never closed)",
     ["event"],
 )
 GATEWAY_GROUPS = Counter(
     "asyncrl_rollout_gateway_groups_total",
-    "Gateway groups put in the buffer, put before (duplicate), expired, or failed to build",
+    "Gateway groups put in the buffer, put before (duplicate), expired, abandoned (a session deleted), "
+    "or failed to build",
     ["result"],
 )
 
@@ -190,4 +191,16 @@ TOOL_CALLS = Counter(
     "asyncrl_rollout_tool_calls_total",
     "Tool calls the policy made, by outcome (called, unparsable)",
     ["result"],
+)
+
+VF_GROUPS = Counter(
+    "asyncrl_rollout_vf_groups_total",
+    "Groups of verifiers runs (`vf-eval` through the gateway): buffered, put before, or failed whole",
+    ["result"],
+)
+VF_ROLLOUTS_FAILED = Counter(
+    "asyncrl_rollout_vf_rollouts_failed_total",
+    "Rollouts of verifiers runs not trained on: failed in verifiers, no session here, or a "
+    "rollout that was fine in a group that failed",
+    ["reason"],
 )

@@ -11,6 +11,7 @@ progress. Not a defence against slow clients: that belongs in front.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from fastapi import FastAPI, HTTPException, Request
@@ -62,9 +63,19 @@ def _summary(errors: list[dict], total: int) -> str:
     return "; ".join(parts) + more if parts else "invalid request body"
 
 
+DRAIN_MAX_BYTES = 1 << 30  # of a refused body read and dropped so that the client sees the 413
+DRAIN_TIMEOUT_S = 30.0
+
+
 class BodyLimit:
     """ASGI middleware: 413 for a body over `max_bytes`, from its Content-Length before a byte is
-    read, or as soon as a streamed (chunked) body passes the limit; `on_refused()` counts it."""
+    read, or as soon as a streamed (chunked) body passes the limit; `on_refused()` counts it.
+
+    The 413 goes out at once, and then the rest of the body is read and dropped (at most
+    `DRAIN_MAX_BYTES`, for `DRAIN_TIMEOUT_S`) before the connection closes: a client still
+    sending a large body (most HTTP clients write the whole body before they read) would
+    otherwise hit a connection reset and never see the answer. A client that sent
+    `Expect: 100-continue` is never asked for its body, so nothing is drained."""
 
     def __init__(self, app, max_bytes: int, on_refused: Callable[[], None]):
         self.app = app
@@ -75,22 +86,61 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         too_large = f"request body larger than {self.max_bytes} bytes"
-        declared = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        drain = headers.get(b"expect", b"").lower() != b"100-continue"
+        refused = False
+        body_done = False
+
+        async def answer(message):  # the refusal's last body chunk waits for the drain
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            elif message["type"] == "http.response.body" and not message.get("more_body") and drain:
+                await send({**message, "more_body": True})
+                if not body_done:
+                    await _drain(receive)
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
         if declared.isdigit() and int(declared) > self.max_bytes:
             self.on_refused()
-            return await JSONResponse({"detail": too_large}, status_code=413)(scope, receive, send)
+            return await JSONResponse({"detail": too_large}, status_code=413)(scope, receive, answer)
         seen = 0
 
         async def limited():
-            nonlocal seen
+            nonlocal seen, refused, body_done
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
+            body_done = not message.get("more_body", False)
+            if seen > self.max_bytes and not refused:
+                refused = True
                 self.on_refused()
                 raise HTTPException(status_code=413, detail=too_large)  # FastAPI re-raises it as is
             return message
 
-        await self.app(scope, limited, send)
+        async def forward(message):
+            await (answer if refused else send)(message)
+
+        await self.app(scope, limited, forward)
+
+
+async def _drain(receive) -> None:
+    """Read and drop the rest of a request body, within the bounds above."""
+    dropped = 0
+    deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
+    while dropped < DRAIN_MAX_BYTES:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return  # the client went away
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 class InflightLimit:

@@ -7,9 +7,12 @@ answering while it handles a long text."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import httpx
 import pytest
@@ -109,6 +112,31 @@ def test_oversize_body_gets_413_declared_or_streamed(request, name):
     streamed = client.post(path, content=chunks, headers={"content-type": "application/json"})
     assert streamed.status_code == 413 and "larger than" in streamed.json()["detail"], streamed.text
     assert metric(client, counter) == before + 2
+
+
+BIG_BODY = 64 << 20  # a body a client sends in full before it reads the answer
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "streamed"])
+@pytest.mark.parametrize("name", SERVICES)
+def test_a_client_sending_a_64_mib_body_reads_the_413(request, name, chunked):
+    """The standard library's client (http.client, under urllib and requests) writes the whole
+    body before it reads: a server that answers and closes without reading the rest makes
+    that write fail with a broken pipe, and the client never sees the 413."""
+    client = request.getfixturevalue(name)
+    path, cap, counter = SERVICES[name]
+    before = metric(client, counter)
+    body = b'{"text": "' + b"a" * BIG_BODY + b'"}'
+    data = iter(body[at : at + (1 << 20)] for at in range(0, len(body), 1 << 20)) if chunked else body
+    req = urllib.request.Request(
+        f"{str(client.base_url).rstrip('/')}{path}", data=data, headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=60)
+    assert refused.value.code == 413
+    assert json.loads(refused.value.read())["detail"] == f"request body larger than {cap} bytes"
+    assert refused.value.headers["Connection"] == "close"
+    assert metric(client, counter) == before + 1
 
 
 def test_rollout_refuses_a_100_mb_body_before_reading_it(rollout):

@@ -20,6 +20,7 @@ BUILTIN: dict[str, str] = {
     "math": "asyncrl.services.reward.verifiers.math:MathVerifier",
     "code": "asyncrl.services.reward.verifiers.code:CodeVerifier",
     "judge": "asyncrl.services.reward.verifiers.judge:JudgeVerifier",
+    "nemo_gym": "asyncrl.services.reward.verifiers.nemo_gym:NemoGymVerifier",
     "reasoning_gym": "asyncrl.services.reward.verifiers.rgym:ReasoningGymVerifier",
 }
 

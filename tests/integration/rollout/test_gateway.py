@@ -354,9 +354,10 @@ def test_refusals_are_openai_errors(start, agent_tokenizer):
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.chat.completions.create(model="tiny", messages=hello, logit_bias={"5": 1.0})
     assert "logit_bias" in unsupported.value.message
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=hello, tool_choice="required",
-                                       tools=[{"type": "function", "function": {"name": "calc"}}])  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as not_offered:
+        client.chat.completions.create(model="tiny", messages=hello, tools=[{"type": "function", "function": {"name": "calc"}}],
+                                       tool_choice={"type": "function", "function": {"name": "search"}})  # fmt: skip
+    assert "'search'" in not_offered.value.message and not_offered.value.param == "tool_choice"
     too_long = [{"role": "user", "content": "a" * CONTEXT}]
     with pytest.raises(openai.BadRequestError) as context:
         client.chat.completions.create(model="tiny", messages=too_long)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-K8S = ROOT / "deploy/k8s"
+K8S = ROOT / "deploy/k8s/base"
 
 SETTINGS = {  # asyncrl subcommand -> (module, settings class, run-config table)
     "engine": ("asyncrl.services.engine.config", "EngineSettings", "engine"),

@@ -1,7 +1,7 @@
-"""deploy/k8s: PyYAML plus structural checks (kinds, fields, selectors, ports, references), and
-every `asyncrl …` command line parsed by the service's own settings loader, as for compose
-(test_deploy_configs.py). There is no `kubectl` (nor a cluster or schemas) in CI, so nothing
-here needs one.
+"""deploy/k8s/base: PyYAML plus structural checks (kinds, fields, selectors, ports, references),
+and every `asyncrl …` command line parsed by the service's own settings loader, as for compose
+(test_deploy_configs.py). The overlays, built by kubectl and checked against the Kubernetes
+schema: test_k8s_topologies.py.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def test_compose_runs_the_release_the_proto_follows():
 def test_k8s_engines_run_the_release_the_proto_follows():
     images = [
         c["image"]
-        for doc in yaml.safe_load_all((ROOT / "deploy/k8s/engines.yaml").read_text())
+        for doc in yaml.safe_load_all((ROOT / "deploy/k8s/base/engines.yaml").read_text())
         if doc and doc.get("kind") in {"StatefulSet", "Deployment"}
         for c in doc["spec"]["template"]["spec"]["containers"]
         if c["image"].startswith("lmsysorg/sglang:")

@@ -26,7 +26,7 @@ def test_every_shipped_config_validates_whole(path):
 
 
 def test_the_k8s_run_config_validates_whole():
-    configmap = yaml.safe_load((ROOT / "deploy/k8s/configmap.yaml").read_text())
+    configmap = yaml.safe_load((ROOT / "deploy/k8s/base/configmap.yaml").read_text())
     config = validate_run_config(tomllib.loads(configmap["data"]["run.toml"]), "configmap run.toml")
     assert config.model is None and config.trainer.device == "cuda"
 
