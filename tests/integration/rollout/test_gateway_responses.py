@@ -278,13 +278,19 @@ def test_text_streaming_chat_and_refusals(url, tok, redis_url, run_id):
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"tool_choice": "required", "tools": [ADD_TOOL]}, "tool_choice"),
         ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "call_id"),
     ]
     for change, named in refusals:
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(**{"model": "tiny", "input": "hi", **change})
         assert named in refused.value.message, refused.value.message
+    # tool_choice reaches the chat path, which forces it (a prefilled hermes call with its name).
+    forced = client.responses.create(
+        model="tiny", input="hi", tools=[ADD_TOOL], tool_choice="required", max_output_tokens=32
+    )
+    assert [(o.type, o.name) for o in forced.output if o.type == "function_call"] == [
+        ("function_call", "add")
+    ]
     with pytest.raises(openai.NotFoundError) as unknown:
         client.responses.create(model="tiny", input="hi", previous_response_id="resp_nosuch")
     assert "resp_nosuch" in unknown.value.message and unknown.value.code == "unknown_response"
