@@ -217,25 +217,42 @@ async def _chat(request: Request, service: ServiceDep, url_session: str | None):
     except ValidationError as exc:
         raise GatewayError(400, _summary(exc), "invalid_body") from None
     check_request(body)
-    named = {n for n in (url_session, request.headers.get(SESSION_HEADER), body.session_id) if n is not None}
+    session = await open_named_session(request, service, url_session, body.session_id)
+    return await chat_answer(service, body, session)
+
+
+async def open_named_session(
+    request: Request, service: ServiceDep, url_session: str | None, body_session: str | None
+) -> str | None:
+    """The call's session: the URL's, `X-AsyncRL-Session` or the body's `session_id` (at most
+    one name; none: answered, not recorded). A session named in the URL is created on first use."""
+    named = {n for n in (url_session, request.headers.get(SESSION_HEADER), body_session) if n is not None}
     if len(named) > 1:
         raise GatewayError(
             400, "the URL, X-AsyncRL-Session and session_id name different sessions", "session_mismatch"
         )
-    session = next(iter(named), None)
     if url_session is not None:
         group = request.headers.get(GROUP_HEADER)
         await service.gateway.ensure_session(url_session, group, _group_size(request))
+    return next(iter(named), None)
+
+
+async def chat_answer(service: ServiceDep, body: GatewayChatRequest, session: str | None):
+    """The chat call answered in `session`: the completion, or its SSE chunks when streamed."""
     answer, _ = await service.gateway.complete(body, session)
     if not body.stream:
         return answer
-    chunks = sse_chunks(answer, bool(body.stream_options and body.stream_options.include_usage))
+    return event_stream(sse_chunks(answer, bool(body.stream_options and body.stream_options.include_usage)))
 
-    async def events() -> AsyncIterator[str]:
-        for chunk in chunks:
-            yield chunk
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+def event_stream(events: list[str]) -> StreamingResponse:
+    """Server-sent events already rendered, as one streamed answer."""
+
+    async def send() -> AsyncIterator[str]:
+        for event in events:
+            yield event
+
+    return StreamingResponse(send(), media_type="text/event-stream")
 
 
 def install_openai_errors(app) -> None:

@@ -4,10 +4,7 @@ is read by the route itself, so that every refusal has OpenAI's error shape."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from asyncrl.proto.openai_responses import ResponseObject, ResponsesRequest
@@ -16,12 +13,11 @@ from asyncrl.services.rollout.gateway.chat import GatewayError
 from asyncrl.services.rollout.gateway.responses import Responses, check_responses_request, stream_events
 from asyncrl.services.rollout.routes.gateway import (
     ERRORS,
-    GROUP_HEADER,
     MAX_SUMMARY_ERRORS,
     MAX_TEXT_CHARS,
-    SESSION_HEADER,
     GatewayRoute,
-    _group_size,
+    event_stream,
+    open_named_session,
 )
 
 router = APIRouter(tags=["gateway"], route_class=GatewayRoute)
@@ -53,26 +49,11 @@ async def _respond(request: Request, service: ServiceDep, url_session: str | Non
     except ValidationError as exc:
         raise GatewayError(400, summary(exc), "invalid_body") from None
     check_responses_request(body)
-    named = {n for n in (url_session, request.headers.get(SESSION_HEADER), body.session_id) if n is not None}
-    if len(named) > 1:
-        raise GatewayError(
-            400, "the URL, X-AsyncRL-Session and session_id name different sessions", "session_mismatch"
-        )
-    session = next(iter(named), None)
-    if url_session is not None:
-        await service.gateway.ensure_session(
-            url_session, request.headers.get(GROUP_HEADER), _group_size(request)
-        )
+    session = await open_named_session(request, service, url_session, body.session_id)
     response = await Responses(service.gateway).create(body, session)
     if not body.stream:
         return response
-    events = stream_events(response)
-
-    async def send() -> AsyncIterator[str]:
-        for event in events:
-            yield event
-
-    return StreamingResponse(send(), media_type="text/event-stream")
+    return event_stream(stream_events(response))
 
 
 # Location parts that name a union's member, not a field: the tags of `InputItem`, the types.

@@ -3,18 +3,15 @@ refusals and counting are the gateway's (`GatewayRoute`: OpenAI's error shape)."
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from asyncrl.proto.openai import ChatCompletion, GatewayChatRequest
 from asyncrl.proto.vf_runs import VfGroupClosed, VfGroupRequest
 from asyncrl.services.rollout.deps import ServiceDep
-from asyncrl.services.rollout.gateway.chat import GatewayError, check_request, sse_chunks
+from asyncrl.services.rollout.gateway.chat import GatewayError, check_request
 from asyncrl.services.rollout.gateway.vf_runs import close_group, ensure_rollout
-from asyncrl.services.rollout.routes.gateway import ERRORS, GatewayRoute, _summary
+from asyncrl.services.rollout.routes.gateway import ERRORS, GatewayRoute, _summary, chat_answer
 
 router = APIRouter(tags=["gateway"], route_class=GatewayRoute)
 TRACE_HEADER = "x-session-id"  # verifiers' SESSION_ID_HEADER: the rollout's trace id, every call
@@ -36,16 +33,7 @@ async def run_chat_completions(run: str, request: Request, service: ServiceDep):
             400, "a verifiers run names its rollouts by X-Session-ID, not session_id", "session_mismatch"
         )
     sid = await ensure_rollout(service.gateway, run, request.headers.get(TRACE_HEADER))
-    answer, _ = await service.gateway.complete(body, sid)
-    if not body.stream:
-        return answer
-    chunks = sse_chunks(answer, bool(body.stream_options and body.stream_options.include_usage))
-
-    async def events() -> AsyncIterator[str]:
-        for chunk in chunks:
-            yield chunk
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return await chat_answer(service, body, sid)
 
 
 @router.post("/v1/runs/{run}/groups", name="run_group", response_model=VfGroupClosed, responses=ERRORS)
