@@ -51,6 +51,11 @@ class OpenEnvServer(BaseModel):
     )
     timeout_s: float = Field(60.0, gt=0, le=3600, description="timeout of one reset or step")
     description: str = Field("", max_length=1024, description="the tool's description for the policy")
+    judges: bool = Field(
+        True,
+        description="the episode's reward is the sum of the env's step rewards (0 for an episode that never "
+        "steps); false: the job's reward_spec verifier scores the final answer",
+    )
 
     @field_validator("url")
     @classmethod

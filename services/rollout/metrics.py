@@ -189,7 +189,7 @@ ENV_STEPS = Counter(
 OPENENV_ERRORS = Counter(
     "asyncrl_rollout_openenv_errors_total",
     "Failures of OpenEnv servers' sessions, by server and kind (dropped, server_error, garbage, "
-    "refused_action, unavailable, no_reward)",
+    "refused_action, unavailable)",
     ["server", "kind"],
 )
 TOOL_CALLS = Counter(

@@ -48,6 +48,10 @@ if TYPE_CHECKING:
     from asyncrl.services.rollout.groups.sampler import GroupSampler
 
 
+RESTART_DELAY_S = 0.5  # before an episode's first restart; doubles with each one
+MAX_RESTART_DELAY_S = 5.0
+
+
 class EpisodeFailed(ValueError):
     """An episode's environment kept failing: its group fails."""
 
@@ -125,6 +129,8 @@ class EpisodeRunner:
                     raise EpisodeFailed(f"episode {index}: {exc}") from None
                 m.EPISODE_RETRIES.labels(exc.kind).inc()
                 last = exc
+                if attempt < spec.retries:  # (a server that crashed gets a moment to come back)
+                    await asyncio.sleep(min(RESTART_DELAY_S * 2**attempt, MAX_RESTART_DELAY_S))
         raise EpisodeFailed(
             f"episode {index}: environment {spec.environment!r} failed {spec.retries + 1} times; last: {last}"
         )
@@ -251,7 +257,8 @@ class EpisodeRunner:
     ) -> None:
         """One episode with an OpenEnv server, in one session: reset → (policy turn → the action
         its call makes → step) until a turn calls nothing, the server says `done`, or turns or
-        tokens run out. The reward is the sum of the steps' rewards when any step gave one."""
+        tokens run out. The reward is the sum of the steps' rewards when the server `judges`
+        (configured), else the job's verifier's on the final answer."""
         env, tok = spec.environment, self.tokenizer
         params = dict(job.sampling_params)
         turn_budget = int(params.get("max_new_tokens", self.default_max_new_tokens))
@@ -261,7 +268,7 @@ class EpisodeRunner:
             room = min(room, spec.max_episode_tokens)
         episode_id = f"{job.group_id}/{d.index}"
         seed = zlib.crc32(episode_id.encode()) + params.get("sampling_seed", 0) % 2**31
-        finish, answer, judged, actions = "length", "", False, []
+        finish, answer, actions = "length", "", []
         async with self.openenv.session(env) as session:
             reset = await session.reset({**spec.env_args, "seed": seed, "episode_id": episode_id})
             _observe(d, task_ids(tok, job, observation_text(reset.observation)), self.initial_weight_version)
@@ -298,7 +305,6 @@ class EpisodeRunner:
                     else:
                         m.ENV_STEPS.labels(env, StepStatus.ok.value).inc()
                         observation = observation_text(out.observation)
-                        judged = judged or out.reward is not None
                         reward = float(out.reward or 0.0)
                         if out.done:
                             d.turn_rewards.append(reward)
@@ -315,14 +321,9 @@ class EpisodeRunner:
                     observation_ids(tok, fmt, observation, after_eos)[: max(room - len(d.tokens), 0)],
                     d.versions[-1] if d.versions else self.initial_weight_version,
                 )
-        if not judged and not job.reward_spec:
-            m.OPENENV_ERRORS.labels(env, "no_reward").inc()
-            raise EnvironmentFailed(
-                "no_reward", f"OpenEnv {env!r} gave no reward and the job has no reward_spec", retry=False
-            )
         d.finish_reason, d.text = finish, answer
         d.finished = time.time()
-        if judged:
+        if self.openenv.servers[env].judges:
             d.env_reward = sum(d.turn_rewards)
         d.details = {"environment": env, "turns": len(d.turn_starts), "attempt": attempt, "actions": actions}
         m.EPISODES.labels("answered" if answer else finish).inc()

@@ -118,6 +118,14 @@ async def _check_openenv(service: RolloutService, body: RolloutRequest) -> list[
         raise _refuse(
             400, f"unknown OpenEnv server {name!r}; configured: {sorted(servers)}", "unknown_environment"
         )
+    if (
+        not servers[name].judges
+        and body.reward_spec is None
+        and any(p.reward_spec is None for p in body.prompts)
+    ):
+        raise _refuse(
+            400, f"OpenEnv server {name!r} does not judge answers: give a reward_spec", "invalid_input"
+        )
     try:
         schema = await service.openenv.schema(name)
     except EnvironmentFailed as exc:
