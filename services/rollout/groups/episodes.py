@@ -1,7 +1,8 @@
 """Episodes: a group's samples as multi-turn, tool-using episodes with an environment
 (docs/architecture.md §12).
 
-    reset the environment → [its first observation, loss mask 0]
+    reset the environment → [its first observation (the task), loss mask 0: after a chat
+        prompt a user message of the chat template, then the assistant header]
     for each turn (at most `max_turns`, the whole episode within `max_episode_tokens`):
         generate until EOS, the turn's max_new_tokens or a one-token call marker
             (tokens kept exactly as sampled, each with its behaviour logprob and policy
@@ -15,8 +16,13 @@
 The G episodes of a group run concurrently (their generate calls coalesce into batches). An
 environment failure (`EnvironmentFailed`: unreachable after retries, refused, garbage,
 `mask_sample`) starts the episode again, at most `retries` times, each counted by kind; then
-the group fails whole (`EpisodeFailed`), counted. The environment keeps nothing: a rollout
-replica that dies restarts its groups' episodes whole when another recovers the job.
+the group fails whole (`EpisodeFailed`), counted; a failure the environment explains (an
+OpenEnv server's error message) fails the group at once. The environment keeps nothing: a
+rollout replica that dies restarts its groups' episodes whole when another recovers the job.
+
+OpenEnv servers (`kind = "openenv"`, `_openenv_episode`) keep the episode's state in one
+session instead: the same loop, the action from the call (`groups/openenv.py`), a dropped
+session restarting the episode from reset.
 """
 
 from __future__ import annotations

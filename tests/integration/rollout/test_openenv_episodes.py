@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import textwrap
 from pathlib import Path
@@ -33,16 +34,26 @@ from waiting import wait_until
 
 from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
 from asyncrl.services.ops.tinymodel import build_tiny_model
-from asyncrl.services.rollout.toolcalls import ToolFormat, call_body
 
 torch.set_num_threads(1)
 
 CONTEXT = 512
 TASK = "say something"
 MESSAGES = [{"role": "user", "content": "ab"}]
+# The call: the text between the turn's last `a` and the `g` that ends the turn (a one-token
+# marker stops the turn). The random tiny model, sampled with top_k 5, writes each about one
+# token in ten, so about half the turns call; a turn with an `a` and no `g` leaves its call open
+# (an invalid_call, not sent); one with a `g` and no `a` is a final answer.
+OPEN, CLOSE = "a", "g"
 EPISODE = {"environment": "counter", "kind": "openenv", "max_turns": 4, "tool_format": "tagged",
-           "tool_open": "?", "tool_close": ".", "observation_template": "{observation}="}  # fmt: skip
-PARAMS = {"max_new_tokens": 40, "ignore_eos": True, "skip_special_tokens": False, "temperature": 1.0}
+           "tool_open": OPEN, "tool_close": CLOSE, "observation_template": "{observation}="}  # fmt: skip
+PARAMS = {
+    "max_new_tokens": 40,
+    "ignore_eos": True,
+    "skip_special_tokens": False,
+    "temperature": 1.0,
+    "top_k": 5,
+}
 
 MODELS = """
 from openenv.core.env_server.types import Action, Observation
@@ -88,13 +99,13 @@ class CounterEnvironment(Environment):
         if explode:
             raise RuntimeError("the counter exploded")
         self._state = State(episode_id=episode_id, step_count=0)
-        log({"reset": episode_id, "seed": seed})
+        log({"reset": episode_id, "seed": seed, "pid": os.getpid()})
         return CounterObservation(text="say something", done=False, reward=None)
 
     def step(self, action: CounterAction) -> CounterObservation:
         self._state.step_count += 1
         count = self._state.step_count
-        log({"episode": self._state.episode_id, "message": action.message, "count": count})
+        log({"episode": self._state.episode_id, "message": action.message, "count": count, "pid": os.getpid()})
         return CounterObservation(
             text=f"{count}:{action.message}", done=count >= 2, reward=len(action.message) / 10 + count
         )
@@ -127,9 +138,9 @@ def counter_dir(openenv_python, tmp_path_factory):
 class CounterServer:
     """`uvicorn server.app:app` in the env's directory, as the scaffold's README runs it."""
 
-    def __init__(self, python: Path, env_dir: Path, log: Path, port: int | None = None):
-        self.python, self.env_dir, self.log = python, env_dir, log
-        self.port = port or free_port()
+    def __init__(self, python: Path, env_dir: Path, log: Path, workers: int = 1):
+        self.python, self.env_dir, self.log, self.workers = python, env_dir, log, workers
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> CounterServer:
@@ -143,13 +154,19 @@ class CounterServer:
                 "127.0.0.1",
                 "--port",
                 str(self.port),
+                "--workers",
+                str(self.workers),
             ],
             cwd=self.env_dir,
             env={**os.environ, "COUNTER_LOG": str(self.log), "ENABLE_WEB_INTERFACE": "false"},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        wait_until(self._up, timeout=120, interval=0.2, message="the OpenEnv server answers /health")
+        try:
+            wait_until(self._up, timeout=120, interval=0.2, message="the OpenEnv server answers /health")
+        except BaseException:
+            self.kill()
+            raise
         return self
 
     def _up(self) -> bool:
@@ -160,9 +177,14 @@ class CounterServer:
             return False
 
     def kill(self) -> None:
+        """SIGTERM (uvicorn's supervisor then stops its workers), SIGKILL if it lingers."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -217,16 +239,16 @@ def check_episode(tokenizer, prompt: list[int], sample, steps: list[dict]) -> in
                                              add_generation_prompt=True, tokenize=False)  # fmt: skip
     assert prompt + ids[: len(task)] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert mask[: len(task)] == [0] * len(task) and sample.turn_starts[0] == len(task)
-    fmt = ToolFormat("tagged", "?", ".")
     starts = [*sample.turn_starts, len(ids)]
     stepped = []  # the calls the runner must have sent: those before the last allowed turn
     for k, (start, end) in enumerate(zip(starts, starts[1:])):
         policy = [t for t in range(start, end) if mask[t]]
         text = tokenizer.decode([ids[t] for t in policy], skip_special_tokens=False)
-        opened = text.rfind("?")
-        if opened < 0 or "." not in text[opened:] or k == EPISODE["max_turns"] - 1:
-            continue  # a final answer, a call left open (an invalid_call), or a call nothing answers
-        stepped.append(call_body(text, fmt))
+        opened = text.rfind(OPEN)
+        rest = text[opened + len(OPEN) :]
+        if opened < 0 or CLOSE not in rest or k == EPISODE["max_turns"] - 1:
+            continue  # a final answer, a call left open, or a call on the last turn (nothing answers it)
+        stepped.append(rest[: rest.index(CLOSE)].strip())
         if k + 1 < len(sample.turn_starts):  # not done: the observation follows the call, loss mask 0
             obs = tokenizer(f"{len(stepped)}:{stepped[-1]}=", add_special_tokens=False)["input_ids"]
             after = policy[-1] + 1
@@ -234,8 +256,8 @@ def check_episode(tokenizer, prompt: list[int], sample, steps: list[dict]) -> in
     # the action sent is the parsed call, in one session (its count goes on from step to step)
     assert [s["message"] for s in steps] == stepped
     assert [s["count"] for s in steps] == list(range(1, len(steps) + 1))
-    if len(steps) == 2:  # the second step is done: the episode ends on the call
-        assert len(sample.turn_starts) == 2 and sample.finish_reason == "stop"
+    if len(steps) == 2:  # the second step is done: the episode ends on the call, nothing after it
+        assert len(sample.turn_starts) == 2 and mask[-1] == 1
     want = sum(len(m) / 10 + count for count, m in enumerate(stepped, start=1))
     assert sample.reward == pytest.approx(want) and sample.reward_status.value == "scored"
     assert sample.reward_details["actions"] == [{"message": m} for m in stepped]
@@ -282,5 +304,54 @@ def test_an_openenv_server_driven_by_episode_jobs(redis_url, run_id, reward, ope
         for i, sample in enumerate(g.samples):
             steps_made += check_episode(tokenizer, g.prompt_tokens.tolist(), sample,
                                         last_session(records, f"{g.group_id}/{i}"))  # fmt: skip
-    assert steps_made > 0, "no episode called the tool: the test model should write `?…​.` now and then"
+    assert steps_made > 0, "no episode called the tool: the test model should write `a…g` often"
     assert metric(metrics, 'asyncrl_rollout_env_steps_total{environment="counter",status="ok"}') >= steps_made
+
+
+def test_a_server_process_killed_mid_episode_restarts_its_episodes(redis_url, run_id, reward, openenv_python,
+                                                                   counter_dir, model_dir, tokenizer, tmp_path):  # fmt: skip
+    """uvicorn with two worker processes; SIGKILL the worker that made the first step, mid-episode:
+    that episode's socket drops, and the episode starts again from reset in a new session (on
+    the other worker), counted by kind; the group still completes, each episode's actions those
+    of its last session."""
+    log = tmp_path / "counter.jsonl"
+    server = CounterServer(openenv_python, counter_dir, log, workers=2).start()
+    engine = serve_engine(model_dir, max_running_requests=64, max_new_tokens_cap=100, context_length=CONTEXT)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=64, max_staleness=0)
+    running = serve_in_thread(redis_url, loaded_tokenizer=tokenizer,
+                              **rollout_settings(engine.url, reward.url, model_dir, run_id, server.port))  # fmt: skip
+    try:
+        with httpx.Client(base_url=running.url, timeout=30) as client:
+            before = client.get("/metrics").text
+            job = client.post("/v1/rollouts", json={"prompts": [{"messages": MESSAGES}] * 2, "group_size": 8,
+                                                    "sampling_params": PARAMS,
+                                                    "episode": {**EPISODE, "retries": 5}})  # fmt: skip
+            assert job.status_code == 202, job.text
+            wait_until(lambda: any("episode" in r for r in read_log(log)), timeout=300, interval=0.005,
+                       message="the server made a step")  # fmt: skip
+            first = next(r for r in read_log(log) if "episode" in r)
+            os.kill(first["pid"], signal.SIGKILL)  # the worker holding that episode's session
+            killed_at = len(read_log(log))
+            done = wait_job(client, job.json()["job_id"], timeout_s=600)
+            after = client.get("/metrics").text
+        buf = Buffer(redis_url, run_id)
+        groups = Groups(buf, "t").take(2, current_version=PolicyVersions(buf).version(), max_staleness=10**6,
+                                       block_ms=2000).groups  # fmt: skip
+    finally:
+        running.stop()
+        engine.stop()
+        server.kill()
+    assert done["buffered"] == 2, done["errors"]
+
+    def grew(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    assert grew('asyncrl_rollout_episode_retries_total{kind="dropped"}') >= 1
+    assert grew('asyncrl_rollout_openenv_errors_total{kind="dropped",server="counter"}') >= 1
+    records = read_log(log)
+    by_id = {f"{g.group_id}/{i}": (g, s) for g in groups for i, s in enumerate(g.samples)}
+    _, dropped = by_id[first["episode"]]
+    assert dropped.reward_details["attempt"] >= 1  # the killed episode was started again, from reset
+    assert any(r.get("reset") == first["episode"] and r["pid"] != first["pid"] for r in records[killed_at:])
+    for episode_id, (g, sample) in by_id.items():
+        check_episode(tokenizer, g.prompt_tokens.tolist(), sample, last_session(records, episode_id))
