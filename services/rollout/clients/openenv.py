@@ -21,16 +21,18 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import httpx
 from pydantic import ValidationError
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import InvalidHandshake, InvalidURI, WebSocketException
 
 from asyncrl.proto.openenv import VALIDATION_ERROR, OpenEnvMessage, OpenEnvResult, OpenEnvSchema
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.environments import EnvironmentFailed
 from asyncrl.services.rollout.config import OpenEnvServer
+
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
 
 MAX_MESSAGE_BYTES = 4 << 20  # one server message; observations are cut far shorter for the policy
 SCHEMA_TTL_S = 30.0
@@ -78,6 +80,10 @@ class OpenEnvClient:
             if not server.websocket:
                 yield HttpSession(name, server, self._http)
                 return
+            # (here, not at the top: a rollout service with no ws:// server never loads websockets)
+            from websockets.asyncio.client import connect
+            from websockets.exceptions import InvalidHandshake, InvalidURI
+
             try:
                 ws = await connect(
                     server.url + "/ws", open_timeout=server.timeout_s, max_size=MAX_MESSAGE_BYTES
@@ -93,6 +99,8 @@ class OpenEnvClient:
 
 async def _close(ws: ClientConnection) -> None:
     """Say goodbye (the server then frees the environment) and close; a dead socket is fine."""
+    from websockets.exceptions import WebSocketException
+
     try:
         await ws.send(json.dumps({"type": "close"}))
         await ws.close()
@@ -113,6 +121,8 @@ class WebSocketSession:
         return await self._ask({"type": "step", "data": action})
 
     async def _ask(self, message: dict) -> OpenEnvResult:
+        from websockets.exceptions import WebSocketException
+
         try:
             await self.ws.send(json.dumps(message))
             raw = await asyncio.wait_for(self.ws.recv(), timeout=self.server.timeout_s)
