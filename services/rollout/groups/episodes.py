@@ -277,7 +277,9 @@ class EpisodeRunner:
         finish, answer, actions = "length", "", []
         async with self.openenv.session(env) as session:
             reset = await session.reset({**spec.env_args, "seed": seed, "episode_id": episode_id})
-            _observe(d, task_ids(tok, job, observation_text(reset.observation)), self.initial_weight_version)
+            # (a task longer than the room is cut, and the episode gets no turn)
+            task = task_ids(tok, job, observation_text(reset.observation))
+            _observe(d, task[:room], self.initial_weight_version)
             for turn in range(spec.max_turns):
                 left = room - len(d.tokens)
                 if left <= 0:

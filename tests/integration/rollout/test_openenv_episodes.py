@@ -208,11 +208,13 @@ def reward(tmp_path_factory):
     running.stop()
 
 
-def rollout_settings(engine_url: str, reward_url: str, model_dir: str, run: str, port: int) -> dict:
+def rollout_settings(
+    engine_url: str, reward_url: str, model_dir: str, run: str, port: int, scheme: str = "ws"
+) -> dict:
     return {"run": run, "replica": "r0", "engine_urls": engine_url, "reward_url": reward_url,
             "tokenizer": model_dir, "max_new_tokens_cap": 100, "default_max_new_tokens": 8, "heartbeat_s": 0.3, "claim_poll_s": 0.05,
             "admission_poll_s": 0.05, "weights_poll_s": 0.5, "engine_backoff_s": 0.05,
-            "openenv": {"counter": {"url": f"ws://127.0.0.1:{port}", "max_sessions": 1}}}  # fmt: skip
+            "openenv": {"counter": {"url": f"{scheme}://127.0.0.1:{port}", "max_sessions": 1}}}  # fmt: skip
 
 
 def read_log(path: Path) -> list[dict]:
@@ -229,9 +231,11 @@ def metric(text: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
-def check_episode(tokenizer, prompt: list[int], sample, steps: list[dict]) -> int:
-    """What the runner guarantees of one finished episode, against what the server saw; the
-    number of steps it made."""
+def check_episode(tokenizer, prompt: list[int], sample, steps: list[dict] | None) -> list[str]:
+    """What the runner guarantees of one finished episode, against what the server saw in its
+    session (`steps`; None: over HTTP, where every step meets a fresh environment whose count
+    is 1); the messages it sent."""
+    counts = (lambda n: [1] * n) if steps is None else (lambda n: list(range(1, n + 1)))
     ids, mask = sample.completion_ids.tolist(), sample.loss_mask.tolist()
     task = tokenizer(f"user: {TASK}\nassistant: ", add_special_tokens=False)["input_ids"]
     # the task is a user message of the chat template, after the chat rendered without its generation prompt
@@ -250,18 +254,24 @@ def check_episode(tokenizer, prompt: list[int], sample, steps: list[dict]) -> in
             continue  # a final answer, a call left open, or a call on the last turn (nothing answers it)
         stepped.append(rest[: rest.index(CLOSE)].strip())
         if k + 1 < len(sample.turn_starts):  # not done: the observation follows the call, loss mask 0
-            obs = tokenizer(f"{len(stepped)}:{stepped[-1]}=", add_special_tokens=False)["input_ids"]
+            obs = tokenizer(f"{counts(len(stepped))[-1]}:{stepped[-1]}=", add_special_tokens=False)[
+                "input_ids"
+            ]
             after = policy[-1] + 1
             assert ids[after : after + len(obs)] == obs and mask[after : after + len(obs)] == [0] * len(obs)
+    if steps is None:  # stateless: never done, as the count never reaches 2
+        steps = [{"message": m, "count": 1} for m in stepped]
     # the action sent is the parsed call, in one session (its count goes on from step to step)
     assert [s["message"] for s in steps] == stepped
-    assert [s["count"] for s in steps] == list(range(1, len(steps) + 1))
-    if len(steps) == 2:  # the second step is done: the episode ends on the call, nothing after it
+    assert [s["count"] for s in steps] == counts(len(steps))
+    if (
+        len(steps) == 2 and counts(2)[-1] == 2
+    ):  # the second step is done: the episode ends on the call, nothing after it
         assert len(sample.turn_starts) == 2 and mask[-1] == 1
-    want = sum(len(m) / 10 + count for count, m in enumerate(stepped, start=1))
+    want = sum(len(m) / 10 + count for count, m in zip(counts(len(stepped)), stepped))
     assert sample.reward == pytest.approx(want) and sample.reward_status.value == "scored"
     assert sample.reward_details["actions"] == [{"message": m} for m in stepped]
-    return len(steps)
+    return stepped
 
 
 def test_an_openenv_server_driven_by_episode_jobs(redis_url, run_id, reward, openenv_python, counter_dir,
@@ -302,8 +312,8 @@ def test_an_openenv_server_driven_by_episode_jobs(redis_url, run_id, reward, ope
     steps_made = 0
     for g in groups:
         for i, sample in enumerate(g.samples):
-            steps_made += check_episode(tokenizer, g.prompt_tokens.tolist(), sample,
-                                        last_session(records, f"{g.group_id}/{i}"))  # fmt: skip
+            steps_made += len(check_episode(tokenizer, g.prompt_tokens.tolist(), sample,
+                                        last_session(records, f"{g.group_id}/{i}")))  # fmt: skip
     assert steps_made > 0, "no episode called the tool: the test model should write `a…g` often"
     assert metric(metrics, 'asyncrl_rollout_env_steps_total{environment="counter",status="ok"}') >= steps_made
 
@@ -355,3 +365,38 @@ def test_a_server_process_killed_mid_episode_restarts_its_episodes(redis_url, ru
     assert any(r.get("reset") == first["episode"] and r["pid"] != first["pid"] for r in records[killed_at:])
     for episode_id, (g, sample) in by_id.items():
         check_episode(tokenizer, g.prompt_tokens.tolist(), sample, last_session(records, episode_id))
+
+
+def test_an_openenv_server_over_http_is_stateless(redis_url, run_id, reward, openenv_python, counter_dir,
+                                                  model_dir, tokenizer, tmp_path):  # fmt: skip
+    """The same server named by its http:// URL: episodes go over POST /reset and /step, each of
+    which builds a fresh environment (OpenEnv's HTTP routes), so every step's count is 1."""
+    log = tmp_path / "counter.jsonl"
+    server = CounterServer(openenv_python, counter_dir, log).start()
+    engine = serve_engine(model_dir, max_running_requests=64, max_new_tokens_cap=100, context_length=CONTEXT)
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=64, max_staleness=0)
+    running = serve_in_thread(redis_url, loaded_tokenizer=tokenizer,
+                              **rollout_settings(engine.url, reward.url, model_dir, run_id, server.port, "http"))  # fmt: skip
+    try:
+        with httpx.Client(base_url=running.url, timeout=30) as client:
+            job = client.post("/v1/rollouts", json={"prompts": [{"messages": MESSAGES}] * 2, "group_size": 8,
+                                                    "sampling_params": PARAMS, "episode": EPISODE})  # fmt: skip
+            assert job.status_code == 202, job.text
+            done = wait_job(client, job.json()["job_id"], timeout_s=600)
+            assert done["buffered"] == 2, done["errors"]
+        buf = Buffer(redis_url, run_id)
+        groups = Groups(buf, "t").take(2, current_version=PolicyVersions(buf).version(), max_staleness=10**6,
+                                       block_ms=2000).groups  # fmt: skip
+    finally:
+        running.stop()
+        engine.stop()
+        server.kill()
+    sent = [
+        m
+        for g in groups
+        for s in g.samples
+        for m in check_episode(tokenizer, g.prompt_tokens.tolist(), s, None)
+    ]
+    steps = [r for r in read_log(log) if "message" in r]
+    assert sent and sorted(r["message"] for r in steps) == sorted(sent)
+    assert {r["count"] for r in steps} == {1} and {r["episode"] for r in steps} == {None}
