@@ -78,11 +78,21 @@ class EpisodeSpec(BaseModel):
     A turn without a tool call is the final answer. The episode's reward is the environment's
     (the sum of its turn rewards) when it judges, else the job's `reward_spec` verifier's on the
     final answer. `tools = false` runs the same task with no tool call parsed (one turn): the
-    baseline that shows what the tool is worth."""
+    baseline that shows what the tool is worth.
+
+    `kind = "openenv"`: `environment` names an OpenEnv server of the rollout's configuration
+    (`[rollout.openenv.NAME]`, never a URL from the job), driven over its own protocol
+    (`proto/openenv.py`); its one tool is its action. With a `messages` prompt, the
+    environment's first observation (the task) enters as a user message of the chat template."""
 
     model_config = ConfigDict(extra="forbid")
 
     environment: str = Field(min_length=1, max_length=64)
+    kind: Literal["asyncrl", "openenv"] = Field(
+        default="asyncrl",
+        description="asyncrl: the environment protocol (proto/environments.py) at environments_url; "
+        "openenv: a configured OpenEnv server",
+    )
     max_turns: int = Field(default=4, ge=1, le=MAX_TURNS)
     tool_format: Literal["hermes", "tagged"] = "hermes"
     tool_open: str = Field(

@@ -187,6 +187,12 @@ ENV_STEPS = Counter(
     "Environment steps, by environment and the tool's status",
     ["environment", "status"],
 )
+OPENENV_ERRORS = Counter(
+    "asyncrl_rollout_openenv_errors_total",
+    "Failures of OpenEnv servers' sessions, by server and kind (dropped, server_error, garbage, "
+    "refused_action, unavailable)",
+    ["server", "kind"],
+)
 TOOL_CALLS = Counter(
     "asyncrl_rollout_tool_calls_total",
     "Tool calls the policy made, by outcome (called, unparsable)",
