@@ -26,8 +26,8 @@ still answer but are deprecated, and servers before them know only the old names
 maps each new name to its old one; clients try the new one and fall back on a 404.
 
 Limits of this subset, stated rather than silently ignored: `stream`, `n > 1`, penalties,
-grammars (`regex`, `json_schema`, `ebnf`), `logit_bias`, `top_logprobs_num > 0`, stop strings
-and multimodal inputs are refused with a 4xx by the reference engine (a real SGLang accepts
+grammars (`regex`, `json_schema`, `ebnf`), `logit_bias`, `top_logprobs_num > 0` and
+multimodal inputs are refused with a 4xx by the reference engine (a real SGLang accepts
 them; the models below still carry the fields so a client can send them to SGLang).
 """
 
@@ -137,7 +137,6 @@ def wire_sampling_params(params: dict) -> dict:
 # `params` asks for it). One list for the engine, which refuses these, and the rollout service,
 # which refuses them at its door when its engines are reference engines.
 REFERENCE_ENGINE_REFUSES: dict[str, tuple[str, Callable[[SamplingParams], bool]]] = {
-    "stop": ("stop strings (use stop_token_ids)", lambda p: bool(p.stop)),
     "min_new_tokens": ("min_new_tokens", lambda p: p.min_new_tokens != 0),
     "frequency_penalty": ("frequency_penalty", lambda p: p.frequency_penalty != 0.0),
     "presence_penalty": ("presence_penalty", lambda p: p.presence_penalty != 0.0),

@@ -16,6 +16,6 @@ the broadcast) is services/transport/weights, shared with the trainer.
 
 Guarantees: a forward never mixes weight versions; KV computed under old weights is never
 reused after an update; every response carries the `weight_version` that finished it. Not
-provided: streaming, n > 1, penalties, grammars, stop strings, prefix caching, tensor
+provided: streaming, n > 1, penalties, grammars, prefix caching, tensor
 parallelism, sliding-window attention (all refused with a clear error, not ignored).
 """

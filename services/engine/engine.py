@@ -13,6 +13,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,8 @@ class _Params:
     refused: tuple[str, ...]  # what the reference engine does not support, as labels
     stop_ids: frozenset[int]
     sampling: RowSampling
+    stop_strs: tuple[str, ...] = ()
+    detokenize: Callable[[list[int]], str] | None = None
 
 
 def _ignore(_: Request) -> None:
@@ -234,8 +237,14 @@ class InferenceEngine:
         stop = set(sp.stop_token_ids or [])
         if not sp.ignore_eos:
             stop |= self.runner.eos_token_ids
+        strs = stop_strings(sp)
+        skip = sp.skip_special_tokens
         return _Params(
-            self._unsupported(sp), frozenset(stop), RowSampling(sp.temperature, sp.top_p, sp.top_k, sp.min_p)
+            self._unsupported(sp),
+            frozenset(stop),
+            RowSampling(sp.temperature, sp.top_p, sp.top_k, sp.min_p),
+            strs,
+            (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)) if strs else None,
         )
 
     def _build(self, item: GenerateItem, ids: list[int], shared: _Params) -> Request:
@@ -271,6 +280,8 @@ class InferenceEngine:
             on_finish=_ignore,
             return_logprob=item.return_logprob,
             logprob_start_len=item.logprob_start_len,
+            stop_strs=shared.stop_strs,
+            detokenize=shared.detokenize,
         )
 
     @staticmethod
@@ -288,7 +299,11 @@ class InferenceEngine:
     def _response(self, r: Request, item: GenerateItem, text_in_logprobs: bool) -> dict:
         sp = item.sampling_params
         text_ids = r.output_ids
-        if r.finish_reason and r.finish_reason.get("type") == "stop" and not sp.no_stop_trim:
+        matched = (
+            (r.finish_reason or {}).get("matched") if (r.finish_reason or {}).get("type") == "stop" else None
+        )
+        trim = matched is not None and not sp.no_stop_trim
+        if trim and isinstance(matched, int):
             text_ids = r.output_ids[:-1]  # SGLang trims the matched stop token from `text`
         spans = version_spans(r)
         meta: dict = {
@@ -311,7 +326,10 @@ class InferenceEngine:
                 [lp, t, decode(t)] for lp, t in zip(r.input_logprobs or [], r.prompt_ids[start:])
             ]
         return {
-            "text": self.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens),
+            "text": _cut_at(
+                self.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens),
+                matched if trim and isinstance(matched, str) else None,
+            ),
             "output_ids": list(r.output_ids),
             "meta_info": meta,
         }
@@ -522,3 +540,17 @@ class InferenceEngine:
             # reference engine by this key.
             "sglang_api_commit": f"v{SGLANG_RELEASE}",
         }
+
+
+def stop_strings(sp: SamplingParams) -> tuple[str, ...]:
+    """SGLang's `stop` (a string or a list of them) as a tuple; empty strings mean nothing."""
+    raw = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    return tuple(s for s in raw if s)
+
+
+def _cut_at(text: str, stop: str | None) -> str:
+    """`text` before the stop string it ended with, as SGLang trims it (the tokens stay)."""
+    if stop is None:
+        return text
+    at = text.find(stop)
+    return text[:at] if at >= 0 else text

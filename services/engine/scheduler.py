@@ -63,10 +63,30 @@ class Request:
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
+    # Stop strings (SGLang's `stop`): matched against the text of the last tokens after each one.
+    stop_strs: tuple[str, ...] = ()
+    detokenize: Callable[[list[int]], str] | None = None
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+
+STOP_WINDOW_SLACK = 4  # tokens beyond a stop string's length: a token may be a partial character
+
+
+def stop_string_matched(r: Request) -> str | None:
+    """The stop string the last token completed, else None. Only the text of the last tokens is
+    decoded (a stop string of n characters spans at most n tokens, plus a partial character's
+    slack), and a match counts only when that token made it: without it, the text had none."""
+    window = r.output_ids[-(max(map(len, r.stop_strs)) + STOP_WINDOW_SLACK) :]
+    text = r.detokenize(window)
+    found = [s for s in r.stop_strs if s in text]
+    if not found:
+        return None
+    before = r.detokenize(window[:-1])
+    new = [s for s in found if s not in before]
+    return new[0] if new else None
 
 
 def version_spans(r: Request) -> list[dict[str, Any]]:
@@ -312,6 +332,8 @@ class Scheduler:
     def _check_finished(self, r: Request) -> bool:
         if r.output_ids and r.output_ids[-1] in r.stop_ids:
             r.finish_reason = {"type": "stop", "matched": r.output_ids[-1]}
+        elif r.stop_strs and (matched := stop_string_matched(r)) is not None:
+            r.finish_reason = {"type": "stop", "matched": matched}
         elif len(r.output_ids) >= r.max_new_tokens:
             r.finish_reason = {"type": "length", "length": r.max_new_tokens}
         elif r.kv_len + 1 >= self.runner.context_length:

@@ -189,7 +189,7 @@ def check_engine_support(params: SamplingParams, engine_kind: str | None) -> Non
     if refused:
         raise BadRequest(
             f"sampling_params {', '.join(refused)}: not supported by the reference engine serving this "
-            "rollout service (stop strings: use stop_token_ids; a real SGLang engine accepts them)",
+            "rollout service (a real SGLang engine accepts them)",
             reason="unsupported_sampling_params",
         )
 

@@ -106,10 +106,15 @@ def sample_text(tokenizer, d: Draft, params: dict) -> str:
     decoded by the same rules (`no_stop_trim`, `skip_special_tokens` from `params`)."""
     if d.segments == 1:
         return d.engine_text
-    stop_trim = d.finish_reason == "stop" and not params.get("no_stop_trim")
-    return tokenizer.decode(
-        d.tokens[:-1] if stop_trim else d.tokens, skip_special_tokens=params.get("skip_special_tokens", True)
-    )
+    skip = params.get("skip_special_tokens", True)
+    if d.finish_reason != "stop" or params.get("no_stop_trim"):
+        return tokenizer.decode(d.tokens, skip_special_tokens=skip)
+    stops = params.get("stop") or []
+    text = tokenizer.decode(d.tokens, skip_special_tokens=skip)
+    cuts = [text.find(s) for s in ([stops] if isinstance(stops, str) else stops) if s and s in text]
+    if cuts:  # it ended at a stop string: the text before it (the tokens stay)
+        return text[: min(cuts)]
+    return tokenizer.decode(d.tokens[:-1], skip_special_tokens=skip)  # at a stop token
 
 
 def _version(name: str | None, initial_version: int) -> tuple[int, int]:

@@ -271,6 +271,38 @@ def test_finish_reasons(client):
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS_ID}
 
 
+def test_stop_strings_end_at_the_token_that_completes_one(client, hf_model):
+    """SGLang's `stop`: the request ends at the token whose text completes a stop string, every
+    sampled token kept (they are what the policy sampled), the text cut before the string,
+    `matched` the string; `no_stop_trim` keeps it; a string never produced changes nothing."""
+    _, tokenizer = hf_model
+    greedy = {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}  # seeded
+    free = generate(client, input_ids=PROMPT, sampling_params=greedy)
+    ids = free["output_ids"]
+    prefix = [
+        tokenizer.decode(ids[: i + 1], skip_special_tokens=True) for i in range(len(ids))
+    ]  # what the text is after token i
+    # A two-character string first complete at token k, whose own text is its last character:
+    # the string spans two tokens.
+    k = next(
+        i
+        for i in range(2, len(ids))
+        if len(prefix[i]) == len(prefix[i - 1]) + 1
+        and len(prefix[i - 1]) >= 1
+        and prefix[i][-2:] not in prefix[i - 1]
+    )
+    stop, text = prefix[k][-2:], free["text"]
+    out = generate(client, input_ids=PROMPT, sampling_params={**greedy, "stop": [stop, "never-said"]})
+    assert out["output_ids"] == free["output_ids"][: k + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == prefix[k][:-2] and text.startswith(out["text"] + stop)
+    kept = generate(client, input_ids=PROMPT, sampling_params={**greedy, "stop": stop, "no_stop_trim": True})
+    assert kept["output_ids"] == out["output_ids"] and kept["text"] == prefix[k]
+    missing = generate(client, input_ids=PROMPT, sampling_params={**greedy, "stop": ["never-said"]})
+    assert missing["output_ids"] == free["output_ids"]
+    assert missing["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+
+
 def test_context_length_clips_with_length_finish(client):
     prompt = [1] + [5] * (CONTEXT - 11)
     out = generate(

@@ -68,13 +68,14 @@ def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(in
     from asyncrl.services.rollout.intake import check_engine_support
 
     refused = {
-        "stop": ["\n"], "min_new_tokens": 2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
+        "min_new_tokens": 2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
         "repetition_penalty": 1.1, "regex": "a+", "json_schema": "{}", "ebnf": "root ::= 'a'",
         "logit_bias": {"5": 1.0},
     }  # fmt: skip
     allowed = {
         "stop_token_ids": [5], "ignore_eos": True, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
         "sampling_seed": 3, "skip_special_tokens": False, "no_stop_trim": True, "max_new_tokens": 4,
+        "stop": ["\n"],
     }  # fmt: skip
     assert set(refused) == set(REFERENCE_ENGINE_REFUSES)
 
@@ -100,6 +101,6 @@ def test_sampling_params_the_reference_engine_refuses_are_refused_at_the_door(in
             check_engine_support(params, "reference")
         check_engine_support(params, "sglang")  # a real SGLang takes them all
         check_engine_support(params, None)  # unknown engine: it judges
-    req = request(prompts=[{"text": "ab"}], sampling_params={"stop": ["x"], "logit_bias": {"1": 2.0}})
-    with pytest.raises(BadRequest, match="^sampling_params stop, logit_bias: not supported"):
+    req = request(prompts=[{"text": "ab"}], sampling_params={"regex": "x", "logit_bias": {"1": 2.0}})
+    with pytest.raises(BadRequest, match="^sampling_params regex, logit_bias: not supported"):
         intake.build(req, "j", frozenset({"reverse"}), "reference")
