@@ -44,6 +44,7 @@ from asyncrl.services.reward.verifiers.asserts import (
     BadResults,
     Check,
     Unsplittable,
+    all_calls,
     calls_line,
     first_failure,
     read_results,
@@ -212,7 +213,7 @@ class CodeVerifier(Verifier):
         if status != "exited_ok":
             return _report(status, run)
         try:
-            failure = first_failure(checks, read_results(run.stdout, nonce, len(checks)))
+            failure = first_failure(checks, read_results(run.stdout, nonce, len(all_calls(checks))))
         except BadResults as exc:
             failure = str(exc)
         if failure is not None:
