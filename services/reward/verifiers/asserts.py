@@ -25,6 +25,7 @@ __all__ = [
     "Call",
     "Check",
     "Unsplittable",
+    "all_calls",
     "calls_line",
     "first_failure",
     "read_results",
@@ -69,16 +70,6 @@ def read_results(stdout: bytes, nonce: str, count: int) -> list[tuple[str, Any]]
         return out
     except (ValueError, TypeError, RecursionError) as exc:
         raise BadResults(f"malformed result line: {str(exc)[:200]}") from None
-
-
-def first_failure(checks: list[Check], results: list[tuple[str, Any]]) -> str | None:
-    """Why the first failing check fails (`line N: ...`), or None if all pass."""
-    for check, (kind, value) in zip(checks, results, strict=True):
-        if kind == "not_plain":
-            return f"line {check.line}: {check.func}() returned a {value}, not plain data"
-        if not check.judge(value):
-            return f"line {check.line}: assert failed"
-    return None
 
 
 def first_failure(checks: list[Check], results: list[tuple[str, Any]]) -> str | None:
