@@ -13,7 +13,7 @@ import uuid
 import pytest
 from test_sandbox_attacks import assert_host_clean_and_serving
 
-FORCE_IN_SANDBOX = "import sys  # not a supported statement: the asserts run next to the program\n"
+FORCE_IN_SANDBOX = "import os  # never evaluated by the split: the asserts run next to the program\n"
 
 
 def score_asserts(client, items: list[tuple[str, str, dict]]) -> list[dict]:
