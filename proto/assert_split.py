@@ -705,19 +705,33 @@ class _Splitter:
                 raise Unsplittable(f"line {line}: `is` only with None, True, False or a type")
         fns = [COMPARE[type(op)] for op in ops]
 
-        def chain(*values: Any) -> bool:
-            return all(bool(fn(a, b)) for fn, a, b in zip(fns, values, values[1:], strict=False))
+        def chain(results: list) -> bool:  # lazy, as Python's: `0 < f(x) < len(f(x))`
+            left = _value(nodes[0], results)
+            for fn, node in zip(fns, nodes[1:], strict=True):
+                right = _value(node, results)
+                if not fn(left, right):
+                    return False
+                left = right
+            return True
 
-        return self.combine(line, chain, nodes)
+        return self.fold(line, chain, nodes)
 
     def boolean(self, line: int, conjunction: bool, parts: list[Node]) -> Node:
-        def pick(*values: Any) -> Any:
-            for value in values[:-1]:
+        def pick(results: list) -> Any:  # lazy, as Python's: `f(x) is None or len(f(x)) == 3`
+            value = None
+            for part in parts:
+                value = _value(part, results)
                 if bool(value) != conjunction:
                     return value
-            return values[-1]
+            return value
 
-        return self.combine(line, pick, parts)
+        return self.fold(line, pick, parts)
+
+    def fold(self, line: int, lazy: Callable[[list], Any], parts: list[Node]) -> Node:
+        """`lazy` (a function of the results that evaluates `parts` itself), now if all are static."""
+        if all(isinstance(p, Static) for p in parts):
+            return self.combine(line, lambda: lazy([]), [])
+        return lazy
 
 
 def _method(obj: Any, name: str) -> Callable:

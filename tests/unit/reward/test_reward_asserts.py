@@ -271,6 +271,17 @@ def test_the_judge_compares_plain_values_as_python_does_and_fails_what_raises():
     assert not judge("assert f()['k'] == 1", {"j": 1})  # KeyError: fails
 
 
+def test_and_or_and_comparison_chains_short_circuit_as_python_does():
+    # every call is made in the sandbox; the judgement skips what Python would not evaluate
+    assert judge("assert f() is None or len(f()) == 3", None, None)  # len(None) is never evaluated
+    assert judge("assert f() is None or len(f()) == 3", "abc", "abc")
+    assert not judge("assert f() is None or len(f()) == 3", [1], [1])
+    assert not judge("assert 0 < f() < len(f())", 0, 0)  # stops at 0 < 0, no len(0)
+    assert judge("assert 0 < f() < len(f())", 2, "abc")
+    assert judge("assert (f() and f()[0]) == 'a' or f() == []", ["a"], ["a"], ["a"])
+    assert judge("assert (f() and f()[0]) == 'a' or f() == []", [], [], [])
+
+
 def test_calls_line_carries_the_calls_and_never_the_expected_values():
     checks = split_asserts(
         "import math\nassert f((1, 2), k={3}) == 'EXPECTED-1'\nassert abs(g() - 17.25) < 0.5\n"
