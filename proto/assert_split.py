@@ -21,8 +21,11 @@ HumanEval's `def check(candidate)` that is then called as `check(name)` (or name
   they bind only the names listed there, read from the service's own modules. Names of them
   not listed (`re.match`: unbounded backtracking on the program's output; `typing.List`;
   `itertools.*`) make an assert that uses them unsplittable, not the import;
-* docstrings, `pass`, and `NAME = <expression without calls of the program>` at module level,
-  which binds NAME for the later asserts only (the program does not see it).
+* docstrings, `pass`, and `NAME = <expression without calls of the program>` (also a tuple of
+  names), which binds NAME for the later asserts only (the program does not see it);
+* `for TARGET in <expression without calls of the program>:` of supported statements, no
+  `else`: unrolled here, its body once per item with TARGET bound to it (at most MAX_UNROLLED
+  iterations in all, `range()` of at most MAX_RANGE numbers).
 
 Expressions: literals (None, bool, int, float, str; tuple, list, set and dict displays of
 expressions), names bound above, builtin type names (`int`, `str`, ...), `-x +x ~x not x`,
@@ -32,11 +35,14 @@ a type), `and` / `or`, `x[i]` and `x[a:b:c]`, calls of
 * the program: a plain name that is none of the names below, or the `check` parameter, with
   arguments computed here to plain data (literals, `math.sqrt(2)`, `string.digits`, ...);
   a call of the program inside another call's arguments is unsplittable (it would need its
-  result in the sandbox);
-* the builtins in `BUILTINS` (`len set sorted round str Counter`, ...: `set(f(x)) == {1, 2}`,
+  result in the sandbox), and so is a call of a capitalised name (`Point(1, 2)`,
+  `Solution()`: a class, whose instances are never plain data);
+* the builtins in `BUILTINS` (`len set sorted round str int`, ...: `set(f(x)) == {1, 2}`,
   `sorted(f(x), key=len)`, `round(f(x), 2) == 1.23`, `abs(f(x) - y) < eps`, `isinstance`),
-  the functions of `MODULES` (`math.isclose`, `math.sqrt`, `Fraction(1, 3)`), and the methods
-  in `METHODS` of a str, dict, list or tuple value (`f(x).lower()`, `f(x).split()`); each has
+  the functions of `MODULES` (`math.isclose`, `math.sqrt`, `Counter(f(x))`, `Fraction(1, 3)`),
+  and the methods
+  in `METHODS` of a str, dict, list or tuple value (`f(x).lower()`, `f(x).split()`; another
+  method name, `Solution().twoSum(...)`, is unsplittable); each has
   bounds on its arguments where its cost depends on them (`math.factorial(n)`, n <= 1000).
 A builtin called with arguments that involve no call of the program is computed here at split
 time, except when its name is the spec's `entry_point`. An assert whose expression calls no
@@ -44,7 +50,8 @@ function of the program is unsplittable (unless it is a true constant: skipped),
 program may define that name (`def max(...)`) and the asserts, run as written, would test it.
 
 Anything else makes the whole `assert_code` unsplittable (`Unsplittable` says which line and
-why): other statements (loops, setup calls, `sys.setrecursionlimit`), imports of other modules
+why): other statements (`while`, `if`, `x = f(1)` and other setup that calls the program,
+`sys.setrecursionlimit`), imports of other modules
 (`os`, `subprocess`, `builtins`, `importlib`, `numpy`...), comprehensions and lambdas, bytes,
 complex numbers, attributes of values, arguments that are not plain data (a `Fraction`). The
 code verifier then runs it as written, inside the sandbox, and says so; a `strict` spec is
@@ -80,6 +87,8 @@ MAX_FACTORIAL = 1000  # math.factorial(1000) is ~8500 bits
 MAX_COMB = 1000  # math.comb / perm n: comb(1000, 500) is ~1000 bits, microseconds
 MAX_NUMBER_TEXT = 100  # Fraction / Decimal from a string: bounded parse, bounded exponent
 MAX_DECIMAL_EXPONENT = 1000  # comparing Decimal('1e999999999') with a Fraction builds 10**that
+MAX_UNROLLED = 10_000  # loop iterations unrolled into checks, per assert_code: each costs a call
+MAX_RANGE = 100_000  # range() lengths: `list(range(10**9))` would be built here
 
 
 class Unsplittable(ValueError):
@@ -208,6 +217,14 @@ def _sum(values: Any) -> Any:
     return sum(items)
 
 
+def _range(*args: Any) -> range:
+    _guard_int(*args)
+    value = range(*args)
+    if len(value) > MAX_RANGE:
+        raise ValueError(f"range of more than {MAX_RANGE} numbers")
+    return value
+
+
 def _round(number: Any, ndigits: Any = None) -> Any:
     if ndigits is not None and (type(ndigits) is not int or abs(ndigits) > MAX_ROUND_DIGITS):
         raise ValueError(f"round() digits beyond ±{MAX_ROUND_DIGITS}")
@@ -265,6 +282,7 @@ BUILTINS: dict[str, Func] = {
     "dict": _f(dict),
     "isinstance": _f(isinstance),
     "type": _f(type),
+    "range": _f(lambda *args: _range(*args)),
 }
 _MATH_FUNCS = {
     "isclose": _f(math.isclose, "rel_tol", "abs_tol"),
@@ -462,14 +480,12 @@ class _Splitter:
         self.modules: set[int] = {id(MODULES["math"])}
         self.helpers: dict[str, ast.FunctionDef] = {}  # one-parameter functions of asserts
         self.calls: list[Call] = []  # of the assert being compiled
+        self.unrolled = 0  # loop iterations so far, all loops together
 
     def module(self, body: list[ast.stmt]) -> list[Check]:
         checks = []
         for stmt in body:
             match stmt:
-                case ast.Assign(targets=[ast.Name(id=name)], value=value):
-                    node = self.compile_setup(stmt, value)
-                    self.names[name] = node.value
                 case ast.FunctionDef(name=name, args=args, decorator_list=[]) if _one_parameter(args):
                     self.helpers[name] = stmt
                 case ast.Expr(value=ast.Call(func=ast.Name(id=name), args=[ast.Name(id=target)])) if (
@@ -480,10 +496,11 @@ class _Splitter:
                     checks += self.statement(stmt, {})
         return checks
 
-    def compile_setup(self, stmt: ast.stmt, value: ast.expr) -> Static:
+    def compile_setup(self, stmt: ast.stmt, value: ast.expr, alias: dict[str, str]) -> Static:
+        """The value of `value`, which may not call the program (it is computed here)."""
         self.calls = []
         try:
-            node = self.expr(value, {})
+            node = self.expr(value, alias)
         except Unsplittable as exc:
             raise Unsplittable(f"line {stmt.lineno}: setup `{_show(stmt)}` ({_reason(exc)})") from None
         if not isinstance(node, Static) or self.calls:
@@ -502,6 +519,11 @@ class _Splitter:
                 return self.assertion(test, alias)
             case ast.Pass() | ast.Expr(value=ast.Constant(value=str())):
                 return []
+            case ast.Assign(targets=[target], value=value):
+                self.bind(stmt, target, self.compile_setup(stmt, value, alias).value)
+                return []
+            case ast.For(target=target, iter=iterable, body=body, orelse=[]):
+                return self.loop(stmt, target, iterable, body, alias)
             case ast.Import(names=names):
                 for item in names:
                     self.bind_module(stmt, item.name, item.asname or item.name)
@@ -514,6 +536,47 @@ class _Splitter:
                     self.names[item.asname or item.name] = _module_entry(module, item.name, stmt.lineno)
                 return []
         raise Unsplittable(f"line {stmt.lineno}: unsupported statement `{_show(stmt)}`")
+
+    def loop(self, stmt: ast.For, target: ast.expr, iterable: ast.expr, body, alias) -> list[Check]:
+        """A `for` over a value computed here, unrolled: its body once per item, the target bound
+        to the item (`for x, y in [(1, 2), (3, 4)]: assert f(x) == y`, `for i in range(10)`)."""
+        items = self.compile_setup(stmt, iterable, alias).value
+        try:
+            count = len(items)
+            self.unrolled += count
+            if self.unrolled > MAX_UNROLLED:
+                raise Unsplittable(f"line {stmt.lineno}: loops of more than {MAX_UNROLLED} iterations in all")
+            items = list(items)
+        except TypeError as exc:
+            raise Unsplittable(f"line {stmt.lineno}: `for` over {_show(iterable)}: {exc}") from None
+        checks = []
+        for item in items:
+            self.bind(stmt, target, item)
+            for inner in body:
+                checks += self.statement(inner, alias)
+        return checks
+
+    def bind(self, stmt: ast.stmt, target: ast.expr, value: Any) -> None:
+        """`target = value` for a name or a (nested) tuple or list of names."""
+        match target:
+            case ast.Name(id=name):
+                self.names[name] = value
+                return
+            case ast.Tuple(elts=elts) | ast.List(elts=elts) if not any(
+                isinstance(e, ast.Starred) for e in elts
+            ):
+                try:
+                    parts = list(value)
+                except TypeError:
+                    parts = None
+                if parts is not None and len(parts) == len(elts):
+                    for elt, part in zip(elts, parts, strict=True):
+                        self.bind(stmt, elt, part)
+                    return
+                raise Unsplittable(
+                    f"line {stmt.lineno}: cannot unpack {type(value).__name__} into `{_show(target)}`"
+                )
+        raise Unsplittable(f"line {stmt.lineno}: assignment to `{_show(target)}` (only names)")
 
     def bind_module(self, stmt: ast.stmt, module: str, name: str | None) -> None:
         if module not in MODULES:
@@ -631,6 +694,10 @@ class _Splitter:
                 line, lambda *v: fn(*v[:count], **dict(zip(names, v[count:], strict=True))), parts
             )
         if isinstance(func, ast.Attribute):  # a method of a value: `f(x).lower()`
+            if not any(func.attr in names for names in METHODS.values()):
+                raise Unsplittable(
+                    f"line {line}: method `.{func.attr}()` (of a program's object?) is not evaluated"
+                )
             receiver = self.expr(func.value, alias)
             parts = [receiver, *(self.expr(a, alias) for a in args)]
             if keywords:
@@ -642,6 +709,8 @@ class _Splitter:
         name = func.id
         if name in self.names or name in self.helpers:
             raise Unsplittable(f"line {line}: `{name}` is not a function of the program")
+        if alias.get(name, name)[:1].isupper():
+            raise Unsplittable(f"line {line}: `{name}` looks like a class: its instances are not plain data")
         values = []
         for arg in [*args, *(k.value for k in keywords)]:
             part = self.expr(arg, alias)

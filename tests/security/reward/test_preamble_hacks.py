@@ -172,6 +172,7 @@ SUITES = [
     "from typing import List\nimport math\n\n\ndef check(candidate):\n"
     "    assert candidate([1, 2, -4, 5]) is True\n    assert not candidate([1, 2, -3, 1, 2, -3])\n",
     "import statistics\nassert 1.9 < mean([1, 2, 3]) <= 2.0",
+    "for s, n in [('a b', 2), ('x', 1)]:\n    assert len(split_words(s)) == n",
 ]
 SPECS = [{"entry_point": "below_zero"} if "def check" in suite else {} for suite in SUITES]
 
@@ -200,11 +201,11 @@ def test_a_strict_spec_refuses_unsplittable_asserts_at_rollout_submission(
         reward_url=reward_url,
         tokenizer=str(tiny),
     )
-    loop = "import math\ncases = [(1, 2)]\nfor a, b in cases:\n    assert add(a, b) == a + b"
+    loop = "import math\ncases = [(1, 2)]\nwhile cases:\n    assert add(*cases.pop()) == 3"
     try:
         with httpx.Client(base_url=rollout.url, timeout=30) as http:
             for asserts, where in [
-                (loop, "line 3: unsupported statement `for a, b in cases:`"),
+                (loop, "line 3: unsupported statement `while cases:`"),
                 ("import os\nassert add(1, 2) == 3", "line 1: import of `os`"),
             ]:
                 spec = {"verifier": "code", "assert_code": asserts, "strict": True}

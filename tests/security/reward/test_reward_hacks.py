@@ -299,8 +299,8 @@ def test_humaneval_check_candidate(client):
 
 
 def test_unsplittable_asserts_still_run_in_the_sandbox_and_say_so(client):
-    asserts = "cases = [(1, 2), (3, 4)]\nfor a, b in cases:\n    assert add(a, b) == a + b"
-    check = "def check(f):\n    for x in range(3):\n        assert f(x, 0) == x"
+    asserts = "total = add(1, 2)\nassert total == 3\nassert add(3, 4) == 7"
+    check = "def check(f):\n    assert all(f(x, 0) == x for x in range(3))"
     honest, wrong = "def add(a, b):\n    return a + b", "def add(a, b):\n    return a * b"
     results = score_asserts(
         client,
@@ -316,4 +316,4 @@ def test_unsplittable_asserts_still_run_in_the_sandbox_and_say_so(client):
         (1.0, "in_sandbox", "passed"),
         (0.0, "in_sandbox", "failed"),  # check(add) was run: the entry point is appended
     ], results
-    assert results[0]["details"]["unsplittable"] == "line 2: unsupported statement `for a, b in cases:`"
+    assert results[0]["details"]["unsplittable"] == "line 1: setup `total = add(1, 2)` calls the program"

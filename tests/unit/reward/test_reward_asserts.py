@@ -179,7 +179,22 @@ def test_an_entry_point_named_like_a_builtin_is_the_programs_function():
     ("source", "where"),
     [
         ("x = f(1)\nassert x == 2", "line 1: setup `x = f(1)` calls the program"),
-        ("assert f(1) == 1\nfor i in range(3):\n    assert f(i) == i", "line 2: unsupported statement"),
+        ("assert f(1) == 1\nwhile True:\n    assert f(1) == 1", "line 2: unsupported statement"),
+        (
+            "for i in range(10**6):\n    assert f(i)",
+            "line 1: setup `for i in range(10 ** 6):` (ValueError: range of more than 100000",
+        ),
+        (
+            "for i in range(10):\n    for j in range(1001):\n        assert f(i, j)",
+            "of more than 10000 iterations",
+        ),
+        ("for x in f(3):\n    assert x > 0", "line 1: setup `for x in f(3):` calls the program"),
+        ("for a, b in [(1, 2, 3)]:\n    assert f(a) == b", "line 1: cannot unpack tuple into `(a, b)`"),
+        ("for i in range(3):\n    assert f(i)\nelse:\n    pass", "line 1: unsupported statement"),
+        ("for i in range(3):\n    if i:\n        assert f(i)", "line 2: unsupported statement"),
+        ("x.y = 1\nassert f(1)", "line 1: assignment to `x.y` (only names)"),
+        ("assert Solution().twoSum([2, 7], 9) == [0, 1]", "method `.twoSum()`"),
+        ("assert f(1) == Point(1, 2)", "line 1: `Point` looks like a class"),
         ("assert f(g(1)) == 2", "line 1: `g(1)` is not computed before the call"),
         ("assert set(f(1)) == {1} and f(len(g()))", "line 1: `len(g())` is not computed"),
         ("assert f(1) is 5", "line 1: `is` only with None, True, False or a type"),
@@ -187,7 +202,8 @@ def test_an_entry_point_named_like_a_builtin_is_the_programs_function():
         ("assert f(1j) == 1", "line 1: `1j` is not a supported literal"),
         ("assert f(**{'a': 1}) == 1", "line 1: `*` or `**` in a call"),
         ("assert f(*[1]) == 1", "line 1: `*` or `**` in a call"),
-        ("assert obj.f(1) == 1", "line 1: `obj` is not a literal or a name the asserts bind"),
+        ("assert obj.f(1) == 1", "line 1: method `.f()`"),
+        ("assert obj.count(1) == 1", "line 1: `obj` is not a literal or a name the asserts bind"),
         ("assert f(1) == 2**1000", "line 1: ValueError: `**` with an exponent above 64"),
         ("assert f(1) == 1 / 0", "line 1: ZeroDivisionError: division by zero"),
         ("assert f(1) == [1, 2][5]", "line 1: IndexError"),
@@ -265,10 +281,30 @@ def test_the_judge_compares_plain_values_as_python_does_and_fails_what_raises():
     assert not judge("assert math.isclose(f(), 1.0, 1e-3)", 1.0)  # isclose's tolerances are keywords
     assert not judge("assert round(f(), 10**6) == 1", 1)  # digits beyond ±100: fails, costs nothing
     assert not judge("assert sum(f()) == []", [[1], [2]])  # sum() of numbers only
-    assert not judge("assert f().replace('a', 'b') == 'b'", "a")  # a method METHODS does not list
+    assert not judge("assert f().keys() == {1}", [1])  # keys is a dict method only
     assert not judge("assert f().lower() == 'a'", ["A"])  # lower is a str method only
     assert judge("assert f()['k'] == 1", {"k": 1}) and judge("assert f().get('j') is None", {"k": 1})
     assert not judge("assert f()['k'] == 1", {"j": 1})  # KeyError: fails
+
+
+def test_loops_over_values_computed_here_are_unrolled_with_their_names_bound():
+    source = (
+        "def check(candidate):\n"
+        "    cases = [((1, 2), 3), ((2, 2), 4)]\n"
+        "    for (a, b), want in cases:\n"
+        "        assert candidate(a, b) == want\n"
+        "    for i in range(2):\n"
+        "        for j in [i, i + 10]:\n"
+        "            assert candidate(i, j) == i + j\n"
+    )
+    checks = split_asserts(source, entry_point="add")
+    assert calls_of(checks) == [
+        (4, [Call("add", (1, 2))]),
+        (4, [Call("add", (2, 2))]),
+        *[(7, [Call("add", (i, j))]) for i, j in [(0, 0), (0, 10), (1, 1), (1, 11)]],
+    ]
+    assert first_failure(checks, [("ok", v) for v in (3, 4, 0, 10, 2, 12)]) is None
+    assert first_failure(checks, [("ok", v) for v in (3, 4, 0, 10, 2, 13)]) == "line 7: assert failed"
 
 
 def test_and_or_and_comparison_chains_short_circuit_as_python_does():
@@ -363,11 +399,11 @@ def test_code_spec_entry_point_is_an_identifier_that_needs_assert_code():
 
 
 def test_strict_code_spec_refuses_unsplittable_asserts_naming_the_line():
-    loose = validate_spec(CodeSpec, {"assert_code": "assert f(1) == 1\nfor i in []:\n    pass"})
+    loose = validate_spec(CodeSpec, {"assert_code": "assert f(1) == 1\nwhile f(2):\n    pass"})
     assert loose.strict is False  # default: runs in the sandbox as today
     with pytest.raises(SpecError) as refused:
-        validate_spec(CodeSpec, {"assert_code": "assert f(1) == 1\nfor i in []:\n    pass", "strict": True})
-    assert "strict: assert_code cannot be split: line 2: unsupported statement `for i in []:`" in str(
+        validate_spec(CodeSpec, {"assert_code": "assert f(1) == 1\nwhile f(2):\n    pass", "strict": True})
+    assert "strict: assert_code cannot be split: line 2: unsupported statement `while f(2):`" in str(
         refused.value
     )
     with pytest.raises(SpecError, match="line 1: import of `os`"):
