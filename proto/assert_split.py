@@ -26,6 +26,8 @@ HumanEval's `def check(candidate)` that is then called as `check(name)` (or name
 * `for TARGET in <expression without calls of the program>:` of supported statements, no
   `else`: unrolled here, its body once per item with TARGET bound to it (at most MAX_UNROLLED
   iterations in all, `range()` of at most MAX_RANGE numbers).
+Static values are charged by size each time an operation or a call uses them, at most MAX_WORK
+in all: a large value named once and used in every unrolled assert is refused, not computed.
 
 Expressions: literals (None, bool, int, float, str; tuple, list, set and dict displays of
 expressions), names bound above, builtin type names (`int`, `str`, ...), `-x +x ~x not x`,
@@ -87,8 +89,9 @@ MAX_FACTORIAL = 1000  # math.factorial(1000) is ~8500 bits
 MAX_COMB = 1000  # math.comb / perm n: comb(1000, 500) is ~1000 bits, microseconds
 MAX_NUMBER_TEXT = 100  # Fraction / Decimal from a string: bounded parse, bounded exponent
 MAX_DECIMAL_EXPONENT = 1000  # comparing Decimal('1e999999999') with a Fraction builds 10**that
-MAX_UNROLLED = 10_000  # loop iterations unrolled into checks, per assert_code: each costs a call
+MAX_UNROLLED = 5000  # loop iterations unrolled into checks, per assert_code: ~1 s of parsing at most
 MAX_RANGE = 100_000  # range() lengths: `list(range(10**9))` would be built here
+MAX_WORK = 5_000_000  # items of static values used by operations, all asserts: ~a second at most
 
 
 class Unsplittable(ValueError):
@@ -481,6 +484,8 @@ class _Splitter:
         self.helpers: dict[str, ast.FunctionDef] = {}  # one-parameter functions of asserts
         self.calls: list[Call] = []  # of the assert being compiled
         self.unrolled = 0  # loop iterations so far, all loops together
+        self.work = 0  # sizes of the static values operations used so far (`charge`)
+        self.weights: dict[int, tuple[Any, int]] = {}
 
     def module(self, body: list[ast.stmt]) -> list[Check]:
         checks = []
@@ -718,6 +723,7 @@ class _Splitter:
                 raise Unsplittable(
                     f"line {line}: `{_show(arg)}` is not computed before the call (it calls the program)"
                 )
+            self.charge(line, [part])  # it is marshalled into the sandbox's input once per call
             if not is_plain(part.value):
                 raise Unsplittable(f"line {line}: the argument `{_show(arg)}` is not plain data")
             values.append(part.value)
@@ -749,8 +755,38 @@ class _Splitter:
                 return value
         return None
 
+    def charge(self, line: int, parts: list[Node]) -> None:
+        """Count the size of the static values an operation uses against MAX_WORK: a large
+        value named once and used in 10**4 unrolled asserts costs 10**4 times its size, here
+        at split time and again when the results are judged."""
+        for part in parts:
+            if isinstance(part, Static):
+                self.work += self.weight(part.value)
+        if self.work > MAX_WORK:
+            raise Unsplittable(f"line {line}: the asserts use more than {MAX_WORK} values' worth of data")
+
+    def weight(self, value: Any) -> int:
+        """Items in `value`, nested ones too (a str: one per 8 characters), cached per object."""
+        known = self.weights.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+        total, stack = 0, [value]
+        while stack:
+            item = stack.pop()
+            total += 1
+            if type(item) is str:
+                total += len(item) // 8
+            elif type(item) is dict:
+                stack += item.keys()
+                stack += item.values()
+            elif isinstance(item, list | tuple | set | frozenset | dict):
+                stack += item
+        self.weights[id(value)] = (value, total)  # the value is kept: its id stays its own
+        return total
+
     def combine(self, line: int, fn: Callable, parts: list[Node]) -> Node:
         """`fn` of the parts: computed now if all are static, else a function of the results."""
+        self.charge(line, parts)
         if all(isinstance(p, Static) for p in parts):
             try:
                 return Static(fn(*(p.value for p in parts)))
@@ -798,6 +834,7 @@ class _Splitter:
 
     def fold(self, line: int, lazy: Callable[[list], Any], parts: list[Node]) -> Node:
         """`lazy` (a function of the results that evaluates `parts` itself), now if all are static."""
+        self.charge(line, parts)
         if all(isinstance(p, Static) for p in parts):
             return self.combine(line, lambda: lazy([]), [])
         return lazy

@@ -185,8 +185,12 @@ def test_an_entry_point_named_like_a_builtin_is_the_programs_function():
             "line 1: setup `for i in range(10 ** 6):` (ValueError: range of more than 100000",
         ),
         (
-            "for i in range(10):\n    for j in range(1001):\n        assert f(i, j)",
-            "of more than 10000 iterations",
+            "for i in range(10):\n    for j in range(501):\n        assert f(i, j)",
+            "of more than 5000 iterations",
+        ),
+        (
+            "X = list(range(10**5))\nfor i in range(100):\n    assert f(i) in X",
+            "line 3: the asserts use more than 5000000 values' worth of data",
         ),
         ("for x in f(3):\n    assert x > 0", "line 1: setup `for x in f(3):` calls the program"),
         ("for a, b in [(1, 2, 3)]:\n    assert f(a) == b", "line 1: cannot unpack tuple into `(a, b)`"),
