@@ -33,7 +33,9 @@ Expressions: literals (None, bool, int, float, str; tuple, list, set and dict di
 expressions), names bound above, builtin type names (`int`, `str`, ...), `-x +x ~x not x`,
 `+ - * / // % **` of numbers only (ints of at most MAX_INT_BITS bits, `**` exponents of at most
 MAX_POW_EXPONENT), comparisons (chains included; `is` / `is not` only with None, True, False or
-a type), `and` / `or`, `x[i]` and `x[a:b:c]`, calls of
+a type), `and` / `or` (lazy, as Python's), `x[i]` and `x[a:b:c]`, list, set, dict and
+generator comprehensions whose iterables and `if`s are known here (unrolled like `for`:
+`all(f(x) == x * x for x in range(9))` is nine calls), calls of
 * the program: a plain name that is none of the names below, or the `check` parameter, with
   arguments computed here to plain data (literals, `math.sqrt(2)`, `string.digits`, ...);
   a call of the program inside another call's arguments is unsplittable (it would need its
@@ -54,7 +56,8 @@ program may define that name (`def max(...)`) and the asserts, run as written, w
 Anything else makes the whole `assert_code` unsplittable (`Unsplittable` says which line and
 why): other statements (`while`, `if`, `x = f(1)` and other setup that calls the program,
 `sys.setrecursionlimit`), imports of other modules
-(`os`, `subprocess`, `builtins`, `importlib`, `numpy`...), comprehensions and lambdas, bytes,
+(`os`, `subprocess`, `builtins`, `importlib`, `numpy`...), comprehensions over a result of the
+program (`all(x > 0 for x in f(1))`), lambdas, bytes,
 complex numbers, attributes of values, arguments that are not plain data (a `Fraction`). The
 code verifier then runs it as written, inside the sandbox, and says so; a `strict` spec is
 refused instead.
@@ -545,21 +548,65 @@ class _Splitter:
     def loop(self, stmt: ast.For, target: ast.expr, iterable: ast.expr, body, alias) -> list[Check]:
         """A `for` over a value computed here, unrolled: its body once per item, the target bound
         to the item (`for x, y in [(1, 2), (3, 4)]: assert f(x) == y`, `for i in range(10)`)."""
-        items = self.compile_setup(stmt, iterable, alias).value
-        try:
-            count = len(items)
-            self.unrolled += count
-            if self.unrolled > MAX_UNROLLED:
-                raise Unsplittable(f"line {stmt.lineno}: loops of more than {MAX_UNROLLED} iterations in all")
-            items = list(items)
-        except TypeError as exc:
-            raise Unsplittable(f"line {stmt.lineno}: `for` over {_show(iterable)}: {exc}") from None
+        items = self.items(stmt, iterable, alias)
         checks = []
         for item in items:
             self.bind(stmt, target, item)
             for inner in body:
                 checks += self.statement(inner, alias)
         return checks
+
+    def comprehension(self, node: ast.expr, elts: list[ast.expr], gens, alias) -> list[tuple[Node, ...]]:
+        """The compiled `elts` per item of a comprehension whose iterables (and `if`s) are known
+        here: `[f(x) for x in range(3)]` is three calls. Its names are restored after it."""
+        line = node.lineno
+        names = {n.id for g in gens for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        saved = {name: self.names[name] for name in names if name in self.names}
+        out: list[tuple[Node, ...]] = []
+
+        def level(index: int) -> None:
+            if index == len(gens):
+                out.append(tuple(self.expr(e, alias) for e in elts))
+                return
+            gen = gens[index]
+            if gen.is_async:
+                raise Unsplittable(f"line {line}: async comprehension")
+            for item in self.items(node, gen.iter, alias):
+                self.bind(node, gen.target, item)
+                if all(self.known(node, cond, alias) for cond in gen.ifs):
+                    level(index + 1)
+
+        try:
+            level(0)
+        finally:
+            for name in names:
+                self.names.pop(name, None)
+            self.names.update(saved)
+        return out
+
+    def known(self, node: ast.AST, expr: ast.expr, alias) -> Any:
+        """The value of `expr`, which may not call the program (the calls are kept aside)."""
+        calls, self.calls = self.calls, []
+        try:
+            part = self.expr(expr, alias)
+            if not isinstance(part, Static) or self.calls:
+                raise Unsplittable(
+                    f"line {node.lineno}: `{_show(expr)}` calls the program; it must be known here"
+                )
+            return part.value
+        finally:
+            self.calls = calls
+
+    def items(self, node: ast.AST, iterable: ast.expr, alias) -> list:
+        """The items of a loop's or comprehension's iterable, charged to MAX_UNROLLED."""
+        value = self.known(node, iterable, alias)
+        try:
+            self.unrolled += len(value)
+            if self.unrolled > MAX_UNROLLED:
+                raise Unsplittable(f"line {node.lineno}: loops of more than {MAX_UNROLLED} iterations in all")
+            return list(value)
+        except TypeError as exc:
+            raise Unsplittable(f"line {node.lineno}: iterating over `{_show(iterable)}`: {exc}") from None
 
     def bind(self, stmt: ast.stmt, target: ast.expr, value: Any) -> None:
         """`target = value` for a name or a (nested) tuple or list of names."""
@@ -640,6 +687,20 @@ class _Splitter:
                 return self.combine(line, lambda *items: build(items), [self.expr(e, alias) for e in elts])
             case ast.Dict(keys=keys, values=values) if None not in keys:
                 parts = [self.expr(p, alias) for pair in zip(keys, values, strict=True) for p in pair]
+                return self.combine(line, lambda *kv: dict(zip(kv[::2], kv[1::2], strict=True)), parts)
+            case ast.ListComp(elt=elt, generators=gens) | ast.SetComp(elt=elt, generators=gens):
+                items = self.comprehension(node, [elt], gens, alias)
+                build = list if isinstance(node, ast.ListComp) else set
+                return self.combine(line, lambda *values: build(values), [n for (n,) in items])
+            case ast.GeneratorExp(elt=elt, generators=gens):
+                nodes = [n for (n,) in self.comprehension(node, [elt], gens, alias)]
+                self.charge(line, nodes)
+                if all(isinstance(n, Static) for n in nodes):
+                    return Static([n.value for n in nodes])
+                return lambda results: (_value(n, results) for n in nodes)  # lazy, for all() / any()
+            case ast.DictComp(key=key, value=value, generators=gens):
+                pairs = self.comprehension(node, [key, value], gens, alias)
+                parts = [n for pair in pairs for n in pair]
                 return self.combine(line, lambda *kv: dict(zip(kv[::2], kv[1::2], strict=True)), parts)
             case ast.Subscript(value=value, slice=ast.Slice(lower=lo, upper=hi, step=step)):
                 bounds = [Static(None) if b is None else self.expr(b, alias) for b in (lo, hi, step)]
