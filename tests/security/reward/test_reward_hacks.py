@@ -300,7 +300,7 @@ def test_humaneval_check_candidate(client):
 
 def test_unsplittable_asserts_still_run_in_the_sandbox_and_say_so(client):
     asserts = "total = add(1, 2)\nassert total == 3\nassert add(3, 4) == 7"
-    check = "def check(f):\n    assert all(f(x, 0) == x for x in range(3))"
+    check = "def check(f):\n    got = f(1, 0)\n    assert got == 1"
     honest, wrong = "def add(a, b):\n    return a + b", "def add(a, b):\n    return a * b"
     results = score_asserts(
         client,
