@@ -21,8 +21,10 @@ HumanEval's `def check(candidate)` that is then called as `check(name)` (or name
   they bind only the names listed there, read from the service's own modules. Names of them
   not listed (`re.match`: unbounded backtracking on the program's output; `typing.List`;
   `itertools.*`) make an assert that uses them unsplittable, not the import;
-* docstrings, `pass`, and `NAME = <expression without calls of the program>` (also a tuple of
-  names), which binds NAME for the later asserts only (the program does not see it);
+* docstrings, `pass`, and `NAME = <expression>` (a tuple of names too, when the expression
+  calls no function of the program), which binds NAME for the later asserts only (the program
+  does not see it). `result = f(1)` then `assert result == 2`: each assert that uses the name
+  makes its calls again (once per assert), in the sandbox;
 * `for TARGET in <expression without calls of the program>:` of supported statements, no
   `else`: unrolled here, its body once per item with TARGET bound to it (at most MAX_UNROLLED
   iterations in all, `range()` of at most MAX_RANGE numbers).
@@ -54,8 +56,8 @@ function of the program is unsplittable (unless it is a true constant: skipped),
 program may define that name (`def max(...)`) and the asserts, run as written, would test it.
 
 Anything else makes the whole `assert_code` unsplittable (`Unsplittable` says which line and
-why): other statements (`while`, `if`, `x = f(1)` and other setup that calls the program,
-`sys.setrecursionlimit`), imports of other modules
+why): other statements (`while`, `if`, `f(x)` alone, `sys.setrecursionlimit`), a result of
+the program as an argument (`g(f(1))`, `r = f(1); g(r)`), imports of other modules
 (`os`, `subprocess`, `builtins`, `importlib`, `numpy`...), comprehensions over a result of the
 program (`all(x > 0 for x in f(1))`), lambdas, bytes,
 complex numbers, attributes of values, arguments that are not plain data (a `Fraction`). The
@@ -63,7 +65,8 @@ code verifier then runs it as written, inside the sandbox, and says so; a `stric
 refused instead.
 
 Differences from running the asserts in the program's process: every call runs, even after a
-failed assert or inside a short-circuited `and` / `or` (the first failing check decides; a
+failed assert or inside a short-circuited `and` / `or`, and a call bound to a name runs once
+per assert that uses it, never if none does (the first failing check decides; a
 call that raises or hangs makes the run a runtime error or timeout, reward 0 all the same);
 names bound by `assert_code` (its imports too) are not visible to the program; a result that
 is not plain data (a class instance, a generator, a subclass of a plain type, an int of more
@@ -479,6 +482,26 @@ def _module_entry(module: str, attr: str, line: int) -> Any:
     return table[attr]
 
 
+class Deferred:
+    """`NAME = <expression that calls the program>`: each assert that uses NAME makes the calls
+    again (in the sandbox) and evaluates the expression on its own results."""
+
+    def __init__(self, node: Callable[[list], Any], calls: tuple[Call, ...], work: int):
+        self.node, self.calls, self.work = node, calls, work  # work: charged again per use
+        self.last: tuple[list[Call], Callable[[list], Any]] | None = None  # its use in one assert
+
+    def use(self, calls: list[Call]) -> Callable[[list], Any]:
+        """The expression as a node of the assert whose calls are `calls` (appended to, once
+        per assert: `r[0] == r[-1]` calls once)."""
+        if self.last is not None and self.last[0] is calls:
+            return self.last[1]
+        start, node = len(calls), self.node
+        calls.extend(self.calls)
+        end = len(calls)
+        used = self.last = (calls, lambda results: node(results[start:end]))
+        return used[1]
+
+
 class _Splitter:
     def __init__(self, entry_point: str | None):
         self.entry_point = entry_point
@@ -526,6 +549,14 @@ class _Splitter:
             case ast.Assert(test=test):
                 return self.assertion(test, alias)
             case ast.Pass() | ast.Expr(value=ast.Constant(value=str())):
+                return []
+            case ast.Assign(targets=[ast.Name(id=name)], value=value):
+                self.calls, work = [], self.work
+                node = self.expr(value, alias)
+                if isinstance(node, Static):
+                    self.names[name] = node.value
+                else:
+                    self.names[name] = Deferred(node, tuple(self.calls), self.work - work)
                 return []
             case ast.Assign(targets=[target], value=value):
                 self.bind(stmt, target, self.compile_setup(stmt, value, alias).value)
@@ -663,6 +694,11 @@ class _Splitter:
                 if type(value) not in PLAIN_SCALARS:
                     raise Unsplittable(f"line {line}: `{_show(node)}` is not a supported literal")
                 return Static(value)
+            case ast.Name(id=name) if isinstance(self.names.get(name), Deferred):
+                deferred = self.names[name]
+                self.work += deferred.work
+                self.charge(line, [])
+                return deferred.use(self.calls)
             case ast.Name(id=name):
                 return Static(self.name_value(name, alias, line))
             case ast.Attribute(value=ast.Name(id=base), attr=attr) if self.is_module(base, alias):

@@ -299,8 +299,8 @@ def test_humaneval_check_candidate(client):
 
 
 def test_unsplittable_asserts_still_run_in_the_sandbox_and_say_so(client):
-    asserts = "total = add(1, 2)\nassert total == 3\nassert add(3, 4) == 7"
-    check = "def check(f):\n    got = f(1, 0)\n    assert got == 1"
+    asserts = "cases = [(1, 2), (3, 4)]\nwhile cases:\n    a, b = cases.pop()\n    assert add(a, b) == a + b"
+    check = "def check(f):\n    assert all(x >= 0 for x in [f(1, 0)]) and f(1, 0) == 1"
     honest, wrong = "def add(a, b):\n    return a + b", "def add(a, b):\n    return a * b"
     results = score_asserts(
         client,
@@ -316,4 +316,4 @@ def test_unsplittable_asserts_still_run_in_the_sandbox_and_say_so(client):
         (1.0, "in_sandbox", "passed"),
         (0.0, "in_sandbox", "failed"),  # check(add) was run: the entry point is appended
     ], results
-    assert results[0]["details"]["unsplittable"] == "line 1: setup `total = add(1, 2)` calls the program"
+    assert results[0]["details"]["unsplittable"] == "line 2: unsupported statement `while cases:`"

@@ -178,7 +178,8 @@ def test_an_entry_point_named_like_a_builtin_is_the_programs_function():
 @pytest.mark.parametrize(
     ("source", "where"),
     [
-        ("x = f(1)\nassert x == 2", "line 1: setup `x = f(1)` calls the program"),
+        ("x = f(1)\nassert g(x) == 2", "line 2: `x` is not computed before the call"),
+        ("a, b = f(1)\nassert a == 2", "line 1: setup `a, b = f(1)` calls the program"),
         ("assert f(1) == 1\nwhile True:\n    assert f(1) == 1", "line 2: unsupported statement"),
         (
             "for i in range(10**6):\n    assert f(i)",
@@ -336,6 +337,31 @@ def test_comprehensions_over_values_known_here_unroll_into_calls():
         split_asserts("assert [x for x in [1, 2] if f(x)] == [1]")
     with pytest.raises(Unsplittable, match="line 2: `x` is not a literal"):
         split_asserts("assert [f(x) for x in [1]]\nassert f(x)")  # a comprehension's names end with it
+
+
+def test_a_name_bound_to_a_call_is_called_again_in_each_assert_that_uses_it():
+    source = (
+        "result = f([3, 1])\n"
+        "assert result == [1, 3]\n"
+        "assert len(result) == 2 and result[0] <= result[-1]\n"
+        "for x in [3, 4]:\n"
+        "    y = g(x) + 1\n"
+        "    assert y == x + 2\n"
+    )
+    checks = split_asserts(source)
+    assert calls_of(checks) == [
+        (2, [Call("f", ([3, 1],))]),
+        (3, [Call("f", ([3, 1],))]),  # `result` twice in one assert: one call
+        (3, [Call("f", ([3, 1],))]),
+        (6, [Call("g", (3,))]),
+        (6, [Call("g", (4,))]),
+    ]
+    good = [[1, 3], [1, 3], [1, 3], 4, 5]
+    assert first_failure(checks, [("ok", v) for v in good]) is None
+    assert (
+        first_failure(checks, [("ok", v) for v in [[1, 3], [1, 3], [3, 1], 4, 5]]) == "line 3: assert failed"
+    )
+    assert first_failure(checks, [("ok", v) for v in [*good[:4], 6]]) == "line 6: assert failed"
 
 
 def test_and_or_and_comparison_chains_short_circuit_as_python_does():
