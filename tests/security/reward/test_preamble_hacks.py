@@ -173,6 +173,7 @@ SUITES = [
     "    assert candidate([1, 2, -4, 5]) is True\n    assert not candidate([1, 2, -3, 1, 2, -3])\n",
     "import statistics\nassert 1.9 < mean([1, 2, 3]) <= 2.0",
     "for s, n in [('a b', 2), ('x', 1)]:\n    assert len(split_words(s)) == n",
+    "result = similar_elements((1, 2), (2, 3))\nassert result == (2,)\nassert len(result) == 1",
 ]
 SPECS = [{"entry_point": "below_zero"} if "def check" in suite else {} for suite in SUITES]
 

@@ -256,6 +256,16 @@ def test_unsplittable_forms_are_refused_with_their_line(source, where):
     assert where in str(refused.value)
 
 
+def test_imports_are_never_executed_on_the_trusted_side():
+    import sys
+
+    assert "this" not in sys.modules and "antigravity" not in sys.modules
+    for source in ("import this\nassert f(1)", "from antigravity import geohash\nassert f(geohash)"):
+        with pytest.raises(Unsplittable, match="line 1: import of"):
+            split_asserts(source)
+    assert "this" not in sys.modules and "antigravity" not in sys.modules  # read as text, never run
+
+
 def test_entry_point_without_a_check_function_is_unsplittable():
     with pytest.raises(Unsplittable, match="no `def check"):
         split_asserts("assert f(1) == 1", entry_point="f")
