@@ -184,6 +184,7 @@ class Keys:
         p = self.prefix = f"asyncrl:{{{run}}}:"
         self.groups, self.group_state, self.group_entry = p + "groups", p + "groups:state", p + "groups:entry"
         self.group_job, self.payload_prefix, self.stale = p + "groups:job", p + "payload:", p + "stale"
+        self.group_stepped = p + "groups:stepped"  # group id -> the version that trained it, until it leaves
         self.jobs, self.job_state, self.job_entry = p + "jobs", p + "jobs:state", p + "jobs:entry"
         self.job_prefix, self.cancelled = p + "job:", p + "cancelled"
         self.admission, self.running, self.config, self.version = (

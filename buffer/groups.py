@@ -96,7 +96,7 @@ return out
 # any other exit gives it back (never to be trained, it must not hold capacity). Returns how
 # many left. (Job and payload keys are built from prefixes that carry the run's hash tag.)
 EXIT = Script(
-    "state entry job groups admission stats job_prefix payload_prefix",
+    "state entry job groups admission stats job_prefix payload_prefix stepped",
     "consumer_group exit *gids",
     _SLICED
     + """
@@ -107,7 +107,10 @@ for i, gid in ipairs(gids) do
     done[gid] = true
     acks[#acks + 1], payloads[#payloads + 1], left[#left + 1] = entries[i], payload_prefix .. gid, gid
     moved[#moved + 1], moved[#moved + 2] = gid, exit
-    if jobs_of[i] then per_job[jobs_of[i]] = (per_job[jobs_of[i]] or 0) + 1 end
+    if jobs_of[i] then
+      per_job[jobs_of[i]] = (per_job[jobs_of[i]] or 0) + 1
+      if redis.call('HDEL', stepped, gid) == 1 then redis.call('HINCRBY', job_prefix .. jobs_of[i], 'stepped', -1) end
+    end
   end
 end
 if #left == 0 then return 0 end
@@ -128,7 +131,7 @@ return #left
 # an XACK that finds nothing means this ran before (a re-sent call): nothing is dead-lettered
 # twice. If it is the group's recorded entry, the group leaves as `dead_lettered` (slot given back).
 DEAD_LETTER = Script(
-    "groups deadletter stats state entry job admission payload",
+    "groups deadletter stats state entry job admission payload job_prefix stepped",
     "consumer_group eid gid reason data maxlen",
     """
 if redis.call('XACK', groups, consumer_group, eid) == 0 then return 0 end
@@ -138,12 +141,40 @@ redis.call('XADD', deadletter, 'MAXLEN', '~', maxlen, '*', 'stream', 'groups', '
 redis.call('HINCRBY', stats, 'dead_lettered', 1)
 if redis.call('HGET', entry, gid) == eid then
   redis.call('HSET', state, gid, 'dead_lettered')
+  local job_id = redis.call('HGET', job, gid)
+  if job_id then
+    redis.call('HINCRBY', job_prefix .. job_id, 'dead_lettered', 1)
+    if redis.call('HDEL', stepped, gid) == 1 then redis.call('HINCRBY', job_prefix .. job_id, 'stepped', -1) end
+  end
   redis.call('HDEL', entry, gid)
   redis.call('HDEL', job, gid)
   redis.call('UNLINK', payload)
   redis.call('HINCRBY', admission, 'accepted', -1)
 end
 return 1
+""",
+)
+
+
+# The trainer's optimizer step has used these buffered groups (the update is not durable until
+# the checkpoint that acks them). Marked once per group (a step replayed after a restart marks
+# nothing twice), counted in its job's hash as `stepped` until the group leaves the buffer, when
+# EXIT or DEAD_LETTER take the mark back: a job's progress shows a group trained from its step
+# on, and counts it once whether it was then acked, or redelivered and dropped after a crash.
+STEPPED = Script(
+    "state job stepped job_prefix",
+    "version *gids",
+    _SLICED
+    + """
+local states, jobs_of = sliced(gids, 'HMGET', state), sliced(gids, 'HMGET', job)
+local marked = 0
+for i, gid in ipairs(gids) do
+  if states[i] == 'buffered' and jobs_of[i] and redis.call('HSETNX', stepped, gid, version) == 1 then
+    redis.call('HINCRBY', job_prefix .. jobs_of[i], 'stepped', 1)
+    marked = marked + 1
+  end
+end
+return marked
 """,
 )
 
@@ -281,6 +312,24 @@ class Groups:
         dropped, deletes its entry), whether delivered to a trainer or not."""
         return self.buf.redis.xlen(self.keys.groups)
 
+    def stepped(self, group_ids: list[str], version: int) -> int:
+        """The optimizer step of `version` trained these groups (not durable yet: `ack` follows
+        at the checkpoint). Shown in their jobs' progress; idempotent; returns how many are new."""
+        if not group_ids:
+            return 0
+        k = self.keys
+        return int(
+            self.buf.call(
+                STEPPED,
+                state=k.group_state,
+                job=k.group_job,
+                stepped=k.group_stepped,
+                job_prefix=k.job_prefix,
+                version=version,
+                gids=group_ids,
+            )
+        )
+
     def ack(self, group_ids: list[str]) -> int:
         """The groups are trained (call once the checkpoint covering them is durable). Idempotent;
         returns how many left the buffer now."""
@@ -350,6 +399,8 @@ class Groups:
                 job=k.group_job,
                 admission=k.admission,
                 payload=k.payload_prefix + gid,
+                job_prefix=k.job_prefix,
+                stepped=k.group_stepped,
                 consumer_group=TRAINER_GROUP,
                 eid=eid,
                 gid=gid,
@@ -379,6 +430,7 @@ class Groups:
                 stats=k.stats,
                 job_prefix=k.job_prefix,
                 payload_prefix=k.payload_prefix,
+                stepped=k.group_stepped,
                 consumer_group=TRAINER_GROUP,
                 exit=exit.value,
                 gids=group_ids,

@@ -120,6 +120,7 @@ class JobProgress:
     errors: dict[str, str] = field(default_factory=dict)  # group_id -> error
     unscored: dict[str, dict[str, int]] = field(default_factory=dict)  # group_id -> samples by reward status
     exits: dict[GroupState, int] = field(default_factory=dict)  # how its groups left the buffer
+    stepped: int = 0  # buffered groups an optimizer step has trained, not yet acked by a checkpoint
 
 
 class Jobs:
@@ -313,6 +314,8 @@ class Jobs:
                 out.unscored[gid] = _statuses(value)
             elif key in exits and value.lstrip("-").isdigit():
                 out.exits[exits[key]] = int(value)
+            elif key == "stepped" and value.lstrip("-").isdigit():
+                out.stepped = max(int(value), 0)
         return out
 
     def cancel(self, job_id: str) -> None:

@@ -6,9 +6,9 @@ its last activity, so nothing outlives a reaper that never runs):
 
 | key | type | contents |
 |---|---|---|
-| `gw:session:<sid>` | hash | `group_id`, `index`, `state` (open, closed), `calls`, `engine`, `created_at`, `closed_at`, `result` (JSON reward result) |
+| `gw:session:<sid>` | hash | `group_id`, `index`, `state` (open, closed, abandoned), `calls`, `engine`, `created_at`, `closed_at`, `result` (JSON reward result) |
 | `gw:calls:<sid>` | list | one msgpack `proto.gateway.Call` per chat call, in the order they finished |
-| `gw:group:<gid>` | hash | `state` (open, complete, put), `size`, `prompt_id`, `spec` (JSON), `submit_version`, `created_at`, `opened`, `closed` |
+| `gw:group:<gid>` | hash | `state` (open, complete, put, abandoned), `size`, `prompt_id`, `spec` (JSON), `submit_version`, `created_at`, `opened`, `closed` |
 | `gw:members:<gid>` | list | the group's session ids, in creation order |
 | `gw:deadlines` | sorted set | group id → when (ms) a reaper acts on it: expiry, or the lease of the replica putting it |
 
@@ -18,7 +18,10 @@ the groups stream and marks it `put` (`FINISH`: its calls dropped, its hashes ke
 TTL, so a late call or close is refused as closed, not unknown). A group past its deadline is
 leased to the replica that claims it (`CLAIM`): a complete one is put by it, an open one (or one
 that cannot be built) is dropped (`DROP`: its keys deleted, its admission slot in `running`
-given back).
+given back). A client that abandons a session of an open group (`ABANDON`) fails the whole group at
+once: every session of it is marked `abandoned` and its calls deleted, its admission slot given
+back, its deadline removed; the hashes stay until their TTL, so a sibling's later call or close is
+refused as abandoned, and a repeated abandon answers that it was abandoned before.
 
 Not guaranteed: a complete group whose keys expire before any reaper runs (every replica down
 for `KEY_TTL_FACTOR` × the TTL) is lost, its admission slot given back when a reaper next runs.
@@ -190,6 +193,36 @@ return {tonumber(have[1] or '0'), tonumber(have[2] or '0')}
 )
 
 
+# Abandon a session's group (any member of an open group may): {'abandoned', gid, opened,
+# closed}; {'again', gid} when it was abandoned before; {state, gid} for a group no longer open
+# (complete: being put; put); {'unknown'} without the session or its group.
+ABANDON = Script(
+    "session deadlines running",
+    f"{_PREFIXES} now",
+    _TOUCH
+    + """
+local gid = redis.call('HGET', session, 'group_id')
+if not gid then return {'unknown'} end
+local group = group_prefix .. gid
+local state = redis.call('HGET', group, 'state')
+if not state then return {'unknown'} end
+if state == 'abandoned' then return {'again', gid} end
+if state ~= 'open' then return {state, gid} end
+local have = redis.call('HMGET', group, 'opened', 'closed')
+for _, member in ipairs(redis.call('LRANGE', members_prefix .. gid, 0, -1)) do
+  redis.call('HSET', session_prefix .. member, 'state', 'abandoned')
+  redis.call('DEL', calls_prefix .. member)
+end
+redis.call('HSET', group, 'state', 'abandoned', 'abandoned_by', redis.call('HGET', session, 'index'),
+           'abandoned_at', now)
+touch(gid)
+redis.call('ZREM', deadlines, gid)
+redis.call('HDEL', running, gid)
+return {'abandoned', gid, have[1], have[2]}
+""",
+)
+
+
 class SessionStore:
     """One run's gateway sessions (keys in the module docstring); blocking calls, one round trip
     each but `group`. `ttl_s`: a group's idle time before it expires; `lease_s`: how long the
@@ -342,6 +375,18 @@ class SessionStore:
             **self._prefixes,
         )
         return (int(raw[0]), int(raw[1])) if raw else None
+
+    def abandon(self, sid: str) -> list[str]:
+        """Fail `sid`'s whole group now (ABANDON's answer, decoded)."""
+        raw = self.buf.call(
+            ABANDON,
+            session=self.session_prefix + sid,
+            deadlines=self.deadlines,
+            running=self.keys.running,
+            now=time.time(),
+            **self._prefixes,
+        )
+        return [x.decode() if isinstance(x, bytes) else str(x) for x in raw]
 
     def lease(self, gid: str, lease: int) -> None:
         self.buf.redis.zadd(self.deadlines, {gid: lease}, xx=True)

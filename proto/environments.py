@@ -74,7 +74,7 @@ class ResetResponse(BaseModel):
 
     observation: str = Field(
         default="", max_length=MAX_OBSERVATION_CHARS
-    )  # appended to the prompt when not empty
+    )  # the task: after a chat prompt a user message, else appended as text when not empty
     state: dict[str, Any] = Field(default_factory=dict)
     tools: list[dict[str, Any]] = Field(default_factory=list)  # OpenAI function schemas of the tools
 

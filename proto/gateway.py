@@ -3,6 +3,7 @@ says what it does), and the record of one chat call it keeps in Redis.
 
 * `POST /v1/sessions`: `SessionRequest` → `SessionCreated`.
 * `POST /v1/sessions/{id}/reward`: `SessionReward` → `SessionClosed`.
+* `DELETE /v1/sessions/{id}`: → `SessionAbandoned` (the session's whole group is dropped).
 * `POST /v1/chat/completions`: proto/openai.py's `GatewayChatRequest` → `ChatCompletion` (or its
   chunks, `sse_chunks` in services/rollout/gateway/chat.py); the gateway refuses a field that would change
   the output instead of ignoring it (its `check_request`).
@@ -71,6 +72,17 @@ class SessionClosed(BaseModel):
     group: Literal["open", "buffered", "duplicate", "failed"] = Field(
         description="open: sessions of the group are still open; buffered: this close completed the group, now "
         "in the buffer; duplicate: it was put before; failed: it could not be built (logged, counted)"
+    )
+
+
+class SessionAbandoned(BaseModel):
+    session_id: str
+    group_id: str
+    sessions_open: int = Field(
+        description="sessions of the group still open when it was abandoned (0: again)"
+    )
+    again: bool = Field(
+        description="the group had been abandoned before (a repeated DELETE, or a sibling's): nothing changed"
     )
 
 

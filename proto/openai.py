@@ -7,8 +7,9 @@ requests to an OpenAI-compatible server (services/reward/verifiers/judge.py).
 is kept untyped (`model_extra`) so that a server refuses one that would change its output
 instead of ignoring it: the reference engine renders text messages only and refuses tools, stop
 strings and penalties with a 400 naming them (services/engine/app.py). `GatewayChatRequest` and
-`GatewayMessage` add what the gateway serves, typed: `function` tools, `tool_choice` auto or
-none, tool calls and answers in messages, stop strings, one choice, the sampled tokens'
+`GatewayMessage` add what the gateway serves, typed: `function` tools, `tool_choice` (auto,
+none, required, LangChain's any, or a named function), `response_format` (text, json_object,
+json_schema), tool calls and answers in messages, stop strings, one choice, the sampled tokens'
 logprobs without alternatives; it takes only OpenAI's five roles (`ROLES`,
 services/rollout/gateway/chat.py `check_request`). Both refuse text that is not valid Unicode.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SEED_MOD = 2**63  # sampling seeds are below it (a resubmitted segment's seed wraps at it)
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
@@ -80,6 +81,48 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function the answer must call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # (`schema` shadows a BaseModel attribute: the field is `json_schema`, the wire name `schema`)
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (any JSON object) or
+    `json_schema` (the given schema). The gateway hands the last two to the engine as SGLang's
+    `sampling_params.json_schema` (services/rollout/gateway/chat.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -111,9 +154,12 @@ class GatewayChatRequest(ChatRequest):
 
     messages: list[GatewayMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = Field(
-        None, description="auto (the default with tools) or none"
+    tool_choice: Literal["auto", "none", "required", "any"] | NamedToolChoice | None = Field(
+        None,
+        description="auto (the default with tools), none (no tools offered), required or any (a tool call "
+        "is forced), or a named function (that call is forced)",
     )
+    response_format: ResponseFormat | None = None
     seed: int | None = Field(None, ge=0, lt=SEED_MOD)
     top_logprobs: int | None = Field(
         None, ge=0, le=0, description="0 only: top alternatives are not returned"
@@ -175,3 +221,17 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[Choice]
     usage: ChatCompletionUsage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    """`GET /v1/models`: the models the gateway serves (one: the policy)."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

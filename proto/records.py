@@ -493,6 +493,9 @@ class GroupJob(Record, tag="job"):
     sampling_params: dict[str, Any] = {}
     submitted_at: float = 0.0
     episode: dict[str, Any] = {}  # a `proto.rollout.EpisodeSpec` (empty: one turn), checked at submission
+    # The prompt is a chat rendered without its generation prompt (an episode's `messages`): the
+    # episode appends the environment's first observation as a user message and the assistant header.
+    chat: bool = False
 
     def _check(self) -> None:
         if not len(self.prompt_tokens):

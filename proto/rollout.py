@@ -78,11 +78,21 @@ class EpisodeSpec(BaseModel):
     A turn without a tool call is the final answer. The episode's reward is the environment's
     (the sum of its turn rewards) when it judges, else the job's `reward_spec` verifier's on the
     final answer. `tools = false` runs the same task with no tool call parsed (one turn): the
-    baseline that shows what the tool is worth."""
+    baseline that shows what the tool is worth.
+
+    `kind = "openenv"`: `environment` names an OpenEnv server of the rollout's configuration
+    (`[rollout.openenv.NAME]`, never a URL from the job), driven over its own protocol
+    (`proto/openenv.py`); its one tool is its action. With a `messages` prompt, the
+    environment's first observation (the task) enters as a user message of the chat template."""
 
     model_config = ConfigDict(extra="forbid")
 
     environment: str = Field(min_length=1, max_length=64)
+    kind: Literal["asyncrl", "openenv"] = Field(
+        default="asyncrl",
+        description="asyncrl: the environment protocol (proto/environments.py) at environments_url; "
+        "openenv: a configured OpenEnv server",
+    )
     max_turns: int = Field(default=4, ge=1, le=MAX_TURNS)
     tool_format: Literal["hermes", "tagged"] = "hermes"
     tool_open: str = Field(
@@ -151,8 +161,11 @@ class RolloutProgress(BaseModel):
     `proto.states.GroupState`.
 
     `queued + generating + scoring + buffered + failed + cancelled == groups`; `trained`,
-    `dropped`, `withheld` and `zero_spread` count what the trainer did with buffered groups
-    (`other`: any other way they left the buffer, e.g. `lost`).
+    `dropped`, `withheld`, `zero_spread` and `dead_lettered` count what the trainer did with
+    buffered groups (`other`: any other way they left the buffer, e.g. `lost`). A group is
+    `trained` from the optimizer step that used it; `checkpointed` of them are durable (acked by
+    the checkpoint after that step: a trainer crash before it redelivers the rest, which are
+    trained again or leave another way, and are counted once either way).
     `unscored` counts the buffered groups in which no sample was scored (every reward came back
     `timeout`, `error` or `invalid_input`): they are in the buffer, and the trainer may ack
     them (`trained`), but they carry no reward. A finished job reads `failed` when no group
@@ -170,9 +183,13 @@ class RolloutProgress(BaseModel):
     failed: int
     cancelled: int
     trained: int
+    checkpointed: int = Field(0, description="trained groups whose update a checkpoint has made durable")
     dropped: int
     withheld: int
     zero_spread: int
+    dead_lettered: int = Field(
+        0, description="buffered groups whose record did not decode (dead-letter stream)"
+    )
     in_buffer: int = Field(description="buffered groups the trainer has not consumed yet")
     created_at: float
     cancel_requested: bool = False

@@ -22,6 +22,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncrl.proto.assert_split import Unsplittable, split_asserts
+from asyncrl.proto.reasoning_gym import ReasoningGymSpec
 from asyncrl.proto.records import RewardStatus
 from asyncrl.proto.rewards import RewardItem, RewardSpec
 
@@ -98,6 +99,11 @@ class MathSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     answer: str = Field(min_length=1, max_length=10_000, description="gold answer (LaTeX or plain)")
+    strict: bool | None = Field(
+        None,
+        description="pay only a marked final answer (last \\boxed{}, else <answer>…</answer>, else a "
+        "last `#### x` or `Answer: x` line); null: the reward server's `math_strict`",
+    )
 
 
 class CodeTest(BaseModel):
@@ -211,6 +217,7 @@ SPECS: dict[str, type[BaseModel]] = {
     "code": CodeSpec,
     "judge": JudgeSpec,
     "nemo_gym": NemoGymSpec,
+    "reasoning_gym": ReasoningGymSpec,
 }
 INLINE = frozenset({"reverse", "arith"})  # pure functions: scored at once, no slot, no budget
 

@@ -81,9 +81,11 @@ def start_process(
     raise RuntimeError(f"{cmd[:4]} not ready at {ready_url} within {timeout_s} s")
 
 
-def start_reward_service(port: int | None = None, *, log_path=None) -> RunningProcess:
+def start_reward_service(
+    port: int | None = None, *, log_path=None, args: tuple[str, ...] = ()
+) -> RunningProcess:
     """The real reward service (`asyncrl reward`) in a subprocess; the code verifier is off
-    (no sandbox needed for the toy verifiers)."""
+    (no sandbox needed for the toy verifiers). `args`: more `asyncrl reward` flags."""
     import sys
 
     port = port or free_port()
@@ -95,6 +97,7 @@ def start_reward_service(port: int | None = None, *, log_path=None) -> RunningPr
         "--port",
         str(port),
         "--no-code-enabled",
+        *args,
     ]
     return start_process(cmd, f"http://127.0.0.1:{port}", "/v1/verifiers", log_path=log_path)
 

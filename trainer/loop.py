@@ -130,6 +130,8 @@ def train_steps(parts: Parts) -> int:
             parts.publish(version)
         ids = [g.group_id for g in taken.groups]
         consumed += ids
+        if ranks.is_main:  # their jobs' progress shows them trained now, durable at the checkpoint
+            parts.groups.stepped(ids, version)
         parts.audit(
             "step",
             version,

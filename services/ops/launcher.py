@@ -323,7 +323,7 @@ class Launcher:
             "-m",
             "asyncrl.services.ops.cli",
             "submit",
-            str(Path(sub.file).resolve()),
+            *sub.source_args(),
             "--url",
             self.rollout_urls()[0],
         ]
@@ -333,12 +333,13 @@ class Launcher:
         for flag, obj in (("--sampling-params", sub.sampling_params), ("--reward-spec", sub.reward_spec)):
             if obj is not None:
                 cmd += [flag, json.dumps(obj)]
-        self._say("launcher", f"submitting {sub.file}")
+        what = sub.file or f"reasoning-gym {sub.reasoning_gym.dataset}"
+        self._say("launcher", f"submitting {what}")
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         for line in (out.stdout + out.stderr).splitlines():
             self._say("submit", line)
         if out.returncode != 0:
-            raise RuntimeError(f"asyncrl submit {sub.file} failed with {out.returncode}")
+            raise RuntimeError(f"asyncrl submit {what} failed with {out.returncode}")
 
     # ------------------------------------------------------------------ lifecycle
     def prepare(self) -> None:

@@ -18,6 +18,7 @@ Importing this module pulls no torch: each service's settings module is torch-fr
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -178,15 +179,48 @@ class LaunchSection(BaseModel):
         return self
 
 
+class ReasoningGymSource(BaseModel):
+    """Prompts generated from a reasoning-gym dataset (`asyncrl submit --reasoning-gym`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    dataset: str = Field(min_length=1, description="a reasoning-gym dataset name, e.g. gsm_symbolic")
+    size: int = Field(ge=1, description="entries generated")
+    seed: int = Field(0, ge=0, description="the dataset's seed")
+    config: dict = Field(default_factory=dict, description="the dataset's other config fields")
+    system_prompt: str = Field("default", description="one of reasoning-gym's SYSTEM_PROMPTS, or none")
+    boxed_fallback: bool = Field(False, description="score a \\boxed{} answer when there is no <answer> tag")
+
+
 class SubmitSection(BaseModel):
     """A dataset posted to rollout-0 once everything is healthy (`asyncrl submit`'s options)."""
 
     model_config = ConfigDict(extra="forbid")
-    file: str = Field(description="JSONL of prompts: text | messages | input_ids, optional reward_spec")
+    file: str | None = Field(
+        None, description="JSONL of prompts: text | messages | input_ids, optional reward_spec"
+    )
+    reasoning_gym: ReasoningGymSource | None = Field(None, description="instead of `file`: generated prompts")
     group_size: int | None = Field(None, ge=1)
     sampling_params: dict | None = None
     reward_spec: dict | None = None
     idempotency_key: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SubmitSection:
+        if (self.file is None) == (self.reasoning_gym is None):
+            raise ValueError("[submit] needs exactly one of `file` or `reasoning_gym`")
+        if self.reasoning_gym is not None and self.reward_spec is not None:
+            raise ValueError("[submit] reasoning_gym prompts carry their own reward spec; drop reward_spec")
+        return self
+
+    def source_args(self) -> list[str]:
+        """The `asyncrl submit` arguments that name the prompts."""
+        if self.file is not None:
+            return [str(Path(self.file).resolve())]
+        rg = self.reasoning_gym
+        assert rg is not None
+        args = ["--reasoning-gym", rg.dataset, "--size", str(rg.size), "--seed", str(rg.seed)]
+        args += ["--config", json.dumps(rg.config), "--system-prompt", rg.system_prompt]
+        return args + (["--boxed-fallback"] if rg.boxed_fallback else [])
 
 
 class DemoSection(BaseModel):

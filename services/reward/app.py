@@ -1,8 +1,8 @@
 """Builds the reward service's FastAPI app from `RewardSettings`.
 
 `build_verifiers` decides what this server serves: `reverse`, `arith` and `math` always,
-`code` unless disabled (it refuses to start without a working bubblewrap unless
-`allow_unsandboxed`), `judge` when `judge_base_url` is set, `nemo_gym` when
+`reasoning_gym` when enabled, `code` unless disabled (it refuses to start without a working
+bubblewrap unless `allow_unsandboxed`), `judge` when `judge_base_url` is set, `nemo_gym` when
 any `[reward.nemo_gym.<name>]` server is configured. `build_environments` likewise:
 `secret` and `calculator` always, `python` under the same rule as `code`, in a sandbox of its
 own (its host uids follow the code verifier's). Nothing here imports torch.
@@ -65,8 +65,20 @@ def build_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
             timeout_s=settings.math_timeout_s,
             max_chars=settings.math_max_chars,
             memory_mb=settings.math_memory_mb,
+            strict=settings.math_strict,
         ),
     ]
+    if settings.reasoning_gym_enabled:
+        from asyncrl.services.reward.verifiers.rgym import ReasoningGymVerifier
+
+        verifiers.append(
+            ReasoningGymVerifier(
+                workers=settings.reasoning_gym_workers,
+                timeout_s=settings.reasoning_gym_timeout_s,
+                max_chars=settings.reasoning_gym_max_chars,
+                memory_mb=settings.reasoning_gym_memory_mb,
+            )
+        )
     if settings.code_enabled:
         from asyncrl.services.reward.verifiers.code import CodeVerifier
 

@@ -33,7 +33,7 @@ class NemoGymServer(BaseModel):
 
 
 class RewardSettings(ServiceSettings):
-    """Reward service: scores completions with math, code (sandboxed), judge and toy verifiers."""
+    """Reward service: scores completions with math, code (sandboxed), judge, reasoning-gym and toy verifiers."""
 
     model_config = SettingsConfigDict(env_prefix="ASYNCRL_REWARD_", extra="forbid")
 
@@ -54,6 +54,27 @@ class RewardSettings(ServiceSettings):
     )
     math_max_chars: int = Field(8192, ge=64, le=1_000_000, description="completion/gold chars parsed at most")
     math_memory_mb: int = Field(2048, ge=256, le=1 << 20, description="address-space limit of a math worker")
+    math_strict: bool = Field(
+        False,
+        description="math specs that leave `strict` unset pay only a marked answer (\\boxed{}, <answer>, ####, Answer:)",
+    )
+
+    reasoning_gym_enabled: bool = Field(
+        False, description="serve the `reasoning_gym` verifier (needs reasoning-gym)"
+    )
+    reasoning_gym_workers: int = Field(2, ge=1, le=256, description="reasoning-gym scorer worker processes")
+    reasoning_gym_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="per-item limit (entry regenerated and scored); the worker is killed past it",
+    )
+    reasoning_gym_max_chars: int = Field(
+        32_768, ge=64, le=1_000_000, description="completion tail searched for the <answer> tag"
+    )
+    reasoning_gym_memory_mb: int = Field(
+        4096, ge=512, le=1 << 20, description="address-space limit of a reasoning-gym worker"
+    )
 
     code_enabled: bool = Field(True, description="serve the `code` verifier (needs bubblewrap)")
     code_concurrency: int = Field(2, ge=1, le=1024, description="sandboxes running at once")

@@ -41,6 +41,11 @@ CODE_ASSERT_ITEMS = Counter(
 MATH_WORKER_RESTARTS = Counter(
     "asyncrl_reward_math_worker_restarts_total", "math-verify workers killed and replaced", ["reason"]
 )
+RGYM_WORKER_RESTARTS = Counter(
+    "asyncrl_reward_reasoning_gym_worker_restarts_total",
+    "reasoning-gym scorer workers killed and replaced",
+    ["reason"],
+)
 JUDGE_CALLS = Counter(
     "asyncrl_reward_judge_calls_total",
     "Judge HTTP attempts by outcome (ok, retried, http_error, transport_error, bad_response)",

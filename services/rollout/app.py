@@ -1,5 +1,5 @@
 """FastAPI app of the rollout service: `/v1/rollouts`, `/v1/evaluations`, the OpenAI-compatible
-gateway (`/v1/sessions`, `/v1/chat/completions`), `/healthz`, `/metrics`.
+gateway (`/v1/sessions`, `/v1/chat/completions`, verifiers runs `/v1/runs/{run}/…`), `/healthz`, `/metrics`.
 
 Body errors answer 400 (malformed JSON) or 422 (wrong types, out-of-range values) with a
 one-line `message` naming the fields, plus a bounded `detail` list (`services/runtime/limits.py`);
@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.routes import evaluations, gateway, health, rollouts
+from asyncrl.services.rollout.routes import evaluations, gateway, health, responses, rollouts, vf_runs
 from asyncrl.services.rollout.service import RolloutService
 from asyncrl.services.runtime.auth import install_auth
 from asyncrl.services.runtime.limits import BodyLimit, InflightLimit, install_validation_handler
@@ -49,16 +49,19 @@ def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI
         InflightLimit,
         max_inflight=service.settings.gateway_max_inflight,
         on_refused=m.GATEWAY_ERRORS.labels("any", "overloaded").inc,
-        prefixes=("/v1/sessions", "/v1/chat/"),
+        prefixes=("/v1/sessions", "/v1/chat/", "/v1/responses", "/v1/runs/"),
     )
     app.include_router(metrics_router)
     app.include_router(health.router)
     app.include_router(rollouts.router)
     app.include_router(evaluations.router)
     app.include_router(gateway.router)
+    app.include_router(vf_runs.router)  # verifiers runs through the gateway
+    app.include_router(responses.router)
 
     def count_invalid(request: Request, malformed_json: bool) -> None:
         m.REQUESTS_REJECTED.labels("malformed_json" if malformed_json else "invalid_body").inc()
 
     install_validation_handler(app, count_invalid, malformed_status=400)
+    gateway.install_openai_errors(app)  # (after: its 404/405 under /v1/ answer OpenAI's shape)
     return app

@@ -7,7 +7,7 @@ import re
 import socket
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from asyncrl.proto.limits import MAX_GROUP_SIZE
@@ -33,6 +33,45 @@ def _url_list(value: Any) -> list[str]:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"engine URL must be http(s)://…, got {url!r}")
     return urls
+
+
+class OpenEnvServer(BaseModel):
+    """An OpenEnv env server episodes may name (`episode.kind = "openenv"`); only these are ever
+    connected to, never an address from a job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(
+        description="the server's root: ws(s)://host:port drives each episode over one WebSocket session "
+        "(the environment's state lives in the server); http(s)://host:port over POST /reset and /step, "
+        "for stateless environments only (each call builds a fresh one)"
+    )
+    max_sessions: int = Field(
+        1, ge=1, le=4096, description="episodes in flight at once (the server's max_concurrent_envs)"
+    )
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="timeout of one reset or step")
+    description: str = Field("", max_length=1024, description="the tool's description for the policy")
+    judges: bool = Field(
+        True,
+        description="the episode's reward is the sum of the env's step rewards (0 for an episode that never "
+        "steps); false: the job's reward_spec verifier scores the final answer",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("ws://", "wss://", "http://", "https://")):
+            raise ValueError(f"an OpenEnv server URL is ws(s):// or http(s)://, got {value!r}")
+        return value.rstrip("/")
+
+    @property
+    def websocket(self) -> bool:
+        return self.url.startswith(("ws://", "wss://"))
+
+    @property
+    def http_url(self) -> str:
+        """Where `/schema` (and the HTTP routes) are."""
+        return "http" + self.url[2:] if self.websocket else self.url
 
 
 class RolloutSettings(ServiceSettings):
@@ -119,6 +158,11 @@ class RolloutSettings(ServiceSettings):
     env_timeout_s: float = Field(120.0, gt=0, description="timeout of one environment reset or step")
     env_retries: int = Field(
         2, ge=0, le=20, description="retries of an environment call on transport errors and 5xx"
+    )
+
+    openenv: dict[str, OpenEnvServer] = Field(
+        default_factory=dict,
+        description="OpenEnv env servers by the name episodes give (TOML [rollout.openenv.NAME]; env: JSON)",
     )
 
     weight_update_timeout_s: float = Field(600.0, gt=0, description="timeout of one engine weight update")
@@ -220,6 +264,14 @@ class RolloutSettings(ServiceSettings):
                 raise ValueError(f"not SGLang sampling params: {where}: {first['msg']}") from None
             if params.n != 1:
                 raise ValueError("n must be 1: an evaluation takes one completion per prompt")
+        return value
+
+    @field_validator("openenv")
+    @classmethod
+    def _openenv_names(cls, value: dict[str, OpenEnvServer]) -> dict[str, OpenEnvServer]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+                raise ValueError(f"OpenEnv server name {name!r}: 1-64 of A-Z a-z 0-9 _ . - (a tool name)")
         return value
 
     @field_validator("eval_name")

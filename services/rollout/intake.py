@@ -105,9 +105,13 @@ class Intake:
             raise BadRequest("max_new_tokens must be at least 1")
         return out
 
-    def tokenize(self, prompt: RolloutPrompt, tools: list[dict] | None = None) -> tuple[list[int], str]:
+    def tokenize(
+        self, prompt: RolloutPrompt, tools: list[dict] | None = None, episode: bool = False
+    ) -> tuple[list[int], str]:
         """Prompt token ids and the prompt text the reward service sees. `tools` (OpenAI
-        function schemas, an episode's environment's) go to the chat template with `messages`."""
+        function schemas, an episode's environment's) go to the chat template with `messages`.
+        An `episode`'s chat is rendered without the generation prompt: the episode appends the
+        environment's first observation as a user message, then the assistant header."""
         tok = self.tokenizer
         if prompt.input_ids is not None:
             bad = [t for t in prompt.input_ids if t >= self.vocab_size]
@@ -122,7 +126,7 @@ class Intake:
             text = tok.apply_chat_template(
                 [t.model_dump() for t in prompt.messages],
                 tools=tools or None,
-                add_generation_prompt=True,
+                add_generation_prompt=not episode,
                 tokenize=False,
             )
             return list(tok(text, add_special_tokens=False)["input_ids"]), text
@@ -146,7 +150,7 @@ class Intake:
         now = time.time()
         jobs, too_long = [], []
         for i, prompt in enumerate(request.prompts):
-            ids, text = self.tokenize(prompt, tools)
+            ids, text = self.tokenize(prompt, tools, episode=request.episode is not None)
             if not ids:
                 raise BadRequest(f"prompt {i} is empty after tokenization")
             if len(ids) >= self.context_length:
@@ -166,6 +170,7 @@ class Intake:
                     reward_spec=spec,
                     submitted_at=now,
                     episode=request.episode.model_dump() if request.episode is not None else {},
+                    chat=request.episode is not None and prompt.messages is not None,
                 )
             )
         if too_long:

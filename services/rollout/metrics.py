@@ -128,12 +128,13 @@ GATEWAY_COMPLETIONS = Counter(
 )
 GATEWAY_SESSIONS = Counter(
     "asyncrl_rollout_gateway_sessions_total",
-    "Gateway sessions opened, closed, split (into several samples) and expired (never closed)",
+    "Gateway sessions opened, closed, split (into several samples), expired and abandoned (never closed)",
     ["event"],
 )
 GATEWAY_GROUPS = Counter(
     "asyncrl_rollout_gateway_groups_total",
-    "Gateway groups put in the buffer, put before (duplicate), expired, or failed to build",
+    "Gateway groups put in the buffer, put before (duplicate), expired, abandoned (a session deleted), "
+    "or failed to build",
     ["result"],
 )
 
@@ -186,8 +187,33 @@ ENV_STEPS = Counter(
     "Environment steps, by environment and the tool's status",
     ["environment", "status"],
 )
+OPENENV_ERRORS = Counter(
+    "asyncrl_rollout_openenv_errors_total",
+    "Failures of OpenEnv servers' sessions, by server and kind (dropped, server_error, garbage, "
+    "refused_action, unavailable)",
+    ["server", "kind"],
+)
 TOOL_CALLS = Counter(
     "asyncrl_rollout_tool_calls_total",
     "Tool calls the policy made, by outcome (called, unparsable)",
     ["result"],
+)
+
+VF_GROUPS = Counter(
+    "asyncrl_rollout_vf_groups_total",
+    "Groups of verifiers runs (`vf-eval` through the gateway): buffered, put before, or failed whole",
+    ["result"],
+)
+VF_ROLLOUTS_FAILED = Counter(
+    "asyncrl_rollout_vf_rollouts_failed_total",
+    "Rollouts of verifiers runs not trained on: failed in verifiers, no session here, or a "
+    "rollout that was fine in a group that failed",
+    ["reason"],
+)
+
+GATEWAY_RESPONSES = Counter(
+    "asyncrl_rollout_gateway_responses_total",
+    "Responses API answers and their stored conversations, by event (answered, continued, "
+    "stored, not_stored: too large or Redis failed)",
+    ["event"],
 )

@@ -14,6 +14,7 @@ from asyncrl.buffer import Buffer, EvalStore, Jobs, PolicyVersions
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import EngineClient, get_info
 from asyncrl.services.rollout.clients.environments import EnvClient
+from asyncrl.services.rollout.clients.openenv import OpenEnvClient
 from asyncrl.services.rollout.clients.rewards import RewardClient
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.rollout.engine_updates import WeightSync
@@ -69,6 +70,7 @@ class RolloutService:
             None  # the OpenAI-compatible gateway (services/rollout/gateway/chat.py)
         )
         self.envs: EnvClient | None = None
+        self.openenv: OpenEnvClient | None = None  # the configured OpenEnv servers
         self._engine_kind: tuple[float, str | None] = (float("-inf"), None)  # (probed at, kind)
         self._engine_probe = asyncio.Lock()
 
@@ -122,6 +124,7 @@ class RolloutService:
             retries=s.env_retries,
             headers=self._headers(),
         )
+        self.openenv = OpenEnvClient(s.openenv)
         self.gateway = Gateway(s, self.buf, self.engines, self.rewards, self.tokenizer, self.context_length)
         if not run_scheduler:
             return
@@ -143,6 +146,7 @@ class RolloutService:
             self.tokenizer,
             self.context_length,
             self.envs,
+            self.openenv,
         )
         self.gateway.weights = weights
         self._tasks = [
@@ -191,7 +195,7 @@ class RolloutService:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for client in (self.engines, self.rewards, self.envs):
+        for client in (self.engines, self.rewards, self.envs, self.openenv):
             if client is not None:
                 await client.aclose()
         self.buf.close()

@@ -59,16 +59,9 @@ class BadToolCall(ValueError):
 def parse_tool_call(text: str, fmt: ToolFormat) -> ToolCall | None:
     """The tool call the turn ends with (its last one), None for a final answer; `BadToolCall`
     for a call that does not parse."""
-    start = text.rfind(fmt.open)
-    if start < 0:
+    body = call_body(text, fmt)
+    if body is None:
         return None
-    body = text[start + len(fmt.open) :]
-    if fmt.close:
-        end = body.find(fmt.close)
-        if end < 0:
-            raise BadToolCall(f"tool call not closed with {fmt.close}")
-        body = body[:end]
-    body = body.strip()
     if fmt.kind == "hermes":
         try:
             call = json.loads(body)
@@ -90,6 +83,49 @@ def parse_tool_call(text: str, fmt: ToolFormat) -> ToolCall | None:
     if not name:
         raise BadToolCall("tool call names no tool")
     return ToolCall(name=name[:128], arguments=args.strip())
+
+
+def call_body(text: str, fmt: ToolFormat) -> str | None:
+    """The text of the turn's last tool call between its markers (stripped), None when the turn
+    opens none; `BadToolCall` for one left open."""
+    start = text.rfind(fmt.open)
+    if start < 0:
+        return None
+    body = text[start + len(fmt.open) :]
+    if fmt.close:
+        end = body.find(fmt.close)
+        if end < 0:
+            raise BadToolCall(f"tool call not closed with {fmt.close}")
+        body = body[:end]
+    return body.strip()
+
+
+def user_turn_ids(tokenizer, observation: str) -> list[int]:
+    """The tokens that follow a chat prompt rendered without its generation prompt: the
+    environment's first observation (the task) as a `user` message of the model's chat template,
+    then the assistant header the policy's first turn starts after; only the header when
+    `observation` is empty. Prompt + these tokens read exactly as the template renders the
+    conversation with the observation appended as a user message."""
+    message, header = _user_glue(tokenizer.chat_template, tokenizer)
+    text = message.replace(_SENTINEL, observation) if observation else header
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@lru_cache(maxsize=8)
+def _user_glue(template: str | None, tokenizer) -> tuple[str, str]:
+    """(the text of a `user` message with the sentinel as content plus the assistant header,
+    the assistant header alone), each as it follows a user message."""
+    if not template:
+        raise BadToolCall("the model's tokenizer has no chat template for the task message")
+    base = [{"role": "user", "content": _SENTINEL + "U"}]
+    text = tokenizer.apply_chat_template(base, tokenize=False)
+    full = tokenizer.apply_chat_template(
+        base + [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=True
+    )
+    opened = tokenizer.apply_chat_template(base, tokenize=False, add_generation_prompt=True)
+    if not full.startswith(text) or not opened.startswith(text):
+        raise BadToolCall("the chat template rewrites earlier turns when a user message follows")
+    return full[len(text) :], opened[len(text) :]
 
 
 def observation_ids(tokenizer, fmt: ToolFormat, observation: str, after_eos: bool) -> list[int]:

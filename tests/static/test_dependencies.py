@@ -26,12 +26,13 @@ RUN_CONFIG = "asyncrl.services.ops.run_config"
 SERVICES = {
     "reward": (
         ["asyncrl.services.reward.main", "asyncrl.services.reward.verifiers.math_worker", RUN_CONFIG]
+        + ["asyncrl.services.reward.verifiers.rgym_worker"]
         + [path.partition(":")[0] for path in BUILTIN.values()],
         ["reward"],
     ),
     "rollout": (
         ["asyncrl.services.rollout.main", "asyncrl.services.rollout.submit", RUN_CONFIG],
-        ["rollout", "parquet"],
+        ["rollout", "parquet", "reasoning-gym"],
     ),
     "engine": (["asyncrl.services.engine.main", RUN_CONFIG], ["engine"]),
     "trainer": (["asyncrl.trainer.main", RUN_CONFIG], ["trainer", "tracking"]),

@@ -21,6 +21,7 @@ BUILTIN: dict[str, str] = {
     "code": "asyncrl.services.reward.verifiers.code:CodeVerifier",
     "judge": "asyncrl.services.reward.verifiers.judge:JudgeVerifier",
     "nemo_gym": "asyncrl.services.reward.verifiers.nemo_gym:NemoGymVerifier",
+    "reasoning_gym": "asyncrl.services.reward.verifiers.rgym:ReasoningGymVerifier",
 }
 
 

@@ -39,11 +39,12 @@ _JSON = msgspec.json.Encoder()
 
 
 class EnvironmentFailed(Exception):
-    """The environment (not the tool) failed: `kind` names how (counted by it)."""
+    """The environment (not the tool) failed: `kind` names how (counted by it). `retry` false:
+    starting the episode again would meet the same failure (the environment said why)."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, retry: bool = True):
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.retry = kind, retry
 
 
 class EnvClient:

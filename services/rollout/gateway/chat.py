@@ -7,11 +7,18 @@ trained, unmodified, by pointing its client at the rollout service.
                                        suffices), created on first use: group `X-AsyncRL-Group`
                                        of `X-AsyncRL-Group-Size` (default: its own group of 1)
     POST /v1/sessions/{id}/reward      {reward} (or the session's reward_spec scores it) → closed
+    DELETE /v1/sessions/{id}           abandon: the session's whole group is dropped, its slot freed
+    GET /v1/models                     the policy, in OpenAI's list shape (also under the session URL)
 
 A chat call renders the messages with the policy's chat template, generates on an engine
 through the rollout's `EngineClient` (partial rollouts across weight updates, as the scheduler's
-groups) and answers a `chat.completion` (hermes `<tool_call>` text becomes `tool_calls`). With a
-session, the call is recorded exactly as sampled: prompt ids, completion ids, behaviour
+groups) and answers a `chat.completion` (hermes `<tool_call>` text becomes `tool_calls`).
+`tool_choice` required (or LangChain's any) and a named function are forced without constrained
+decoding: the assistant turn is prefilled with the hermes opening (and the function's name), as
+part of the prompt, so the model's own tokens are still what is recorded and the prefill is never
+trained on (it was not sampled: it has no behaviour logprob). `response_format` json_object /
+json_schema becomes SGLang's `sampling_params.json_schema`; an engine that cannot constrain (the
+reference engine) refuses it, answered as a 400. With a session, the call is recorded exactly as sampled: prompt ids, completion ids, behaviour
 logprobs, the policy version of every token. Without one the gateway is a plain proxy.
 
 When every session of a group is closed, the group is built (`gateway.samples.build_group`) and put in
@@ -29,7 +36,9 @@ State lives in Redis (buffer/sessions.py: the keys, the scripts that move a grou
 put), so any replica serves any session and a replica that dies loses nothing: a group it
 closed but did not put is put by another replica's reaper after `gateway_put_lease_s`. A group
 with no activity for `gateway_session_ttl_s` expires: its admission slot is given back and its
-calls dropped (counted). The HTTP bodies and the stored `Call` are in proto/gateway.py.
+calls dropped (counted). A client that gives up on a session (its agent crashed) deletes it:
+its whole group is dropped at once (no partial group is ever put), the slot given back, the
+siblings' later calls and closes refused with 409 `group_abandoned`. The HTTP bodies and the stored `Call` are in proto/gateway.py.
 
 Not guaranteed: a session's calls are recorded in the order they finish, so concurrent calls
 in one session may split it; a complete group whose keys expire before any reaper runs (every
@@ -57,6 +66,7 @@ from asyncrl.proto import FinishReason, RewardStatus
 from asyncrl.proto.gateway import (
     ID_PATTERN,
     Call,
+    SessionAbandoned,
     SessionClosed,
     SessionCreated,
     SessionRequest,
@@ -72,6 +82,9 @@ from asyncrl.proto.openai import (
     FunctionCall,
     GatewayChatRequest,
     GatewayMessage,
+    ModelCard,
+    ModelList,
+    NamedToolChoice,
     TokenLogprob,
     ToolCallOut,
 )
@@ -116,9 +129,16 @@ class GatewayError(Exception):
     """A refused or failed gateway request: HTTP `status`, a message, and the `reason` it is
     counted under (`asyncrl_rollout_gateway_errors_total`)."""
 
-    def __init__(self, status: int, message: str, reason: str, retry_after: float | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        reason: str,
+        retry_after: float | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.reason, self.retry_after = status, reason, retry_after
+        self.status, self.reason, self.retry_after, self.param = status, reason, retry_after, param
 
 
 # --- the gateway ------------------------------------------------------------------------------
@@ -159,6 +179,7 @@ class Gateway:
         self.tokenizer, self.context_length = tokenizer, context_length
         self.weights = None  # the replica's WeightSync, when it follows weights: no call starts mid-update
         self.model_name = settings.tokenizer.rstrip("/").rsplit("/", 1)[-1]
+        self.created = int(time.time())  # `created` of the model in /v1/models
 
     # --- sessions -----------------------------------------------------------------------------
 
@@ -181,7 +202,7 @@ class Gateway:
         sid = sid or f"s{uuid.uuid4().hex}"
         submit_version = 0
         if not await asyncio.to_thread(self.store.group_exists, gid):
-            submit_version = await self._admit(gid)
+            submit_version = await self.admit(gid)
         answer = await asyncio.to_thread(
             self.store.open, sid, gid, body.group_size, body.prompt_id or "", spec, submit_version
         )
@@ -190,7 +211,12 @@ class Gateway:
             return SessionCreated(session_id=sid, group_id=gid, index=-1)
         if outcome != "ok":
             messages = {
-                "complete": f"group {gid!r} is {answer[-1]}: it has all its sessions closed",
+                "complete": f"group {gid!r} is {answer[-1]}"
+                + (
+                    ": one of its sessions was deleted"
+                    if answer[-1] == "abandoned"
+                    else ": it has all its sessions closed"
+                ),
                 "size": f"group {gid!r} has group_size {answer[-1]}, not {body.group_size}",
                 "prompt_id": f"group {gid!r} has prompt_id {answer[-1]!r}",
                 "spec": f"group {gid!r} has another reward_spec: {answer[-1] or 'none'}",
@@ -200,7 +226,7 @@ class Gateway:
         m.GATEWAY_SESSIONS.labels("opened").inc()
         return SessionCreated(session_id=sid, group_id=gid, index=int(answer[1]))
 
-    async def _admit(self, gid: str) -> int:
+    async def admit(self, gid: str) -> int:
         """Take the new group's admission slot (buffer/admission.py, the scheduler's rule),
         waiting up to `gateway_admission_wait_s`; the trainer version at admission."""
         deadline = time.monotonic() + self.settings.gateway_admission_wait_s
@@ -288,8 +314,47 @@ class Gateway:
                 404, f"no session {sid[:128]!r} (never created, or expired)", "unknown_session"
             )
         if state == "empty":
-            raise GatewayError(400, f"session {sid} made no chat call: nothing to train on", "empty_session")
+            raise GatewayError(
+                400,
+                f"session {sid} made no chat call: nothing to train on (DELETE /v1/sessions/{sid} "
+                "abandons it and its group)",
+                "empty_session",
+            )
+        if state == "abandoned":
+            raise GatewayError(
+                409,
+                f"session {sid}'s group was abandoned (a session of it was deleted): its calls are "
+                "dropped; start a new group",
+                "group_abandoned",
+            )
         raise GatewayError(409, f"session {sid} is {state}", "session_closed")
+
+    async def abandon_session(self, sid: str) -> SessionAbandoned:
+        """Fail `sid`'s whole group now: its sessions' calls are deleted, its admission slot
+        given back; a repeated abandon (or a sibling's) answers `again`. A group that is complete
+        (being put) or put is not abandoned (409)."""
+        answer = await asyncio.to_thread(self.store.abandon, sid) if _ID.match(sid) else ["unknown"]
+        outcome = answer[0]
+        if outcome == "again":
+            return SessionAbandoned(session_id=sid, group_id=answer[1], sessions_open=0, again=True)
+        if outcome in ("complete", "put"):
+            raise GatewayError(
+                409,
+                f"session {sid}'s group {answer[1]!r} has all its sessions closed: it is "
+                + ("being put in" if outcome == "complete" else "in")
+                + " the buffer, too late to abandon",
+                "group_complete",
+            )
+        if outcome != "abandoned":
+            self._refuse_session(sid, outcome, allow=())
+        gid, opened, closed = answer[1], int(answer[2]), int(answer[3])
+        m.GATEWAY_GROUPS.labels("abandoned").inc()
+        m.GATEWAY_SESSIONS.labels("abandoned").inc(opened - closed)
+        log_event(log, "gateway group abandoned", group_id=gid, session_id=sid, sessions_open=opened - closed)
+        return SessionAbandoned(session_id=sid, group_id=gid, sessions_open=opened - closed, again=False)
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, owned_by="asyncrl")])
 
     async def put_group(self, gid: str) -> Literal["buffered", "duplicate", "failed"]:
         """Build the complete group and put it (idempotent); a group that cannot be built (a bug:
@@ -352,10 +417,12 @@ class Gateway:
     async def complete(self, body: GatewayChatRequest, session_id: str | None) -> tuple[ChatCompletion, bool]:
         """Answer one chat call; with a session, record it. Returns (answer, recorded)."""
         info = await self._session(session_id) if session_id is not None else None
+        forced = forced_tool(body)
         tools = body.tools if body.tool_choice != "none" else None
+        prefill = _prefill(forced)
         messages = _template_messages(body.messages)
         prompt = await asyncio.to_thread(
-            self._render, messages, [t.model_dump(exclude_none=True) for t in tools or []]
+            self._render, messages, [t.model_dump(exclude_none=True) for t in tools or []], prefill
         )
         room = self.context_length - len(prompt)
         if room <= 0:
@@ -382,6 +449,8 @@ class Gateway:
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(body, name):
                 params[name] = getattr(body, name)
+        if (schema := _json_schema(body)) is not None:
+            params["json_schema"] = schema
         preferred = int(info["engine"]) if info and info.get("engine") else None
         done = await self._generate(prompt, params, preferred)
         m.GATEWAY_COMPLETIONS.labels("session" if info else "proxy").inc()
@@ -401,9 +470,10 @@ class Gateway:
             )
             state = await asyncio.to_thread(self.store.record, session_id, call, done.engine)
             self._refuse_session(session_id, state, allow=("ok",))
-        return await asyncio.to_thread(self._answer, body, done, tools is not None), info is not None
+        answer = await asyncio.to_thread(self._answer, body, done, tools is not None, forced, prefill)
+        return answer, info is not None
 
-    def _render(self, messages: list[dict], tools: list[dict]) -> list[int]:
+    def _render(self, messages: list[dict], tools: list[dict], prefill: str = "") -> list[int]:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise GatewayError(400, "the model's tokenizer has no chat template", "no_chat_template")
@@ -417,7 +487,7 @@ class Gateway:
                 f"the chat template refused the messages: {type(exc).__name__}: {exc}"[:500],
                 "chat_template",
             ) from None
-        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        ids = list(tok(text + prefill, add_special_tokens=False)["input_ids"])
         if not ids:
             raise GatewayError(400, "the messages render to an empty prompt", "empty_prompt")
         return ids
@@ -467,7 +537,10 @@ class Gateway:
                 502, f"the call was aborted {self.settings.max_resubmits + 1} times", "aborted"
             ) from None
         except EngineRejected as exc:
-            raise GatewayError(400, f"the engine refused the request: {exc}", "engine_rejected") from None
+            param = "response_format" if "json_schema" in params and "json_schema" in str(exc) else None
+            raise GatewayError(
+                400, f"the engine refused the request: {exc}", "engine_rejected", param=param
+            ) from None
         except EngineFailure as exc:
             raise GatewayError(502, f"engine failure: {exc}", "engine_failure") from None
         except asyncio.CancelledError:  # the client went away: stop what still runs for it
@@ -492,8 +565,13 @@ class Gateway:
             time.time(),
         )
 
-    def _answer(self, body: GatewayChatRequest, done: Completion, tools: bool) -> ChatCompletion:
-        content, calls = _tool_calls(done.text) if tools else (done.text, [])
+    def _answer(
+        self, body: GatewayChatRequest, done: Completion, tools: bool, forced: str | None, prefill: str
+    ) -> ChatCompletion:
+        if forced is None:
+            content, calls = _tool_calls(done.text) if tools else (done.text, [])
+        else:
+            content, calls = _forced_calls(prefill + done.text, forced)
         finish = "length" if done.finish_reason == "length" else ("tool_calls" if calls else "stop")
         logprobs = None
         if body.logprobs:
@@ -521,6 +599,83 @@ class Gateway:
                 total_tokens=len(done.prompt) + len(done.tokens),
             ),
         )
+
+
+def forced_tool(body: GatewayChatRequest) -> str | None:
+    """The tool call `tool_choice` forces: a function's name, "" for any of `tools` (required,
+    LangChain's any; with one tool offered, that one), None for none forced. A named function
+    not in `tools`, or a forced call without tools, is refused (400)."""
+    choice = body.tool_choice
+    if choice in (None, "auto", "none"):
+        return None
+    names = [t.function.name for t in body.tools or []]
+    if not names:
+        raise GatewayError(
+            400, f"tool_choice {_choice_text(choice)} needs tools", "tool_choice", param="tool_choice"
+        )
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise GatewayError(
+                400,
+                f"tool_choice names function {choice.function.name!r}, which is not in tools {names[:20]}",
+                "tool_choice",
+                param="tool_choice",
+            )
+        return choice.function.name
+    return names[0] if len(names) == 1 else ""
+
+
+def _choice_text(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+
+
+def _prefill(forced: str | None) -> str:
+    """The start of the assistant turn that forces the call: hermes' opening, and the name
+    when one function is forced (the JSON as Qwen's templates write a tool call)."""
+    if forced is None:
+        return ""
+    if not forced:
+        return HERMES_OPEN + "\n"
+    return HERMES_OPEN + "\n" + '{"name": ' + json.dumps(forced, ensure_ascii=False) + ', "arguments": '
+
+
+def _forced_calls(text: str, forced: str) -> tuple[str | None, list[ToolCallOut]]:
+    """The answer of a forced call: `text` is the prefill + the model's text. A call that parses
+    is that call (and any further ones); when the name was forced, a call that does not parse
+    still names it, its arguments the model's text up to the closing tag (then not JSON: OpenAI's
+    own arguments may not be either); a required call that does not parse stays text (counted)."""
+    content, calls = _tool_calls(text)
+    if calls and (not forced or calls[0].function.name == forced):
+        return content, calls
+    if not forced:
+        m.GATEWAY_ERRORS.labels("chat", "tool_choice_unmet").inc()
+        return text, []
+    head = _prefill(forced)
+    raw = text[len(head) :]
+    end = raw.find(HERMES_CLOSE)
+    rest = raw[end + len(HERMES_CLOSE) :] if end >= 0 else ""
+    raw = (raw[:end] if end >= 0 else raw).strip()
+    if raw.endswith("}"):  # the call object's own closing brace
+        inner = raw[:-1].rstrip()
+        try:
+            json.loads(inner)
+            raw = inner
+        except json.JSONDecodeError:
+            pass
+    call = ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=forced, arguments=raw))
+    return (rest.strip() or None), [call]
+
+
+def _json_schema(body: GatewayChatRequest) -> str | None:
+    """`response_format` as SGLang's `sampling_params.json_schema` (a JSON string): json_object
+    is any object; text is no constraint."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json.dumps({"type": "object"})
+    assert fmt.json_schema is not None  # (the model's own check)
+    return json.dumps(fmt.json_schema.json_schema or {"type": "object"}, sort_keys=True)
 
 
 async def _no_verifiers():  # a session created on first use has no reward_spec: never asked

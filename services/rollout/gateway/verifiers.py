@@ -33,10 +33,12 @@ class VfRollout:
 
 @dataclass
 class VfGroup:
-    """The rollouts of one group (one task), in the order `vf-eval` wrote them."""
+    """The rollouts of one group (one task), in the order `vf-eval` wrote them, and those of
+    its rollouts that failed (trace id, why): a group with any fails whole."""
 
     key: str
     rollouts: list[VfRollout] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -79,11 +81,13 @@ def _failure(record: dict) -> str | None:
     return f"rollout failed in verifiers: {errors[-1].get('message', 'error') if errors else 'not ok'}"
 
 
-def read_traces(lines: Iterable[str]) -> VfTraces:
-    """Group a `traces.jsonl`'s episodes; every trace lands in a group or in `failed`."""
+def read_traces(lines: Iterable[str], first_line: int = 1) -> VfTraces:
+    """Group a `traces.jsonl`'s episodes; every trace lands in its group's `rollouts` or in
+    `failed` (and, when its episode named its group, in that group's `failed` too). Lines are
+    numbered from `first_line` (a file read in pieces)."""
     groups: dict[str, VfGroup] = {}
     failed: list[tuple[str, str]] = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(lines, start=first_line):
         if not line.strip():
             continue
         try:
@@ -102,8 +106,10 @@ def read_traces(lines: Iterable[str]) -> VfTraces:
                     reward = trace_reward(trace.get("rewards") or {})
             except (ValueError, TypeError, AttributeError) as exc:
                 reason = f"unreadable trace: {type(exc).__name__}: {exc}"
+            group = groups.setdefault(key, VfGroup(key))
             if reason is not None:
                 failed.append((where, reason))
+                group.failed.append((where, reason))
                 continue
-            groups.setdefault(key, VfGroup(key)).rollouts.append(VfRollout(where, reward))
+            group.rollouts.append(VfRollout(where, reward))
     return VfTraces(list(groups.values()), failed)

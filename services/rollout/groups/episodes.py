@@ -1,7 +1,8 @@
 """Episodes: a group's samples as multi-turn, tool-using episodes with an environment
 (docs/architecture.md §12).
 
-    reset the environment → [its first observation, loss mask 0]
+    reset the environment → [its first observation (the task), loss mask 0: after a chat
+        prompt a user message of the chat template, then the assistant header]
     for each turn (at most `max_turns`, the whole episode within `max_episode_tokens`):
         generate until EOS, the turn's max_new_tokens or a one-token call marker
             (tokens kept exactly as sampled, each with its behaviour logprob and policy
@@ -15,8 +16,13 @@
 The G episodes of a group run concurrently (their generate calls coalesce into batches). An
 environment failure (`EnvironmentFailed`: unreachable after retries, refused, garbage,
 `mask_sample`) starts the episode again, at most `retries` times, each counted by kind; then
-the group fails whole (`EpisodeFailed`), counted. The environment keeps nothing: a rollout
-replica that dies restarts its groups' episodes whole when another recovers the job.
+the group fails whole (`EpisodeFailed`), counted; a failure the environment explains (an
+OpenEnv server's error message) fails the group at once. The environment keeps nothing: a
+rollout replica that dies restarts its groups' episodes whole when another recovers the job.
+
+OpenEnv servers (`kind = "openenv"`, `_openenv_episode`) keep the episode's state in one
+session instead: the same loop, the action from the call (`groups/openenv.py`), a dropped
+session restarting the episode from reset.
 """
 
 from __future__ import annotations
@@ -31,12 +37,25 @@ from asyncrl.proto.environments import Action, ResetRequest, StepRequest, StepSt
 from asyncrl.proto.rollout import EpisodeSpec
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.environments import EnvironmentFailed
+from asyncrl.services.rollout.clients.openenv import ActionRefused
+from asyncrl.services.rollout.groups.openenv import ActionTool, observation_text
 from asyncrl.services.rollout.segments import Draft
-from asyncrl.services.rollout.toolcalls import BadToolCall, ToolFormat, observation_ids, parse_tool_call
+from asyncrl.services.rollout.toolcalls import (
+    BadToolCall,
+    ToolFormat,
+    observation_ids,
+    parse_tool_call,
+    user_turn_ids,
+)
 
 if TYPE_CHECKING:
     from asyncrl.services.rollout.clients.environments import EnvClient
+    from asyncrl.services.rollout.clients.openenv import OpenEnvClient
     from asyncrl.services.rollout.groups.sampler import GroupSampler
+
+
+RESTART_DELAY_S = 0.5  # before an episode's first restart; doubles with each one
+MAX_RESTART_DELAY_S = 5.0
 
 
 class EpisodeFailed(ValueError):
@@ -63,8 +82,9 @@ class EpisodeRunner:
         context_length: int,
         default_max_new_tokens: int,
         initial_weight_version: int,
+        openenv: OpenEnvClient | None = None,
     ):
-        self.envs, self.tokenizer = envs, tokenizer
+        self.envs, self.tokenizer, self.openenv = envs, tokenizer, openenv
         self.context_length = context_length
         self.default_max_new_tokens = default_max_new_tokens
         self.initial_weight_version = initial_weight_version
@@ -74,39 +94,49 @@ class EpisodeRunner:
         spec = EpisodeSpec.model_validate(job.episode)
         fmt = ToolFormat.of(spec)
         stops = turn_stop_ids(self.tokenizer, fmt) if spec.tools else []
-        info = (await self.envs.environments()).environments.get(spec.environment)
-        if info is None:
-            raise EnvironmentFailed("unavailable", f"environment {spec.environment!r} is no longer served")
-        tasks = [
-            asyncio.ensure_future(self._with_retries(job, sampler, spec, fmt, stops, info.judges, i))
-            for i in range(job.group_size)
-        ]
+        if spec.kind == "openenv":
+            if self.openenv is None or spec.environment not in self.openenv.servers:
+                raise EpisodeFailed(f"OpenEnv server {spec.environment!r} is not configured here")
+            server = self.openenv.servers[spec.environment]
+            tool = ActionTool.of(
+                spec.environment, await self.openenv.schema(spec.environment), server.description
+            )
+
+            def episode(d: Draft, attempt: int):
+                return self._openenv_episode(job, sampler, spec, fmt, stops, tool, d, attempt)
+        else:
+            info = (await self.envs.environments()).environments.get(spec.environment)
+            if info is None:
+                raise EnvironmentFailed(
+                    "unavailable", f"environment {spec.environment!r} is no longer served"
+                )
+
+            def episode(d: Draft, attempt: int):
+                return self._episode(job, sampler, spec, fmt, stops, info.judges, d, attempt)
+
+        tasks = [asyncio.ensure_future(self._with_retries(spec, episode, i)) for i in range(job.group_size)]
         try:
             return list(await asyncio.gather(*tasks))
         finally:  # one episode failing its group (or a cancel) ends the others
             for t in tasks:
                 t.cancel()
 
-    async def _with_retries(
-        self,
-        job: GroupJob,
-        sampler: GroupSampler,
-        spec: EpisodeSpec,
-        fmt: ToolFormat,
-        stops: list[int],
-        judges: bool,
-        index: int,
-    ) -> Draft:
+    async def _with_retries(self, spec: EpisodeSpec, episode, index: int) -> Draft:
+        """`episode(draft, attempt)` until it completes, at most `retries` + 1 times."""
         last: EnvironmentFailed | None = None
         for attempt in range(spec.retries + 1):
             d = Draft(index, submitted=time.time(), loss_mask=[])
             try:
-                await self._episode(job, sampler, spec, fmt, stops, judges, d, attempt)
+                await episode(d, attempt)
                 return d
             except EnvironmentFailed as exc:
                 m.EPISODES.labels("failed").inc()
+                if not exc.retry:
+                    raise EpisodeFailed(f"episode {index}: {exc}") from None
                 m.EPISODE_RETRIES.labels(exc.kind).inc()
                 last = exc
+                if attempt < spec.retries:  # (a server that crashed gets a moment to come back)
+                    await asyncio.sleep(min(RESTART_DELAY_S * 2**attempt, MAX_RESTART_DELAY_S))
         raise EpisodeFailed(
             f"episode {index}: environment {spec.environment!r} failed {spec.retries + 1} times; last: {last}"
         )
@@ -162,10 +192,7 @@ class EpisodeRunner:
             )
             return envs.step(env, request)
 
-        if reset.observation:
-            _observe(
-                d, tok(reset.observation, add_special_tokens=False)["input_ids"], self.initial_weight_version
-            )
+        _observe(d, task_ids(tok, job, reset.observation), self.initial_weight_version)
         eos = {tok.eos_token_id}
         finish, answer = "length", ""
         for turn in range(spec.max_turns):
@@ -222,6 +249,100 @@ class EpisodeRunner:
             d.env_reward = sum(d.turn_rewards)
         d.details = {"environment": env, "turns": len(d.turn_starts), "attempt": attempt}
         m.EPISODES.labels("answered" if answer else finish).inc()
+
+    async def _openenv_episode(
+        self,
+        job: GroupJob,
+        sampler: GroupSampler,
+        spec: EpisodeSpec,
+        fmt: ToolFormat,
+        stops: list[int],
+        tool: ActionTool,
+        d: Draft,
+        attempt: int,
+    ) -> None:
+        """One episode with an OpenEnv server, in one session: reset → (policy turn → the action
+        its call makes → step) until a turn calls nothing, the server says `done`, or turns or
+        tokens run out. The reward is the sum of the steps' rewards when the server `judges`
+        (configured), else the job's verifier's on the final answer."""
+        env, tok = spec.environment, self.tokenizer
+        params = dict(job.sampling_params)
+        turn_budget = int(params.get("max_new_tokens", self.default_max_new_tokens))
+        prompt = job.prompt_tokens.tolist()
+        room = self.context_length - len(prompt)
+        if spec.max_episode_tokens is not None:
+            room = min(room, spec.max_episode_tokens)
+        episode_id = f"{job.group_id}/{d.index}"
+        seed = zlib.crc32(episode_id.encode()) + params.get("sampling_seed", 0) % 2**31
+        finish, answer, actions = "length", "", []
+        async with self.openenv.session(env) as session:
+            reset = await session.reset({**spec.env_args, "seed": seed, "episode_id": episode_id})
+            # (a task longer than the room is cut, and the episode gets no turn)
+            task = task_ids(tok, job, observation_text(reset.observation))
+            _observe(d, task[:room], self.initial_weight_version)
+            for turn in range(spec.max_turns):
+                left = room - len(d.tokens)
+                if left <= 0:
+                    break
+                start = len(d.tokens)
+                d.turn_starts.append(start)
+                finish = await self._turn(sampler, prompt, d, min(turn_budget, left), params, turn, stops)
+                text = tok.decode(
+                    d.tokens[start:], skip_special_tokens=params.get("skip_special_tokens", True)
+                )
+                try:
+                    action, problem = (tool.action(text, fmt) if spec.tools else None), None
+                except BadToolCall as exc:
+                    action, problem = None, str(exc)
+                if action is None and problem is None:  # the final answer
+                    answer = _answer(tok, d.tokens[start:], finish, params)
+                    d.turn_rewards.append(0.0)
+                    break
+                if turn == spec.max_turns - 1:  # a call on the last turn: nothing may answer it
+                    finish = "length"
+                    d.turn_rewards.append(0.0)
+                    break
+                reward = 0.0
+                if problem is None:
+                    m.TOOL_CALLS.labels("called").inc()
+                    actions.append(action)
+                    try:
+                        out = await session.step(action)
+                    except ActionRefused as exc:
+                        problem = str(exc)
+                    else:
+                        m.ENV_STEPS.labels(env, StepStatus.ok.value).inc()
+                        observation = observation_text(out.observation)
+                        reward = float(out.reward or 0.0)
+                        if out.done:
+                            d.turn_rewards.append(reward)
+                            break
+                else:
+                    m.TOOL_CALLS.labels("unparsable").inc()
+                if problem is not None:
+                    m.ENV_STEPS.labels(env, StepStatus.invalid_call.value).inc()
+                    observation = f"[invalid_call] {problem}"
+                d.turn_rewards.append(reward)
+                after_eos = bool(d.tokens) and d.tokens[-1] == tok.eos_token_id
+                _observe(
+                    d,
+                    observation_ids(tok, fmt, observation, after_eos)[: max(room - len(d.tokens), 0)],
+                    d.versions[-1] if d.versions else self.initial_weight_version,
+                )
+        d.finish_reason, d.text = finish, answer
+        d.finished = time.time()
+        if self.openenv.servers[env].judges:
+            d.env_reward = sum(d.turn_rewards)
+        d.details = {"environment": env, "turns": len(d.turn_starts), "attempt": attempt, "actions": actions}
+        m.EPISODES.labels("answered" if answer else finish).inc()
+
+
+def task_ids(tok, job: GroupJob, observation: str) -> list[int]:
+    """The environment's first observation as tokens after the prompt: a user message of the chat
+    template (and the assistant header) after a chat prompt, the bare text after any other."""
+    if job.chat:
+        return user_turn_ids(tok, observation)
+    return list(tok(observation, add_special_tokens=False)["input_ids"]) if observation else []
 
 
 def _observe(d: Draft, ids: list[int], version: int) -> None:

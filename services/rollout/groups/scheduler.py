@@ -52,6 +52,7 @@ from asyncrl.services.rollout.clients.engine import (
     EngineRejected,
 )
 from asyncrl.services.rollout.clients.environments import EnvClient, EnvironmentFailed
+from asyncrl.services.rollout.clients.openenv import OpenEnvClient
 from asyncrl.services.rollout.clients.rewards import RewardClient
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.rollout.engine_updates import WeightSync
@@ -90,6 +91,7 @@ class GroupScheduler:
         tokenizer,
         context_length: int,
         envs: EnvClient | None = None,
+        openenv: OpenEnvClient | None = None,
     ):
         self.settings = settings
         # The buffer's parts, on the process's one connection; used only on the `_redis` thread
@@ -105,6 +107,7 @@ class GroupScheduler:
             context_length=context_length,
             default_max_new_tokens=settings.default_max_new_tokens,
             initial_weight_version=settings.initial_weight_version,
+            openenv=openenv,
         )
         self.active: dict[str, Active] = {}
         self._redis = ThreadPoolExecutor(1, thread_name_prefix="rollout-buffer")

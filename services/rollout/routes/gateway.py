@@ -3,8 +3,9 @@
 Every refusal is OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}` (the
 `openai` client raises it as the matching `APIStatusError`): 400 for a body that does not
 validate or asks what the gateway does not do, 404 an unknown or expired session, 409 a closed
-session or a group that does not take this session, 429 a full buffer (admission), 502 an
-engine that failed, 503 no engine or no Redis. Each answer is counted by route and status
+session or a group that does not take this session (or was abandoned), 429 a full buffer
+(admission), 502 an engine that failed, 503 no engine or no Redis; an unknown path under `/v1/`
+(404) and a gateway route asked with the wrong method (405) too (`install_openai_errors`). Each answer is counted by route and status
 (`asyncrl_rollout_gateway_requests_total`), each refusal by reason
 (`asyncrl_rollout_gateway_errors_total`).
 
@@ -25,9 +26,15 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from asyncrl.proto.gateway import SessionClosed, SessionCreated, SessionRequest, SessionReward
+from asyncrl.proto.gateway import (
+    SessionAbandoned,
+    SessionClosed,
+    SessionCreated,
+    SessionRequest,
+    SessionReward,
+)
 from asyncrl.proto.limits import MAX_GROUP_SIZE
-from asyncrl.proto.openai import ChatCompletion, GatewayChatRequest
+from asyncrl.proto.openai import ChatCompletion, GatewayChatRequest, ModelList
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.deps import ServiceDep
 from asyncrl.services.rollout.gateway.chat import GatewayError, check_request, sse_chunks
@@ -39,23 +46,33 @@ MAX_TEXT_CHARS = 200  # of one error's location or message (they may quote the c
 ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     429: "rate_limit_error",
 }
 
 
-def error_response(status: int, message: str, reason: str, retry_after: float | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    reason: str,
+    retry_after: float | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     text = message.encode("utf-8", "backslashreplace").decode("utf-8")  # (a lone surrogate quoted back)
     body = {
         "error": {
             "message": text,
             "type": ERROR_TYPES.get(status, "server_error"),
-            "param": None,
+            "param": param,
             "code": reason,
         }
     }
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    headers = dict(headers or {})
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after)))
+    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
 def _summary(exc: ValidationError | RequestValidationError) -> str:
@@ -103,7 +120,7 @@ class GatewayRoute(APIRoute):
 
 def _refused(route: str, exc: GatewayError) -> JSONResponse:
     m.GATEWAY_ERRORS.labels(route, exc.reason).inc()
-    return error_response(exc.status, str(exc), exc.reason, exc.retry_after)
+    return error_response(exc.status, str(exc), exc.reason, exc.retry_after, exc.param)
 
 
 router = APIRouter(tags=["gateway"], route_class=GatewayRoute)
@@ -131,6 +148,28 @@ async def create_session(body: SessionRequest, service: ServiceDep) -> SessionCr
 async def close_session(session_id: str, body: SessionReward, service: ServiceDep) -> SessionClosed:
     """Close a session with its reward; closing the group's last session puts the group in the buffer."""
     return await service.gateway.close_session(session_id, body)
+
+
+@router.delete("/v1/sessions/{session_id}", name="abandon", response_model=SessionAbandoned, responses=ERRORS)
+async def abandon_session(session_id: str, service: ServiceDep) -> SessionAbandoned:
+    """Abandon a session (its agent crashed, or gave up): its whole group is dropped now, never
+    put, and its admission slot given back; the other sessions' later calls and closes answer
+    409. Repeated (or for a sibling): 200 with `again: true` while the group's keys last
+    (2 × `gateway_session_ttl_s`), 404 after."""
+    return await service.gateway.abandon_session(session_id)
+
+
+@router.get("/v1/models", name="models", response_model=ModelList)
+async def list_models(service: ServiceDep) -> ModelList:
+    """The served model (the policy), in OpenAI's list shape."""
+    return service.gateway.models()
+
+
+@router.get("/v1/sessions/{session_id}/v1/models", name="session_models", response_model=ModelList)
+async def list_session_models(session_id: str, service: ServiceDep) -> ModelList:
+    """The same under a session's base URL (clients list models before their first call; the
+    session is not created by this)."""
+    return service.gateway.models()
 
 
 SESSION_HEADER = "x-asyncrl-session"  # (not X-Session-Id: verifiers sends its own trace id there)
@@ -178,22 +217,64 @@ async def _chat(request: Request, service: ServiceDep, url_session: str | None):
     except ValidationError as exc:
         raise GatewayError(400, _summary(exc), "invalid_body") from None
     check_request(body)
-    named = {n for n in (url_session, request.headers.get(SESSION_HEADER), body.session_id) if n is not None}
+    session = await open_named_session(request, service, url_session, body.session_id)
+    return await chat_answer(service, body, session)
+
+
+async def open_named_session(
+    request: Request, service: ServiceDep, url_session: str | None, body_session: str | None
+) -> str | None:
+    """The call's session: the URL's, `X-AsyncRL-Session` or the body's `session_id` (at most
+    one name; none: answered, not recorded). A session named in the URL is created on first use."""
+    named = {n for n in (url_session, request.headers.get(SESSION_HEADER), body_session) if n is not None}
     if len(named) > 1:
         raise GatewayError(
             400, "the URL, X-AsyncRL-Session and session_id name different sessions", "session_mismatch"
         )
-    session = next(iter(named), None)
     if url_session is not None:
         group = request.headers.get(GROUP_HEADER)
         await service.gateway.ensure_session(url_session, group, _group_size(request))
+    return next(iter(named), None)
+
+
+async def chat_answer(service: ServiceDep, body: GatewayChatRequest, session: str | None):
+    """The chat call answered in `session`: the completion, or its SSE chunks when streamed."""
     answer, _ = await service.gateway.complete(body, session)
     if not body.stream:
         return answer
-    chunks = sse_chunks(answer, bool(body.stream_options and body.stream_options.include_usage))
+    return event_stream(sse_chunks(answer, bool(body.stream_options and body.stream_options.include_usage)))
 
-    async def events() -> AsyncIterator[str]:
-        for chunk in chunks:
-            yield chunk
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+def event_stream(events: list[str]) -> StreamingResponse:
+    """Server-sent events already rendered, as one streamed answer."""
+
+    async def send() -> AsyncIterator[str]:
+        for event in events:
+            yield event
+
+    return StreamingResponse(send(), media_type="text/event-stream")
+
+
+def install_openai_errors(app) -> None:
+    """Answer an unknown path under `/v1/` (404) and a gateway route asked with the wrong
+    method (405) in OpenAI's error shape, counted (route `unmatched`); every other HTTP error
+    keeps FastAPI's shape (the rollouts and evaluations routes', and their own 404s)."""
+    from fastapi.exception_handlers import http_exception_handler
+
+    async def handle(request: Request, exc: HTTPException) -> Response:
+        route = request.scope.get("route")
+        unmatched = exc.status_code == 404 and "endpoint" not in request.scope
+        wrong_method = exc.status_code == 405 and isinstance(route, GatewayRoute)
+        if not request.url.path.startswith("/v1/") or not (unmatched or wrong_method):
+            return await http_exception_handler(request, exc)
+        if unmatched:
+            message, reason = f"no route {request.url.path[:MAX_TEXT_CHARS]!r}", "unknown_route"
+        else:
+            allowed = (exc.headers or {}).get("allow", (exc.headers or {}).get("Allow", ""))
+            message = f"{request.method} is not allowed on {request.url.path[:MAX_TEXT_CHARS]!r} (allowed: {allowed})"
+            reason = "method_not_allowed"
+        m.GATEWAY_ERRORS.labels("unmatched", reason).inc()
+        m.GATEWAY_REQUESTS.labels("unmatched", str(exc.status_code)).inc()
+        return error_response(exc.status_code, message, reason, headers=exc.headers)
+
+    app.add_exception_handler(HTTPException, handle)

@@ -25,6 +25,7 @@ from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.environments import EnvironmentFailed
 from asyncrl.services.rollout.clients.rewards import VerifiersUnavailable
 from asyncrl.services.rollout.deps import ServiceDep
+from asyncrl.services.rollout.groups.openenv import ActionTool
 from asyncrl.services.rollout.intake import BadRequest, body_hash, job_id_for
 from asyncrl.services.rollout.routes.errors import ERRORS
 from asyncrl.services.rollout.routes.errors import refuse as _refuse
@@ -41,7 +42,13 @@ ROLLOUT_STATES = (
     GroupState.cancelled,
 )
 # How buffered groups left the buffer, each a field of the answer; any other exit goes to `other`.
-TRAINER_EXITS = (GroupState.trained, GroupState.dropped, GroupState.withheld, GroupState.zero_spread)
+TRAINER_EXITS = (
+    GroupState.trained,
+    GroupState.dropped,
+    GroupState.withheld,
+    GroupState.zero_spread,
+    GroupState.dead_lettered,
+)
 MAX_ERRORS_SHOWN = 10
 
 
@@ -87,6 +94,8 @@ async def _check_episode(service: RolloutService, body: RolloutRequest) -> list[
     """The job's environment is served, and something judges its episodes (the environment,
     or a reward_spec for every prompt); its tools for the chat template (none without tools)."""
     episode = body.episode
+    if episode.kind == "openenv":
+        return await _check_openenv(service, body)
     try:
         listing = await service.envs.environments()
     except EnvironmentFailed as exc:
@@ -105,6 +114,29 @@ async def _check_episode(service: RolloutService, body: RolloutRequest) -> list[
             "invalid_input",
         )
     return info.tools if episode.tools else None
+
+
+async def _check_openenv(service: RolloutService, body: RolloutRequest) -> list[dict] | None:
+    """The job names a configured OpenEnv server (never an address: the job cannot make this
+    service connect anywhere else) whose schema can be read; its action as the tool."""
+    name, servers = body.episode.environment, service.openenv.servers
+    if name not in servers:
+        raise _refuse(
+            400, f"unknown OpenEnv server {name!r}; configured: {sorted(servers)}", "unknown_environment"
+        )
+    if (
+        not servers[name].judges
+        and body.reward_spec is None
+        and any(p.reward_spec is None for p in body.prompts)
+    ):
+        raise _refuse(
+            400, f"OpenEnv server {name!r} does not judge answers: give a reward_spec", "invalid_input"
+        )
+    try:
+        schema = await service.openenv.schema(name)
+    except EnvironmentFailed as exc:
+        raise _refuse(503, str(exc), "environments_unavailable") from exc
+    return [ActionTool.of(name, schema, servers[name].description).openai()] if body.episode.tools else None
 
 
 @router.get("/{job_id}", response_model=RolloutProgress, responses=ERRORS)
@@ -153,8 +185,10 @@ def _progress(service: RolloutService, job_id: str) -> RolloutProgress:
         groups=job.groups,
         queued=queued,
         **{s.value: counts[s] for s in ROLLOUT_STATES},
-        **{s.value: job.exits.get(s, 0) for s in TRAINER_EXITS},
-        in_buffer=max(buffered - sum(job.exits.values()), 0),
+        **{s.value: job.exits.get(s, 0) for s in TRAINER_EXITS if s != GroupState.trained},
+        trained=job.exits.get(GroupState.trained, 0) + job.stepped,  # from its step on
+        checkpointed=job.exits.get(GroupState.trained, 0),
+        in_buffer=max(buffered - sum(job.exits.values()) - job.stepped, 0),
         created_at=job.created_at,
         cancel_requested=job.cancel_requested,
         unscored=unscored,

@@ -298,6 +298,12 @@ BAD_INPUTS = [
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, 422, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, 422, "bogus"),
     ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, 400, "constrained decoding"),
+    (
+        {"input_ids": [1], "sampling_params": {"json_schema": '{"type": "object"}'}},
+        400,
+        "constrained decoding (json_schema)",
+    ),
+    ({"input_ids": [1], "sampling_params": {"ebnf": 'root ::= "a"'}}, 400, "constrained decoding (ebnf)"),
     ({"input_ids": [1], "stream": True}, 400, "stream"),
     # A batch shares one sampling params object; what differs per item is still checked per item.
     (

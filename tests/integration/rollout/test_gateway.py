@@ -354,9 +354,10 @@ def test_refusals_are_openai_errors(start, agent_tokenizer):
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.chat.completions.create(model="tiny", messages=hello, logit_bias={"5": 1.0})
     assert "logit_bias" in unsupported.value.message
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=hello, tool_choice="required",
-                                       tools=[{"type": "function", "function": {"name": "calc"}}])  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as not_offered:
+        client.chat.completions.create(model="tiny", messages=hello, tools=[{"type": "function", "function": {"name": "calc"}}],
+                                       tool_choice={"type": "function", "function": {"name": "search"}})  # fmt: skip
+    assert "'search'" in not_offered.value.message and not_offered.value.param == "tool_choice"
     too_long = [{"role": "user", "content": "a" * CONTEXT}]
     with pytest.raises(openai.BadRequestError) as context:
         client.chat.completions.create(model="tiny", messages=too_long)
@@ -524,6 +525,7 @@ def test_a_session_named_in_the_base_url_is_created_on_first_use(start, agent_to
     (verifiers' trace id) is ignored; two sessions named into one group via the group headers
     make one group of two."""
     url = start(agent_tokenizer).url
+    created = metric(url, "asyncrl_rollout_gateway_sessions_total", event="created_on_use")
     group = {"X-AsyncRL-Group": "url-grp", "X-AsyncRL-Group-Size": "2"}
     texts = {}
     for sid, word in (("agent-a", "ab>"), ("agent-b", "cd>")):
@@ -539,7 +541,7 @@ def test_a_session_named_in_the_base_url_is_created_on_first_use(start, agent_to
     assert built.group_id == "url-grp"
     assert [s.text for s in built.samples] == [texts["agent-a"], texts["agent-b"]]
     assert [s.reward for s in built.samples] == [1.0, 0.0]
-    assert metric(url, "asyncrl_rollout_gateway_sessions_total", event="created_on_use") == 2
+    assert metric(url, "asyncrl_rollout_gateway_sessions_total", event="created_on_use") == created + 2
 
     # no group header: a group of one named after the session
     solo = openai.OpenAI(base_url=f"{url}/v1/sessions/solo-1/v1", api_key="x", max_retries=0, timeout=60)

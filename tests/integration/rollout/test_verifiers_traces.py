@@ -55,6 +55,8 @@ def test_episodes_become_groups_with_verifiers_rewards(tmp_path):
     assert [(g.key, len(g.rollouts)) for g in traces.groups] == [("grp-t-a", 2), ("t-b", 2)]
     [bad] = [tid for tid, e in expected.items() if not e["ok"]]
     assert traces.failed == [(bad, "rollout failed in verifiers: upstream 500")]
+    # ... and in its own group's failures, so the group it belongs to fails whole.
+    assert [g.failed for g in traces.groups] == [[], [(bad, "rollout failed in verifiers: upstream 500")]]
 
 
 def test_unreadable_lines_are_failed_with_why():

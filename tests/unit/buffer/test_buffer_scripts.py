@@ -15,7 +15,8 @@ from asyncrl.proto.states import Admission, GroupState
 
 # Quoted words in the scripts that are not states: hash fields, counters, stream entry fields.
 FIELDS = {"accepted", "put", "duplicates", "jobs_enqueued", "jobs_", "gid", "mv", "entry", "stream", "reason",
-          "data", "groups", "jobs", "table", "batch_groups", "max_staleness", "version"}  # fmt: skip
+          "data", "groups", "jobs", "table", "batch_groups", "max_staleness", "version",
+          "stepped"}  # fmt: skip
 SCRIPTS = [
     s
     for module in (groups, jobs, admission, versions)

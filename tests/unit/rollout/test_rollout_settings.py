@@ -21,3 +21,23 @@ def test_settings_parse_engine_url_lists(tok_dir):
         RolloutSettings(tokenizer=tok_dir, engine_urls="a:1")
     with pytest.raises(ValidationError, match="recover_idle_s / 3"):
         RolloutSettings(tokenizer=tok_dir, heartbeat_s=5, recover_idle_s=10)
+
+
+def test_openenv_servers_come_from_the_toml_table(tok_dir, tmp_path):
+    from asyncrl.services.runtime.config import load_settings
+
+    config = tmp_path / "rollout.toml"
+    config.write_text(
+        f'[rollout]\ntokenizer = "{tok_dir}"\n'
+        '[rollout.openenv.counter]\nurl = "ws://127.0.0.1:8000/"\nmax_sessions = 4\n'
+        '[rollout.openenv.echo]\nurl = "http://127.0.0.1:8001"\njudges = false\n'
+    )
+    s = load_settings(RolloutSettings, ["--config", str(config)], prog="rollout", section="rollout")
+    counter, echo = s.openenv["counter"], s.openenv["echo"]
+    assert (counter.url, counter.websocket, counter.http_url, counter.max_sessions) == (
+        "ws://127.0.0.1:8000", True, "http://127.0.0.1:8000", 4)  # fmt: skip
+    assert (echo.websocket, echo.http_url, echo.judges) == (False, "http://127.0.0.1:8001", False)
+    with pytest.raises(ValidationError, match="ws\\(s\\):// or http\\(s\\)://"):
+        RolloutSettings(tokenizer=tok_dir, openenv={"x": {"url": "file:///etc/passwd"}})
+    with pytest.raises(ValidationError, match="a tool name"):
+        RolloutSettings(tokenizer=tok_dir, openenv={"no spaces": {"url": "ws://h:1"}})
