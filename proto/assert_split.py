@@ -475,7 +475,7 @@ def _value(node: Node, results: list) -> Any:
     return node.value if isinstance(node, Static) else node(results)
 
 
-def _module_entry(module: str, attr: str, line: int) -> Any:
+def _module_entry(module: str, attr: str) -> Any:
     table = MODULES[module]
     if attr not in table:
         return Opaque(f"{module}.{attr}")
@@ -572,7 +572,7 @@ class _Splitter:
                 for item in names:
                     if item.name == "*":
                         raise Unsplittable(f"line {stmt.lineno}: `from {module} import *`")
-                    self.names[item.asname or item.name] = _module_entry(module, item.name, stmt.lineno)
+                    self.names[item.asname or item.name] = _module_entry(module, item.name)
                 return []
         raise Unsplittable(f"line {stmt.lineno}: unsupported statement `{_show(stmt)}`")
 
