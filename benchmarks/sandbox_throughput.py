@@ -30,7 +30,7 @@ PYTHON = "/usr/bin/python3"
 WARMUP_RUNS = 5  # page cache, first-use costs
 SOLUTION = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
 ASSERTS = "\n".join(f"assert fib({n}) == {a}" for n, a in enumerate([0, 1, 1, 2, 3, 5, 8, 13, 21, 34]))
-UNSPLITTABLE = "import sys  # an unsupported statement: the same asserts, run in the sandbox\n"
+UNSPLITTABLE = "import os  # never evaluated by the split: the same asserts, run in the sandbox\n"
 
 
 def children_cpu_s() -> float:

@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from asyncrl.proto.assert_split import Unsplittable, split_asserts
 from asyncrl.proto.reasoning_gym import ReasoningGymSpec
 from asyncrl.proto.records import RewardStatus
 from asyncrl.proto.rewards import RewardItem, RewardSpec
@@ -126,6 +127,11 @@ class CodeSpec(BaseModel):
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per test (CPU limit: ceil of it)")
     memory_mb: int = Field(512, ge=64, description="address-space limit per test")
     partial: bool = Field(False, description="reward = passed fraction instead of all-or-nothing")
+    strict: bool = Field(
+        False,
+        description="with assert_code: refuse asserts that cannot be split (judged outside the sandbox) "
+        "instead of running them as written next to the program",
+    )
 
     @model_validator(mode="after")
     def _one_mode(self) -> CodeSpec:
@@ -133,6 +139,11 @@ class CodeSpec(BaseModel):
             raise ValueError("give exactly one of `tests` or `assert_code`")
         if self.entry_point is not None and self.assert_code is None:
             raise ValueError("entry_point needs assert_code")
+        if self.strict and self.assert_code is not None:
+            try:
+                split_asserts(self.assert_code, self.entry_point)
+            except Unsplittable as exc:
+                raise ValueError(f"strict: assert_code cannot be split: {exc}") from None
         return self
 
     @field_validator("entry_point")

@@ -5,18 +5,20 @@ The program is the last fenced code block of the completion (else the whole comp
   sandbox after whitespace normalisation (trailing spaces per line and surrounding blank lines
   ignored). Expected outputs never enter the sandbox.
 * `assert_code`, split (details `asserts: "split"`): when every statement is one of the forms
-  `asserts.py` lists (`assert f(1, 2) == 3`, `abs(f(x) - y) < eps`, `math.isclose(...)`,
-  HumanEval's `def check(candidate)` + `check(f)` or the spec's `entry_point`, ...), only the
-  calls enter the sandbox (`call_harness.py`); their results come back as plain data and are
-  compared here. The expected values never enter the sandbox, so nothing the program does in
-  its own process (an always-true `__eq__`, a patched `math.isclose`, `sys.settrace`, a forged
-  result line, an early exit) can turn a wrong answer into a pass.
+  `proto/assert_split.py` lists (`assert f(1, 2) == 3`, `set(f(x)) == {...}`,
+  `math.isclose(...)` after `import math`, HumanEval's `def check(candidate)` + `check(f)` or
+  the spec's `entry_point`, ...), only the calls enter the sandbox (`call_harness.py`); their
+  results come back as plain data and the asserts are evaluated here. The expected values
+  never enter the sandbox, so nothing the program does in its own process (an always-true
+  `__eq__`, a patched `math.isclose` or `builtins.sorted`, `sys.settrace`, a forged result
+  line, an early exit) can turn a wrong answer into a pass.
 * `assert_code`, in sandbox (details `asserts: "in_sandbox"` and `unsplittable`: the first
   line that prevents the split): any other form (setup statements, loops, helper calls...) runs
   as written, solution then asserts in one process; the run passes only if a random sentinel,
   handed to the harness on stdin and printed after the last assert, ends stdout. `sys.exit(0)`
   / `os._exit(0)` before the asserts therefore fail, but the program shares the asserts'
-  process and can game them as above: these tests are not hack-resistant.
+  process and can game them as above: these tests are not hack-resistant. A `strict` spec
+  never gets here: its model refuses unsplittable asserts (422, at submission too).
 `asyncrl_reward_code_assert_items_total{mode="split"|"in_sandbox"}` counts assert_code items
 by the way they ran.
 
@@ -44,6 +46,7 @@ from asyncrl.services.reward.verifiers.asserts import (
     BadResults,
     Check,
     Unsplittable,
+    all_calls,
     calls_line,
     first_failure,
     read_results,
@@ -212,7 +215,7 @@ class CodeVerifier(Verifier):
         if status != "exited_ok":
             return _report(status, run)
         try:
-            failure = first_failure(checks, read_results(run.stdout, nonce, len(checks)))
+            failure = first_failure(checks, read_results(run.stdout, nonce, len(all_calls(checks))))
         except BadResults as exc:
             failure = str(exc)
         if failure is not None:

@@ -13,7 +13,7 @@ import uuid
 import pytest
 from test_sandbox_attacks import assert_host_clean_and_serving
 
-FORCE_IN_SANDBOX = "import sys  # not a supported statement: the asserts run next to the program\n"
+FORCE_IN_SANDBOX = "import os  # never evaluated by the split: the asserts run next to the program\n"
 
 
 def score_asserts(client, items: list[tuple[str, str, dict]]) -> list[dict]:
@@ -299,8 +299,8 @@ def test_humaneval_check_candidate(client):
 
 
 def test_unsplittable_asserts_still_run_in_the_sandbox_and_say_so(client):
-    asserts = "cases = [(1, 2), (3, 4)]\nfor a, b in cases:\n    assert add(a, b) == a + b"
-    check = "def check(f):\n    for x in range(3):\n        assert f(x, 0) == x"
+    asserts = "cases = [(1, 2), (3, 4)]\nwhile cases:\n    a, b = cases.pop()\n    assert add(a, b) == a + b"
+    check = "def check(f):\n    assert all(x >= 0 for x in [f(1, 0)]) and f(1, 0) == 1"
     honest, wrong = "def add(a, b):\n    return a + b", "def add(a, b):\n    return a * b"
     results = score_asserts(
         client,
@@ -316,4 +316,4 @@ def test_unsplittable_asserts_still_run_in_the_sandbox_and_say_so(client):
         (1.0, "in_sandbox", "passed"),
         (0.0, "in_sandbox", "failed"),  # check(add) was run: the entry point is appended
     ], results
-    assert results[0]["details"]["unsplittable"] == "line 2: unsupported statement `for a, b in cases:`"
+    assert results[0]["details"]["unsplittable"] == "line 2: unsupported statement `while cases:`"

@@ -159,10 +159,10 @@ def test_service_environment_secrets_are_not_visible(client):
 
 
 def test_early_exit_cannot_fake_assert_code(client):
-    # Split asserts (the calls run in the sandbox) and asserts run as written (a setup line).
+    # Split asserts (the calls run in the sandbox) and asserts run as written (a bare call).
     for assert_code, error in [
         ("assert add(2, 2) == 5", "no result line"),
-        ("four = add(2, 2)\nassert four == 5", "sentinel missing"),
+        ("print(add(2, 2))\nassert add(2, 2) == 5", "sentinel missing"),
     ]:
         for exit_call in ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit(0)"]:
             spec = {"verifier": "code", "assert_code": assert_code, "timeout_s": 2}
