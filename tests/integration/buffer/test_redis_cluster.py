@@ -1,0 +1,308 @@
+"""The replay buffer on a real Redis Cluster: 3 masters + 3 replicas (`redis-server
+--cluster-enabled yes`, AOF with `appendfsync always`) started by the test on free ports.
+Put, take, ack and admission stay exact as on one node; payloads spread over the masters; a
+master killed mid-run (SIGKILL) and failed over to its replica loses no acked group and trains
+none twice."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis
+from factories import make_group
+from waiting import wait_until
+
+from asyncrl.buffer import AdmissionControl, Buffer, Groups, stats
+from asyncrl.buffer.connection import ClusterURL
+from asyncrl.buffer.groups import EXIT
+from asyncrl.proto.states import Admission, GroupState
+
+NODE_TIMEOUT_MS = 1000  # a dead master is failed over within a few of these
+
+
+def _free_port() -> int:
+    """A port free with its cluster bus port (+10000)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+@dataclass
+class Cluster:
+    dir: Path
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        alive = [p for p, proc in self.procs.items() if proc.poll() is None]
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in alive)
+
+    def start(self, n: int = 6) -> Cluster:
+        for _ in range(n):
+            port = _free_port()
+            d = self.dir / str(port)
+            d.mkdir()
+            self.procs[port] = subprocess.Popen(
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
+                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--appendonly", "yes",
+                 "--appendfsync", "always", "--save", "", "--logfile", str(d / "redis.log")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        for port in self.procs:
+            wait_until(lambda port=port: self._ping(port), message=f"redis-server on {port} answers")
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.procs),
+             "--cluster-replicas", "1", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        self.wait_ok()
+        return self
+
+    def _ping(self, port: int) -> bool:
+        try:
+            return redis.Redis(port=port, socket_connect_timeout=0.2).ping()
+        except redis.RedisError:
+            return False
+
+    def node(self, port: int) -> redis.Redis:
+        return redis.Redis(port=port, socket_connect_timeout=0.5)
+
+    def wait_ok(self) -> None:
+        """Every live node sees the cluster ok, all 16384 slots served by a live master."""
+
+        def ok() -> bool:
+            for port, proc in self.procs.items():
+                if proc.poll() is not None:
+                    continue
+                try:
+                    info = self.node(port).cluster("info")
+                    owners = {
+                        s[2][1]
+                        for s in self.node(port).execute_command("CLUSTER SLOTS")
+                        if isinstance(s[2], list)
+                    }
+                except redis.RedisError:
+                    return False
+                if info.get("cluster_state") != "ok" or any(self.procs[p].poll() is not None for p in owners):
+                    return False
+                replication = self.node(port).info("replication")
+                if replication["role"] == "slave" and replication.get("master_link_status") != "up":
+                    return False  # (a replica still syncing would not confirm a WAIT)
+            return True
+
+        wait_until(ok, message="cluster_state ok on every live node", timeout=60)
+
+    def masters(self) -> list[int]:
+        return [p for p, proc in self.procs.items() if proc.poll() is None and self.node(p).info("replication")["role"] == "master"]  # fmt: skip
+
+    def owner(self, key: str) -> int:
+        """The port of the master serving `key`'s slot."""
+        port = next(p for p, proc in self.procs.items() if proc.poll() is None)
+        slot = self.node(port).cluster("keyslot", key)
+        for start, end, master, *_ in self.node(port).execute_command("CLUSTER SLOTS"):
+            if start <= slot <= end:
+                return int(master[1])
+        raise AssertionError(f"no master serves slot {slot}")
+
+    def kill(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGKILL)
+        self.procs[port].wait(timeout=10)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster")).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"c{uuid.uuid4().hex[:10]}"
+
+
+def test_the_url_names_the_startup_nodes_and_the_replica_wait():
+    url = ClusterURL("redis+cluster://10.0.0.1:7000,10.0.0.2:7001?replicas=2&wait_ms=250")
+    assert [(n.host, n.port) for n in url.nodes] == [("10.0.0.1", 7000), ("10.0.0.2", 7001)]
+    assert (url.replicas, url.wait_ms) == (2, 250)
+    assert (ClusterURL("redis+cluster://h:1").replicas, ClusterURL("redis+cluster://h:1").wait_ms) == (
+        1,
+        1000,
+    )
+    for bad in ("redis+cluster://h", "redis+cluster://h:1?replica=1", "redis+cluster://h:x", "redis://h:1"):
+        with pytest.raises(ValueError):
+            ClusterURL(bad)
+
+
+def test_put_take_ack_are_exact_and_payloads_spread_over_masters(cluster, run_id):
+    buf = Buffer(cluster.url, run_id)
+    groups = Groups(buf, "trainer-0")
+    batch = [make_group(f"m{i}", job_id=f"job{i % 3}", n=2, n_tokens=1) for i in range(300)]
+    assert groups.put(batch + batch[:5]) == [True] * 300 + [False] * 5
+    assert groups.put([make_group("m7", seed=9)]) == [False]  # same id, other content: the first stays
+
+    # The metadata is in one slot; the payloads on every master (each holds ~1/3 of the slots).
+    meta_owner = cluster.owner(buf.keys.group_state)
+    assert all(
+        cluster.owner(getattr(buf.keys, k)) == meta_owner for k in ("groups", "admission", "stats", "jobs")
+    )
+    per_master = {p: cluster.owner(buf.payload_key(g.group_id)) for p, g in enumerate(batch)}
+    counts = {m: list(per_master.values()).count(m) for m in cluster.masters()}
+    assert len(counts) == 3 and all(c >= 50 for c in counts.values()), counts
+    assert sum(len(list(cluster.node(m).scan_iter(buf.payload_key("*")))) for m in counts) == 300
+
+    taken = []
+    while len(taken) < 300:
+        taken += groups.take(120, current_version=0, block_ms=300).groups
+    assert sorted(g.group_id for g in taken) == sorted(g.group_id for g in batch)
+    assert {g.group_id: g for g in taken}["m7"] == batch[7]  # the payload read back is the one put
+    assert groups.ack([g.group_id for g in taken] + ["m0"]) == 300  # m0 twice: counted once
+    numbers = stats(buf)
+    assert numbers["depth"]["groups"] == 0 and numbers["pending"]["groups"] == 0
+    assert numbers["counters"]["trained"] == 300 and numbers["counters"]["duplicates"] == 6
+    assert numbers["admission"]["accepted"] == 300
+    assert sum(len(list(cluster.node(m).scan_iter(buf.payload_key("*")))) for m in counts) == 0
+    assert groups.put([batch[0]]) == [False]  # still idempotent after it was trained, payload not kept
+    assert not cluster.node(cluster.owner(buf.payload_key("m0"))).exists(buf.payload_key("m0"))
+    buf.close()
+
+
+def test_two_consumers_on_the_cluster_never_receive_the_same_group(cluster, run_id):
+    Groups(Buffer(cluster.url, run_id)).put([make_group(f"g{i}", n=2, n_tokens=1) for i in range(200)])
+    got: dict[str, list[str]] = {"a": [], "b": []}
+
+    def consume(name: str) -> None:
+        groups = Groups(Buffer(cluster.url, run_id), name)
+        while True:
+            res = groups.take(7, current_version=0, block_ms=300)
+            if not res.groups:
+                return
+            got[name] += [g.group_id for g in res.groups]
+            groups.ack([g.group_id for g in res.groups])
+
+    threads = [threading.Thread(target=consume, args=(n,)) for n in got]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not set(got["a"]) & set(got["b"])
+    assert sorted(got["a"] + got["b"]) == sorted(f"g{i}" for i in range(200))
+    assert got["a"] and got["b"]
+    assert stats(Buffer(cluster.url, run_id))["counters"]["trained"] == 200
+
+
+def test_admission_is_exact_on_the_cluster(cluster, run_id):
+    buf = Buffer(cluster.url, run_id)
+    admission, groups = AdmissionControl(buf, batch_groups=1, max_staleness=0), Groups(buf, "t")
+    groups.put([make_group("put-before")])  # accepted = 1: no slot left
+    assert admission.try_admit("held") is Admission.full
+    admission.configure(batch_groups=3, max_staleness=0)
+    assert admission.try_admit("held") is Admission.admitted
+    answers = admission.try_admit_many(["held", "put-before", "a", "b"])
+    assert answers == [Admission.resumed, Admission.duplicate, Admission.admitted, Admission.full]
+    assert admission.snapshot()["running"] == 2 and admission.release("a")
+    assert groups.put([make_group("held")]) == [True]  # its slot moves from running to accepted
+    assert admission.snapshot() == {**admission.snapshot(), "running": 0, "accepted": 2}
+
+
+def test_a_missing_payload_is_dead_lettered_and_an_orphan_is_swept(cluster, run_id):
+    buf = Buffer(cluster.url, run_id)
+    groups = Groups(buf, "t")
+    groups.put([make_group("ok"), make_group("lost-payload")])
+    key = buf.payload_key("lost-payload")
+    cluster.node(cluster.owner(key)).delete(key)
+    res = groups.take(10, current_version=0, block_ms=200)
+    assert [g.group_id for g in res.groups] == ["ok"] and res.dead_lettered == 1
+    assert buf.redis.hget(buf.keys.group_state, "lost-payload") == b"dead_lettered"
+    # An exit cut off between its script and its UNLINK: the group left, its payload stayed.
+    orphan = buf.payload_key("ok")
+    cluster.node(cluster.owner(orphan)).set(buf.payload_key("ok"), b"left behind")  # (re-written)
+    buf.call(
+        EXIT,
+        state=buf.keys.group_state, entry=buf.keys.group_entry, job=buf.keys.group_job, groups=buf.keys.groups,
+        admission=buf.keys.admission, stats=buf.keys.stats, job_prefix=buf.keys.job_prefix,
+        payload_prefix=buf.keys.payload_prefix, stepped=buf.keys.group_stepped, consumer_group="trainer",
+        exit=GroupState.trained.value, unlink=0, gids=["ok"],
+    )  # fmt: skip
+    in_flight = buf.payload_key("not-recorded-yet")  # a put cut off before PUT: a TTL, not swept
+    cluster.node(cluster.owner(in_flight)).set(in_flight, b"x", px=60_000)
+    assert groups.sweep_payloads() == 1
+    assert not cluster.node(cluster.owner(orphan)).exists(orphan)
+    assert cluster.node(cluster.owner(in_flight)).exists(in_flight)
+    assert stats(buf)["counters"]["trained"] == 1
+
+
+def test_a_master_killed_mid_run_loses_no_acked_group_and_trains_none_twice(tmp_path, run_id):
+    """SIGKILL the master of the run's metadata slot after some acks, with groups delivered and
+    not acked: its replica takes over, the same clients carry on (retrying through the
+    failover), the trainer's restart path (`recover(0)`) hands the unacked ones out again. Every
+    acked group stays trained, none is delivered after its ack, every group is trained once."""
+    c = Cluster(tmp_path).start()
+    try:
+        buf = Buffer(c.url + "?wait_ms=300", run_id)  # (the new master has no replica: WAIT times out)
+        groups = Groups(buf, "trainer-0")
+        first = [make_group(f"a{i}", n=2, n_tokens=1) for i in range(60)]
+        assert groups.put(first) == [True] * 60
+        acked: list[str] = []
+        while len(acked) < 30:
+            ids = [g.group_id for g in groups.take(10, current_version=0, block_ms=300).groups]
+            assert groups.ack(ids) == len(ids)
+            acked += ids
+        in_flight = [g.group_id for g in groups.take(10, current_version=0, block_ms=300).groups]
+        assert len(in_flight) == 10
+
+        victim = c.owner(buf.keys.group_state)
+        c.kill(victim)
+        c.wait_ok()
+        assert c.owner(buf.keys.group_state) != victim
+
+        # The same clients carry on; the trainer restarts (recover) and a producer puts more.
+        assert groups.put([make_group(f"b{i}", n=2, n_tokens=1) for i in range(20)]) == [True] * 20
+        assert groups.put(first[:3]) == [False] * 3  # idempotent across the failover too
+        groups = Groups(Buffer(c.url + "?wait_ms=300", run_id), "trainer-0")  # the trainer restarted
+        assert groups.recover(0) == 10
+        after: list[str] = []
+        while True:
+            ids = [g.group_id for g in groups.take(10, current_version=0, block_ms=500).groups]
+            if not ids:
+                break
+            after += ids
+            assert groups.ack(ids) == len(ids)
+        assert not set(after) & set(acked)  # no acked group delivered again
+        assert len(after) == len(set(after)) == 50
+        assert sorted(acked + after) == sorted([f"a{i}" for i in range(60)] + [f"b{i}" for i in range(20)])
+        states = buf.redis.hgetall(buf.keys.group_state)
+        assert {k.decode(): v.decode() for k, v in states.items()} == dict.fromkeys(acked + after, "trained")
+        numbers = stats(buf)
+        assert numbers["counters"]["trained"] == 80 and numbers["counters"]["duplicates"] == 3
+        assert numbers["depth"]["groups"] == 0 and numbers["pending"]["groups"] == 0
+        assert buf.retry.outages >= 1  # the failover was ridden out, not missed
+        masters = c.masters()
+        assert len(masters) == 3 and victim not in masters
+        assert sum(len(list(c.node(m).scan_iter(buf.payload_key("*")))) for m in masters) == 0
+    finally:
+        c.stop()
