@@ -306,3 +306,55 @@ def test_a_master_killed_mid_run_loses_no_acked_group_and_trains_none_twice(tmp_
         assert sum(len(list(c.node(m).scan_iter(buf.payload_key("*")))) for m in masters) == 0
     finally:
         c.stop()
+
+
+def test_jobs_weights_sessions_and_evaluations_work_on_the_cluster(cluster, run_id):
+    """Every other part of the buffer keeps its keys in the run's slot: the same calls as on one
+    node, through the cluster client (the weights announcement through cluster pub/sub)."""
+    from factories import make_job
+
+    from asyncrl.buffer import EvalStore, GroupReport, Jobs, PolicyVersions, SessionStore
+    from asyncrl.buffer.gathering import gather, open_holding
+    from asyncrl.proto import FinishReason, WeightsInfo
+    from asyncrl.proto.evals import EvalPrompt, EvalSummary, EvalTask
+    from asyncrl.proto.gateway import Call
+
+    buf = Buffer(cluster.url, run_id)
+    jobs = Jobs(buf, "rollout-a")
+    assert jobs.enqueue([make_job(f"g{i}") for i in range(4)]) == 4 and jobs.enqueue([make_job("g0")]) == 0
+    claimed = jobs.claim(10, block_ms=100)
+    assert [c.job.group_id for c in claimed] == ["g0", "g1", "g2", "g3"]
+    done = GroupReport("j0", "g0", GroupState.buffered)
+    assert jobs.end(done) is True and jobs.end(done) is False
+
+    weights = PolicyVersions(buf)
+    with weights.subscribe() as sub:
+        channel = buf.keys.weights_channel  # (counted by the one node the subscriber is on)
+        live = [p for p, proc in cluster.procs.items() if proc.poll() is None]
+        wait_until(
+            lambda: sum(cluster.node(p).pubsub_numsub(channel)[0][1] for p in live) == 1,
+            message="the subscription is live",
+        )
+        weights.publish(WeightsInfo(version=1, method="disk", path="/w/1"), set_version=True)
+        got = sub.get(5.0)
+        assert (got.version, got.path) == (1, "/w/1")
+    assert weights.latest().version == 1 and weights.version() == 1
+
+    sessions = SessionStore(buf, ttl_s=60.0, lease_s=5.0)
+    for sid in ("r.t.a", "r.t.b"):
+        assert open_holding(sessions, sid) == "ok"
+        call = Call.of([1, 2], [10], [-0.5], [3], lineage={}, finish_reason=FinishReason.stop, text="t",
+                       started=1.0, finished=2.0)  # fmt: skip
+        assert sessions.record(sid, call, 0) == "ok"
+    assert gather(sessions, "r.g.k", ["r.t.b", "r.t.a"], 3, "p1") == ["ok"]
+    assert [sessions.session(s)["index"] for s in ("r.t.b", "r.t.a")] == ["0", "1"]
+
+    evals = EvalStore(cluster.url, run=run_id)
+    summary = EvalSummary(eval_id="e1", name="n", source="api", state="queued", prompts=1, created_at=1.0)
+    task = EvalTask(prompts=[EvalPrompt(prompt_id="d0", prompt_tokens=[1, 2], prompt_text="x", reward_spec={"verifier": "reverse"})],
+                    sampling_params={})  # fmt: skip
+    assert evals.create(summary, task) is True and evals.create(summary, task) is False
+    held = evals.claim("runner", 5.0)
+    assert (held.summary.eval_id, held.attempts, held.task.prompts[0].prompt_id) == ("e1", 1, "d0")
+    assert evals.get("e1")[0].eval_id == "e1" and evals.get("e1")[1] == []
+    evals.close()
