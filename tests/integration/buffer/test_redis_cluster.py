@@ -2,140 +2,27 @@
 --cluster-enabled yes`, AOF with `appendfsync always`) started by the test on free ports.
 Put, take, ack and admission stay exact as on one node; payloads spread over the masters; a
 master killed mid-run (SIGKILL) and failed over to its replica loses no acked group and trains
-none twice."""
+none twice. The cluster is buffer/local_cluster.py."""
 
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
 import threading
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
-import redis
 from factories import make_group
 from waiting import wait_until
 
 from asyncrl.buffer import AdmissionControl, Buffer, Groups, stats
 from asyncrl.buffer.connection import ClusterURL
 from asyncrl.buffer.groups import EXIT
+from asyncrl.buffer.local_cluster import LocalCluster
 from asyncrl.proto.states import Admission, GroupState
-
-NODE_TIMEOUT_MS = 1000  # a dead master is failed over within a few of these
-
-
-def _free_port() -> int:
-    """A port free with its cluster bus port (+10000)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-
-
-@dataclass
-class Cluster:
-    dir: Path
-    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        alive = [p for p, proc in self.procs.items() if proc.poll() is None]
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in alive)
-
-    def start(self, n: int = 6) -> Cluster:
-        for _ in range(n):
-            port = _free_port()
-            d = self.dir / str(port)
-            d.mkdir()
-            self.procs[port] = subprocess.Popen(
-                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
-                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--appendonly", "yes",
-                 "--appendfsync", "always", "--save", "", "--logfile", str(d / "redis.log")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-        for port in self.procs:
-            wait_until(lambda port=port: self._ping(port), message=f"redis-server on {port} answers")
-        subprocess.run(
-            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.procs),
-             "--cluster-replicas", "1", "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
-        self.wait_ok()
-        return self
-
-    def _ping(self, port: int) -> bool:
-        try:
-            return redis.Redis(port=port, socket_connect_timeout=0.2).ping()
-        except redis.RedisError:
-            return False
-
-    def node(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, socket_connect_timeout=0.5)
-
-    def wait_ok(self) -> None:
-        """Every live node sees the cluster ok, all 16384 slots served by a live master."""
-
-        def ok() -> bool:
-            for port, proc in self.procs.items():
-                if proc.poll() is not None:
-                    continue
-                try:
-                    info = self.node(port).cluster("info")
-                    owners = {
-                        s[2][1]
-                        for s in self.node(port).execute_command("CLUSTER SLOTS")
-                        if isinstance(s[2], list)
-                    }
-                except redis.RedisError:
-                    return False
-                if info.get("cluster_state") != "ok" or any(self.procs[p].poll() is not None for p in owners):
-                    return False
-                replication = self.node(port).info("replication")
-                if replication["role"] == "slave" and replication.get("master_link_status") != "up":
-                    return False  # (a replica still syncing would not confirm a WAIT)
-            return True
-
-        wait_until(ok, message="cluster_state ok on every live node", timeout=60)
-
-    def masters(self) -> list[int]:
-        return [p for p, proc in self.procs.items() if proc.poll() is None and self.node(p).info("replication")["role"] == "master"]  # fmt: skip
-
-    def owner(self, key: str) -> int:
-        """The port of the master serving `key`'s slot."""
-        port = next(p for p, proc in self.procs.items() if proc.poll() is None)
-        slot = self.node(port).cluster("keyslot", key)
-        for start, end, master, *_ in self.node(port).execute_command("CLUSTER SLOTS"):
-            if start <= slot <= end:
-                return int(master[1])
-        raise AssertionError(f"no master serves slot {slot}")
-
-    def kill(self, port: int) -> None:
-        self.procs[port].send_signal(signal.SIGKILL)
-        self.procs[port].wait(timeout=10)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster")).start()
+    c = LocalCluster(tmp_path_factory.mktemp("cluster")).start()
     yield c
     c.stop()
 
@@ -261,7 +148,7 @@ def test_a_master_killed_mid_run_loses_no_acked_group_and_trains_none_twice(tmp_
     not acked: its replica takes over, the same clients carry on (retrying through the
     failover), the trainer's restart path (`recover(0)`) hands the unacked ones out again. Every
     acked group stays trained, none is delivered after its ack, every group is trained once."""
-    c = Cluster(tmp_path).start()
+    c = LocalCluster(tmp_path).start()
     try:
         buf = Buffer(c.url + "?wait_ms=300", run_id)  # (the new master has no replica: WAIT times out)
         groups = Groups(buf, "trainer-0")
@@ -330,9 +217,8 @@ def test_jobs_weights_sessions_and_evaluations_work_on_the_cluster(cluster, run_
     weights = PolicyVersions(buf)
     with weights.subscribe() as sub:
         channel = buf.keys.weights_channel  # (counted by the one node the subscriber is on)
-        live = [p for p, proc in cluster.procs.items() if proc.poll() is None]
         wait_until(
-            lambda: sum(cluster.node(p).pubsub_numsub(channel)[0][1] for p in live) == 1,
+            lambda: sum(cluster.node(p).pubsub_numsub(channel)[0][1] for p in cluster.live()) == 1,
             message="the subscription is live",
         )
         weights.publish(WeightsInfo(version=1, method="disk", path="/w/1"), set_version=True)
