@@ -388,6 +388,7 @@ class Buffer:
         )
         self.redis = open_client(redis_url, self.retry, socket_keepalive=True, health_check_interval=30)
         self._scripts: dict[str, Script] = {}
+        self._executor, self._pool_lock = None, threading.Lock()  # cluster: one thread per master's pipeline
         for stream, group in ((self.keys.groups, TRAINER_GROUP), (self.keys.jobs, ROLLOUT_GROUP)):
             try:
                 self.redis.xgroup_create(stream, group, id="0", mkstream=True)
@@ -453,15 +454,30 @@ class Buffer:
         for i, (key, _) in enumerate(items):
             by_node.setdefault(self.redis.get_node_from_key(key).name, []).append(i)
         replies: list = [None] * len(items)
-        for indexes in by_node.values():  # (re-routed per group after a failover: keys may have moved)
 
-            def fill(pipe, indexes=indexes):
+        def one_node(indexes: list[int]) -> None:  # (re-routed per node's first key after a failover)
+            def fill(pipe):
                 for i in indexes:
                     pipe.execute_command(*items[i][1])
 
             for i, reply in zip(indexes, self._on_master(items[indexes[0]][0], fill, wait)):
                 replies[i] = reply
+
+        groups = list(by_node.values())
+        if len(groups) == 1:
+            one_node(groups[0])
+        else:  # the masters' round trips (and fsyncs, and WAITs) overlap
+            for future in [self._pool().submit(one_node, g) for g in groups]:
+                future.result()
         return replies
+
+    def _pool(self):
+        with self._pool_lock:
+            if self._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"buffer-{self.run}")
+            return self._executor
 
     def _on_master(self, key: str, fill, wait: bool = True) -> list:
         """`fill`'s commands (all on `key`'s slot, or slots of the same master) in one pipeline
@@ -529,4 +545,6 @@ class Buffer:
                 return out
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
         self.redis.close()
