@@ -98,8 +98,8 @@ return out
 # and XDEL of its entry, payload unlinked (freed off Redis's main thread where it judges it
 # worth it), counted in `stats` and in its job's hash. `trained` keeps its place in `accepted`;
 # any other exit gives it back (never to be trained, it must not hold capacity). Returns how
-# which left (their ids). (Job and payload keys are built from prefixes that carry the run's hash
-# tag.) On a cluster `unlink` is 0 and the caller unlinks the payloads afterwards.
+# how many left. (Job and payload keys are built from prefixes that carry the run's hash tag.) On
+# a cluster `unlink` is 0: it returns the ids that left, and the caller unlinks their payloads.
 EXIT = Script(
     "state entry job groups admission stats job_prefix payload_prefix stepped",
     "consumer_group exit unlink *gids",
@@ -118,7 +118,7 @@ for i, gid in ipairs(gids) do
     end
   end
 end
-if #left == 0 then return left end
+if #left == 0 then return unlink == '1' and 0 or left end
 sliced(acks, 'XACK', groups, consumer_group)
 sliced(acks, 'XDEL', groups)
 if unlink == '1' then sliced(payloads, 'UNLINK') end
@@ -128,6 +128,7 @@ sliced(left, 'HDEL', job)
 redis.call('HINCRBY', stats, exit, #left)
 if exit ~= 'trained' then redis.call('HINCRBY', admission, 'accepted', -#left) end
 for j, count in pairs(per_job) do redis.call('HINCRBY', job_prefix .. j, exit, count) end
+if unlink == '1' then return #left end
 return left
 """,
 )
@@ -483,7 +484,9 @@ class Groups:
             unlink=0 if self.buf.cluster else 1,
             gids=group_ids,
         )
-        if left and self.buf.cluster:  # (a crash before this leaves orphans: `sweep_payloads`)
+        if not self.buf.cluster:
+            return int(left)
+        if left:  # (a crash before this leaves orphans: `sweep_payloads`)
             self.buf.payload_commands([("UNLINK", self.buf.payload_key(g.decode())) for g in left])
         return len(left)
 
