@@ -15,7 +15,9 @@ the first failure; then the error is raised to the caller and the process's own 
 (torchrun, `asyncrl up`) takes over. The budget is `ASYNCRL_REDIS_RECONNECT_S` (default 120 s;
 `asyncrl up` sets it from `[launch] redis_reconnect_s`). Each outage is logged twice at most
 per thread (unreachable, reachable again or given up) and counted in
-`asyncrl_redis_retries_total` / `asyncrl_redis_outages_total{outcome}`.
+`asyncrl_redis_retries_total` / `asyncrl_redis_outages_total{outcome}`. On a Redis Cluster
+(`redis+cluster://`, `Buffer`) the same retry wraps every cluster command and pipeline, and
+also retries what a failover looks like (`CLUSTER_RETRY_ERRORS`), reading the slot map again.
 
 Re-sending is safe only for commands that may run twice: a command can have run on the server
 before the connection broke (the reply lost). What the buffer sends, and why a second run
