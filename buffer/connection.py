@@ -15,7 +15,9 @@ the first failure; then the error is raised to the caller and the process's own 
 (torchrun, `asyncrl up`) takes over. The budget is `ASYNCRL_REDIS_RECONNECT_S` (default 120 s;
 `asyncrl up` sets it from `[launch] redis_reconnect_s`). Each outage is logged twice at most
 per thread (unreachable, reachable again or given up) and counted in
-`asyncrl_redis_retries_total` / `asyncrl_redis_outages_total{outcome}`.
+`asyncrl_redis_retries_total` / `asyncrl_redis_outages_total{outcome}`. On a Redis Cluster
+(`redis+cluster://`, `Buffer`) the same retry wraps every cluster command and pipeline, and
+also retries what a failover looks like (`CLUSTER_RETRY_ERRORS`), reading the slot map again.
 
 Re-sending is safe only for commands that may run twice: a command can have run on the server
 before the connection broke (the reply lost). What the buffer sends, and why a second run
@@ -48,6 +50,7 @@ across Redis crashes matters.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -60,6 +63,16 @@ from typing import Any
 
 import redis
 from prometheus_client import Counter
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (
+    ClusterDownError,
+    MovedError,
+    ReadOnlyError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from asyncrl.buffer.malloc_tuning import tune_malloc
@@ -70,12 +83,30 @@ DEFAULT_BUDGET_S = 120.0  # a Redis restart from its AOF takes seconds; two minu
 ENV_BUDGET = "ASYNCRL_REDIS_RECONNECT_S"
 TRAINER_GROUP, ROLLOUT_GROUP = "trainer", "rollout"  # the consumer groups of `groups` and `jobs`
 RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError, socket.timeout)
+# In a cluster a failover also shows as these: the slot's master is down (CLUSTERDOWN, a slot
+# without an owner), or moved (MOVED, a demoted master's READONLY) until the client's slot map
+# is read again. Every command the buffer sends may be re-sent (above), so all are retried.
+CLUSTER_RETRY_ERRORS = RETRY_ERRORS + (
+    ClusterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+    MovedError,
+    ReadOnlyError,
+)
+CLUSTER_SCHEME = "redis+cluster://"
+ORPHAN_TTL_MS = 3_600_000  # a cluster payload written before its group is recorded expires unless kept
+DEFAULT_WAIT_MS = 1000  # how long a cluster write waits for its replica (WAIT) before it is counted
 
 RETRIES = Counter("asyncrl_redis_retries_total", "Redis commands re-sent after a connection error or timeout")
 OUTAGES = Counter(
     "asyncrl_redis_outages_total",
     "Spells of failed Redis calls, by outcome (recovered: reconnected; gave_up: budget spent, raised)",
     ["outcome"],
+)
+
+UNREPLICATED = Counter(
+    "asyncrl_redis_unreplicated_total",
+    "Cluster write batches that no replica confirmed within the WAIT timeout (a failover may lose them)",
 )
 
 log = logging.getLogger("asyncrl.redis")
@@ -99,13 +130,16 @@ class ReconnectRetry(Retry):
     connection; this one returns itself), so `outages` counts the client's outages."""
 
     def __init__(
-        self, name: str, budget_s: float | None = None, base_s: float = BASE_S, cap_s: float = CAP_S
+        self,
+        name: str,
+        budget_s: float | None = None,
+        base_s: float = BASE_S,
+        cap_s: float = CAP_S,
+        errors: tuple = RETRY_ERRORS,
     ):
         from redis.backoff import ExponentialBackoff
 
-        super().__init__(
-            ExponentialBackoff(cap=cap_s, base=base_s), retries=-1, supported_errors=RETRY_ERRORS
-        )
+        super().__init__(ExponentialBackoff(cap=cap_s, base=base_s), retries=-1, supported_errors=errors)
         self.name = name
         self.budget_s = budget_from_env() if budget_s is None else budget_s
         self.outages = 0  # spells of failures this client went through (recovered or not)
@@ -272,20 +306,91 @@ class Part:
     finish: Callable[[list], Any]
 
 
+class ClusterURL:
+    """`redis+cluster://host:port[,host:port...][?replicas=N&wait_ms=M]`: the startup nodes of a
+    Redis Cluster (any reachable one is enough; more ride out one being down at start), and how
+    many replicas must confirm a write (`WAIT`, default 1; 0 turns it off) within `wait_ms`."""
+
+    def __init__(self, url: str):
+        from urllib.parse import parse_qs
+
+        if not url.startswith(CLUSTER_SCHEME):
+            raise ValueError(f"a cluster URL starts with {CLUSTER_SCHEME!r}, got {url!r}")
+        netloc, _, query = url[len(CLUSTER_SCHEME) :].partition("?")
+        self.nodes = []
+        for part in netloc.rstrip("/").split(","):
+            host, sep, port = part.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"cluster node must be host:port, got {part!r} in {url!r}")
+            self.nodes.append(ClusterNode(host, int(port)))
+        params = {k: v[-1] for k, v in parse_qs(query).items()}
+        unknown = set(params) - {"replicas", "wait_ms"}
+        if unknown:
+            raise ValueError(f"unknown cluster URL parameters {sorted(unknown)} in {url!r}")
+        try:
+            self.replicas = int(params.get("replicas", 1))
+            self.wait_ms = int(params.get("wait_ms", DEFAULT_WAIT_MS))
+        except ValueError:
+            raise ValueError(f"replicas and wait_ms must be integers in {url!r}") from None
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEME)
+
+
+class RetryingCluster(RedisCluster):
+    """A `RedisCluster` whose every command rides out a failover under `ReconnectRetry`: redis-py
+    re-reads the slot map on a connection error, and this re-sends after a backoff until the
+    budget is spent (redis-py's own cluster retries are immediate, too few for an election)."""
+
+    def __init__(self, *args, reconnect: ReconnectRetry, **kwargs):
+        self.reconnect = reconnect
+        super().__init__(*args, retry=Retry(NoBackoff(), retries=0), **kwargs)
+
+    def refresh(self, *_) -> None:
+        """Read the slot map again (after a failover its master moved); unreachable nodes skipped."""
+        with contextlib.suppress(redis.RedisError, RedisClusterException):
+            self.nodes_manager.initialize()
+
+    def execute_command(self, *args, **kwargs):
+        run = super().execute_command
+        return self.reconnect.call_with_retry(lambda: run(*args, **kwargs), self.refresh)
+
+
+def open_client(url: str, retry: ReconnectRetry, **kwargs) -> redis.Redis | RetryingCluster:
+    """The client a URL names: one Redis, or (`redis+cluster://`) a cluster. `retry` must have
+    been made with `CLUSTER_RETRY_ERRORS` for a cluster."""
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(url, retry=retry, **kwargs)
+    kwargs.pop("health_check_interval", None)
+    return RetryingCluster(startup_nodes=ClusterURL(url).nodes, reconnect=retry, **kwargs)
+
+
 class Buffer:
     """One run's connection to the buffer, shared by its parts and threads: the client (with
     `ReconnectRetry`), the key names, and the scripts it has sent (loaded again if Redis lost
     them, e.g. after a restart). Opening one creates the run's two streams and their consumer
-    groups: `groups` read by the trainer, `jobs` by the rollout replicas."""
+    groups: `groups` read by the trainer, `jobs` by the rollout replicas.
+
+    On a Redis Cluster (`redis+cluster://`, docs/architecture.md §4) the run's metadata keys all
+    carry the `{run}` tag, so they live in one slot and every script stays atomic; scripts and
+    `pipeline` run on that slot's master, followed by `WAIT` on the same connection, so a write
+    is reported done once a replica has it. Group payloads get a tag of their own
+    (`payload_key`) and spread over the masters: they are written, kept and deleted by the
+    `payload_*` methods, outside the scripts (buffer/groups.py says in which order, and why a
+    crash between two steps loses nothing)."""
 
     def __init__(self, redis_url: str, run: str = "default"):
         tune_malloc()  # large payloads: keep freed memory instead of faulting it in again (buffer/malloc_tuning.py)
         self.run, self.keys = run, Keys(run)
-        self.retry = ReconnectRetry(f"buffer:{run}")  # its `outages` tell a consumer to look for lost reads
-        self.redis = redis.Redis.from_url(
-            redis_url, socket_keepalive=True, health_check_interval=30, retry=self.retry
+        self.cluster = ClusterURL(redis_url) if is_cluster_url(redis_url) else None
+        # its `outages` tell a consumer to look for lost reads
+        self.retry = ReconnectRetry(
+            f"buffer:{run}", errors=CLUSTER_RETRY_ERRORS if self.cluster else RETRY_ERRORS
         )
+        self.redis = open_client(redis_url, self.retry, socket_keepalive=True, health_check_interval=30)
         self._scripts: dict[str, Script] = {}
+        self._executor, self._pool_lock = None, threading.Lock()  # cluster: one thread per master's pipeline
         for stream, group in ((self.keys.groups, TRAINER_GROUP), (self.keys.jobs, ROLLOUT_GROUP)):
             try:
                 self.redis.xgroup_create(stream, group, id="0", mkstream=True)
@@ -300,6 +405,8 @@ class Buffer:
         self._scripts[script.sha] = script
         if pipe is not None:
             return pipe.evalsha(script.sha, len(keys), *keys, *args)
+        if self.cluster:
+            return self.pipeline(lambda p: p.evalsha(script.sha, len(keys), *keys, *args))[0]
         try:
             return self.redis.evalsha(script.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
@@ -309,11 +416,14 @@ class Buffer:
     def pipeline(self, fill) -> list:
         """The replies of the commands `fill(pipe)` queues, sent in one round trip. If Redis lost
         its script cache, load the scripts and run the pipeline again: every write queued in
-        one is idempotent."""
+        one is idempotent. (On a cluster: on the master of the run's slot, `fill` queuing only
+        the run's metadata keys, then `WAIT`.)"""
         for attempt in (0, 1):
-            pipe = self.redis.pipeline(transaction=False)
-            fill(pipe)
             try:
+                if self.cluster:
+                    return self._on_master(self.keys.groups, fill)
+                pipe = self.redis.pipeline(transaction=False)
+                fill(pipe)
                 return pipe.execute()
             except redis.exceptions.NoScriptError:
                 if attempt:
@@ -321,6 +431,80 @@ class Buffer:
                 for script in list(self._scripts.values()):
                     self.redis.script_load(script.source)
         raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ cluster payloads
+    def payload_key(self, group_id: str) -> str:
+        """A group's payload: with the run's tag on one Redis; on a cluster with its own tag, so
+        payloads spread over the slots (and masters)."""
+        if self.cluster:
+            return f"asyncrl:{{{self.run}:p:{group_id}}}"
+        return self.keys.payload_prefix + group_id
+
+    def payload_get(self, keys: list[str]) -> list[bytes | None]:
+        """The payloads under `keys`, in order (`MGET`; on a cluster one pipeline per master)."""
+        if not self.cluster:
+            return self.redis.mget(keys)
+        return self._per_master([(key, ("GET", key)) for key in keys], wait=False)
+
+    def payload_commands(self, commands: list[tuple]) -> list:
+        """Cluster only: each command (its second word the key) on its key's master, one
+        pipeline per master, each followed by `WAIT`; the replies in order."""
+        return self._per_master([(cmd[1], cmd) for cmd in commands], wait=True)
+
+    def _per_master(self, items: list[tuple[str, tuple]], wait: bool) -> list:
+        by_node: dict[str, list[int]] = {}
+        for i, (key, _) in enumerate(items):
+            by_node.setdefault(self.redis.get_node_from_key(key).name, []).append(i)
+        replies: list = [None] * len(items)
+
+        def one_node(indexes: list[int]) -> None:  # (re-routed per node's first key after a failover)
+            def fill(pipe):
+                for i in indexes:
+                    pipe.execute_command(*items[i][1])
+
+            for i, reply in zip(indexes, self._on_master(items[indexes[0]][0], fill, wait)):
+                replies[i] = reply
+
+        groups = list(by_node.values())
+        if len(groups) == 1:
+            one_node(groups[0])
+        else:  # the masters' round trips (and fsyncs, and WAITs) overlap
+            for future in [self._pool().submit(one_node, g) for g in groups]:
+                future.result()
+        return replies
+
+    def _pool(self):
+        with self._pool_lock:
+            if self._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"buffer-{self.run}")
+            return self._executor
+
+    def _on_master(self, key: str, fill, wait: bool = True) -> list:
+        """`fill`'s commands (all on `key`'s slot, or slots of the same master) in one pipeline
+        on that master, then `WAIT replicas wait_ms` on the same connection. Re-sent after a
+        failover (slot map read again), as every buffer write may be."""
+
+        def run() -> list:
+            node = self.redis.get_node_from_key(key)
+            pipe = self.redis.get_redis_connection(node).pipeline(transaction=False)
+            fill(pipe)
+            n = len(pipe.command_stack)
+            waiting = wait and self.cluster.replicas > 0
+            if waiting:
+                pipe.execute_command("WAIT", self.cluster.replicas, self.cluster.wait_ms)
+            replies = pipe.execute()
+            if waiting and int(replies[n]) < self.cluster.replicas:
+                UNREPLICATED.inc()
+                log.warning(
+                    "cluster write not confirmed by a replica in %d ms",
+                    self.cluster.wait_ms,
+                    extra={"fields": {"node": node.name, "replicas": int(replies[n])}},
+                )
+            return replies[:n]
+
+        return self.retry.call_with_retry(run, self.redis.refresh)
 
     def pipeline_parts(self, *parts: Part) -> list:
         """Several calls' commands in one round trip (`pipeline`), in order: each part's `fill`
@@ -363,4 +547,6 @@ class Buffer:
                 return out
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
         self.redis.close()

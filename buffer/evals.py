@@ -27,7 +27,14 @@ from dataclasses import dataclass
 import redis
 from pydantic import TypeAdapter, ValidationError
 
-from asyncrl.buffer.connection import Keys, ReconnectRetry
+from asyncrl.buffer.connection import (
+    CLUSTER_RETRY_ERRORS,
+    RETRY_ERRORS,
+    Keys,
+    ReconnectRetry,
+    is_cluster_url,
+    open_client,
+)
 from asyncrl.proto.evals import EvalItem, EvalSummary, EvalTask
 from asyncrl.proto.states import JobState
 
@@ -117,9 +124,10 @@ class EvalStore:
     def __init__(self, redis_url: str, run: str = "default", *, client: redis.Redis | None = None):
         p = Keys(run).prefix
         self.evals, self.queue, self.prefix = p + "evals", p + "evalq", p + "eval:"
-        self.redis = client or redis.Redis.from_url(
-            redis_url, decode_responses=True, socket_keepalive=True, retry=ReconnectRetry("evals")
-        )  # buffer/connection.py
+        errors = CLUSTER_RETRY_ERRORS if is_cluster_url(redis_url) else RETRY_ERRORS
+        self.redis = client or open_client(
+            redis_url, ReconnectRetry("evals", errors=errors), decode_responses=True, socket_keepalive=True
+        )  # buffer/connection.py (one Redis, or a cluster: every key carries the run's tag)
         self._create, self._claim, self._touch, self._write = (
             self.redis.register_script(s) for s in (CREATE, CLAIM, TOUCH, WRITE)
         )

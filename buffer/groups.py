@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from asyncrl.buffer import metrics as m
-from asyncrl.buffer.connection import TRAINER_GROUP, Buffer, Part, Script
+from asyncrl.buffer.connection import ORPHAN_TTL_MS, TRAINER_GROUP, Buffer, Part, Script
 from asyncrl.buffer.versions import PolicyVersions
 from asyncrl.proto import Group, RecordDecodeError, decode, encode
 from asyncrl.proto.lineage import Lineage
@@ -49,11 +49,12 @@ local function sliced(items, cmd, ...)
 end
 """
 
-# `puts`: group_id, job_id, min_version per group. One flag per group: 1 new, 0 seen before (a
-# group_id twice in one call is put once). The payloads were written by `SET NX` in the same
-# pipeline (~200 kB through a Lua argument costs as much as the XADD); the entry holds the id and
-# the oldest token version (for inspection). The group's admission slot moves from `running` to
-# `accepted`.
+# `puts`: group_id, job_id, min_version per group. One flag per group: 1 new, 0 seen before and
+# still buffered, -1 seen before and left already (a group_id twice in one call is put once). The
+# payloads were written by `SET NX` in the same pipeline (~200 kB through a Lua argument costs as
+# much as the XADD); the entry holds the id and the oldest token version (for inspection). The
+# group's admission slot moves from `running` to `accepted`. On a cluster `payloads` is empty (the
+# payloads live in other slots): the caller deletes those of the -1 groups itself.
 PUT = Script(
     "state entry job groups admission stats running *payloads",
     "*puts",
@@ -68,7 +69,10 @@ for i, gid in ipairs(gids) do
   out[i] = 0
   if states[i] then
     -- it left the buffer already: the SET NX just wrote its payload again
-    if states[i] ~= 'buffered' then redis.call('DEL', payloads[i]) end
+    if states[i] ~= 'buffered' then
+      out[i] = -1
+      if payloads[i] then redis.call('DEL', payloads[i]) end
+    end
   elseif not seen[gid] then
     seen[gid], out[i] = true, 1
     local eid = redis.call('XADD', groups, '*', 'gid', gid, 'mv', puts[3 * i])
@@ -94,10 +98,11 @@ return out
 # and XDEL of its entry, payload unlinked (freed off Redis's main thread where it judges it
 # worth it), counted in `stats` and in its job's hash. `trained` keeps its place in `accepted`;
 # any other exit gives it back (never to be trained, it must not hold capacity). Returns how
-# many left. (Job and payload keys are built from prefixes that carry the run's hash tag.)
+# how many left. (Job and payload keys are built from prefixes that carry the run's hash tag.) On
+# a cluster `unlink` is 0: it returns the ids that left, and the caller unlinks their payloads.
 EXIT = Script(
     "state entry job groups admission stats job_prefix payload_prefix stepped",
-    "consumer_group exit *gids",
+    "consumer_group exit unlink *gids",
     _SLICED
     + """
 local states, entries, jobs_of = sliced(gids, 'HMGET', state), sliced(gids, 'HMGET', entry), sliced(gids, 'HMGET', job)
@@ -113,23 +118,26 @@ for i, gid in ipairs(gids) do
     end
   end
 end
-if #left == 0 then return 0 end
+if #left == 0 then return unlink == '1' and 0 or left end
 sliced(acks, 'XACK', groups, consumer_group)
 sliced(acks, 'XDEL', groups)
-sliced(payloads, 'UNLINK')
+if unlink == '1' then sliced(payloads, 'UNLINK') end
 sliced(moved, 'HSET', state)
 sliced(left, 'HDEL', entry)
 sliced(left, 'HDEL', job)
 redis.call('HINCRBY', stats, exit, #left)
 if exit ~= 'trained' then redis.call('HINCRBY', admission, 'accepted', -#left) end
 for j, count in pairs(per_job) do redis.call('HINCRBY', job_prefix .. j, exit, count) end
-return #left
+if unlink == '1' then return #left end
+return left
 """,
 )
 
 # An entry whose group has no payload or does not decode. It was just delivered, so it is pending:
 # an XACK that finds nothing means this ran before (a re-sent call): nothing is dead-lettered
-# twice. If it is the group's recorded entry, the group leaves as `dead_lettered` (slot given back).
+# twice. If it is the group's recorded entry, the group leaves as `dead_lettered` (slot given back)
+# and this returns 2 (1 otherwise): on a cluster the caller then unlinks the payload (`payload`,
+# the key in the run's slot, exists only on one Redis).
 DEAD_LETTER = Script(
     "groups deadletter stats state entry job admission payload job_prefix stepped",
     "consumer_group eid gid reason data maxlen",
@@ -150,6 +158,7 @@ if redis.call('HGET', entry, gid) == eid then
   redis.call('HDEL', job, gid)
   redis.call('UNLINK', payload)
   redis.call('HINCRBY', admission, 'accepted', -1)
+  return 2
 end
 return 1
 """,
@@ -217,12 +226,23 @@ class Groups:
             if not group.scored:
                 raise ValueError(f"group {group.group_id} has samples without a reward status")
             payloads.append(encode(group))
-            payload_keys.append(k.payload_prefix + group.group_id)
+            payload_keys.append(self.buf.payload_key(group.group_id))
             puts += [group.group_id, group.job_id, group.min_version]
+        cluster = self.buf.cluster is not None
+        if cluster:
+            # Before the group is recorded (a take must find its payload), and with a TTL: a put
+            # cut off before PUT leaves no payload for ever; `finish` keeps the recorded ones.
+            self.buf.payload_commands(
+                [
+                    ("SET", key, payload, "NX", "PX", ORPHAN_TTL_MS)
+                    for key, payload in zip(payload_keys, payloads)
+                ]
+            )
 
         def fill(pipe) -> None:
-            for key, payload in zip(payload_keys, payloads):
-                pipe.execute_command("SET", key, payload, "NX")
+            if not cluster:
+                for key, payload in zip(payload_keys, payloads):
+                    pipe.execute_command("SET", key, payload, "NX")
             self.buf.call(
                 PUT,
                 pipe,
@@ -233,12 +253,17 @@ class Groups:
                 admission=k.admission,
                 stats=k.stats,
                 running=k.running,
-                payloads=payload_keys,
+                payloads=[] if cluster else payload_keys,
                 puts=puts,
             )
 
         def finish(replies: list) -> list[bool]:
-            new = [bool(flag) for flag in replies[-1]]
+            flags = [int(flag) for flag in replies[-1]]
+            if cluster:  # buffered: keep the payload (no TTL); left before: the SET NX wrote it again
+                self.buf.payload_commands(
+                    [("UNLINK" if f < 0 else "PERSIST", key) for f, key in zip(flags, payload_keys)]
+                )
+            new = [flag == 1 for flag in flags]
             m.PUT_BYTES.inc(sum(len(payload) for is_new, payload in zip(new, payloads) if is_new))
             if not all(new):
                 m.DUPLICATES.inc(new.count(False))
@@ -269,10 +294,8 @@ class Groups:
             entries = self._next_entries(n - len(out.groups), deadline)
             if not entries:
                 break
-            keys = [
-                self.keys.payload_prefix + f.get(b"gid", b"").decode(errors="replace") for _, f in entries
-            ]
-            payloads = self.buf.redis.mget(keys)
+            keys = [self.buf.payload_key(f.get(b"gid", b"").decode(errors="replace")) for _, f in entries]
+            payloads = self.buf.payload_get(keys)
             history = history or PolicyVersions(self.buf).lineage()  # read once per take, after the wait
             for (eid, fields), data in zip(entries, payloads):
                 group = self._decode(eid, fields, data, out)
@@ -359,6 +382,30 @@ class Groups:
         self._redelivery.extend(claimed)
         return len(claimed)
 
+    def sweep_payloads(self) -> int:
+        """Cluster only (0 on one Redis): delete the payloads of groups that left the buffer. An
+        exit writes the group's state first and unlinks its payload after (the two live in
+        different slots); a crash between them leaves the payload behind, found here by `SCAN`
+        on every master. A payload whose group is not recorded yet (a put in flight, or cut off)
+        carries a TTL and is left alone. Returns how many were deleted (also counted)."""
+        if not self.buf.cluster:
+            return 0
+        pattern, swept = self.buf.payload_key("*"), 0
+        head = len(self.buf.payload_key(""))
+        for node in self.buf.redis.get_primaries():
+            client = self.buf.redis.get_redis_connection(node)
+            for chunk in _chunks(client.scan_iter(match=pattern, count=1000), 1000):
+                gids = [key[head - 1 : -1].decode(errors="replace") for key in chunk]
+                states = self.buf.redis.hmget(self.keys.group_state, gids)
+                gone = [
+                    key for key, state in zip(chunk, states) if state is not None and state != b"buffered"
+                ]
+                if gone:
+                    self.buf.payload_commands([("UNLINK", key) for key in gone])
+                    swept += len(gone)
+        m.ORPHAN_PAYLOADS.inc(swept)
+        return swept
+
     # ------------------------------------------------------------------ internals
     def _next_entries(self, count: int, deadline: float) -> list[tuple[str, dict]]:
         if self.buf.retry.outages != self._outages_seen:
@@ -408,6 +455,8 @@ class Groups:
                 data=data or b"",
                 maxlen=DEADLETTER_MAXLEN,
             )
+            if moved == 2 and self.buf.cluster:  # the group left: its payload (if any) goes too
+                self.buf.payload_commands([("UNLINK", self.buf.payload_key(gid))])
             if moved:  # (0: a re-sent call found it done: counted the first time)
                 m.DEAD_LETTERED.labels("groups").inc()
                 out.dead_lettered += 1
@@ -419,23 +468,27 @@ class Groups:
         for gid in group_ids:
             self._held.pop(gid, None)
         k = self.keys
-        return int(
-            self.buf.call(
-                EXIT,
-                state=k.group_state,
-                entry=k.group_entry,
-                job=k.group_job,
-                groups=k.groups,
-                admission=k.admission,
-                stats=k.stats,
-                job_prefix=k.job_prefix,
-                payload_prefix=k.payload_prefix,
-                stepped=k.group_stepped,
-                consumer_group=TRAINER_GROUP,
-                exit=exit.value,
-                gids=group_ids,
-            )
+        left = self.buf.call(
+            EXIT,
+            state=k.group_state,
+            entry=k.group_entry,
+            job=k.group_job,
+            groups=k.groups,
+            admission=k.admission,
+            stats=k.stats,
+            job_prefix=k.job_prefix,
+            payload_prefix=k.payload_prefix,
+            stepped=k.group_stepped,
+            consumer_group=TRAINER_GROUP,
+            exit=exit.value,
+            unlink=0 if self.buf.cluster else 1,
+            gids=group_ids,
         )
+        if not self.buf.cluster:
+            return int(left)
+        if left:  # (a crash before this leaves orphans: `sweep_payloads`)
+            self.buf.payload_commands([("UNLINK", self.buf.payload_key(g.decode())) for g in left])
+        return len(left)
 
     def _exit_stale(self, group_id: str, exit: GroupState, payload: bytes) -> None:
         """Leave untrained at `take`, and keep the payload in the `stale` stream for inspection."""
@@ -454,3 +507,14 @@ def sampled_lineage(group: Group) -> dict[int, int]:
         return group.lineage
     versions = group.samples.versions
     return {0: int(versions.max())} if len(versions) else {}
+
+
+def _chunks(items, size: int):
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

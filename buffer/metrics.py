@@ -30,3 +30,7 @@ RECLAIMED_AFTER_OUTAGE = Counter(
     "asyncrl_buffer_reclaimed_after_outage_total",
     "Groups delivered to this consumer by a read whose reply a Redis outage lost, handed out again",
 )
+ORPHAN_PAYLOADS = Counter(
+    "asyncrl_buffer_orphan_payloads_total",
+    "Cluster payloads of groups that had left, deleted by the sweep (an exit cut off before its UNLINK)",
+)

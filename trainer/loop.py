@@ -64,6 +64,7 @@ def resume(parts: Parts) -> int:
         if meta:
             parts.groups.ack(meta.consumed_ids)  # a crash between checkpoint and ack: finish the ack
         reclaimed = parts.groups.recover(0)  # consumed after the checkpoint: train them again
+        parts.groups.sweep_payloads()  # cluster: payloads an exit cut off before its UNLINK left behind
         accepted = parts.admission.rebuild(version)
         log_event(
             log,
