@@ -98,7 +98,7 @@ return out
 # and XDEL of its entry, payload unlinked (freed off Redis's main thread where it judges it
 # worth it), counted in `stats` and in its job's hash. `trained` keeps its place in `accepted`;
 # any other exit gives it back (never to be trained, it must not hold capacity). Returns how
-# how many left. (Job and payload keys are built from prefixes that carry the run's hash tag.) On
+# many left. (Job and payload keys are built from prefixes that carry the run's hash tag.) On
 # a cluster `unlink` is 0: it returns the ids that left, and the caller unlinks their payloads.
 EXIT = Script(
     "state entry job groups admission stats job_prefix payload_prefix stepped",
