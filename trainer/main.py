@@ -3,7 +3,11 @@
 The launcher process only parses and checks settings (no torch import) and execs
 `python -m torch.distributed.run … -m asyncrl.trainer.main --worker …`; each worker joins the process
 group and runs trainer/loop.py. Extra torchrun options (`--nnodes`, `--node-rank`,
-`--rdzv-endpoint`, `--rdzv-backend`, `--master-port`) pass through for multi-node runs.
+`--rdzv-endpoint`, `--rdzv-backend`, `--rdzv-conf`, `--local-addr`, `--master-port`) pass through
+for multi-node runs. Across hosts, `--local-addr` is the address the other nodes reach this one
+at (torchrun's default, the FQDN, may resolve to a loopback or unrelated address there) and
+`--rdzv-conf is_host=true` marks the node that serves the c10d store when the endpoint's
+address does not name this host's hostname.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ TORCHRUN_FLAGS = (
     "--master-port",
     "--master-addr",
     "--max-restarts",
+    "--rdzv-conf",
+    "--local-addr",
 )
 
 
