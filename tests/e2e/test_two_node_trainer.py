@@ -6,7 +6,8 @@ Topology (made by the `hosts` fixture, torn down whatever happens; names and sub
     ns1 (node 1)  peer0 10.77.a.1 ──veth── peer0 10.77.a.2  ns2 (node 2)
                   up0   10.77.b.1                   up0 10.77.c.2
                    │                                 │
-    root ns:  10.77.b.254 (redis-server) ──── 10.77.c.254   (no forwarding: Redis is local to root)
+    root ns:  10.77.b.254 (redis-server) ──── 10.77.c.254   (no forwarding: Redis is local to root;
+                                                             ns2's one route off its links: to b.254)
 
 Both nodes run the same command with the same config file from one shared directory (one
 filesystem stands in for the shared storage the checkpoints need, docs/architecture.md §6). The
@@ -85,7 +86,12 @@ def hosts():
     token = uuid.uuid4().hex[:6]
     ns = (f"arl{token}n1", f"arl{token}n2")
     up = (f"arl{token}u1", f"arl{token}u2")  # the root-side ends of the up0 links
-    a = random.randrange(0, 84) * 3  # three /24s: 10.77.a (node to node), .b (ns1-root), .c (ns2-root)
+    # three /24s: 10.77.a (node to node), .b (ns1-root), .c (ns2-root); b, c not in use in the root
+    # namespace (another run of this test)
+    taken = subprocess.run(["ip", "-4", "route"], check=False, capture_output=True, text=True).stdout
+    a = random.choice(
+        [k for k in range(0, 252, 3) if f"10.77.{k + 1}." not in taken and f"10.77.{k + 2}." not in taken]
+    )
     b, c = a + 1, a + 2
     try:
         for name in ns:
@@ -100,7 +106,9 @@ def hosts():
             _ip("link", "set", root_end, "up")
             _ip("-n", name, "addr", "add", f"10.77.{subnet}.{i}/24", "dev", "up0")
             _ip("-n", name, "link", "set", "up0", "up")
-            _ip("-n", name, "route", "add", "default", "via", f"10.77.{subnet}.254")
+        # node 2 reaches Redis through its own link; no default route, so nothing in either
+        # namespace (a DNS lookup of a peer's address, say) can leave for any other address
+        _ip("-n", ns[1], "route", "add", f"10.77.{b}.254/32", "via", f"10.77.{c}.254")
         yield Hosts(ns=ns, peer=(f"10.77.{a}.1", f"10.77.{a}.2"), redis_addr=f"10.77.{b}.254")
     finally:
         for name in ns:
@@ -142,7 +150,7 @@ def start_node(hosts: Hosts, node: int, config: Path, log: Path, rdzv_id: str) -
                             start_new_session=True)  # fmt: skip
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)  # ~3 min on 2 loaded cores; the waits below allow for a slower CI machine
 def test_two_hosts_survive_a_killed_rank_exactly_once(tmp_path, hosts, run_id):
     from asyncrl.services.ops.tinymodel import build_tiny_model
 
