@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     # ambiguous abbreviation of `--run-path` even after the module name.
     cmd += ["-m", "asyncrl.trainer.main", "--", "--worker", *rest]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A fresh c10d store per rendezvous round, hosted by that round's rank 0 worker. torchrun's
+    # default shares the agent's store across rounds with no per-round prefix, so after a worker
+    # restart a rank can read the previous round's keys (rank 0's old gloo address: "Connection
+    # refused", three restarts in a row, seen across two hosts here).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.execv(sys.executable, cmd)  # replaces this process: signals reach torchrun directly
     return 0  # unreachable
 

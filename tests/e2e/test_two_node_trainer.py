@@ -135,14 +135,16 @@ def workers_of(pid: int) -> list[int]:
     return found
 
 
-def start_node(hosts: Hosts, node: int, config: Path, log: Path, rdzv_id: str) -> subprocess.Popen:
+def start_node(
+    hosts: Hosts, node: int, config: Path, log: Path, rdzv_id: str, *extra: str
+) -> subprocess.Popen:
     """`asyncrl train` on one host: the same command on both but for this host's own address
     and, on node 1, `is_host` (it serves the c10d store at the rendezvous endpoint)."""
     cmd = ["ip", "netns", "exec", hosts.ns[node - 1], sys.executable, "-m", "asyncrl.services.ops.cli", "train",
            "--config", str(config), "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.peer[0]}:{RDZV_PORT}", "--rdzv-id", rdzv_id,
            "--rdzv-conf", f"is_host={'true' if node == 1 else 'false'}",
-           "--local-addr", hosts.peer[node - 1], "--max-restarts", "3"]  # fmt: skip
+           "--local-addr", hosts.peer[node - 1], "--max-restarts", "3", *extra]  # fmt: skip
     # gloo binds the address of the interface named here (its default, the hostname's address,
     # is the root namespace's and unreachable from the other host)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": PEER_IF}
@@ -246,3 +248,112 @@ device = "cpu"
     final = out / "checkpoints" / f"step_{STEPS:08d}"
     assert {p.name for p in final.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     assert json.loads((final / "meta.json").read_text())["world"] == 2
+
+
+@pytest.mark.timeout(480)
+def test_demo_topology_trains_on_two_hosts_through_a_killed_rank(tmp_path, hosts):
+    """The demo topology's engine, reward and rollout services (`asyncrl up` without its trainer,
+    in the root namespace) feed a trainer on the two hosts; node 2's rank is SIGKILLed after
+    step 3. Live data, so the split at the kill is not scripted: the accounting is checked
+    against the audit log, the buffer's states and its counters."""
+    import tomllib
+
+    import tomli_w
+
+    from asyncrl.buffer.server import free_port
+    from asyncrl.services.ops.demo import submit
+    from asyncrl.services.ops.launcher import Launcher
+    from asyncrl.services.ops.run_config import DemoSection, RunConfig
+
+    steps, batch = 6, 8
+    shared = tmp_path / "shared"
+    password = uuid.uuid4().hex
+    redis = RedisServer(tmp_path / "redis", bind=(hosts.redis_addr,), password=password).start()
+    url = f"redis://:{password}@{hosts.redis_addr}:{redis.port}/0"
+    raw = tomllib.loads((ROOT / "configs" / "demo.toml").read_text())
+    raw["run"].update(id="nodes", dir=str(shared / "run"), redis_url=url)
+    raw["model"]["path"] = str(shared / "run" / "base")
+    raw["launch"].update(engine_port=free_port(), reward_port=free_port(), rollout_port=free_port(),
+                         trainer=False, metrics_port=free_port(), health_timeout_s=120)  # fmt: skip
+    raw["trainer"].update(max_steps=steps, batch_groups=batch, checkpoint_every=CHECKPOINT_EVERY,
+                          heartbeat_s=0.3, block_ms=200, device="cpu")  # fmt: skip
+    raw["demo"].update(prompts_per_step=batch)
+    config = shared / "config.toml"
+    shared.mkdir()
+    config.write_text(tomli_w.dumps(raw))
+    launcher = Launcher(RunConfig.model_validate(raw), config, echo=False)
+    out = shared / "run" / "trainer"  # where the launcher's engines take weights from
+    audit = out / "trained.jsonl"
+    logs = [tmp_path / f"node{i}.log" for i in (1, 2)]
+    # what the launcher passes its own trainer, here to each host's
+    extra = (
+        "--redis-url",
+        url,
+        "--run",
+        "nodes",
+        "--model-path",
+        raw["model"]["path"],
+        "--output-dir",
+        str(out),
+    )
+    nodes: list[subprocess.Popen] = []
+
+    def events() -> list[dict]:
+        return read_audit(audit) if audit.exists() else []
+
+    def alive() -> None:
+        for i, p in enumerate(nodes, start=1):
+            assert p.poll() is None, f"node {i} exited ({p.returncode}): {logs[i - 1].read_text()[-3000:]}"
+
+    try:
+        launcher.start()
+        demo = DemoSection.model_validate(raw["demo"])
+        submit(launcher.rollout_urls()[0], demo, (steps + 6) * batch, random.Random(0))
+        nodes = [start_node(hosts, i, config, logs[i - 1], "nodes-demo", *extra) for i in (1, 2)]
+        wait_until(lambda: alive() or any(e["event"] == "step" and e["version"] >= 3 for e in events()),
+                   timeout=200, interval=0.2, message="step 3 on two hosts")  # fmt: skip
+        victims = workers_of(nodes[1].pid)
+        assert len(victims) == 1, victims
+        os.kill(victims[0], signal.SIGKILL)
+        for i, p in enumerate(nodes, start=1):
+            assert p.wait(200) == 0, f"node {i}: {logs[i - 1].read_text()[-3000:]}"
+        left = [_ns_pids(name) for name in hosts.ns]
+        buf = Buffer(redis.url, "nodes")
+        numbers = stats(buf)
+        states = {k.decode(): v.decode() for k, v in buf.redis.hgetall(buf.keys.group_state).items()}
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+        launcher.stop()
+        redis.stop()
+
+    assert left == [[], []]
+    log = read_audit(audit)
+    resumes = [(e["version"], e["epoch"]) for e in log if e["event"] == "resume"]
+    restart = next(i for i, e in enumerate(log) if e["event"] == "resume" and e["version"] > 0)
+    before = log[:restart]
+    checkpointed = max(e["version"] for e in before if e["event"] == "checkpoint")
+    assert resumes == [(0, 0), (checkpointed, 1)]  # the restart resumed from the last durable checkpoint
+    lost_steps = [e for e in before if e["event"] == "step" and e["version"] > checkpointed]
+    redone = {g for e in lost_steps for g in e["groups"]}  # trained, never checkpointed: redelivered
+    assert lost_steps and log[restart]["reclaimed"] >= len(redone)
+    lineage: dict[int, dict] = {}
+    for e in log:
+        if e["event"] == "step":
+            lineage[e["version"]] = e
+    assert sorted(lineage) == list(range(1, steps + 1))
+    trained = [g for v in sorted(lineage) for g in lineage[v]["groups"]]
+    assert len(trained) == len(set(trained)) == steps * batch  # each group once in the surviving lineage
+    exits = {g for e in log if e["event"] == "step" for key in ("dropped", "lost") for g in e[key]}
+    assert redone <= set(trained) | exits  # the killed run's unacked groups were trained again or dropped
+    acked = sum(e["acked"] for e in log if e["event"] == "checkpoint")
+    assert acked == len(trained)  # checkpoints of both runs ack the surviving lineage, nothing more
+    assert numbers["counters"].get("trained") == len(trained)  # acked exactly once each
+    assert sorted(g for g, state in states.items() if state == "trained") == sorted(trained)
+    for outcome in ("dropped", "lost"):  # each drop the steps report is one buffer state, one count
+        ids = {g for e in log if e["event"] == "step" for g in e[outcome]}
+        assert {g for g, state in states.items() if state == outcome} == ids
+        assert numbers["counters"].get(outcome, 0) == len(ids)
+    assert numbers["pending"]["groups"] == 0
