@@ -4,6 +4,8 @@ tests/e2e/test_two_node_trainer.py runs this command on two network namespaces."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from torch.distributed.run import get_args_parser
 
@@ -19,8 +21,12 @@ def torchrun_command(argv: list[str], monkeypatch) -> list[str]:
         raise Exec(cmd)
 
     monkeypatch.setattr(launcher.os, "execv", execv)
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS"):  # restored after the test
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(Exec) as caught:
         launcher.main(argv)
+    # torchrun (exec'd with this environment) gives each rendezvous round a fresh store
+    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     return caught.value.args[0]
 
 
