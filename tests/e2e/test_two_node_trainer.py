@@ -10,12 +10,13 @@ Topology (made by the `hosts` fixture, torn down whatever happens; names and sub
                                                              ns2's one route off its links: to b.254)
 
 Both nodes run the same command with the same config file from one shared directory (one
-filesystem stands in for the shared storage the checkpoints need, docs/architecture.md §6). The
-buffer is fed directly, as in tests/integration/trainer/test_trainer.py, so the accounting is
+filesystem stands in for the shared storage the checkpoints need, docs/architecture.md §6). In
+the first test the buffer is fed directly, as in tests/integration/trainer/test_trainer.py, so the accounting is
 exact: 16 groups, 2 per step, a checkpoint every 2 steps, max_steps 8. After step 3 (checkpoint
 at v=2, g04 and g05 consumed but not acked) the test SIGKILLs node 2's worker; both agents
 restart their workers (a new rendezvous round), the run resumes from v=2 and reclaims g04, g05,
-and at the end every group is in the surviving lineage exactly once and acked exactly once.
+and at the end every group is in the surviving lineage exactly once and acked exactly once. The
+second test feeds the same two hosts from the demo topology's engine, reward and rollout services.
 
 Root is required (network namespaces); without it the test fails saying so.
 """
