@@ -52,7 +52,8 @@ def system_binary() -> str | None:
 
 
 class RedisServer:
-    """One redis-server process bound to 127.0.0.1 with its data in `data_dir`."""
+    """One redis-server process bound to 127.0.0.1 (and any further `bind` addresses, e.g. a
+    test host's own network namespace link) with its data in `data_dir`."""
 
     def __init__(
         self,
@@ -63,6 +64,7 @@ class RedisServer:
         appendonly: bool = True,
         fsync: str = "everysec",
         password: str | None = None,
+        bind: tuple[str, ...] = (),
     ):
         self.data_dir = Path(data_dir)
         self.binary = binary or system_binary() or embedded_binary()
@@ -72,6 +74,7 @@ class RedisServer:
             raise ValueError(f"fsync must be always, everysec or no, got {fsync!r}")
         self.fsync = fsync  # everysec: a crash of Redis itself may lose up to ~1 s of writes
         self.password = password
+        self.bind = ("127.0.0.1", *bind)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -95,7 +98,7 @@ class RedisServer:
             "--port",
             str(self.port),
             "--bind",
-            "127.0.0.1",
+            " ".join(self.bind),
             "--dir",
             str(self.data_dir),
             "--save",

@@ -3,7 +3,11 @@
 The launcher process only parses and checks settings (no torch import) and execs
 `python -m torch.distributed.run … -m asyncrl.trainer.main --worker …`; each worker joins the process
 group and runs trainer/loop.py. Extra torchrun options (`--nnodes`, `--node-rank`,
-`--rdzv-endpoint`, `--rdzv-backend`, `--master-port`) pass through for multi-node runs.
+`--rdzv-endpoint`, `--rdzv-backend`, `--rdzv-conf`, `--local-addr`, `--master-port`) pass through
+for multi-node runs. Across hosts, `--local-addr` is the address the other nodes reach this one
+at (torchrun's default, the FQDN, may resolve to a loopback or unrelated address there) and
+`--rdzv-conf is_host=true` marks the node that serves the c10d store when the endpoint's
+address does not name this host's hostname.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ TORCHRUN_FLAGS = (
     "--master-port",
     "--master-addr",
     "--max-restarts",
+    "--rdzv-conf",
+    "--local-addr",
 )
 
 
@@ -63,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     # ambiguous abbreviation of `--run-path` even after the module name.
     cmd += ["-m", "asyncrl.trainer.main", "--", "--worker", *rest]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A fresh c10d store per rendezvous round, hosted by that round's rank 0 worker. torchrun's
+    # default shares the agent's store across rounds with no per-round prefix, so after a worker
+    # restart a rank can read the previous round's keys (rank 0's old gloo address: "Connection
+    # refused", three restarts in a row, seen across two hosts here).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.execv(sys.executable, cmd)  # replaces this process: signals reach torchrun directly
     return 0  # unreachable
 
