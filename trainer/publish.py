@@ -161,6 +161,10 @@ class DiskPublisher:
             )
         except ValueError:  # names, shapes or dtypes changed: start a new chain
             return None
+        changed = sum(t.numel() * t.element_size() for t in tensors.values())
+        full = sum(t.numel() * t.element_size() for t in state.values())
+        if changed >= full:  # nearly everything changed (a large step, fine blocks): an anchor is smaller
+            return None
         manifest = DeltaManifest(
             version=version,
             epoch=epoch,
@@ -170,8 +174,8 @@ class DiskPublisher:
             block_elems=self.block_elems,
             sha256=hashes,
             tensors_total=len(state),
-            changed_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-            full_bytes=sum(t.numel() * t.element_size() for t in state.values()),
+            changed_bytes=changed,
+            full_bytes=full,
         )
         return manifest, tensors
 

@@ -122,17 +122,16 @@ def compute_delta(
             raise ValueError(f"unknown granularity {granularity!r}")
         n = a.numel()
         nblocks = -(-n // block_elems)
-        pad = nblocks * block_elems - n
-        diff = a != b
-        if pad:
-            diff = torch.cat([diff, diff.new_zeros(pad)])
+        diff = _padded(a != b, nblocks * block_elems)
         changed = diff.view(nblocks, block_elems).any(dim=1).nonzero().flatten()
         if changed.numel() == 0:
             continue
-        values = t.detach().reshape(-1).contiguous().cpu()
-        starts = (changed * block_elems).tolist()
-        out[name + BLOCKS_SUFFIX] = changed.to(torch.int64)
-        out[name + DATA_SUFFIX] = torch.cat([values[s : s + block_elems] for s in starts])
+        values = _padded(t.detach().reshape(-1).contiguous().cpu(), nblocks * block_elems)
+        data = values.view(nblocks, block_elems)[changed].reshape(-1)
+        if int(changed[-1]) == nblocks - 1:  # the last block is short: drop its padding
+            data = data[: data.numel() - (nblocks * block_elems - n)]
+        out[name + BLOCKS_SUFFIX] = changed.to(torch.int32 if nblocks < 2**31 else torch.int64)
+        out[name + DATA_SUFFIX] = data.contiguous()
         hashes[name] = tensor_sha256(t)
     return out, hashes
 
@@ -160,17 +159,21 @@ def apply_delta(
             if name not in base or data is None:
                 raise DeltaError("malformed", f"delta block entry {name!r} has no tensor or no data")
             b = base[name]
-            flat = b.detach().reshape(-1).to(device="cpu", dtype=data.dtype, copy=True)
-            at = 0
-            for idx in delta[name + BLOCKS_SUFFIX].tolist():
-                start = idx * manifest.block_elems
-                length = min(manifest.block_elems, flat.numel() - start)
-                if start < 0 or length <= 0 or at + length > data.numel():
-                    raise DeltaError("malformed", f"{name}: block {idx} out of range")
-                flat[start : start + length] = data[at : at + length]
-                at += length
-            if at != data.numel():
-                raise DeltaError("malformed", f"{name}: {data.numel() - at} block values left over")
+            n = b.numel()
+            be = manifest.block_elems
+            nblocks = -(-n // be)
+            idx = delta[name + BLOCKS_SUFFIX].to(torch.int64)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= nblocks):
+                bad = int(idx.max()) if int(idx.max()) >= nblocks else int(idx.min())
+                raise DeltaError("malformed", f"{name}: block {bad} out of range")
+            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                raise DeltaError("malformed", f"{name}: block indices not increasing")
+            short = nblocks * be - n if idx.numel() and int(idx[-1]) == nblocks - 1 else 0
+            if data.numel() != idx.numel() * be - short:
+                raise DeltaError("malformed", f"{name}: {data.numel()} block values for {idx.numel()} blocks")
+            flat = _padded(b.detach().reshape(-1).to(device="cpu", dtype=data.dtype, copy=True), nblocks * be)
+            flat.view(nblocks, be)[idx] = _padded(data, idx.numel() * be).view(-1, be)
+            flat = flat[:n]
             touched[name] = flat.view(b.shape)
     if set(touched) != set(manifest.sha256):
         raise DeltaError("malformed", "the delta's tensors and the manifest's hashes name different tensors")
@@ -178,6 +181,13 @@ def apply_delta(
         if tensor_sha256(t) != manifest.sha256[name]:
             raise DeltaError("hash", f"{name}: sha256 after applying differs from the manifest's")
     return touched
+
+
+def _padded(t: torch.Tensor, length: int) -> torch.Tensor:
+    """1-D `t` extended with zeros to `length` elements (itself when it is that long)."""
+    if t.numel() == length:
+        return t
+    return torch.cat([t, t.new_zeros(length - t.numel())])
 
 
 def read_delta(path: str | Path) -> tuple[DeltaManifest, dict[str, torch.Tensor]]:

@@ -87,3 +87,19 @@ def test_delta_publisher_anchors_every_n_and_keeps_the_chain(tiny, tmp_path):
     pub.write(10, state)
     assert (tmp_path / "w" / "v00000010" / "model.safetensors").is_file()
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v00000010"]
+
+
+def test_a_delta_no_smaller_than_the_full_version_is_written_whole(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    pub = DiskPublisher(tmp_path / "w", tiny, keep=3, delta=True, anchor_every=10)
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict()
+    base.pop("lm_head.weight")
+    pub.write(1, base)
+    v2 = {k: v + 1.0 for k, v in base.items()}
+    out = pub.write(2, v2)  # every tensor changed
+    assert (tmp_path / "w" / "v00000002" / "model.safetensors").is_file()
+    assert out.nbytes == sum(t.numel() * 4 for t in base.values())
+    out = pub.write(3, {k: v + (1.0 if k.endswith("norm.weight") else 0.0) for k, v in v2.items()})
+    assert not (tmp_path / "w" / "v00000003" / "model.safetensors").is_file()  # 2 is its anchor
+    assert out.nbytes == sum(t.numel() * 4 for k, t in base.items() if k.endswith("norm.weight"))
