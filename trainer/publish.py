@@ -70,6 +70,11 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
 
 
+# A delta above this share of the full version is written whole: reading the base, applying and
+# hashing cost the engine more than loading the full version would (benchmarks/RESULTS.md).
+MAX_DELTA_FRACTION = 0.5
+
+
 class DiskPublisher:
     """`delta=True`: every `anchor_every`-th version (and the first, and any after a gap, a
     rollback or a new epoch) is written whole (an anchor); the others hold only what changed
@@ -155,16 +160,21 @@ class DiskPublisher:
             or not self.path_of(anchor[1], epoch).is_dir()
         ):
             return None
+        full = sum(t.numel() * t.element_size() for t in state.values())
         try:
-            tensors, hashes = compute_delta(
-                prev[2], state, granularity=self.granularity, block_elems=self.block_elems
+            delta = compute_delta(
+                prev[2],
+                state,
+                granularity=self.granularity,
+                block_elems=self.block_elems,
+                max_bytes=int(full * MAX_DELTA_FRACTION),
             )
         except ValueError:  # names, shapes or dtypes changed: start a new chain
             return None
-        changed = sum(t.numel() * t.element_size() for t in tensors.values())
-        full = sum(t.numel() * t.element_size() for t in state.values())
-        if changed >= full:  # nearly everything changed (a large step, fine blocks): an anchor is smaller
+        if delta is None:  # most of it changed (fp32, a large step, coarse blocks): an anchor
             return None
+        tensors, hashes = delta
+        changed = sum(t.numel() * t.element_size() for t in tensors.values())
         manifest = DeltaManifest(
             version=version,
             epoch=epoch,

@@ -31,16 +31,19 @@ from asyncrl.services.transport.weights.filesystem import MODEL_FILE, VERSION_DI
 
 @dataclass(frozen=True)
 class Loaded:
-    """The published version directory whose weights the engine holds: (epoch, version)."""
+    """The published version directory whose weights the engine holds: its publish root (real
+    path: two runs' `v00000005` are different versions), epoch and version."""
 
+    root: str
     epoch: int
     version: int
 
 
 def loaded_of(path: str) -> Loaded | None:
     """The version a full published directory holds (from its name), None for any other directory."""
-    named = VERSION_DIR.fullmatch(os.path.basename(path.rstrip("/")))
-    return None if named is None else Loaded(int(named[2] or 0), int(named[1]))
+    real = os.path.realpath(path)
+    named = VERSION_DIR.fullmatch(os.path.basename(real))
+    return None if named is None else Loaded(os.path.dirname(real), int(named[2] or 0), int(named[1]))
 
 
 def rebuild(
@@ -58,8 +61,9 @@ def rebuild(
         return _resync(path, None, exc.reason, inside_root)
     except OSError:
         return _resync(path, None, "malformed", inside_root)
-    target = Loaded(manifest.epoch, manifest.version)
-    if loaded != Loaded(manifest.epoch, manifest.base):
+    root = os.path.dirname(os.path.realpath(path))
+    target = Loaded(root, manifest.epoch, manifest.version)
+    if loaded != Loaded(root, manifest.epoch, manifest.base):
         return _resync(path, manifest, "base", inside_root)
     try:
         touched = apply_delta(params(), tensors, manifest)
@@ -83,7 +87,7 @@ def _resync(
             raise
         raise DeltaError("malformed", f"resync from the anchor failed: {exc}") from exc
     metrics.WEIGHT_DELTAS.labels(result="resynced").inc()
-    return state, True, Loaded(manifest.epoch, manifest.version)
+    return state, True, Loaded(os.path.dirname(os.path.realpath(path)), manifest.epoch, manifest.version)
 
 
 def _replay(

@@ -85,7 +85,7 @@ class DeltaManifest:
 
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of the tensor's bytes in its own dtype, row-major."""
-    return hashlib.sha256(_flat_bits(t).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(memoryview(_flat_bits(t).numpy())).hexdigest()  # no copy of the bytes
 
 
 def _flat_bits(t: torch.Tensor) -> torch.Tensor:
@@ -100,15 +100,20 @@ def compute_delta(
     *,
     granularity: str = "tensor",
     block_elems: int = 65536,
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    max_bytes: int | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
     """(tensors for DELTA_FILE, sha256 of every touched tensor after applying) turning `prev`
-    into `new`. Both must hold the same names, shapes and dtypes (a change of any of these is a
-    new anchor, not a delta: ValueError)."""
+    into `new`; None as soon as the delta's tensors exceed `max_bytes` (the rest is not
+    compared, nothing is hashed). Both must hold the same names, shapes and dtypes (a change of
+    any of these is a new anchor, not a delta: ValueError)."""
     if set(prev) != set(new):
         raise ValueError("a delta needs the same tensor names in both versions")
     out: dict[str, torch.Tensor] = {}
-    hashes: dict[str, str] = {}
+    touched: list[str] = []
+    size = 0
     for name, t in new.items():
+        if max_bytes is not None and size > max_bytes:
+            return None
         p = prev[name]
         if p.shape != t.shape or p.dtype != t.dtype:
             raise ValueError(f"{name}: shape or dtype changed; publish a full version")
@@ -116,14 +121,17 @@ def compute_delta(
         if granularity == "tensor":
             if not torch.equal(a, b):
                 out[name] = t.detach().contiguous().cpu()
-                hashes[name] = tensor_sha256(t)
+                touched.append(name)
+                size += out[name].numel() * out[name].element_size()
             continue
         if granularity != "block":
             raise ValueError(f"unknown granularity {granularity!r}")
         n = a.numel()
         nblocks = -(-n // block_elems)
         diff = _padded(a != b, nblocks * block_elems)
-        changed = diff.view(nblocks, block_elems).any(dim=1).nonzero().flatten()
+        if block_elems > 1:
+            diff = diff.view(nblocks, block_elems).any(dim=1)
+        changed = diff.nonzero().flatten()
         if changed.numel() == 0:
             continue
         values = _padded(t.detach().reshape(-1).contiguous().cpu(), nblocks * block_elems)
@@ -132,8 +140,11 @@ def compute_delta(
             data = data[: data.numel() - (nblocks * block_elems - n)]
         out[name + BLOCKS_SUFFIX] = changed.to(torch.int32 if nblocks < 2**31 else torch.int64)
         out[name + DATA_SUFFIX] = data.contiguous()
-        hashes[name] = tensor_sha256(t)
-    return out, hashes
+        touched.append(name)
+        size += sum(out[name + k].numel() * out[name + k].element_size() for k in (BLOCKS_SUFFIX, DATA_SUFFIX))
+    if max_bytes is not None and size > max_bytes:
+        return None
+    return out, {name: tensor_sha256(new[name]) for name in touched}
 
 
 def apply_delta(

@@ -7,6 +7,8 @@ its version."""
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 import torch
@@ -116,10 +118,14 @@ def test_each_update_equals_the_trainers_full_weights(running, tiny_dir, tmp_pat
 
 def test_a_missed_delta_resyncs_from_the_anchor(running, tiny_dir, tmp_path):
     engine, client = running
-    pub = DiskPublisher(tmp_path / "w", tiny_dir, keep=1, delta=True, anchor_every=10, granularity="block")
+    pub = DiskPublisher(
+        tmp_path / "w", tiny_dir, keep=1, delta=True, anchor_every=10, granularity="block", block_elems=16
+    )
     versions = trainer_versions(tiny_dir, 5, torch.bfloat16, seed=12)
     outs = [pub.write(v, s) for v, s in enumerate(versions, start=1)]
-    assert load(client, outs[0].path, 1).status_code == 200  # the anchor
+    assert [os.path.isfile(f"{o.path}/model.safetensors") for o in outs] == [True, False, False, False, False]
+    first = load(client, outs[0].path, 1)
+    assert first.status_code == 200, first.text  # the anchor
     assert load(client, outs[1].path, 2).status_code == 200  # a delta on 1
     before = counts(client)
     resp = load(client, outs[4].path, 5)  # 3 and 4 missed: v5's base is 4, the engine holds 2
@@ -133,7 +139,9 @@ def test_a_missed_delta_resyncs_from_the_anchor(running, tiny_dir, tmp_path):
 
 def test_a_corrupted_delta_is_refused_and_the_engine_stays(running, tiny_dir, tmp_path):
     engine, client = running
-    pub = DiskPublisher(tmp_path / "w", tiny_dir, keep=3, delta=True, anchor_every=10, granularity="block")
+    pub = DiskPublisher(
+        tmp_path / "w", tiny_dir, keep=3, delta=True, anchor_every=10, granularity="block", block_elems=16
+    )
     versions = trainer_versions(tiny_dir, 2, torch.bfloat16, seed=13)
     first = pub.write(1, versions[0])
     assert load(client, first.path, 1).status_code == 200

@@ -125,3 +125,16 @@ def test_malformed_deltas_are_refused():
 def test_manifest_round_trips():
     m = manifest_for({"b": "ab" * 32}, "block")
     assert DeltaManifest.from_json(m.to_json()) == m
+
+
+def test_a_delta_over_max_bytes_is_none():
+    prev, new = states()
+    # b changed: 10 fp32 elements = 40 bytes as a whole tensor
+    assert compute_delta(prev, new, granularity="tensor", max_bytes=39) is None
+    delta, _ = compute_delta(prev, new, granularity="tensor", max_bytes=40)
+    assert list(delta) == ["b"]
+    # blocks of 4: 2 int32 indices (8 bytes) + 6 values (24 bytes)
+    assert compute_delta(prev, new, granularity="block", block_elems=4, max_bytes=31) is None
+    assert compute_delta(prev, new, granularity="block", block_elems=4, max_bytes=32) is not None
+    single, _ = compute_delta(prev, new, granularity="block", block_elems=1)
+    assert single["b::blocks"].tolist() == [5, 9] and single["b::data"].tolist() == [7.0, -2.0]
