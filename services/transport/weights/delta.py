@@ -131,6 +131,10 @@ def compute_delta(
         diff = _padded(a != b, nblocks * block_elems)
         if block_elems > 1:
             diff = diff.view(nblocks, block_elems).any(dim=1)
+        if max_bytes is not None:  # surely over budget: stop before gathering indices and values
+            count = int(torch.count_nonzero(diff))
+            if size + 4 * count + max(count - 1, 0) * block_elems * t.element_size() > max_bytes:
+                return None
         changed = diff.nonzero().flatten()
         if changed.numel() == 0:
             continue
@@ -141,7 +145,9 @@ def compute_delta(
         out[name + BLOCKS_SUFFIX] = changed.to(torch.int32 if nblocks < 2**31 else torch.int64)
         out[name + DATA_SUFFIX] = data.contiguous()
         touched.append(name)
-        size += sum(out[name + k].numel() * out[name + k].element_size() for k in (BLOCKS_SUFFIX, DATA_SUFFIX))
+        size += sum(
+            out[name + k].numel() * out[name + k].element_size() for k in (BLOCKS_SUFFIX, DATA_SUFFIX)
+        )
     if max_bytes is not None and size > max_bytes:
         return None
     return out, {name: tensor_sha256(new[name]) for name in touched}
