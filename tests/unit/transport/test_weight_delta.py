@@ -138,3 +138,11 @@ def test_a_delta_over_max_bytes_is_none():
     assert compute_delta(prev, new, granularity="block", block_elems=4, max_bytes=32) is not None
     single, _ = compute_delta(prev, new, granularity="block", block_elems=1)
     assert single["b::blocks"].tolist() == [5, 9] and single["b::data"].tolist() == [7.0, -2.0]
+
+
+def test_a_delta_where_every_element_moved_stops_at_the_sample():
+    prev = {"w": torch.arange(100_000, dtype=torch.float32)}
+    new = {"w": prev["w"] + 0.5}  # every element changed: the sampled estimate is 400 kB
+    assert compute_delta(prev, new, granularity="block", block_elems=1, max_bytes=200_000) is None
+    delta, _ = compute_delta(prev, new, granularity="block", block_elems=1, max_bytes=800_000)
+    assert torch.equal(delta["w::data"], new["w"]) and delta["w::blocks"].tolist() == list(range(100_000))
