@@ -79,7 +79,8 @@ class DiskPublisher:
     """`delta=True`: every `anchor_every`-th version (and the first, and any after a gap, a
     rollback or a new epoch) is written whole (an anchor); the others hold only what changed
     since the previous version (services/transport/weights/delta.py). The previous version's
-    tensors stay in memory (one copy of the published state) to compare against."""
+    tensors stay in memory (one copy of the published state) to compare against, so the
+    caller must not change a state's tensors after `write` (the trainer detaches them)."""
 
     def __init__(
         self,
