@@ -165,3 +165,24 @@ def test_a_corrupted_delta_is_refused_and_the_engine_stays(running, tiny_dir, tm
     third = pub.write(4, versions[1])  # a gap: written whole
     assert load(client, third.path, 4).status_code == 200
     assert_engine_holds(engine, versions[1])
+
+
+def test_an_unreadable_delta_manifest_is_refused_and_counted(running, tiny_dir, tmp_path):
+    engine, client = running
+    pub = DiskPublisher(
+        tmp_path / "w", tiny_dir, keep=3, delta=True, anchor_every=10, granularity="block", block_elems=16
+    )
+    versions = trainer_versions(tiny_dir, 2, torch.bfloat16, seed=14)
+    first = pub.write(1, versions[0])
+    assert load(client, first.path, 1).status_code == 200
+    second = pub.write(2, versions[1])
+    with open(f"{second.path}/delta.json", "w") as f:
+        f.write('{"format": "asyncrl-delta/1", "version": "two"')  # truncated
+    before = metric(client, 'asyncrl_engine_weight_resyncs_total{reason="malformed"}')
+    failed = counts(client)["failed"]
+    resp = load(client, second.path, 2)
+    assert resp.status_code == 400 and "delta refused (malformed)" in resp.json()["message"]
+    assert metric(client, 'asyncrl_engine_weight_resyncs_total{reason="malformed"}') == before + 1
+    assert counts(client)["failed"] == failed + 1
+    assert engine.engine.weight_version == "1"
+    assert_engine_holds(engine, versions[0])
