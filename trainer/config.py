@@ -168,6 +168,18 @@ class TrainerSettings(ServiceSettings):
         description="disk: write and announce each version in a background thread while the next step trains",
     )
     keep_weights: int = Field(3, ge=1, description="weight directories kept on disk")
+    publish_delta: bool = Field(
+        False,
+        description="disk: write only what changed since the previous version, with a full anchor "
+        "every delta_anchor_every versions (reference engines only: SGLang loads full versions)",
+    )
+    delta_anchor_every: int = Field(10, ge=1, description="publish_delta: a full version every N versions")
+    delta_granularity: Literal["tensor", "block"] = Field(
+        "tensor", description="publish_delta: ship changed whole tensors, or changed blocks of them"
+    )
+    delta_block_elems: int = Field(
+        65536, ge=1, description="publish_delta with blocks: elements per block of a flattened tensor"
+    )
     engine_urls: list[str] = Field(default_factory=list, description="engines joining the broadcast group")
     broadcast_master_addr: str = Field(
         "127.0.0.1", description="address engines reach the trainer's rank 0 on"
@@ -197,6 +209,8 @@ class TrainerSettings(ServiceSettings):
     def _check(self) -> TrainerSettings:
         if self.publish == "distributed" and not self.engine_urls:
             raise ValueError("publish=distributed needs engine_urls")
+        if self.publish_delta and self.publish != "disk":
+            raise ValueError("publish_delta needs publish=disk (deltas are not broadcast)")
         if self.share_prompts and self.max_tokens_per_micro_batch > 0:
             raise ValueError(
                 "share_prompts lays a prompt's samples out as one row with a tree mask, packing lays "

@@ -88,8 +88,11 @@ class Parts:
             return
         state = cast_state(state, DTYPES[self.cfg.publish_dtype])
         self.finish_publishing()
-        if self.disk is not None and self.cfg.publish_background and not rollback:
-            state = detach_from(state, self.model)  # the next step updates the live tensors in place
+        background = self.disk is not None and self.cfg.publish_background and not rollback
+        if background or (self.disk is not None and self.disk.delta):
+            # the next step updates the live tensors in place (a delta publisher also keeps them)
+            state = detach_from(state, self.model)
+        if background:
             if self._shipper is None:
                 self._shipper = ThreadPoolExecutor(1, thread_name_prefix="weights-publish")
             self._shipping = self._shipper.submit(self._ship, version, state, rollback, t0)
@@ -220,7 +223,15 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
         admission = AdmissionControl(buf, cfg.batch_groups, cfg.max_staleness)
         admission.configure(batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness)
         if cfg.publish == "disk":
-            disk = DiskPublisher(out / "weights", cfg.model_path, keep=cfg.keep_weights)
+            disk = DiskPublisher(
+                out / "weights",
+                cfg.model_path,
+                keep=cfg.keep_weights,
+                delta=cfg.publish_delta,
+                anchor_every=cfg.delta_anchor_every,
+                granularity=cfg.delta_granularity,
+                block_elems=cfg.delta_block_elems,
+            )
         elif cfg.publish == "distributed":
             from asyncrl.buffer.server import free_port
 

@@ -29,6 +29,12 @@ import httpx
 import torch
 
 from asyncrl.services.transport.weights import weight_version_name
+from asyncrl.services.transport.weights.delta import (
+    DELTA_FILE,
+    MANIFEST_FILE,
+    DeltaManifest,
+    compute_delta,
+)
 from asyncrl.services.transport.weights.filesystem import (
     MODEL_FILE,
     file_metadata,
@@ -64,11 +70,36 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
 
 
+# A delta above this share of the full version is written whole: reading the base, applying and
+# hashing cost the engine more than loading the full version would (benchmarks/RESULTS.md).
+MAX_DELTA_FRACTION = 0.5
+
+
 class DiskPublisher:
-    def __init__(self, root: str | Path, source_dir: str | Path, keep: int = 3):
+    """`delta=True`: every `anchor_every`-th version (and the first, and any after a gap, a
+    rollback or a new epoch) is written whole (an anchor); the others hold only what changed
+    since the previous version (services/transport/weights/delta.py). The previous version's
+    tensors stay in memory (one copy of the published state) to compare against, so the
+    caller must not change a state's tensors after `write` (the trainer detaches them)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        source_dir: str | Path,
+        keep: int = 3,
+        *,
+        delta: bool = False,
+        anchor_every: int = 10,
+        granularity: str = "tensor",
+        block_elems: int = 65536,
+    ):
         self.root = Path(root)
         self.source_dir = Path(source_dir)
         self.keep = keep
+        self.delta, self.anchor_every = delta, anchor_every
+        self.granularity, self.block_elems = granularity, block_elems
+        self._prev: tuple[int, int, dict[str, torch.Tensor]] | None = None  # (epoch, version, state)
+        self._anchor: tuple[int, int] | None = None  # (epoch, version) of the newest anchor
         self.root.mkdir(parents=True, exist_ok=True)
         # closes the last references to pruned weight files (see _prune)
         self._closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-prune")
@@ -97,11 +128,67 @@ class DiskPublisher:
             if not _link_or_copy(f, tmp / f.name) or f.name not in self._synced:
                 written.append(tmp / f.name)
                 self._synced.add(f.name)
-        save_file(state, str(tmp / MODEL_FILE), metadata=file_metadata(version, epoch))
-        atomic_publish_dir(tmp, final, written)  # at one publish per step every fsync counts (~2-3 ms each)
-        self._prune()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        delta = self._delta_of(version, state, epoch) if self.delta else None
+        if delta is None:
+            save_file(state, str(tmp / MODEL_FILE), metadata=file_metadata(version, epoch))
+        else:
+            manifest, tensors = delta
+            save_file(tensors, str(tmp / DELTA_FILE), metadata=file_metadata(version, epoch))
+            (tmp / MANIFEST_FILE).write_text(manifest.to_json())
+            written[0] = tmp / DELTA_FILE
+            written.append(tmp / MANIFEST_FILE)
+            nbytes = manifest.changed_bytes
+        atomic_publish_dir(tmp, final, written)  # at one publish per step every fsync counts (~2-3 ms each)
+        if self.delta:  # only once the version is in place: a failed write starts a new chain
+            self._prev = (epoch, version, state)
+            if delta is None:
+                self._anchor = (epoch, version)
+        self._prune()
         return Published(version, nbytes, time.perf_counter() - t0, str(final))
+
+    def _delta_of(
+        self, version: int, state: dict[str, torch.Tensor], epoch: int
+    ) -> tuple[DeltaManifest, dict[str, torch.Tensor]] | None:
+        """The delta from the previous version to `version`, or None for an anchor."""
+        prev, anchor = self._prev, self._anchor
+        if (
+            prev is None
+            or anchor is None
+            or (prev[0], prev[1]) != (epoch, version - 1)
+            or anchor[0] != epoch
+            or version - anchor[1] >= self.anchor_every
+            or not self.path_of(anchor[1], epoch).is_dir()
+        ):
+            return None
+        full = sum(t.numel() * t.element_size() for t in state.values())
+        try:
+            delta = compute_delta(
+                prev[2],
+                state,
+                granularity=self.granularity,
+                block_elems=self.block_elems,
+                max_bytes=int(full * MAX_DELTA_FRACTION),
+            )
+        except ValueError:  # names, shapes or dtypes changed: start a new chain
+            return None
+        if delta is None:  # most of it changed (fp32, a large step, coarse blocks): an anchor
+            return None
+        tensors, hashes = delta
+        changed = sum(t.numel() * t.element_size() for t in tensors.values())
+        manifest = DeltaManifest(
+            version=version,
+            epoch=epoch,
+            base=version - 1,
+            anchor=anchor[1],
+            granularity=self.granularity,
+            block_elems=self.block_elems,
+            sha256=hashes,
+            tensors_total=len(state),
+            changed_bytes=changed,
+            full_bytes=full,
+        )
+        return manifest, tensors
 
     def _drop_lost(self, version: int, epoch: int) -> None:
         """Versions above `version` of this or an older epoch come from steps lost in a crash
@@ -112,13 +199,19 @@ class DiskPublisher:
                 shutil.rmtree(p, ignore_errors=True)
 
     def _prune(self) -> None:
-        """Remove all but the newest `keep` versions before `write` returns. Deleting a weight
+        """Remove all but the newest `keep` versions before `write` returns; with deltas, also
+        keep the newest anchor and every version after it (an engine on any older version
+        resyncs from that anchor through those deltas). Deleting a weight
         file costs ~0.1 s per 540 MB on ext4, paid when its last reference goes (the kernel
         frees its blocks and cached pages then): an fd held across the unlink lets a
         background thread pay it, so the trainer does not wait for the filesystem."""
-        versions = [p for _, p in published_versions(self.root)]
+        listed = published_versions(self.root)
+        versions = [p for _, p in listed]
+        doomed = versions[: -self.keep]
+        if self._anchor is not None:
+            doomed = [p for key, p in listed[: -self.keep] if key < self._anchor]
         held: list[int] = []
-        for old in versions[: -self.keep]:
+        for old in doomed:
             for f in old.glob("*.safetensors"):
                 try:
                     held.append(os.open(f, os.O_RDONLY))

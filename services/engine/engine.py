@@ -29,14 +29,16 @@ from asyncrl.proto.sglang import (
     UpdateWeightsFromDistributedReqInput,
     refused_by_reference_engine,
 )
-from asyncrl.services.engine import metrics
+from asyncrl.services.engine import deltas, metrics
 from asyncrl.services.engine.config import EngineSettings
+from asyncrl.services.engine.deltas import Loaded
 from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
 from asyncrl.services.engine.sampling import RowSampling
 from asyncrl.services.engine.scheduler import Request, Scheduler, version_spans
 from asyncrl.services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.transport.weights import broadcast as weight_broadcast
+from asyncrl.services.transport.weights.delta import DeltaError, is_delta_dir
 from asyncrl.services.transport.weights.filesystem import WEIGHTS_GLOB
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,8 @@ class InferenceEngine:
         )
         self.groups: dict[str, object] = {}  # group_name → process group
         self.updates = WeightUpdates()
+        # the published version directory the weights came from: the base a delta must name
+        self.loaded: Loaded | None = deltas.loaded_of(settings.model)
         self._rng = random.Random(settings.seed)  # seeds requests that bring no sampling_seed
         self._in_flight: set[str] = set()
         metrics.set_weight_version(settings.weight_version)
@@ -361,27 +365,44 @@ class InferenceEngine:
                 False, "update_weights_from_disk is disabled: the engine has no weights_root", 400
             )
 
-        def read() -> dict[str, torch.Tensor] | None:
+        loaded = self.loaded
+
+        def read() -> tuple[dict[str, torch.Tensor], bool, Loaded | None] | None:
+            """(tensors, whether they cover the whole model, the version they make)."""
             real = resolve_weights_dir(root, req.model_path)
-            return None if real is None else read_checkpoint(real)
+            if real is None:
+                return None
+            if is_delta_dir(real):
+                return deltas.rebuild(
+                    real,
+                    loaded,
+                    self.runner.model.state_dict,
+                    lambda p: resolve_weights_dir(root, p),
+                )
+            return read_checkpoint(real), True, deltas.loaded_of(real)
 
         try:
             async with self.updates.turn("disk", self.settings.weight_update_timeout_s) as deadline:
                 try:
-                    named = await in_thread(read, deadline, "weights-read")
+                    got = await in_thread(read, deadline, "weights-read")
                 except UpdateTimeout:
                     return self._failed("disk", "timeout", "reading the checkpoint timed out")
+                except DeltaError as exc:  # the delta and its resync both failed: weights kept
+                    return self._failed("disk", "error", f"delta refused ({exc.reason}): {exc}")
                 except (OSError, ValueError) as exc:  # a corrupt or unreadable file inside the root
                     return self._failed("disk", "error", f"cannot read the checkpoint: {exc}")
-                if named is None:
+                if got is None:
                     self.updates.record("disk", "refused")
                     return UpdateResult(False, REFUSED_PATH, 400)
-                error = self.runner.check_weights(named, full=True)
+                named, whole, made = got
+                error = self.runner.check_weights(named, full=whole)
                 if error:
                     return self._failed("disk", "error", error)
                 if req.abort_all_requests:
                     self.scheduler.abort(abort_all=True, message="aborted for a weight update")
+                self.loaded = None  # until the copy is done: a timed-out one may be half applied
                 retracted = await self._set_weights(named, req.weight_version, deadline)
+                self.loaded = made
         except UpdateBusy as exc:
             return UpdateResult(False, str(exc), 503)
         except UpdateTimeout:
@@ -487,6 +508,7 @@ class InferenceEngine:
                 error = self.runner.check_weights(received, full=False)
                 if error:
                     return self._failed("distributed", "error", error)
+                self.loaded = None  # no longer the weights of a published directory
                 await self._set_weights(received, req.weight_version, deadline)
         except UpdateBusy as exc:
             return UpdateResult(False, str(exc), 503)

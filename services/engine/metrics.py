@@ -104,3 +104,18 @@ class Throughput:
                 return 0.0
             span = max(now - self._events[0][0], 1.0)  # no spike from a single fresh step
             return self._total / span
+
+
+WEIGHT_RESYNCS = Counter(
+    "asyncrl_engine_weight_resyncs_total",
+    "Delta weight updates not applied on top of the weights held, so rebuilt from the chain's "
+    "full anchor and its deltas, by reason (base = the engine did not hold the delta's base "
+    "version, hash = a sha256 after applying differed, malformed = an unreadable delta)",
+    ["reason"],
+)
+WEIGHT_DELTAS = Counter(
+    "asyncrl_engine_weight_deltas_total",
+    "Delta weight directories loaded, by result (applied = on top of the base held, resynced = "
+    "rebuilt from the anchor, failed = the rebuild failed too: the weights were left as they were)",
+    ["result"],
+)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.services.transport.weights.delta import tensor_sha256
 from asyncrl.trainer.publish import DiskPublisher
 
 torch.set_num_threads(1)
@@ -42,3 +43,63 @@ def test_disk_publisher_atomic_dirs_keep_n_and_tied_reload(tiny, tmp_path):
     for name, value in loaded.state_dict().items():
         want = expected["model.embed_tokens.weight"] if name == "lm_head.weight" else expected[name]
         assert torch.equal(value, want), name
+
+
+def test_delta_publisher_anchors_every_n_and_keeps_the_chain(tiny, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.services.transport.weights.delta import DeltaManifest
+
+    pub = DiskPublisher(tmp_path / "w", tiny, keep=1, delta=True, anchor_every=3, granularity="tensor")
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict()
+    base.pop("lm_head.weight")
+    names = sorted(base)
+    changed_at = {v: names[v % len(names)] for v in range(1, 8)}  # one tensor changes per version
+    state = {k: v.clone() for k, v in base.items()}
+    outs, anchors, listed = {}, {}, {}
+    for v in range(1, 8):
+        state = {k: t.clone() for k, t in state.items()}
+        state[changed_at[v]] += 1.0
+        outs[v] = pub.write(v, state)
+        d = tmp_path / "w" / f"v{v:08d}"
+        anchors[v] = (d / "model.safetensors").is_file()
+        listed[v] = sorted(int(p.name[1:]) for p in (tmp_path / "w").iterdir())
+        if v == 5:
+            m = DeltaManifest.from_json((d / "delta.json").read_text())
+            in_file = list(load_file(str(d / "delta.safetensors")))
+            assert {"config.json", "tokenizer.json"} <= {p.name for p in d.iterdir()}
+    full = sum(t.numel() * 4 for t in base.values())
+    # anchors at 1, 4, 7 (every 3rd from the last anchor); deltas between
+    assert anchors == {1: True, 2: False, 3: False, 4: True, 5: False, 6: False, 7: True}
+    # keep=1, but the newest anchor and every version after it stay on disk
+    assert listed == {1: [1], 2: [1, 2], 3: [1, 2, 3], 4: [4], 5: [4, 5], 6: [4, 5, 6], 7: [7]}
+    assert outs[1].nbytes == outs[4].nbytes == outs[7].nbytes == full
+    assert outs[5].nbytes == base[changed_at[5]].numel() * 4
+    assert (m.version, m.base, m.anchor, m.granularity) == (5, 4, 4, "tensor")
+    assert in_file == [changed_at[5]]
+    assert m.sha256 == {changed_at[5]: tensor_sha256(state[changed_at[5]])}
+    assert m.changed_bytes == outs[5].nbytes and m.full_bytes == full
+    outs[8] = pub.write(8, {k: t + 0 for k, t in state.items()})  # nothing changed
+    assert outs[8].nbytes == 0
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v00000007", "v00000008"]
+    # a gap (a version not published here) starts a new chain with an anchor
+    pub.write(10, state)
+    assert (tmp_path / "w" / "v00000010" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v00000010"]
+
+
+def test_a_delta_no_smaller_than_the_full_version_is_written_whole(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    pub = DiskPublisher(tmp_path / "w", tiny, keep=3, delta=True, anchor_every=10)
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict()
+    base.pop("lm_head.weight")
+    pub.write(1, base)
+    v2 = {k: v + 1.0 for k, v in base.items()}
+    out = pub.write(2, v2)  # every tensor changed
+    assert (tmp_path / "w" / "v00000002" / "model.safetensors").is_file()
+    assert out.nbytes == sum(t.numel() * 4 for t in base.values())
+    out = pub.write(3, {k: v + (1.0 if k.endswith("norm.weight") else 0.0) for k, v in v2.items()})
+    assert not (tmp_path / "w" / "v00000003" / "model.safetensors").is_file()  # 2 is its anchor
+    assert out.nbytes == sum(t.numel() * 4 for k, t in base.items() if k.endswith("norm.weight"))

@@ -24,6 +24,8 @@ def test_toml_env_and_flags_layer(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("bad,match", [
     ({"publish": "distributed"}, "engine_urls"),
+    ({"publish": "none", "publish_delta": True}, "publish_delta needs publish=disk"),
+    ({"delta_granularity": "row"}, "delta_granularity"),
     ({"batch_groups": 0}, "greater than or equal to 1"),
     ({"overlong_max_len": 100, "overlong_cache_len": 200}, "overlong"),
     ({"loss": {"agg": "seq_mean_token_sum_norm"}}, "max_tokens"),
