@@ -70,7 +70,9 @@ per assert that uses it, never if none does (the first failing check decides; a
 call that raises or hangs makes the run a runtime error or timeout, reward 0 all the same);
 names bound by `assert_code` (its imports too) are not visible to the program; a result that
 is not plain data (a class instance, a generator, a subclass of a plain type, an int of more
-than ~4200 digits) fails, and so does an operation that raises here (`sorted` of mixed types).
+than ~4200 digits) fails, and so does an operation that raises here (`sorted` of mixed types),
+or a set or dict (a result, or built here: `set(f(x))`) with more than MAX_SAME_HASH distinct
+keys of one hash (`spread_hashes`: their insertion would cost quadratic time here).
 Results compare as Python values: a tuple stays a tuple (`f() == (1, 2)` fails for a list).
 """
 
@@ -98,6 +100,7 @@ MAX_DECIMAL_EXPONENT = 1000  # comparing Decimal('1e999999999') with a Fraction 
 MAX_UNROLLED = 5000  # loop iterations unrolled into checks, per assert_code: ~1 s of parsing at most
 MAX_RANGE = 100_000  # range() lengths: `list(range(10**9))` would be built here
 MAX_WORK = 5_000_000  # items of static values used by operations, all asserts: ~a second at most
+MAX_SAME_HASH = 16  # distinct keys of one hash in a set or dict built here (hash(-1) == hash(-2))
 
 
 class Unsplittable(ValueError):
@@ -219,6 +222,46 @@ def _ints(fn: Callable) -> Callable:
     return apply
 
 
+def spread_hashes(items: Any) -> list:
+    """`items` as a list, refused (ValueError) if more than MAX_SAME_HASH distinct ones share a
+    hash: a set or dict of n ints `k * (2**61 - 1)` (all of hash 0) costs n**2 / 2 comparisons
+    to build (20k of them, 0.5 MB of a result line: ~10 s of the service's event loop)."""
+    items = list(items)
+    groups: dict[int, list] = {}  # keyed by hash values: ints that are their own distinct hashes
+    for item in items:
+        same = groups.setdefault(hash(item), [])
+        if item not in same:
+            if len(same) >= MAX_SAME_HASH:
+                raise ValueError(f"more than {MAX_SAME_HASH} distinct keys of one hash")
+            same.append(item)
+    return items
+
+
+def _keyed(kind: type) -> Callable:
+    """`kind` (a set or dict type) whose keys from a sequence are checked by `spread_hashes`
+    first; a mapping or set argument was itself built by a checked constructor or a literal."""
+
+    def build(*args: Any) -> Any:
+        if not args or isinstance(args[0], dict | set | frozenset):
+            return kind(*args)
+        items = list(args[0])
+        if issubclass(kind, dict) and kind is not collections.Counter:
+            items = [tuple(pair) for pair in items]
+            if any(len(pair) != 2 for pair in items):
+                raise ValueError(f"{kind.__name__}() of items that are not pairs")
+            spread_hashes(key for key, _ in items)
+        else:
+            spread_hashes(items)
+        return kind(items, *args[1:])
+
+    return build
+
+
+def _dict_of(*kv: Any) -> dict:
+    """A dict display's or comprehension's value from its keys and values, interleaved."""
+    return dict(zip(spread_hashes(kv[::2]), kv[1::2], strict=True))
+
+
 def _sum(values: Any) -> Any:
     """sum() of numbers only: `sum(lists, [])` would copy quadratically in the service."""
     items = list(values)
@@ -286,9 +329,9 @@ BUILTINS: dict[str, Func] = {
     "float": _f(float),
     "list": _f(list),
     "tuple": _f(tuple),
-    "set": _f(set),
-    "frozenset": _f(frozenset),
-    "dict": _f(dict),
+    "set": _f(_keyed(set)),
+    "frozenset": _f(_keyed(frozenset)),
+    "dict": _f(_keyed(dict)),
     "isinstance": _f(isinstance),
     "type": _f(type),
     "range": _f(lambda *args: _range(*args)),
@@ -333,8 +376,8 @@ _MATH_FUNCS = {
     },
 }
 _COLLECTIONS = {
-    "Counter": _f(collections.Counter),
-    "OrderedDict": _f(collections.OrderedDict),
+    "Counter": _f(_keyed(collections.Counter)),
+    "OrderedDict": _f(_keyed(collections.OrderedDict)),
     "deque": _f(collections.deque),
     "defaultdict": Opaque("collections.defaultdict", "a factory, not a value"),
     "namedtuple": Opaque("collections.namedtuple", "defines a class"),
@@ -719,14 +762,14 @@ class _Splitter:
             case ast.Tuple(elts=elts) | ast.List(elts=elts) | ast.Set(elts=elts) if not any(
                 isinstance(e, ast.Starred) for e in elts
             ):
-                build = {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)]
+                build = {ast.Tuple: tuple, ast.List: list, ast.Set: _keyed(set)}[type(node)]
                 return self.combine(line, lambda *items: build(items), [self.expr(e, alias) for e in elts])
             case ast.Dict(keys=keys, values=values) if None not in keys:
                 parts = [self.expr(p, alias) for pair in zip(keys, values, strict=True) for p in pair]
-                return self.combine(line, lambda *kv: dict(zip(kv[::2], kv[1::2], strict=True)), parts)
+                return self.combine(line, _dict_of, parts)
             case ast.ListComp(elt=elt, generators=gens) | ast.SetComp(elt=elt, generators=gens):
                 items = self.comprehension(node, [elt], gens, alias)
-                build = list if isinstance(node, ast.ListComp) else set
+                build = list if isinstance(node, ast.ListComp) else _keyed(set)
                 return self.combine(line, lambda *values: build(values), [n for (n,) in items])
             case ast.GeneratorExp(elt=elt, generators=gens):
                 nodes = [n for (n,) in self.comprehension(node, [elt], gens, alias)]
@@ -737,7 +780,7 @@ class _Splitter:
             case ast.DictComp(key=key, value=value, generators=gens):
                 pairs = self.comprehension(node, [key, value], gens, alias)
                 parts = [n for pair in pairs for n in pair]
-                return self.combine(line, lambda *kv: dict(zip(kv[::2], kv[1::2], strict=True)), parts)
+                return self.combine(line, _dict_of, parts)
             case ast.Subscript(value=value, slice=ast.Slice(lower=lo, upper=hi, step=step)):
                 bounds = [Static(None) if b is None else self.expr(b, alias) for b in (lo, hi, step)]
                 return self.combine(line, lambda v, a, b, c: v[a:b:c], [self.expr(value, alias), *bounds])
@@ -790,6 +833,8 @@ class _Splitter:
                 key = parts[len(args) + names.index("key")]
                 if not (isinstance(key, Static) and key.value in KEY_FUNCS):
                     raise Unsplittable(f"line {line}: `key=` only one of len, abs, str, int, float, tuple")
+                if key.value in (set, frozenset, dict):  # `key=set`: each item's set, checked too
+                    parts[len(args) + names.index("key")] = Static(_keyed(key.value))
             count = len(args)
             fn = trusted.fn
             return self.combine(

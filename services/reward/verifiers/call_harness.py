@@ -63,12 +63,14 @@ def to_json(value) -> str:
     raise NotPlain(kind.__name__)
 
 
-def decode(data):
+def decode(data, keys):
     """The value of `json.loads(to_json(value))`; ValueError or TypeError on anything `to_json`
-    cannot produce."""
+    cannot produce. `keys(items)` returns a set's items or a dict's keys as a list after it has
+    checked them (the service's `spread_hashes`: n distinct keys of one hash cost n**2 / 2
+    comparisons to insert)."""
     kind = type(data)
     if kind is list:
-        return [decode(v) for v in data]
+        return [decode(v, keys) for v in data]
     if kind is not dict:
         return data  # JSON scalars (the reader refuses bare NaN / Infinity)
     if len(data) != 1:
@@ -79,8 +81,10 @@ def decode(data):
     if type(items) is not list or (tag != "dict" and tag not in UNTAG):
         raise ValueError("bad tagged value")
     if tag == "dict":
-        return {decode(k): decode(v) for k, v in items}
-    return UNTAG[tag](decode(v) for v in items)
+        pairs = [(decode(k, keys), decode(v, keys)) for k, v in items]
+        return dict(zip(keys([k for k, _ in pairs]), [v for _, v in pairs], strict=True))
+    values = [decode(v, keys) for v in items]
+    return UNTAG[tag](values if tag == "tuple" else keys(values))
 
 
 def main():

@@ -12,7 +12,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from asyncrl.proto.assert_split import Call
+from asyncrl.proto.assert_split import Call, spread_hashes
 from asyncrl.proto.verifiers import CodeSpec, SpecError, validate_spec
 from asyncrl.services.reward.verifiers.asserts import (
     BadResults,
@@ -398,10 +398,11 @@ def test_calls_line_carries_the_calls_and_never_the_expected_values():
 def test_codec_round_trips_plain_data_and_refuses_the_rest():
     value = [None, True, -3, 2.5, INF, "s", (1, [2]), {3, (4,)}, frozenset({5}), {1: {"a": (None,)}}, []]
     text = to_json(value)
-    assert decode(json.loads(text)) == value
-    assert type(decode(json.loads(text))[6]) is tuple and type(decode(json.loads(text))[8]) is frozenset
+    assert decode(json.loads(text), spread_hashes) == value
+    back = decode(json.loads(text), spread_hashes)
+    assert type(back[6]) is tuple and type(back[8]) is frozenset
     assert to_json([-INF, 'é\n"', (1,)]) == '[{"float": "-inf"}, "\\u00e9\\n\\"", {"tuple": [1]}]'
-    assert math.isnan(decode(json.loads(to_json(math.nan))))
+    assert math.isnan(decode(json.loads(to_json(math.nan)), spread_hashes))
 
     class Sneaky(list):
         def __eq__(self, other):
@@ -419,7 +420,60 @@ def test_codec_round_trips_plain_data_and_refuses_the_rest():
         {"dict": [[1]]},
     ):
         with pytest.raises((ValueError, TypeError)):
-            decode(bad)
+            decode(bad, spread_hashes)
+
+
+COLLIDING = [k * (2**61 - 1) for k in range(20_000)]  # all of hash 0: n**2 / 2 compares in a set
+
+
+def test_keys_of_one_hash_are_refused_before_a_set_or_dict_is_built():
+    """A program returns 20k distinct ints of one hash (0.5 MB of result line): building a set
+    or dict of them would hold the service's event loop for seconds. Equal keys of one hash
+    (`[1] * 1000`, 1 / 1.0 / True) and Python's own collision hash(-1) == hash(-2) are fine."""
+    assert spread_hashes([1] * 1000 + [1.0, True, -1, -2]) == [1] * 1000 + [1.0, True, -1, -2]
+    assert spread_hashes(COLLIDING[:16]) == COLLIDING[:16]
+    with pytest.raises(ValueError, match="distinct keys of one hash"):
+        spread_hashes(COLLIDING[:17])
+    nonce = "cd" * 16
+    listed = to_json(COLLIDING)  # written by hand below: building the set here would take as long
+    pairs = to_json([[k, 0] for k in COLLIDING])
+    for value in (f'{{"set": {listed}}}', f'{{"frozenset": {listed}}}', f'{{"dict": {pairs}}}'):
+        line = f'\n{nonce}[["ok", [{value}]]]\n'.encode()
+        with pytest.raises(BadResults, match="distinct keys of one hash"):
+            read_results(line, nonce, 1)
+    # the same list as a plain result is fine; the trusted side's set / dict builders refuse it
+    # (each assert below is true of it, and would pay after seconds of the service's CPU)
+    assert read_results(f'\n{nonce}[["ok", {to_json(COLLIDING)}]]'.encode(), nonce, 1) == [("ok", COLLIDING)]
+    pairs = [[k, 0] for k in COLLIDING]
+    for source, result in [
+        ("assert len(set(f(1))) == 20000", COLLIDING),
+        ("assert len(frozenset(f(1))) == 20000", COLLIDING),
+        ("from collections import Counter\nassert Counter(f(1))[0] == 1", COLLIDING),
+        ("from collections import OrderedDict\nassert len(OrderedDict(f(1))) == 20000", pairs),
+        ("assert len(dict(f(1))) == 20000", pairs),
+        ("assert len(sorted(f(1), key=set)) == 1", [COLLIDING]),
+    ]:
+        _, judge = one(source)
+        assert judge([result]) is False, source
+    (check,) = split_asserts("assert {f(i) for i in range(17)} == {0}")
+    assert check.judge(COLLIDING[:17]) is False and check.judge([0] * 17) is True
+    (check,) = split_asserts("assert {f(i): i for i in range(17)} == {0: 16}")
+    assert check.judge(COLLIDING[:17]) is False and check.judge([0] * 17) is True
+
+
+def test_honest_sets_and_counters_still_pass():
+    for source, result in [
+        ("assert set(f(1)) == {1, 2}", [2, 1, 2, 1]),
+        ("assert frozenset(f(1)) == {True, 2}", [1, 2, 1.0]),
+        ("from collections import Counter\nassert Counter(f(1)) == Counter({'a': 2, 'b': 1})", "aba"),
+        ("from collections import Counter\nassert Counter(f(1)) == Counter('aab')", {"a": 2, "b": 1}),
+        ("assert dict(f(1)) == {1: 'x', 'y': 2}", [(1, "x"), ["y", 2]]),
+        ("assert sorted(f(1), key=set) == [[1, 1]]", [[1, 1]]),
+        ("assert dict(f(1)) == {'a': 1}", {"a": 1}),
+        ("assert set(f(1)) == set()", []),
+    ]:
+        _, judge = one(source)
+        assert judge([result]) is True, source
 
 
 def test_result_line_is_found_among_program_output_and_checked():
