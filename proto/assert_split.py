@@ -908,7 +908,8 @@ class _Splitter:
             raise Unsplittable(f"line {line}: the asserts use more than {MAX_WORK} values' worth of data")
 
     def weight(self, value: Any) -> int:
-        """Items in `value`, nested ones too (a str: one per 8 characters), cached per object."""
+        """Items in `value`, nested ones too (a str: one per 8 characters, a range: its length),
+        cached per object."""
         known = self.weights.get(id(value))
         if known is not None and known[0] is value:
             return known[1]
@@ -918,6 +919,8 @@ class _Splitter:
             total += 1
             if type(item) is str:
                 total += len(item) // 8
+            elif type(item) is range:  # `sum(range(10**5))` costs 10**5, not 1
+                total += len(item)
             elif type(item) is dict:
                 stack += item.keys()
                 stack += item.values()

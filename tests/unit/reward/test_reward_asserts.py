@@ -193,6 +193,20 @@ def test_an_entry_point_named_like_a_builtin_is_the_programs_function():
             "X = list(range(10**5))\nfor i in range(100):\n    assert f(i) in X",
             "line 3: the asserts use more than 5000000 values' worth of data",
         ),
+        # a range is as large as its length: `sum` / `in` of one are not one item of work
+        # (each of these took ~50 ms per iteration, ~4 min for 5000, before they were charged)
+        (
+            "for i in range(5000):\n    assert f(i) == sum(range(10**5))",
+            "line 2: the asserts use more than 5000000 values' worth of data",
+        ),
+        (
+            "for i in range(5000):\n    assert f(i) == (0.5 in range(10**5))",
+            "line 2: the asserts use more than 5000000 values' worth of data",
+        ),
+        (
+            "for i in range(5000):\n    x = sorted(range(10**5), key=str)\n    assert f(i)",
+            "line 2: the asserts use more than 5000000 values' worth of data",
+        ),
         ("for x in f(3):\n    assert x > 0", "line 1: `f(3)` calls the program; it must be known here"),
         ("for a, b in [(1, 2, 3)]:\n    assert f(a) == b", "line 1: cannot unpack tuple into `(a, b)`"),
         ("for i in range(3):\n    assert f(i)\nelse:\n    pass", "line 1: unsupported statement"),
