@@ -69,7 +69,8 @@ failed assert or inside a short-circuited `and` / `or`, and a call bound to a na
 per assert that uses it, never if none does (the first failing check decides; a
 call that raises or hangs makes the run a runtime error or timeout, reward 0 all the same);
 names bound by `assert_code` (its imports too) are not visible to the program; a result that
-is not plain data (a class instance, a generator, a subclass of a plain type, an int of more
+is not plain data (a class instance, a generator, a subclass of a plain type other than a
+`Counter` or `defaultdict`, which come back as dicts, an int of more
 than ~4200 digits) fails, and so does an operation that raises here (`sorted` of mixed types),
 or a set or dict (a result, or built here: `set(f(x))`) with more than MAX_SAME_HASH distinct
 keys of one hash (`spread_hashes`: their insertion would cost quadratic time here).

@@ -17,8 +17,9 @@ with `json.loads` and `decode`, never with `marshal`.
 Plain data, as JSON: None, bool, int, str and finite floats as themselves, lists as arrays;
 tuples, sets, frozensets, dicts and non-finite floats as one-key objects `{"tuple": [...]}`,
 `{"set": [...]}`, `{"frozenset": [...]}`, `{"dict": [[key, value], ...]}`, `{"float": "inf"}`.
-Exact types only, no subclasses: writing a value never runs a method of its own class. Ints are
-limited to MAX_INT_BITS.
+Exact types only, no subclasses: writing a value never runs a method of its own class; except
+that a `collections.Counter` or `defaultdict` is written as the plain dict of its entries. Ints
+are limited to MAX_INT_BITS.
 """
 
 import math
@@ -56,11 +57,22 @@ def to_json(value) -> str:
         return quote(value)
     if kind is list:
         return "[" + ", ".join(map(to_json, value)) + "]"
-    if kind is dict:
-        return '{"dict": [' + ", ".join(f"[{to_json(k)}, {to_json(v)}]" for k, v in value.items()) + "]}"
+    if kind is dict or (issubclass(kind, dict) and kind in _counting_dicts()):
+        pairs = dict.items(value)  # the dict's own entries, whatever its class overrides
+        return '{"dict": [' + ", ".join(f"[{to_json(k)}, {to_json(v)}]" for k, v in pairs) + "]}"
     if kind in TAGGED:
         return f'{{"{TAGGED[kind]}": [{", ".join(map(to_json, value))}]}}'
     raise NotPlain(kind.__name__)
+
+
+def _counting_dicts() -> tuple:
+    """`Counter` and `defaultdict`, written as the plain dict of their entries: honest solutions
+    return them (MBPP's `freq_count`, group-by tasks) for `f(x) == {...}`, which Python compares
+    as dicts. Nothing of theirs runs here and no `__eq__` of theirs reaches the service. Taken
+    from `sys.modules`: a program that never imported `collections` has none of them."""
+    found = sys.modules.get("collections")
+    kinds = tuple(getattr(found, name, None) for name in ("Counter", "defaultdict"))
+    return tuple(kind for kind in kinds if isinstance(kind, type) and issubclass(kind, dict))
 
 
 def decode(data, keys):

@@ -490,6 +490,32 @@ def test_honest_sets_and_counters_still_pass():
         assert judge([result]) is True, source
 
 
+def test_counters_and_defaultdicts_come_back_as_the_dicts_of_their_entries():
+    """MBPP's `freq_count` returns `Counter(xs)` and group-by tasks a `defaultdict(list)`, judged
+    by `f(x) == {...}`, which Python compares as dicts: they were refused as not plain data."""
+    import collections
+
+    grouped = collections.defaultdict(list, {"y": [1, 3], "b": collections.defaultdict(int, {2: 0})})
+    for value, plain in [
+        (collections.Counter([10, 10, 20]), {10: 2, 20: 1}),
+        (grouped, {"y": [1, 3], "b": {2: 0}}),
+        ([collections.Counter("ab")], [{"a": 1, "b": 1}]),
+    ]:
+        back = decode(json.loads(to_json(value)), spread_hashes)
+        assert back == plain and type(back) is type(plain), value
+    _, judge = one("assert freq_count([10, 10, 20]) == {10: 2, 20: 1}")
+    assert judge([decode(json.loads(to_json(collections.Counter([10, 10, 20]))), spread_hashes)]) is True
+    assert judge([decode(json.loads(to_json(collections.Counter([10, 20]))), spread_hashes)]) is False
+
+    class Counter(dict):  # the name alone is not enough: only collections' own classes
+        def __eq__(self, other):
+            return True
+
+    for bad in (Counter(a=1), collections.OrderedDict(a=1), collections.ChainMap({})):
+        with pytest.raises(NotPlain):
+            to_json(bad)
+
+
 def test_result_line_is_found_among_program_output_and_checked():
     nonce = "ab" * 16
     good = f'junk\n{nonce}[["ok", {{"tuple": [1, 2]}}], ["not_plain", "Foo"]]\nmore junk\n'
