@@ -59,7 +59,7 @@ Anything else makes the whole `assert_code` unsplittable (`Unsplittable` says wh
 why): other statements (`while`, `if`, `f(x)` alone, `sys.setrecursionlimit`), a result of
 the program as an argument (`g(f(1))`, `r = f(1); g(r)`), imports of other modules
 (`os`, `subprocess`, `builtins`, `importlib`, `numpy`...), comprehensions over a result of the
-program (`all(x > 0 for x in f(1))`), lambdas, bytes,
+program (`all(x > 0 for x in f(1))`) and `range()` of one, lambdas, bytes,
 complex numbers, attributes of values, arguments that are not plain data (a `Fraction`). The
 code verifier then runs it as written, inside the sandbox, and says so; a `strict` spec is
 refused instead.
@@ -836,6 +836,9 @@ class _Splitter:
                     raise Unsplittable(f"line {line}: `key=` only one of len, abs, str, int, float, tuple")
                 if key.value in (set, frozenset, dict):  # `key=set`: each item's set, checked too
                     parts[len(args) + names.index("key")] = Static(_keyed(key.value))
+            if trusted is BUILTINS["range"] and not all(isinstance(p, Static) for p in parts):
+                # `sum(range(f(x)))`: 10**5 items per check from a one-int result, uncharged
+                raise Unsplittable(f"line {line}: `range()` of a result of the program")
             count = len(args)
             fn = trusted.fn
             return self.combine(

@@ -207,6 +207,9 @@ def test_an_entry_point_named_like_a_builtin_is_the_programs_function():
             "for i in range(5000):\n    x = sorted(range(10**5), key=str)\n    assert f(i)",
             "line 2: the asserts use more than 5000000 values' worth of data",
         ),
+        # judged per check with nothing charged: 5000 checks of 10**5 items each from tiny results
+        ("for i in range(5000):\n    assert sum(range(f(i))) > 0", "line 2: `range()` of a result"),
+        ("assert 0.5 not in range(0, f(1))", "line 1: `range()` of a result of the program"),
         ("for x in f(3):\n    assert x > 0", "line 1: `f(3)` calls the program; it must be known here"),
         ("for a, b in [(1, 2, 3)]:\n    assert f(a) == b", "line 1: cannot unpack tuple into `(a, b)`"),
         ("for i in range(3):\n    assert f(i)\nelse:\n    pass", "line 1: unsupported statement"),
