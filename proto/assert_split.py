@@ -27,7 +27,8 @@ HumanEval's `def check(candidate)` that is then called as `check(name)` (or name
   makes its calls again (once per assert), in the sandbox;
 * `for TARGET in <expression without calls of the program>:` of supported statements, no
   `else`: unrolled here, its body once per item with TARGET bound to it (at most MAX_UNROLLED
-  iterations in all, `range()` of at most MAX_RANGE numbers).
+  iterations in all, `range()` of at most MAX_RANGE numbers, and at most MAX_UNROLLED_NODES
+  AST nodes compiled again: iterations times the body's size).
 Static values are charged by size each time an operation or a call uses them, at most MAX_WORK
 in all: a large value named once and used in every unrolled assert is refused, not computed.
 
@@ -99,6 +100,7 @@ MAX_COMB = 1000  # math.comb / perm n: comb(1000, 500) is ~1000 bits, microsecon
 MAX_NUMBER_TEXT = 100  # Fraction / Decimal from a string: bounded parse, bounded exponent
 MAX_DECIMAL_EXPONENT = 1000  # comparing Decimal('1e999999999') with a Fraction builds 10**that
 MAX_UNROLLED = 5000  # loop iterations unrolled into checks, per assert_code: ~1 s of parsing at most
+MAX_UNROLLED_NODES = 100_000  # AST nodes compiled again by unrolling (iterations x body size)
 MAX_RANGE = 100_000  # range() lengths: `list(range(10**9))` would be built here
 MAX_WORK = 5_000_000  # items of static values used by operations, all asserts: ~a second at most
 MAX_SAME_HASH = 16  # distinct keys of one hash in a set or dict built here (hash(-1) == hash(-2))
@@ -554,6 +556,7 @@ class _Splitter:
         self.helpers: dict[str, ast.FunctionDef] = {}  # one-parameter functions of asserts
         self.calls: list[Call] = []  # of the assert being compiled
         self.unrolled = 0  # loop iterations so far, all loops together
+        self.unrolled_nodes = 0  # iterations x the size of what each compiles, all loops together
         self.work = 0  # sizes of the static values operations used so far (`charge`)
         self.weights: dict[int, tuple[Any, int]] = {}
 
@@ -623,7 +626,7 @@ class _Splitter:
     def loop(self, stmt: ast.For, target: ast.expr, iterable: ast.expr, body, alias) -> list[Check]:
         """A `for` over a value computed here, unrolled: its body once per item, the target bound
         to the item (`for x, y in [(1, 2), (3, 4)]: assert f(x) == y`, `for i in range(10)`)."""
-        items = self.items(stmt, iterable, alias)
+        items = self.items(stmt, iterable, alias, body)
         checks = []
         for item in items:
             self.bind(stmt, target, item)
@@ -646,7 +649,7 @@ class _Splitter:
             gen = gens[index]
             if gen.is_async:
                 raise Unsplittable(f"line {line}: async comprehension")
-            for item in self.items(node, gen.iter, alias):
+            for item in self.items(node, gen.iter, alias, [*elts, *gen.ifs, *gens[index + 1 :]]):
                 self.bind(node, gen.target, item)
                 if all(self.known(node, cond, alias) for cond in gen.ifs):
                     level(index + 1)
@@ -672,13 +675,20 @@ class _Splitter:
         finally:
             self.calls = calls
 
-    def items(self, node: ast.AST, iterable: ast.expr, alias) -> list:
-        """The items of a loop's or comprehension's iterable, charged to MAX_UNROLLED."""
+    def items(self, node: ast.AST, iterable: ast.expr, alias, body: list[ast.AST]) -> list:
+        """The items of a loop's or comprehension's iterable, charged to MAX_UNROLLED, and to
+        MAX_UNROLLED_NODES by the size of the `body` each compiles again: 5000 iterations of
+        twenty asserts (600 characters of source) were 100k checks, minutes of compiling."""
         value = self.known(node, iterable, alias)
         try:
             self.unrolled += len(value)
             if self.unrolled > MAX_UNROLLED:
                 raise Unsplittable(f"line {node.lineno}: loops of more than {MAX_UNROLLED} iterations in all")
+            self.unrolled_nodes += len(value) * sum(1 for part in body for _ in ast.walk(part))
+            if self.unrolled_nodes > MAX_UNROLLED_NODES:
+                raise Unsplittable(
+                    f"line {node.lineno}: loops that compile more than {MAX_UNROLLED_NODES} expression nodes"
+                )
             return list(value)
         except TypeError as exc:
             raise Unsplittable(f"line {node.lineno}: iterating over `{_show(iterable)}`: {exc}") from None

@@ -204,8 +204,17 @@ def test_an_entry_point_named_like_a_builtin_is_the_programs_function():
             "line 2: the asserts use more than 5000000 values' worth of data",
         ),
         (
-            "for i in range(5000):\n    x = sorted(range(10**5), key=str)\n    assert f(i)",
+            "for i in range(1000):\n    x = sorted(range(10**5), key=str)\n    assert f(i)",
             "line 2: the asserts use more than 5000000 values' worth of data",
+        ),
+        # 600 characters of source, 100k checks: minutes of compiling at submission and here
+        (
+            "for i in range(5000):\n" + "    assert f(i) == [1, 2, 3]\n" * 20,
+            "line 1: loops that compile more than 100000 expression nodes",
+        ),
+        (
+            "assert all(f(i, j) == [i, j, i + j] for i in range(70) for j in range(70))",
+            "line 1: loops that compile more than 100000 expression nodes",
         ),
         # judged per check with nothing charged: 5000 checks of 10**5 items each from tiny results
         ("for i in range(5000):\n    assert sum(range(f(i))) > 0", "line 2: `range()` of a result"),
