@@ -505,6 +505,16 @@ def is_plain(value: Any) -> bool:
 # ---- the splitter: statements to checks, expressions to static values or functions ----
 
 
+CONTAINERS = (
+    list,
+    tuple,
+    set,
+    frozenset,
+    collections.deque,
+    *(type(view) for view in ({}.keys(), {}.values(), {}.items())),
+)
+
+
 class Static:
     """An expression's value known at split time (no call of the program in it)."""
 
@@ -935,10 +945,10 @@ class _Splitter:
                 total += len(item) // 8
             elif type(item) is range:  # `sum(range(10**5))` costs 10**5, not 1
                 total += len(item)
-            elif type(item) is dict:
+            elif isinstance(item, dict):  # a Counter's or OrderedDict's values too
                 stack += item.keys()
                 stack += item.values()
-            elif isinstance(item, list | tuple | set | frozenset | dict):
+            elif isinstance(item, CONTAINERS):  # a deque, a dict's `.keys()`: as large as theirs
                 stack += item
         self.weights[id(value)] = (value, total)  # the value is kept: its id stays its own
         return total

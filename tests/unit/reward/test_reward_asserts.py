@@ -207,6 +207,22 @@ def test_an_entry_point_named_like_a_builtin_is_the_programs_function():
             "for i in range(1000):\n    x = sorted(range(10**5), key=str)\n    assert f(i)",
             "line 2: the asserts use more than 5000000 values' worth of data",
         ),
+        # a value named once whose size was hidden from the budget: dict views, deques and the
+        # values of dict subclasses weighed 1 (~25 s of sorting / repr at split time in all)
+        (
+            "from collections import Counter\nK = dict(Counter(range(10**5))).keys()\n"
+            "for i in range(1000):\n    assert f(i) == sorted(K)",
+            "line 4: the asserts use more than 5000000 values' worth of data",
+        ),
+        (
+            "from collections import deque\nD = deque(range(10**5))\nfor i in range(1000):\n    assert f(i) == max(D)",
+            "line 4: the asserts use more than 5000000 values' worth of data",
+        ),
+        (
+            "from collections import OrderedDict\nO = OrderedDict([(0, list(range(10**5)))])\n"
+            "for i in range(1000):\n    assert f(i) == str(O)",
+            "line 4: the asserts use more than 5000000 values' worth of data",
+        ),
         # 600 characters of source, 100k checks: minutes of compiling at submission and here
         (
             "for i in range(5000):\n" + "    assert f(i) == [1, 2, 3]\n" * 20,
