@@ -27,7 +27,8 @@ HumanEval's `def check(candidate)` that is then called as `check(name)` (or name
   makes its calls again (once per assert), in the sandbox;
 * `for TARGET in <expression without calls of the program>:` of supported statements, no
   `else`: unrolled here, its body once per item with TARGET bound to it (at most MAX_UNROLLED
-  iterations in all, `range()` of at most MAX_RANGE numbers).
+  iterations in all, `range()` of at most MAX_RANGE numbers, and at most MAX_UNROLLED_NODES
+  AST nodes compiled again: iterations times the body's size).
 Static values are charged by size each time an operation or a call uses them, at most MAX_WORK
 in all: a large value named once and used in every unrolled assert is refused, not computed.
 
@@ -59,7 +60,7 @@ Anything else makes the whole `assert_code` unsplittable (`Unsplittable` says wh
 why): other statements (`while`, `if`, `f(x)` alone, `sys.setrecursionlimit`), a result of
 the program as an argument (`g(f(1))`, `r = f(1); g(r)`), imports of other modules
 (`os`, `subprocess`, `builtins`, `importlib`, `numpy`...), comprehensions over a result of the
-program (`all(x > 0 for x in f(1))`), lambdas, bytes,
+program (`all(x > 0 for x in f(1))`) and `range()` of one, lambdas, bytes,
 complex numbers, attributes of values, arguments that are not plain data (a `Fraction`). The
 code verifier then runs it as written, inside the sandbox, and says so; a `strict` spec is
 refused instead.
@@ -69,8 +70,11 @@ failed assert or inside a short-circuited `and` / `or`, and a call bound to a na
 per assert that uses it, never if none does (the first failing check decides; a
 call that raises or hangs makes the run a runtime error or timeout, reward 0 all the same);
 names bound by `assert_code` (its imports too) are not visible to the program; a result that
-is not plain data (a class instance, a generator, a subclass of a plain type, an int of more
-than ~4200 digits) fails, and so does an operation that raises here (`sorted` of mixed types).
+is not plain data (a class instance, a generator, a subclass of a plain type other than a
+`Counter` or `defaultdict`, which come back as dicts, an int of more
+than ~4200 digits) fails, and so does an operation that raises here (`sorted` of mixed types),
+or a set or dict (a result, or built here: `set(f(x))`) with more than MAX_SAME_HASH distinct
+keys of one hash (`spread_hashes`: their insertion would cost quadratic time here).
 Results compare as Python values: a tuple stays a tuple (`f() == (1, 2)` fails for a list).
 """
 
@@ -96,8 +100,10 @@ MAX_COMB = 1000  # math.comb / perm n: comb(1000, 500) is ~1000 bits, microsecon
 MAX_NUMBER_TEXT = 100  # Fraction / Decimal from a string: bounded parse, bounded exponent
 MAX_DECIMAL_EXPONENT = 1000  # comparing Decimal('1e999999999') with a Fraction builds 10**that
 MAX_UNROLLED = 5000  # loop iterations unrolled into checks, per assert_code: ~1 s of parsing at most
+MAX_UNROLLED_NODES = 100_000  # AST nodes compiled again by unrolling (iterations x body size)
 MAX_RANGE = 100_000  # range() lengths: `list(range(10**9))` would be built here
 MAX_WORK = 5_000_000  # items of static values used by operations, all asserts: ~a second at most
+MAX_SAME_HASH = 16  # distinct keys of one hash in a set or dict built here (hash(-1) == hash(-2))
 
 
 class Unsplittable(ValueError):
@@ -219,6 +225,46 @@ def _ints(fn: Callable) -> Callable:
     return apply
 
 
+def spread_hashes(items: Any) -> list:
+    """`items` as a list, refused (ValueError) if more than MAX_SAME_HASH distinct ones share a
+    hash: a set or dict of n ints `k * (2**61 - 1)` (all of hash 0) costs n**2 / 2 comparisons
+    to build (20k of them, 0.5 MB of a result line: ~10 s of the service's event loop)."""
+    items = list(items)
+    groups: dict[int, list] = {}  # keyed by hash values: ints that are their own distinct hashes
+    for item in items:
+        same = groups.setdefault(hash(item), [])
+        if item not in same:
+            if len(same) >= MAX_SAME_HASH:
+                raise ValueError(f"more than {MAX_SAME_HASH} distinct keys of one hash")
+            same.append(item)
+    return items
+
+
+def _keyed(kind: type) -> Callable:
+    """`kind` (a set or dict type) whose keys from a sequence are checked by `spread_hashes`
+    first; a mapping or set argument was itself built by a checked constructor or a literal."""
+
+    def build(*args: Any) -> Any:
+        if not args or isinstance(args[0], dict | set | frozenset):
+            return kind(*args)
+        items = list(args[0])
+        if issubclass(kind, dict) and kind is not collections.Counter:
+            items = [tuple(pair) for pair in items]
+            if any(len(pair) != 2 for pair in items):
+                raise ValueError(f"{kind.__name__}() of items that are not pairs")
+            spread_hashes(key for key, _ in items)
+        else:
+            spread_hashes(items)
+        return kind(items, *args[1:])
+
+    return build
+
+
+def _dict_of(*kv: Any) -> dict:
+    """A dict display's or comprehension's value from its keys and values, interleaved."""
+    return dict(zip(spread_hashes(kv[::2]), kv[1::2], strict=True))
+
+
 def _sum(values: Any) -> Any:
     """sum() of numbers only: `sum(lists, [])` would copy quadratically in the service."""
     items = list(values)
@@ -286,9 +332,9 @@ BUILTINS: dict[str, Func] = {
     "float": _f(float),
     "list": _f(list),
     "tuple": _f(tuple),
-    "set": _f(set),
-    "frozenset": _f(frozenset),
-    "dict": _f(dict),
+    "set": _f(_keyed(set)),
+    "frozenset": _f(_keyed(frozenset)),
+    "dict": _f(_keyed(dict)),
     "isinstance": _f(isinstance),
     "type": _f(type),
     "range": _f(lambda *args: _range(*args)),
@@ -333,8 +379,8 @@ _MATH_FUNCS = {
     },
 }
 _COLLECTIONS = {
-    "Counter": _f(collections.Counter),
-    "OrderedDict": _f(collections.OrderedDict),
+    "Counter": _f(_keyed(collections.Counter)),
+    "OrderedDict": _f(_keyed(collections.OrderedDict)),
     "deque": _f(collections.deque),
     "defaultdict": Opaque("collections.defaultdict", "a factory, not a value"),
     "namedtuple": Opaque("collections.namedtuple", "defines a class"),
@@ -459,6 +505,16 @@ def is_plain(value: Any) -> bool:
 # ---- the splitter: statements to checks, expressions to static values or functions ----
 
 
+CONTAINERS = (
+    list,
+    tuple,
+    set,
+    frozenset,
+    collections.deque,
+    *(type(view) for view in ({}.keys(), {}.values(), {}.items())),
+)
+
+
 class Static:
     """An expression's value known at split time (no call of the program in it)."""
 
@@ -510,6 +566,7 @@ class _Splitter:
         self.helpers: dict[str, ast.FunctionDef] = {}  # one-parameter functions of asserts
         self.calls: list[Call] = []  # of the assert being compiled
         self.unrolled = 0  # loop iterations so far, all loops together
+        self.unrolled_nodes = 0  # iterations x the size of what each compiles, all loops together
         self.work = 0  # sizes of the static values operations used so far (`charge`)
         self.weights: dict[int, tuple[Any, int]] = {}
 
@@ -579,7 +636,7 @@ class _Splitter:
     def loop(self, stmt: ast.For, target: ast.expr, iterable: ast.expr, body, alias) -> list[Check]:
         """A `for` over a value computed here, unrolled: its body once per item, the target bound
         to the item (`for x, y in [(1, 2), (3, 4)]: assert f(x) == y`, `for i in range(10)`)."""
-        items = self.items(stmt, iterable, alias)
+        items = self.items(stmt, iterable, alias, body)
         checks = []
         for item in items:
             self.bind(stmt, target, item)
@@ -602,7 +659,7 @@ class _Splitter:
             gen = gens[index]
             if gen.is_async:
                 raise Unsplittable(f"line {line}: async comprehension")
-            for item in self.items(node, gen.iter, alias):
+            for item in self.items(node, gen.iter, alias, [*elts, *gen.ifs, *gens[index + 1 :]]):
                 self.bind(node, gen.target, item)
                 if all(self.known(node, cond, alias) for cond in gen.ifs):
                     level(index + 1)
@@ -628,13 +685,20 @@ class _Splitter:
         finally:
             self.calls = calls
 
-    def items(self, node: ast.AST, iterable: ast.expr, alias) -> list:
-        """The items of a loop's or comprehension's iterable, charged to MAX_UNROLLED."""
+    def items(self, node: ast.AST, iterable: ast.expr, alias, body: list[ast.AST]) -> list:
+        """The items of a loop's or comprehension's iterable, charged to MAX_UNROLLED, and to
+        MAX_UNROLLED_NODES by the size of the `body` each compiles again: 5000 iterations of
+        twenty asserts (600 characters of source) were 100k checks, minutes of compiling."""
         value = self.known(node, iterable, alias)
         try:
             self.unrolled += len(value)
             if self.unrolled > MAX_UNROLLED:
                 raise Unsplittable(f"line {node.lineno}: loops of more than {MAX_UNROLLED} iterations in all")
+            self.unrolled_nodes += len(value) * sum(1 for part in body for _ in ast.walk(part))
+            if self.unrolled_nodes > MAX_UNROLLED_NODES:
+                raise Unsplittable(
+                    f"line {node.lineno}: loops that compile more than {MAX_UNROLLED_NODES} expression nodes"
+                )
             return list(value)
         except TypeError as exc:
             raise Unsplittable(f"line {node.lineno}: iterating over `{_show(iterable)}`: {exc}") from None
@@ -719,14 +783,14 @@ class _Splitter:
             case ast.Tuple(elts=elts) | ast.List(elts=elts) | ast.Set(elts=elts) if not any(
                 isinstance(e, ast.Starred) for e in elts
             ):
-                build = {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)]
+                build = {ast.Tuple: tuple, ast.List: list, ast.Set: _keyed(set)}[type(node)]
                 return self.combine(line, lambda *items: build(items), [self.expr(e, alias) for e in elts])
             case ast.Dict(keys=keys, values=values) if None not in keys:
                 parts = [self.expr(p, alias) for pair in zip(keys, values, strict=True) for p in pair]
-                return self.combine(line, lambda *kv: dict(zip(kv[::2], kv[1::2], strict=True)), parts)
+                return self.combine(line, _dict_of, parts)
             case ast.ListComp(elt=elt, generators=gens) | ast.SetComp(elt=elt, generators=gens):
                 items = self.comprehension(node, [elt], gens, alias)
-                build = list if isinstance(node, ast.ListComp) else set
+                build = list if isinstance(node, ast.ListComp) else _keyed(set)
                 return self.combine(line, lambda *values: build(values), [n for (n,) in items])
             case ast.GeneratorExp(elt=elt, generators=gens):
                 nodes = [n for (n,) in self.comprehension(node, [elt], gens, alias)]
@@ -737,7 +801,7 @@ class _Splitter:
             case ast.DictComp(key=key, value=value, generators=gens):
                 pairs = self.comprehension(node, [key, value], gens, alias)
                 parts = [n for pair in pairs for n in pair]
-                return self.combine(line, lambda *kv: dict(zip(kv[::2], kv[1::2], strict=True)), parts)
+                return self.combine(line, _dict_of, parts)
             case ast.Subscript(value=value, slice=ast.Slice(lower=lo, upper=hi, step=step)):
                 bounds = [Static(None) if b is None else self.expr(b, alias) for b in (lo, hi, step)]
                 return self.combine(line, lambda v, a, b, c: v[a:b:c], [self.expr(value, alias), *bounds])
@@ -790,6 +854,11 @@ class _Splitter:
                 key = parts[len(args) + names.index("key")]
                 if not (isinstance(key, Static) and key.value in KEY_FUNCS):
                     raise Unsplittable(f"line {line}: `key=` only one of len, abs, str, int, float, tuple")
+                if key.value in (set, frozenset, dict):  # `key=set`: each item's set, checked too
+                    parts[len(args) + names.index("key")] = Static(_keyed(key.value))
+            if trusted is BUILTINS["range"] and not all(isinstance(p, Static) for p in parts):
+                # `sum(range(f(x)))`: 10**5 items per check from a one-int result, uncharged
+                raise Unsplittable(f"line {line}: `range()` of a result of the program")
             count = len(args)
             fn = trusted.fn
             return self.combine(
@@ -863,7 +932,8 @@ class _Splitter:
             raise Unsplittable(f"line {line}: the asserts use more than {MAX_WORK} values' worth of data")
 
     def weight(self, value: Any) -> int:
-        """Items in `value`, nested ones too (a str: one per 8 characters), cached per object."""
+        """Items in `value`, nested ones too (a str: one per 8 characters, a range: its length),
+        cached per object."""
         known = self.weights.get(id(value))
         if known is not None and known[0] is value:
             return known[1]
@@ -873,10 +943,12 @@ class _Splitter:
             total += 1
             if type(item) is str:
                 total += len(item) // 8
-            elif type(item) is dict:
+            elif type(item) is range:  # `sum(range(10**5))` costs 10**5, not 1
+                total += len(item)
+            elif isinstance(item, dict):  # a Counter's or OrderedDict's values too
                 stack += item.keys()
                 stack += item.values()
-            elif isinstance(item, list | tuple | set | frozenset | dict):
+            elif isinstance(item, CONTAINERS):  # a deque, a dict's `.keys()`: as large as theirs
                 stack += item
         self.weights[id(value)] = (value, total)  # the value is kept: its id stays its own
         return total

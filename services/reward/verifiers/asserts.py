@@ -17,7 +17,7 @@ import json
 import marshal
 from typing import Any
 
-from asyncrl.proto.assert_split import Call, Check, Unsplittable, split_asserts
+from asyncrl.proto.assert_split import Call, Check, Unsplittable, split_asserts, spread_hashes
 from asyncrl.services.reward.verifiers.call_harness import decode
 
 __all__ = [
@@ -62,7 +62,7 @@ def read_results(stdout: bytes, nonce: str, count: int) -> list[tuple[str, Any]]
         out = []
         for kind, value in results:
             if kind == "ok":
-                out.append((kind, decode(value)))
+                out.append((kind, decode(value, spread_hashes)))
             elif kind == "not_plain" and type(value) is str:
                 out.append((kind, value[:TYPE_NAME_CHARS]))
             else:

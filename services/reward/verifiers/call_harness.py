@@ -17,8 +17,9 @@ with `json.loads` and `decode`, never with `marshal`.
 Plain data, as JSON: None, bool, int, str and finite floats as themselves, lists as arrays;
 tuples, sets, frozensets, dicts and non-finite floats as one-key objects `{"tuple": [...]}`,
 `{"set": [...]}`, `{"frozenset": [...]}`, `{"dict": [[key, value], ...]}`, `{"float": "inf"}`.
-Exact types only, no subclasses: writing a value never runs a method of its own class. Ints are
-limited to MAX_INT_BITS.
+Exact types only, no subclasses: writing a value never runs a method of its own class; except
+that a `collections.Counter` or `defaultdict` is written as the plain dict of its entries. Ints
+are limited to MAX_INT_BITS.
 """
 
 import math
@@ -56,19 +57,32 @@ def to_json(value) -> str:
         return quote(value)
     if kind is list:
         return "[" + ", ".join(map(to_json, value)) + "]"
-    if kind is dict:
-        return '{"dict": [' + ", ".join(f"[{to_json(k)}, {to_json(v)}]" for k, v in value.items()) + "]}"
+    if kind is dict or (issubclass(kind, dict) and kind in _counting_dicts()):
+        pairs = dict.items(value)  # the dict's own entries, whatever its class overrides
+        return '{"dict": [' + ", ".join(f"[{to_json(k)}, {to_json(v)}]" for k, v in pairs) + "]}"
     if kind in TAGGED:
         return f'{{"{TAGGED[kind]}": [{", ".join(map(to_json, value))}]}}'
     raise NotPlain(kind.__name__)
 
 
-def decode(data):
+def _counting_dicts() -> tuple:
+    """`Counter` and `defaultdict`, written as the plain dict of their entries: honest solutions
+    return them (MBPP's `freq_count`, group-by tasks) for `f(x) == {...}`, which Python compares
+    as dicts. Nothing of theirs runs here and no `__eq__` of theirs reaches the service. Taken
+    from `sys.modules`: a program that never imported `collections` has none of them."""
+    found = sys.modules.get("collections")
+    kinds = tuple(getattr(found, name, None) for name in ("Counter", "defaultdict"))
+    return tuple(kind for kind in kinds if isinstance(kind, type) and issubclass(kind, dict))
+
+
+def decode(data, keys):
     """The value of `json.loads(to_json(value))`; ValueError or TypeError on anything `to_json`
-    cannot produce."""
+    cannot produce. `keys(items)` returns a set's items or a dict's keys as a list after it has
+    checked them (the service's `spread_hashes`: n distinct keys of one hash cost n**2 / 2
+    comparisons to insert)."""
     kind = type(data)
     if kind is list:
-        return [decode(v) for v in data]
+        return [decode(v, keys) for v in data]
     if kind is not dict:
         return data  # JSON scalars (the reader refuses bare NaN / Infinity)
     if len(data) != 1:
@@ -79,8 +93,10 @@ def decode(data):
     if type(items) is not list or (tag != "dict" and tag not in UNTAG):
         raise ValueError("bad tagged value")
     if tag == "dict":
-        return {decode(k): decode(v) for k, v in items}
-    return UNTAG[tag](decode(v) for v in items)
+        pairs = [(decode(k, keys), decode(v, keys)) for k, v in items]
+        return dict(zip(keys([k for k, _ in pairs]), [v for _, v in pairs], strict=True))
+    values = [decode(v, keys) for v in items]
+    return UNTAG[tag](values if tag == "tuple" else keys(values))
 
 
 def main():

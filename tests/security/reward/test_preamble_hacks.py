@@ -117,7 +117,16 @@ def test_patching_the_preambles_modules_or_builtins_is_paid_nothing(client, atta
 
 SOLUTION = """
 import math
-from collections import Counter
+from collections import Counter, defaultdict
+
+def freq_count(xs):
+    return Counter(xs)
+
+def group_pairs(pairs):
+    out = defaultdict(list)
+    for key, value in pairs:
+        out[key].append(value)
+    return out
 
 def similar_elements(a, b):
     return tuple(set(a) & set(b))
@@ -143,6 +152,13 @@ def below_zero(ops):
     return False
 """
 WRONG = """
+from collections import Counter, defaultdict
+
+def freq_count(xs):
+    return Counter(set(xs))
+
+def group_pairs(pairs):
+    return defaultdict(list, {key: [value] for key, value in pairs})
 def similar_elements(a, b):
     return (4, 5, 6)
 
@@ -174,6 +190,9 @@ SUITES = [
     "import statistics\nassert 1.9 < mean([1, 2, 3]) <= 2.0",
     "for s, n in [('a b', 2), ('x', 1)]:\n    assert len(split_words(s)) == n",
     "result = similar_elements((1, 2), (2, 3))\nassert result == (2,)\nassert len(result) == 1",
+    # a Counter / defaultdict returned, compared with a dict literal (MBPP's freq_count)
+    "assert freq_count([10, 10, 20, 10]) == {10: 3, 20: 1}",
+    "assert group_pairs([('y', 1), ('b', 2), ('y', 3)]) == {'y': [1, 3], 'b': [2]}",
 ]
 SPECS = [{"entry_point": "below_zero"} if "def check" in suite else {} for suite in SUITES]
 

@@ -12,7 +12,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from asyncrl.proto.assert_split import Call
+from asyncrl.proto.assert_split import Call, spread_hashes
 from asyncrl.proto.verifiers import CodeSpec, SpecError, validate_spec
 from asyncrl.services.reward.verifiers.asserts import (
     BadResults,
@@ -193,6 +193,48 @@ def test_an_entry_point_named_like_a_builtin_is_the_programs_function():
             "X = list(range(10**5))\nfor i in range(100):\n    assert f(i) in X",
             "line 3: the asserts use more than 5000000 values' worth of data",
         ),
+        # a range is as large as its length: `sum` / `in` of one are not one item of work
+        # (each of these took ~50 ms per iteration, ~4 min for 5000, before they were charged)
+        (
+            "for i in range(5000):\n    assert f(i) == sum(range(10**5))",
+            "line 2: the asserts use more than 5000000 values' worth of data",
+        ),
+        (
+            "for i in range(5000):\n    assert f(i) == (0.5 in range(10**5))",
+            "line 2: the asserts use more than 5000000 values' worth of data",
+        ),
+        (
+            "for i in range(1000):\n    x = sorted(range(10**5), key=str)\n    assert f(i)",
+            "line 2: the asserts use more than 5000000 values' worth of data",
+        ),
+        # a value named once whose size was hidden from the budget: dict views, deques and the
+        # values of dict subclasses weighed 1 (~25 s of sorting / repr at split time in all)
+        (
+            "from collections import Counter\nK = dict(Counter(range(10**5))).keys()\n"
+            "for i in range(1000):\n    assert f(i) == sorted(K)",
+            "line 4: the asserts use more than 5000000 values' worth of data",
+        ),
+        (
+            "from collections import deque\nD = deque(range(10**5))\nfor i in range(1000):\n    assert f(i) == max(D)",
+            "line 4: the asserts use more than 5000000 values' worth of data",
+        ),
+        (
+            "from collections import OrderedDict\nO = OrderedDict([(0, list(range(10**5)))])\n"
+            "for i in range(1000):\n    assert f(i) == str(O)",
+            "line 4: the asserts use more than 5000000 values' worth of data",
+        ),
+        # 600 characters of source, 100k checks: minutes of compiling at submission and here
+        (
+            "for i in range(5000):\n" + "    assert f(i) == [1, 2, 3]\n" * 20,
+            "line 1: loops that compile more than 100000 expression nodes",
+        ),
+        (
+            "assert all(f(i, j) == [i, j, i + j] for i in range(70) for j in range(70))",
+            "line 1: loops that compile more than 100000 expression nodes",
+        ),
+        # judged per check with nothing charged: 5000 checks of 10**5 items each from tiny results
+        ("for i in range(5000):\n    assert sum(range(f(i))) > 0", "line 2: `range()` of a result"),
+        ("assert 0.5 not in range(0, f(1))", "line 1: `range()` of a result of the program"),
         ("for x in f(3):\n    assert x > 0", "line 1: `f(3)` calls the program; it must be known here"),
         ("for a, b in [(1, 2, 3)]:\n    assert f(a) == b", "line 1: cannot unpack tuple into `(a, b)`"),
         ("for i in range(3):\n    assert f(i)\nelse:\n    pass", "line 1: unsupported statement"),
@@ -398,10 +440,11 @@ def test_calls_line_carries_the_calls_and_never_the_expected_values():
 def test_codec_round_trips_plain_data_and_refuses_the_rest():
     value = [None, True, -3, 2.5, INF, "s", (1, [2]), {3, (4,)}, frozenset({5}), {1: {"a": (None,)}}, []]
     text = to_json(value)
-    assert decode(json.loads(text)) == value
-    assert type(decode(json.loads(text))[6]) is tuple and type(decode(json.loads(text))[8]) is frozenset
+    assert decode(json.loads(text), spread_hashes) == value
+    back = decode(json.loads(text), spread_hashes)
+    assert type(back[6]) is tuple and type(back[8]) is frozenset
     assert to_json([-INF, 'é\n"', (1,)]) == '[{"float": "-inf"}, "\\u00e9\\n\\"", {"tuple": [1]}]'
-    assert math.isnan(decode(json.loads(to_json(math.nan))))
+    assert math.isnan(decode(json.loads(to_json(math.nan)), spread_hashes))
 
     class Sneaky(list):
         def __eq__(self, other):
@@ -419,7 +462,86 @@ def test_codec_round_trips_plain_data_and_refuses_the_rest():
         {"dict": [[1]]},
     ):
         with pytest.raises((ValueError, TypeError)):
-            decode(bad)
+            decode(bad, spread_hashes)
+
+
+COLLIDING = [k * (2**61 - 1) for k in range(20_000)]  # all of hash 0: n**2 / 2 compares in a set
+
+
+def test_keys_of_one_hash_are_refused_before_a_set_or_dict_is_built():
+    """A program returns 20k distinct ints of one hash (0.5 MB of result line): building a set
+    or dict of them would hold the service's event loop for seconds. Equal keys of one hash
+    (`[1] * 1000`, 1 / 1.0 / True) and Python's own collision hash(-1) == hash(-2) are fine."""
+    assert spread_hashes([1] * 1000 + [1.0, True, -1, -2]) == [1] * 1000 + [1.0, True, -1, -2]
+    assert spread_hashes(COLLIDING[:16]) == COLLIDING[:16]
+    with pytest.raises(ValueError, match="distinct keys of one hash"):
+        spread_hashes(COLLIDING[:17])
+    nonce = "cd" * 16
+    listed = to_json(COLLIDING)  # written by hand below: building the set here would take as long
+    pairs = to_json([[k, 0] for k in COLLIDING])
+    for value in (f'{{"set": {listed}}}', f'{{"frozenset": {listed}}}', f'{{"dict": {pairs}}}'):
+        line = f'\n{nonce}[["ok", [{value}]]]\n'.encode()
+        with pytest.raises(BadResults, match="distinct keys of one hash"):
+            read_results(line, nonce, 1)
+    # the same list as a plain result is fine; the trusted side's set / dict builders refuse it
+    # (each assert below is true of it, and would pay after seconds of the service's CPU)
+    assert read_results(f'\n{nonce}[["ok", {to_json(COLLIDING)}]]'.encode(), nonce, 1) == [("ok", COLLIDING)]
+    pairs = [[k, 0] for k in COLLIDING]
+    for source, result in [
+        ("assert len(set(f(1))) == 20000", COLLIDING),
+        ("assert len(frozenset(f(1))) == 20000", COLLIDING),
+        ("from collections import Counter\nassert Counter(f(1))[0] == 1", COLLIDING),
+        ("from collections import OrderedDict\nassert len(OrderedDict(f(1))) == 20000", pairs),
+        ("assert len(dict(f(1))) == 20000", pairs),
+        ("assert len(sorted(f(1), key=set)) == 1", [COLLIDING]),
+    ]:
+        _, judge = one(source)
+        assert judge([result]) is False, source
+    (check,) = split_asserts("assert {f(i) for i in range(17)} == {0}")
+    assert check.judge(COLLIDING[:17]) is False and check.judge([0] * 17) is True
+    (check,) = split_asserts("assert {f(i): i for i in range(17)} == {0: 16}")
+    assert check.judge(COLLIDING[:17]) is False and check.judge([0] * 17) is True
+
+
+def test_honest_sets_and_counters_still_pass():
+    for source, result in [
+        ("assert set(f(1)) == {1, 2}", [2, 1, 2, 1]),
+        ("assert frozenset(f(1)) == {True, 2}", [1, 2, 1.0]),
+        ("from collections import Counter\nassert Counter(f(1)) == Counter({'a': 2, 'b': 1})", "aba"),
+        ("from collections import Counter\nassert Counter(f(1)) == Counter('aab')", {"a": 2, "b": 1}),
+        ("assert dict(f(1)) == {1: 'x', 'y': 2}", [(1, "x"), ["y", 2]]),
+        ("assert sorted(f(1), key=set) == [[1, 1]]", [[1, 1]]),
+        ("assert dict(f(1)) == {'a': 1}", {"a": 1}),
+        ("assert set(f(1)) == set()", []),
+    ]:
+        _, judge = one(source)
+        assert judge([result]) is True, source
+
+
+def test_counters_and_defaultdicts_come_back_as_the_dicts_of_their_entries():
+    """MBPP's `freq_count` returns `Counter(xs)` and group-by tasks a `defaultdict(list)`, judged
+    by `f(x) == {...}`, which Python compares as dicts: they were refused as not plain data."""
+    import collections
+
+    grouped = collections.defaultdict(list, {"y": [1, 3], "b": collections.defaultdict(int, {2: 0})})
+    for value, plain in [
+        (collections.Counter([10, 10, 20]), {10: 2, 20: 1}),
+        (grouped, {"y": [1, 3], "b": {2: 0}}),
+        ([collections.Counter("ab")], [{"a": 1, "b": 1}]),
+    ]:
+        back = decode(json.loads(to_json(value)), spread_hashes)
+        assert back == plain and type(back) is type(plain), value
+    _, judge = one("assert freq_count([10, 10, 20]) == {10: 2, 20: 1}")
+    assert judge([decode(json.loads(to_json(collections.Counter([10, 10, 20]))), spread_hashes)]) is True
+    assert judge([decode(json.loads(to_json(collections.Counter([10, 20]))), spread_hashes)]) is False
+
+    class Counter(dict):  # the name alone is not enough: only collections' own classes
+        def __eq__(self, other):
+            return True
+
+    for bad in (Counter(a=1), collections.OrderedDict(a=1), collections.ChainMap({})):
+        with pytest.raises(NotPlain):
+            to_json(bad)
 
 
 def test_result_line_is_found_among_program_output_and_checked():
