@@ -23,11 +23,10 @@ from pathlib import Path
 from asyncrl.proto.records import RewardStatus
 from asyncrl.proto.verifiers import MathSpec
 from asyncrl.services.reward.metrics import MATH_WORKER_RESTARTS
-from asyncrl.services.reward.verifiers.base import Verdict, Verifier
-from asyncrl.services.reward.verifiers.pool import WorkerCrashed, WorkerPool, WorkerTimeout
+from asyncrl.services.reward.verifiers.base import Verdict
+from asyncrl.services.reward.verifiers.pool import PooledVerifier, WorkerCrashed, WorkerTimeout
 
 WORKER = Path(__file__).with_name("math_worker.py")
-SLOT_WAIT_GRACE_S = 2.0  # item budget beyond the math timeout: waiting for a replaced worker
 BOXED = "\\boxed"
 
 
@@ -86,7 +85,7 @@ def _as_math(value: str) -> str:
     return f"${value}$" if "\\" in value and "$" not in value else value
 
 
-class MathVerifier(Verifier):
+class MathVerifier(PooledVerifier):
     name = "math"
     description = (
         "Final-answer equivalence with math-verify: the last \\boxed{} of the completion (else its "
@@ -98,19 +97,11 @@ class MathVerifier(Verifier):
     def __init__(
         self, *, workers: int, timeout_s: float, max_chars: int, memory_mb: int, strict: bool = False
     ):
-        super().__init__(concurrency=workers, timeout_s=timeout_s + SLOT_WAIT_GRACE_S)
+        super().__init__(
+            WORKER, workers=workers, timeout_s=timeout_s, memory_mb=memory_mb, restarts=MATH_WORKER_RESTARTS
+        )
         self.max_chars = max_chars
         self.strict = strict  # for specs that leave `strict` unset
-        self.pool = WorkerPool(WORKER, workers, timeout_s, memory_mb, MATH_WORKER_RESTARTS)
-
-    async def start(self) -> None:
-        await self.pool.start()
-
-    async def close(self) -> None:
-        await self.pool.close()
-
-    def health(self) -> str:
-        return "ok" if self.pool.alive() > 0 else "degraded"
 
     async def verify(self, spec: MathSpec, prompt: str, completion: str) -> Verdict:
         if len(spec.answer) > self.max_chars:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
+from asyncrl.services.reward.verifiers.base import Verifier
 from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
@@ -167,3 +168,25 @@ class WorkerPool:
         for task in list(self._spawning):
             task.cancel()
         await asyncio.gather(*(self._discard(w) for w in list(self._all)), return_exceptions=True)
+
+
+SLOT_WAIT_GRACE_S = 2.0  # item budget beyond a worker's timeout: waiting for a replaced worker
+
+
+class PooledVerifier(Verifier):
+    """A verifier that scores in a `WorkerPool` of its own (math-verify, reasoning-gym): one
+    item in flight per worker, the item's budget the worker's timeout plus the wait for a
+    replaced worker, healthy while one worker lives."""
+
+    def __init__(self, worker: Path, *, workers: int, timeout_s: float, memory_mb: int, restarts: Counter):
+        super().__init__(concurrency=workers, timeout_s=timeout_s + SLOT_WAIT_GRACE_S)
+        self.pool = WorkerPool(worker, workers, timeout_s, memory_mb, restarts)
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    def health(self) -> str:
+        return "ok" if self.pool.alive() > 0 else "degraded"

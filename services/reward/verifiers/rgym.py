@@ -25,9 +25,9 @@ from pathlib import Path
 from asyncrl.proto.reasoning_gym import ReasoningGymSpec
 from asyncrl.proto.records import RewardStatus
 from asyncrl.services.reward.metrics import RGYM_WORKER_RESTARTS
-from asyncrl.services.reward.verifiers.base import Verdict, Verifier
-from asyncrl.services.reward.verifiers.math import BOXED, SLOT_WAIT_GRACE_S, last_boxed
-from asyncrl.services.reward.verifiers.pool import WorkerCrashed, WorkerPool, WorkerTimeout
+from asyncrl.services.reward.verifiers.base import Verdict
+from asyncrl.services.reward.verifiers.math import BOXED, last_boxed
+from asyncrl.services.reward.verifiers.pool import PooledVerifier, WorkerCrashed, WorkerTimeout
 
 WORKER = Path(__file__).with_name("rgym_worker.py")
 
@@ -38,7 +38,7 @@ def boxed_content(completion: str, max_chars: int) -> str | None:
     return None if boxed is None else boxed[len(BOXED) + 1 : -1].strip()
 
 
-class ReasoningGymVerifier(Verifier):
+class ReasoningGymVerifier(PooledVerifier):
     name = "reasoning_gym"
     description = (
         "A reasoning-gym item (dataset, config, index) regenerated and scored by the dataset's own "
@@ -48,18 +48,10 @@ class ReasoningGymVerifier(Verifier):
     Spec = ReasoningGymSpec
 
     def __init__(self, *, workers: int, timeout_s: float, max_chars: int, memory_mb: int):
-        super().__init__(concurrency=workers, timeout_s=timeout_s + SLOT_WAIT_GRACE_S)
+        super().__init__(
+            WORKER, workers=workers, timeout_s=timeout_s, memory_mb=memory_mb, restarts=RGYM_WORKER_RESTARTS
+        )
         self.max_chars = max_chars
-        self.pool = WorkerPool(WORKER, workers, timeout_s, memory_mb, RGYM_WORKER_RESTARTS)
-
-    async def start(self) -> None:
-        await self.pool.start()
-
-    async def close(self) -> None:
-        await self.pool.close()
-
-    def health(self) -> str:
-        return "ok" if self.pool.alive() > 0 else "degraded"
 
     async def verify(self, spec: ReasoningGymSpec, prompt: str, completion: str) -> Verdict:
         request = {

@@ -224,9 +224,13 @@ def test_builtin_verifier_registry_names_every_verifier_and_its_spec_model():
     for name in BUILTIN:
         cls = verifier_class(name)
         assert cls.name == name and cls.Spec is SPECS[name] and cls.inline == (name in INLINE)
-    for module in ("toy", "math", "code", "judge"):
+    for module in ("toy", "math", "code", "judge", "rgym"):
         importlib.import_module(f"asyncrl.services.reward.verifiers.{module}")
-    assert {cls.name for cls in Verifier.__subclasses__()} <= set(BUILTIN)
+    def concrete(cls) -> list[type]:  # (shared bases such as PooledVerifier have no name)
+        return [c for sub in cls.__subclasses__() for c in [sub, *concrete(sub)] if "name" in vars(c)]
+
+    named = {cls.name for cls in concrete(Verifier)}
+    assert {"math", "reasoning_gym"} <= named <= set(BUILTIN)
     assert verifier_class("custom") is None
 
 
