@@ -226,6 +226,7 @@ def test_builtin_verifier_registry_names_every_verifier_and_its_spec_model():
         assert cls.name == name and cls.Spec is SPECS[name] and cls.inline == (name in INLINE)
     for module in ("toy", "math", "code", "judge", "rgym"):
         importlib.import_module(f"asyncrl.services.reward.verifiers.{module}")
+
     def concrete(cls) -> list[type]:  # (shared bases such as PooledVerifier have no name)
         return [c for sub in cls.__subclasses__() for c in [sub, *concrete(sub)] if "name" in vars(c)]
 
