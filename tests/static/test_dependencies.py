@@ -28,7 +28,7 @@ SERVICES = {
         ["asyncrl.services.reward.main", "asyncrl.services.reward.verifiers.math_worker", RUN_CONFIG]
         + ["asyncrl.services.reward.verifiers.rgym_worker"]
         + [path.partition(":")[0] for path in BUILTIN.values()],
-        ["reward"],
+        ["reward", "reasoning-gym"],
     ),
     "rollout": (
         ["asyncrl.services.rollout.main", "asyncrl.services.rollout.submit", RUN_CONFIG],
