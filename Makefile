@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TEST_TIERS := test-unit test-static test-integration test-security test-e2e
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-packages demo test $(TEST_TIERS) lint bench clean model-smollm2 demo-real compose-ci fresh-machine
+.PHONY: install system-packages demo test test-extended $(TEST_TIERS) lint bench clean model-smollm2 demo-real compose-ci fresh-machine
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +42,14 @@ demo-real: $(SMOLLM2)/model.safetensors
 system-packages:
 	deploy/ci/system-packages.sh test
 
+# The suite, less the tests marked `extended` (pyproject's markers: root network namespaces,
+# third-party venvs built from the package index, multi-minute topologies with kills), which
+# `make test-extended` runs and .ci/run runs after `make test`.
 test: $(STAMP) system-packages
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra -m "not extended" tests
+
+test-extended: $(STAMP) system-packages
+	$(BIN)/python -m pytest -q -ra -m extended tests
 
 # `docker compose --profile cpu up` for real on a CI machine (root, no registry, no dockerd
 # running): its own dockerd, base images from Debian packages, the stack up, trained, killed

@@ -33,7 +33,8 @@ from asyncrl.services.ops.demo import scrape_trainer, submit
 from asyncrl.services.ops.launcher import Launcher
 from asyncrl.services.ops.run_config import DemoSection, RunConfig
 
-pytestmark = pytest.mark.slow
+# `make test-extended` (.ci/run's second stage): each service killed in turn, ~2 min
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 REPO = Path(__file__).resolve().parents[2]
 B = 4  # groups per step
 STEPS = 80  # the trainer's max_steps: the run's target (room for five kills at ~0.1 s a step)

@@ -40,6 +40,9 @@ from waiting import wait_until
 from asyncrl.buffer import Buffer, Groups, stats
 from asyncrl.buffer.server import RedisServer
 
+# `make test-extended` (.ci/run's second stage): root network namespaces, ~2 min
+pytestmark = pytest.mark.extended
+
 ROOT = Path(__file__).resolve().parents[2]
 B, STEPS, CHECKPOINT_EVERY = 2, 8, 2
 RDZV_PORT = 29400

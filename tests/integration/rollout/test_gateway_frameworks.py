@@ -23,6 +23,9 @@ from test_gateway import close, take, tokenizer_with
 from test_gateway_tools import TOOL_TEMPLATE
 from thirdparty import thirdparty_venv
 
+# `make test-extended` (.ci/run's second stage): builds smolagents' and langchain-openai's venvs
+pytestmark = pytest.mark.extended
+
 # the fixtures used by name: test_gateway's, with test_gateway_tools' model (a hermes-ready vocabulary)
 engine, reward, start, model_dir = gw.engine, gw.reward, gw.start, gw_tools.model_dir
 SMOLAGENTS = ["smolagents[openai]==1.26.0"]

@@ -337,6 +337,8 @@ AGENT_SCRIPT = textwrap.dedent(
 )
 
 
+# `make test-extended` (.ci/run's second stage): builds openai-agents' venv
+@pytest.mark.extended
 def test_an_openai_agents_agent_calls_its_tool_through_the_gateway(url, tok, redis_url, run_id, tmp_path):
     python = thirdparty_venv("openai-agents", ["openai-agents==0.24.0"])
     script = tmp_path / "agent.py"

@@ -35,6 +35,9 @@ from waiting import wait_until
 from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
 from asyncrl.services.ops.tinymodel import build_tiny_model
 
+# `make test-extended` (.ci/run's second stage): builds openenv-core's venv
+pytestmark = pytest.mark.extended
+
 torch.set_num_threads(1)
 
 CONTEXT = 512

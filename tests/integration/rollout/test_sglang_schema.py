@@ -15,10 +15,14 @@ import json
 import subprocess
 
 import httpx
+import pytest
 from thirdparty import thirdparty_venv
 
 from asyncrl.proto.sglang import SamplingParams
 from asyncrl.services.rollout.clients.engine import EngineClient
+
+# `make test-extended` (.ci/run's second stage): builds a venv of the SGLang wheel
+pytestmark = pytest.mark.extended
 
 CHECK = """
 import importlib.util, json, os, sys

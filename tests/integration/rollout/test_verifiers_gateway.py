@@ -193,6 +193,8 @@ def verifiers_rollouts(traces: Path) -> dict[str, dict]:
     return out
 
 
+# `make test-extended` (.ci/run's second stage): builds verifiers' venv
+@pytest.mark.extended
 def test_vf_eval_through_the_gateway_buffers_its_groups_with_verifiers_rewards(
     vf_python, rollout, redis_url, run_id, tokenizer, tmp_path
 ):

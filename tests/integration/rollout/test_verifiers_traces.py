@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 from thirdparty import thirdparty_venv
 
 from asyncrl.services.rollout.gateway.verifiers import read_traces
@@ -39,6 +40,8 @@ print(json.dumps(expected))
 """
 
 
+# `make test-extended` (.ci/run's second stage): builds verifiers' venv
+@pytest.mark.extended
 def test_episodes_become_groups_with_verifiers_rewards(tmp_path):
     python = thirdparty_venv("verifiers", ["verifiers==0.4.0"])
     run = subprocess.run(
