@@ -70,6 +70,9 @@ lr = 0.01
 dynamic_sampling = false
 publish = "disk"
 publish_dtype = "float32"
+# in the foreground: step 3's audit line then follows v3's announcement, so the kill after it
+# cannot land between the two (a background write could lose v3 with the worker)
+publish_background = false
 keep_weights = 3
 metrics_port = {free_port()}
 block_ms = 200
