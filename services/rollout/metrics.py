@@ -69,6 +69,11 @@ ENGINE_ROUTE_FALLBACKS = Counter(
 ENGINE_HEALTHY = Gauge(
     "asyncrl_rollout_engine_healthy", "1 when the engine is used, 0 when marked unhealthy", ["engine"]
 )
+FAILOVER_RESUMES = Counter(
+    "asyncrl_rollout_failover_resumes_total",
+    "Unfinished samples of a group whose engine failed, continued on another engine from their last "
+    "received segment (the tokens and versions received so far kept)",
+)
 COALESCED_CALLS = Histogram(
     "asyncrl_rollout_coalesced_calls",
     "Generate calls (groups or resubmission rounds) sharing one flush",
