@@ -234,6 +234,7 @@ class Keys:
         )
         self.epoch, self.forks = p + "epoch", p + "forks"
         self.deadletter, self.stats, self.staleness = p + "deadletter", p + "stats", p + "staleness"
+        self.engines = p + "engines"  # the engine fleet the rollout replicas manage (roster.py)
 
 
 class Script:

@@ -7,7 +7,7 @@ in Redis hashes and counters, metric labels and JSON alike. A group's whole life
                       ↘ failed | cancelled          (and dead_lettered where a record does not decode)
 
 `JobState` is what `GET /v1/rollouts/{id}` says of a whole job; `Admission` answers a
-request to start generating a group.
+request to start generating a group; `EngineState` is an engine of the rollout's fleet.
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ class JobState(StrEnum):
     failed = "failed"
     cancelling = "cancelling"
     cancelled = "cancelled"
+
+
+class EngineState(StrEnum):
+    """An engine of the rollout's fleet (services/rollout/fleet.py)."""
+
+    joining = "joining"  # being brought to the current weights, then added to the router
+    serving = "serving"  # in the router and in every weight update
+    down = "down"  # unreachable or refused: out of the router and of weight updates, probed to rejoin
 
 
 class Admission(StrEnum):

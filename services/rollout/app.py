@@ -1,5 +1,6 @@
-"""FastAPI app of the rollout service: `/v1/rollouts`, `/v1/evaluations`, the OpenAI-compatible
-gateway (`/v1/sessions`, `/v1/chat/completions`, verifiers runs `/v1/runs/{run}/…`), `/healthz`, `/metrics`.
+"""FastAPI app of the rollout service: `/v1/rollouts`, `/v1/evaluations`, the engine fleet
+(`/v1/engines`), the OpenAI-compatible gateway (`/v1/sessions`, `/v1/chat/completions`, verifiers
+runs `/v1/runs/{run}/…`), `/healthz`, `/metrics`.
 
 Body errors answer 400 (malformed JSON) or 422 (wrong types, out-of-range values) with a
 one-line `message` naming the fields, plus a bounded `detail` list (`services/runtime/limits.py`);
@@ -14,7 +15,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.routes import evaluations, gateway, health, responses, rollouts, vf_runs
+from asyncrl.services.rollout.routes import (
+    engines,
+    evaluations,
+    gateway,
+    health,
+    responses,
+    rollouts,
+    vf_runs,
+)
 from asyncrl.services.rollout.service import RolloutService
 from asyncrl.services.runtime.auth import install_auth
 from asyncrl.services.runtime.limits import BodyLimit, InflightLimit, install_validation_handler
@@ -55,6 +64,7 @@ def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI
     app.include_router(health.router)
     app.include_router(rollouts.router)
     app.include_router(evaluations.router)
+    app.include_router(engines.router)
     app.include_router(gateway.router)
     app.include_router(vf_runs.router)  # verifiers runs through the gateway
     app.include_router(responses.router)

@@ -102,7 +102,22 @@ class RolloutSettings(ServiceSettings):
         description="generation endpoints, comma-separated: engines or one sglang-router",
     )
     engine_admin_urls: str = Field(
-        "", description="engines to update weights on (default: engine_urls); the workers behind a router"
+        "",
+        description="engines to update weights on (default: engine_urls, or none with router_url); the "
+        "workers behind a router",
+    )
+    router_url: str = Field(
+        "",
+        description="an sglang-router (>= 0.3, its /workers API) whose workers this service manages "
+        "(docs/architecture.md §7): engine_admin_urls and the engines joined through POST /v1/engines "
+        "are added to it once they serve the current weights, and taken out when removed or unreachable; "
+        "generation goes to engine_urls (default: this router). Unset: the engines are a static list",
+    )
+    fleet_join_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="how long a joining engine may take to be listed healthy by the router",
     )
     reward_url: str = Field("http://127.0.0.1:8002", description="reward service base URL")
     tokenizer: str = Field(description="local tokenizer directory (the policy model's)")
@@ -288,6 +303,14 @@ class RolloutSettings(ServiceSettings):
     def _normalise_urls(cls, value: Any) -> str:
         return ",".join(_url_list(value))
 
+    @field_validator("router_url", mode="before")
+    @classmethod
+    def _router_url(cls, value: Any) -> str:
+        urls = _url_list(value)
+        if len(urls) > 1:
+            raise ValueError("router_url is one URL")
+        return urls[0] if urls else ""
+
     @field_validator("local_verifiers", mode="before")
     @classmethod
     def _local_verifiers(cls, value: Any) -> str:
@@ -302,6 +325,8 @@ class RolloutSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSettings:
+        if self.router_url and "engine_urls" not in self.model_fields_set:
+            self.engine_urls = self.router_url  # generation goes through the router it manages
         if not self.engine_url_list:
             raise ValueError("engine_urls needs at least one URL")
         if self.default_max_new_tokens > self.max_new_tokens_cap:
@@ -328,4 +353,8 @@ class RolloutSettings(ServiceSettings):
 
     @property
     def admin_url_list(self) -> list[str]:
+        """The engines weight updates go to at start. With a router_url the generation URL is
+        the router, which takes no weight update: only the listed workers (maybe none yet)."""
+        if self.router_url:
+            return _url_list(self.engine_admin_urls)
         return _url_list(self.engine_admin_urls) or self.engine_url_list

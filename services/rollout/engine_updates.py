@@ -10,7 +10,7 @@ each new policy version; hold back the engines an evaluation has pinned.
   old weights is reused: the engine flushes its cache and the remainder is prefilled from
   scratch.
   With `weight_update_in_flight` the update is pause (`retract`), load without abort,
-  continue instead (`EngineClient._update_one`): nothing is resubmitted, and each token's
+  continue instead (`EngineClient.update_from_disk`): nothing is resubmitted, and each token's
   version comes from the engine's per-token `weight_versions` spans.
 * `distributed` events: the trainer broadcasts to the engines itself; this service only
   records the version. Any request the trainer's update aborts comes back with
@@ -35,6 +35,11 @@ check every item's version for that reason.
 
 `listeners` are called under the lock with each version first moved to (including the one the
 engines serve at start), so a listener can pin an engine at exactly that version.
+
+The admin engines may change at run time (an engine fleet, services/rollout/fleet.py): an update
+goes to the admins of that moment. `bring_up` makes an engine an admin under the same lock, after
+loading the current disk weights on it and reading them back, so it never holds a version the
+others have left; `retire` takes one out, after any update under way.
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ class VersionNotServed(Exception):
     """No engine serves the version an evaluation must run at."""
 
 
+class JoinRefused(Exception):
+    """An engine cannot join the admins: it cannot be brought to the weights they serve."""
+
+
 @dataclass(eq=False)
 class Pin:
     engine: EngineEndpoint  # the generation endpoint the evaluation sends to
@@ -97,6 +106,7 @@ class WeightSync:
         self.moving: list[Callable[[], None]] = []
         self.ready = asyncio.Event()
         self.ready.set()
+        self.caught_up = asyncio.Event()  # set once the engines were brought to the latest weights at start
         self._lock = asyncio.Lock()
         self._announced: tuple[int, int] = (-1, -1)  # (epoch, version) last told to listeners
         self._refreshes: set[asyncio.Task] = set()
@@ -106,6 +116,7 @@ class WeightSync:
         """Forever: catch up with the latest weights, then apply each announced version."""
         try:
             await self._catch_up(initial=True)
+            self.caught_up.set()
             sub = await asyncio.to_thread(self.published.subscribe)
             next_poll = time.monotonic() + self.poll_s
             try:
@@ -140,15 +151,21 @@ class WeightSync:
         publishes nothing): move each unpinned engine that reports other weights than the newest
         back to them. One `get_model_info` per engine per poll."""
         at = (self.epoch, self.version)
-        current = await self.engines.weight_versions()
+        admins = self._indices()
+        current = dict(zip(admins, await self.engines.weight_versions(only=admins)))
         async with self._lock:
             if (self.epoch, self.version) != at or self.latest is None:
                 return  # an update ran meanwhile: what was read may be out of date
             name = weight_version_name(self.latest.version, self.latest.epoch)
+            live = set(self._indices())  # (an engine may have left the fleet meanwhile)
             behind = [
                 i
-                for i, v in enumerate(current)
-                if v is not None and v != name and not self.pins.get(i) and i not in self.deferred
+                for i, v in current.items()
+                if i in live
+                and v is not None
+                and v != name
+                and not self.pins.get(i)
+                and i not in self.deferred
             ]
             if behind:
                 log_event(
@@ -156,7 +173,7 @@ class WeightSync:
                     "engines serve other weights than the newest (restarted?): reloading",
                     logging.WARNING,
                     version=self.latest.version,
-                    engines=[self.engines.admins[i].url for i in behind],
+                    engines=self._urls(behind),
                     served=[current[i] for i in behind],
                 )
                 await self._move(self.latest, behind)
@@ -165,8 +182,9 @@ class WeightSync:
         """Read the versions the engines serve. True when there is nothing to apply: they serve
         `latest` already (e.g. a rollout restart), or nothing was published yet (the version
         they start with is announced once every engine that answers agrees on it)."""
-        current = await self.engines.weight_versions()
-        self.served = {i: policy_version(v, self.initial_version) for i, v in enumerate(current) if v}
+        admins = self._indices()
+        current = await self.engines.weight_versions(only=admins)
+        self.served = {i: policy_version(v, self.initial_version) for i, v in zip(admins, current) if v}
         versions = set(self.served.values())
         if latest is None:
             start = versions.pop() if len(versions) == 1 else None
@@ -209,16 +227,16 @@ class WeightSync:
                 )
             if info.method == "distributed":
                 self.version, self.epoch, self.method = info.version, info.epoch, info.method
-                self.served = dict.fromkeys(range(len(self.engines.admins)), info.version)
+                self.served = dict.fromkeys(self._indices(), info.version)
                 m.POLICY_VERSION.set(info.version)
                 m.WEIGHT_UPDATES.labels("distributed", "observed").inc()
                 await self._announce(info.version, info.epoch)
                 return True
-            targets = [i for i in range(len(self.engines.admins)) if not self.pins.get(i)]
+            targets = [i for i in self._indices() if not self.pins.get(i)]
             if not await self._move(info, targets):
                 return False
             self.version, self.epoch, self.latest, self.method = info.version, info.epoch, info, info.method
-            held = [i for i in range(len(self.engines.admins)) if self.pins.get(i)]
+            held = [i for i in self._indices() if self.pins.get(i)]
             if held:
                 self.deferred.update(held)
                 m.WEIGHT_UPDATES.labels("disk", "deferred").inc(len(held))
@@ -226,7 +244,7 @@ class WeightSync:
                     log,
                     "weight update deferred by an evaluation",
                     version=info.version,
-                    engines=[self.engines.admins[i].url for i in held],
+                    engines=self._urls(held),
                 )
             if targets:
                 await self._announce(info.version, info.epoch)
@@ -338,4 +356,59 @@ class WeightSync:
     def _admins_of(self, engine: EngineEndpoint) -> tuple[int, ...]:
         """The admin engines behind a generation URL: the one with its URL, else (a router) all."""
         same = tuple(a.index for a in self.engines.admins if a.url == engine.url)
-        return same or tuple(range(len(self.engines.admins)))
+        return same or tuple(self._indices())
+
+    def _indices(self) -> list[int]:
+        """The admin engines' indices (never reused: services/rollout/clients/engine.py)."""
+        return [a.index for a in self.engines.admins]
+
+    def _urls(self, indices: list[int]) -> list[str]:
+        urls = {a.index: a.url for a in self.engines.admins}
+        return [urls[i] for i in indices if i in urls]
+
+    # --- the fleet's changes (services/rollout/fleet.py) ----------------------------------------
+
+    async def bring_up(self, engine: EngineEndpoint) -> int:
+        """Bring `engine` (not an admin yet) to the weights the admins serve, check that it
+        reports them, and make it an admin: every update from then on goes to it too. Under the
+        update lock, so no update runs in between and no engine joins at a version the others
+        have left. Returns the policy version it serves; raises `JoinRefused`. Call it once
+        `caught_up` is set (before, the latest weights are not known here yet)."""
+        async with self._lock:
+            if self.method == "distributed":
+                raise JoinRefused(
+                    f"version {self.version} was broadcast by the trainer (publish = distributed), "
+                    "which a new engine cannot receive: publish to disk for an elastic fleet"
+                )
+            want, version = None, (self._announced[1] if self._announced[1] >= 0 else None)
+            if self.latest is not None:  # the disk weights of `version`: load them unless it has them
+                want, version = (
+                    weight_version_name(self.latest.version, self.latest.epoch),
+                    self.latest.version,
+                )
+                if await self.engines.weight_version(engine) != want:
+                    problem = await self.engines.update_from_disk(engine, self.latest.path or "", want)
+                    if problem is not None:
+                        raise JoinRefused(f"loading version {version}: {problem}")
+            reported = await self.engines.weight_version(engine)
+            if reported is None:
+                raise JoinRefused(f"{engine.url} reports no weight_version (unreachable, or not an engine)")
+            served = policy_version(reported, self.initial_version)
+            if (want is not None and reported != want) or (version is not None and served != version):
+                raise JoinRefused(
+                    f"{engine.url} serves weight_version {reported!r}, the fleet version {version}"
+                    + ("" if want else " (nothing published to disk that it could load)")
+                )
+            self.engines.admins.append(engine)
+            self.served[engine.index] = served
+            await self._announce(served)  # the version a fleet with no engine so far moved to
+            return served
+
+    async def retire(self, engine: EngineEndpoint) -> None:
+        """No update goes to `engine` any more (it left the fleet, or died). Under the update
+        lock: an update under way finishes (or fails on it) first."""
+        async with self._lock:
+            if engine in self.engines.admins:
+                self.engines.admins.remove(engine)
+            self.served.pop(engine.index, None)
+            self.deferred.discard(engine.index)

@@ -69,6 +69,29 @@ ENGINE_ROUTE_FALLBACKS = Counter(
 ENGINE_HEALTHY = Gauge(
     "asyncrl_rollout_engine_healthy", "1 when the engine is used, 0 when marked unhealthy", ["engine"]
 )
+FAILOVER_RESUMES = Counter(
+    "asyncrl_rollout_failover_resumes_total",
+    "Unfinished samples of a group whose engine failed, continued on another engine from their last "
+    "received segment (the tokens and versions received so far kept)",
+)
+FLEET_CHANGES = Counter(
+    "asyncrl_rollout_fleet_changes_total",
+    "Engine fleet changes (services/rollout/fleet.py): joined (brought to the current weights, then "
+    "added to the router), rejoined (a down engine answered again), left (removed through the API), "
+    "down (unreachable: out of the router and of weight updates), join_failed",
+    ["change"],
+)
+FLEET_ENGINES = Gauge("asyncrl_rollout_fleet_engines", "Engine fleet members by state", ["state"])
+FLEET_SYNC_ERRORS = Counter(
+    "asyncrl_rollout_fleet_sync_errors_total",
+    "Fleet syncs that could not read the roster (source=redis) or the router's workers (source=router)",
+    ["source"],
+)
+ROUTER_CALLS = Counter(
+    "asyncrl_rollout_router_calls_total",
+    "Changes and reads of sglang-router's workers by op (list, add, remove) and result",
+    ["op", "result"],
+)
 COALESCED_CALLS = Histogram(
     "asyncrl_rollout_coalesced_calls",
     "Generate calls (groups or resubmission rounds) sharing one flush",

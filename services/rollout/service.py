@@ -1,5 +1,6 @@
 """The rollout service object: settings, tokenizer, the buffer connection, clients and the
-background scheduler, weight follower and evaluation runner, started and stopped with the app."""
+background scheduler, weight follower, evaluation runner and (with a `router_url`) engine fleet,
+started and stopped with the app."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import time
 
 import httpx
 
-from asyncrl.buffer import Buffer, EvalStore, Jobs, PolicyVersions
+from asyncrl.buffer import Buffer, EngineRoster, EvalStore, Jobs, PolicyVersions
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import EngineClient, get_info
 from asyncrl.services.rollout.clients.environments import EnvClient
 from asyncrl.services.rollout.clients.openenv import OpenEnvClient
 from asyncrl.services.rollout.clients.rewards import RewardClient
+from asyncrl.services.rollout.clients.router import RouterClient
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.services.rollout.engine_updates import WeightSync
 from asyncrl.services.rollout.evaluations.evaluator import (
@@ -24,6 +26,7 @@ from asyncrl.services.rollout.evaluations.evaluator import (
     load_eval_file,
     sampling_params,
 )
+from asyncrl.services.rollout.fleet import EngineFleet
 from asyncrl.services.rollout.gateway.chat import Gateway
 from asyncrl.services.rollout.groups.scheduler import GroupScheduler
 from asyncrl.services.rollout.intake import (
@@ -33,6 +36,7 @@ from asyncrl.services.rollout.intake import (
     Intake,
     resolve_context_length,
 )
+from asyncrl.services.runtime.auth import engine_auth_headers
 from asyncrl.services.runtime.logging import log_event
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,8 @@ class RolloutService:
         )
         self.envs: EnvClient | None = None
         self.openenv: OpenEnvClient | None = None  # the configured OpenEnv servers
+        self.router: RouterClient | None = None  # the sglang-router of an engine fleet (`router_url`)
+        self.fleet: EngineFleet | None = None
         self._engine_kind: tuple[float, str | None] = (float("-inf"), None)  # (probed at, kind)
         self._engine_probe = asyncio.Lock()
 
@@ -98,7 +104,7 @@ class RolloutService:
         s = self.settings
         self.engines = EngineClient(
             s.engine_url_list,
-            s.admin_url_list,
+            [] if s.router_url else s.admin_url_list,  # a fleet's engines join it (fleet.py)
             timeout_s=s.engine_timeout_s,
             retries=s.engine_retries,
             backoff_s=s.engine_backoff_s,
@@ -149,7 +155,23 @@ class RolloutService:
             self.openenv,
         )
         self.gateway.weights = weights
-        self._tasks = [
+        if s.router_url:
+            self.router = RouterClient(
+                s.router_url, timeout_s=s.engine_timeout_s, headers=engine_auth_headers()
+            )
+            self.fleet = EngineFleet(
+                self.engines,
+                weights,
+                self.router,
+                EngineRoster(self.buf),
+                configured=s.admin_url_list,
+                probe_s=s.engine_probe_s,
+                down_after=s.engine_unhealthy_after,
+                join_timeout_s=s.fleet_join_timeout_s,
+                sync_s=s.weights_poll_s,
+            )
+            self._tasks.append(asyncio.create_task(_logged(self.fleet.run(), "fleet"), name="fleet"))
+        self._tasks += [
             asyncio.create_task(_logged(self.gateway.reap(), "gateway"), name="gateway"),
             asyncio.create_task(_logged(weights.run(), "weights"), name="weights"),
             asyncio.create_task(_logged(scheduler.run(), "scheduler"), name="scheduler"),
@@ -195,7 +217,7 @@ class RolloutService:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for client in (self.engines, self.rewards, self.envs, self.openenv):
+        for client in (self.engines, self.rewards, self.envs, self.openenv, self.router):
             if client is not None:
                 await client.aclose()
         self.buf.close()

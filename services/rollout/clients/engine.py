@@ -13,7 +13,8 @@ Guarantees:
   engines by least in-flight requests, ties broken round-robin, and waits while none is
   healthy. Callers keep affinity by passing the same `EngineEndpoint` for a whole group.
 * Control calls (`update_weights_from_disk`, `continue_generation`) go to the admin URLs
-  (the workers, when generation goes through a router).
+  (the workers, when generation goes through a router); an engine fleet
+  (`services/rollout/fleet.py`) adds and removes admins at run time.
 * Bodies follow SGLang 0.5.23 (`proto/sglang.py`): sampling-param aliases our validation
   accepts (`seed`) are renamed to SGLang's fields before sending, since its schema refuses
   unknown keys; `/model_info` falls back to the deprecated `/get_model_info` on a 404;
@@ -121,7 +122,11 @@ class EngineClient:
         headers: dict[str, str] | None = None,
     ):
         self.engines = [EngineEndpoint(i, u) for i, u in enumerate(urls)]
+        # The engines weight updates go to. An engine fleet (services/rollout/fleet.py) adds and
+        # removes them at run time; an index is never reused, so one names the same engine for
+        # as long as anything remembers it (versions served, pins, metric labels).
         self.admins = [EngineEndpoint(i, u) for i, u in enumerate(admin_urls)]
+        self._admin_indices = itertools.count(len(admin_urls))
         self.retries, self.backoff_s = retries, backoff_s
         self.unhealthy_after, self.probe_s = unhealthy_after, probe_s
         self.update_timeout_s, self.update_abort = update_timeout_s, update_abort
@@ -307,19 +312,33 @@ class EngineClient:
 
     # --- weight updates (admin engines) -----------------------------------------------------
 
+    def new_admin(self, url: str) -> EngineEndpoint:
+        """An endpoint for an engine about to join the admins (its index never used before);
+        it is one of them once appended to `admins`."""
+        return EngineEndpoint(next(self._admin_indices), url)
+
+    def _admins_at(self, only: list[int] | None) -> list[EngineEndpoint | None]:
+        """The admins with the indices in `only` (all, in order, when None); None for an index
+        that is not an admin any more."""
+        if only is None:
+            return list(self.admins)
+        by_index = {e.index: e for e in self.admins}
+        return [by_index.get(i) for i in only]
+
     async def update_all_from_disk(
         self, path: str, version: int | str, only: list[int] | None = None
     ) -> list[str]:
         """Load `path` as `version` (a policy version, or its `weight_version` name with its
         epoch, proto/lineage.py) on every admin engine (or the admin indices in `only`) at
         once, aborting their in-flight requests (which come back with their partial tokens), or
-        with `update_abort` false letting them finish under the old weights first. Returns the errors (empty on success). The caller holds back new `/generate` calls
-        until this returns."""
-        admins = self.admins if only is None else [self.admins[i] for i in only]
-        results = await asyncio.gather(*(self._update_one(e, path, version) for e in admins))
+        with `update_abort` false letting them finish under the old weights first. Returns the
+        errors (empty on success). The caller holds back new `/generate` calls until this
+        returns."""
+        admins = [e for e in self._admins_at(only) if e is not None]
+        results = await asyncio.gather(*(self.update_from_disk(e, path, version) for e in admins))
         return [r for r in results if r]
 
-    async def _update_one(self, e: EngineEndpoint, path: str, version: int | str) -> str | None:
+    async def update_from_disk(self, e: EngineEndpoint, path: str, version: int | str) -> str | None:
         """SGLang's `/update_weights_from_disk` with `abort_all_requests` aborts what is in
         flight (without: waits for it to finish), loads the weights under `weight_version` and, with `flush_cache`, drops every
         prefix computed under the old ones. Then `/continue_generation` goes out in the
@@ -389,18 +408,31 @@ class EngineClient:
             )
 
     async def weight_versions(self, only: list[int] | None = None) -> list[str | None]:
-        """`weight_version` of each admin engine, or of the admin indices in `only` (None where
-        it cannot be read)."""
+        """`weight_version` of each admin engine, or of the admin indices in `only`, in that
+        order (None where it cannot be read, or the index is not an admin any more)."""
 
-        async def one(e: EngineEndpoint) -> str | None:
-            try:
-                resp = await self.info(e, "/model_info")
-                return resp.json().get("weight_version") if resp.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
-                return None
+        async def one(e: EngineEndpoint | None) -> str | None:
+            return None if e is None else await self.weight_version(e)
 
-        admins = self.admins if only is None else [self.admins[i] for i in only]
-        return list(await asyncio.gather(*(one(e) for e in admins)))
+        return list(await asyncio.gather(*(one(e) for e in self._admins_at(only))))
+
+    async def weight_version(self, e: EngineEndpoint) -> str | None:
+        """The `weight_version` engine `e` reports (None where it cannot be read)."""
+        try:
+            resp = await self.info(e, "/model_info")
+            return resp.json().get("weight_version") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+
+    async def reachable(self, url: str, timeout_s: float) -> bool:
+        """Whether the engine at `url` answers `GET /health` at all: any HTTP status counts (a
+        503 is an engine whose last weight update failed, alive and reporting its version);
+        only a transport error (refused, reset, timed out) does not."""
+        try:
+            await self._control_http.get(f"{url}/health", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return True
 
     async def info(self, e: EngineEndpoint, route: str) -> httpx.Response:
         """`GET route` (`/model_info`, `/server_info`), or its deprecated name (`ROUTES`) where

@@ -9,7 +9,8 @@ engine (partial rollouts across weight updates) → score → write to the buffe
         generate the group_size samples in one batched /generate; the samples aborted by a
             weight update are resubmitted together as prompt + tokens so far with the remaining
             budget; every token keeps the engine's `weight_version` of the segment that sampled it
-        engine failed                  → requeue: same slot, another engine, after a backoff
+        engine failed                  → requeue: same slot, another engine, after a backoff; the
+                                         samples go on from their last received segment
         engine refused (4xx)           → release, end the job `failed`
         score the samples (one reward batch per group)
         put the group (idempotent), end the job `buffered`
@@ -407,9 +408,12 @@ class GroupScheduler:
 
     async def _generate(self, a: Active, episodes: bool = False) -> list[Draft]:
         """All samples of the group on one engine (as episodes with an environment when the job
-        asks); on engine failure, the whole group again on the least-loaded healthy engine
-        after a backoff, for as long as it takes."""
+        asks); on engine failure, the group goes on on the least-loaded healthy engine after a
+        backoff, for as long as it takes: a one-turn group's samples from their last received
+        segment (`_samples`), an episode group from the start (an environment's state cannot be
+        resumed)."""
         job = a.claimed.job
+        drafts: list[Draft] = []  # a one-turn group's samples, kept across engines
 
         async def on_an_engine(attempt: int) -> list[Draft]:
             a.engine = await self.engines.pick()
@@ -425,7 +429,9 @@ class GroupScheduler:
                     context_length=self.context_length,
                     initial_version=self.settings.initial_weight_version,
                 )
-                drafts = await (self.episodes.run(job, sampler) if episodes else self._samples(job, sampler))
+                done = await (
+                    self.episodes.run(job, sampler) if episodes else self._samples(job, sampler, drafts)
+                )
             except EngineFailure as exc:
                 m.GROUPS_REQUEUED.labels("engine").inc()
                 log_event(
@@ -439,11 +445,11 @@ class GroupScheduler:
                 )
                 raise Retryable(str(exc)) from exc
             seconds = time.monotonic() - t0
-            tokens = sum(len(d.tokens) for d in drafts)
+            tokens = sum(len(d.tokens) for d in done)
             m.GENERATION_SECONDS.observe(seconds)
             m.GENERATED_TOKENS.inc(tokens)
             m.TOKENS_PER_SECOND.set(tokens / seconds if seconds > 0 else 0.0)
-            return drafts
+            return done
 
         return await with_retries(
             on_an_engine,
@@ -452,15 +458,25 @@ class GroupScheduler:
             max_s=self.settings.requeue_backoff_max_s,
         )
 
-    async def _samples(self, job: GroupJob, sampler: GroupSampler) -> list[Draft]:
+    async def _samples(self, job: GroupJob, sampler: GroupSampler, drafts: list[Draft]) -> list[Draft]:
         """The group's completions in one batched request; after a weight-update abort, the
-        aborted samples' remainders (prompt + their tokens so far) go again as one batch."""
+        aborted samples' remainders (prompt + their tokens so far) go again as one batch.
+        `drafts` are the samples as an engine that failed left them (empty at first): the
+        unfinished ones go on from their last received segment. Tokens of a request that failed
+        never arrived, so what is kept is exactly what was received, with its versions."""
         params = dict(job.sampling_params)
         budget = int(params.get("max_new_tokens", self.settings.default_max_new_tokens))
         prompt = job.prompt_tokens.tolist()
-        now = time.time()
-        drafts = [Draft(i, submitted=now) for i in range(job.group_size)]
-        await sampler.generate([prompt] * len(drafts), drafts, [budget] * len(drafts), params)
+        if not drafts:
+            now = time.time()
+            drafts += [Draft(i, submitted=now) for i in range(job.group_size)]
+        pending = [d for d in drafts if d.finished is None]
+        resumed = sum(1 for d in pending if d.segments)
+        if resumed:
+            m.FAILOVER_RESUMES.inc(resumed)
+        # (segments numbered on from the ones already made: a job's sampling_seed is not reused)
+        first = max((d.segments for d in pending), default=0)
+        await sampler.generate([prompt] * len(pending), pending, [budget] * len(pending), params, first)
         for d in drafts:
             d.text = sample_text(self.tokenizer, d, params)
         return drafts

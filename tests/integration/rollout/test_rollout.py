@@ -6,7 +6,8 @@ below is a real HTTP server that answers nonsense on purpose (fault injection).
 Covers: a 16 × 4 job ends with 16 scored groups with per-token versions; a weight update in
 the middle of generation gives samples whose versions change mid-sequence and whose logprobs
 match the weights that produced each token; SIGKILL of a replica loses no group; bad input
-→ 4xx; idempotency keys; DELETE; engines that are down or answer garbage.
+→ 4xx; idempotency keys; DELETE; engines that are down or answer garbage; a group whose engine
+fails mid-sample goes on elsewhere from its last received segment.
 """
 
 from __future__ import annotations
@@ -549,6 +550,86 @@ def test_down_and_garbage_engines_are_marked_unhealthy_and_groups_requeued(
     assert metric("asyncrl_rollout_engine_healthy", engine="2") == 1
     assert metric("asyncrl_rollout_groups_requeued_total", reason="engine") - requeued0 >= 2
     assert len(trainer_side(redis_url, run_id, 6)) == 6
+
+
+PARTIAL = [5, 6, 7]  # the tokens the failing engine answers before it fails
+PARTIAL_LOGPROBS = [-1.25, -2.5, -0.75]
+
+
+def engine_that_fails_after_one_segment() -> tuple[str, object]:
+    """A real HTTP server with SGLang's `/generate` shape: its first answer gives every input
+    PARTIAL, aborted (as a weight update aborts requests); every later call answers 500, as an
+    engine that broke (fault injection, not a stand-in)."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app, calls = FastAPI(), []
+
+    @app.post("/generate")
+    def generate(body: dict):
+        calls.append(body)
+        if len(calls) > 1:
+            return JSONResponse({"error": {"message": "engine broke"}}, status_code=500)
+        meta = {"finish_reason": {"type": "abort"}, "prompt_tokens": len(body["input_ids"][0]),
+                "completion_tokens": len(PARTIAL), "weight_version": "0",
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(PARTIAL_LOGPROBS, PARTIAL)]}  # fmt: skip
+        return [
+            {"text": "", "output_ids": PARTIAL, "meta_info": {**meta, "id": f"{body['rid']}_{i}"}}
+            for i in range(len(body["input_ids"]))
+        ]
+
+    @app.get("/health")
+    def health() -> dict:
+        return {}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    wait_until(lambda: server.started, interval=0.01, message="the failing engine started")
+    return f"http://127.0.0.1:{port}", server
+
+
+def test_a_group_whose_engine_fails_goes_on_elsewhere_from_its_last_segment(
+    redis_url, run_id, engine, reward, model_dir, tokenizer
+):
+    """The first engine answers one segment (aborted, budget left) and then fails: the group
+    goes on on the other engine from prompt + that segment. Each sample keeps the segment's
+    tokens and logprobs exactly, and the rest continues them (its logprobs are the model's given
+    prompt + segment)."""
+    from transformers import AutoModelForCausalLM
+
+    def metric(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=8, max_staleness=0)
+    failing_url, failing = engine_that_fails_after_one_segment()
+    resumed0 = metric("asyncrl_rollout_failover_resumes_total")
+    requeued0 = metric("asyncrl_rollout_groups_requeued_total", reason="engine")
+    # the first engine picked is the first one listed; one failure marks it unhealthy
+    running = serve_in_thread(redis_url, loaded_tokenizer=tokenizer,
+                              **settings(f"{failing_url},{engine.url}", reward.url, model_dir, run_id, engine_retries=1,
+                                         engine_unhealthy_after=1, engine_probe_s=60, requeue_backoff_max_s=0.2))  # fmt: skip
+    try:
+        with httpx.Client(base_url=running.url, timeout=30) as client:
+            body = {"prompts": [{"text": "abcd>"}], "group_size": 2, "reward_spec": {"verifier": "reverse"},
+                    "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}  # fmt: skip
+            job_id = client.post("/v1/rollouts", json=body).json()["job_id"]
+            assert wait_job(client, job_id, timeout_s=30)["buffered"] == 1
+    finally:
+        running.stop()
+        failing.should_exit = True
+    assert metric("asyncrl_rollout_failover_resumes_total") - resumed0 == 2
+    assert metric("asyncrl_rollout_groups_requeued_total", reason="engine") - requeued0 == 1
+    (group,) = trainer_side(redis_url, run_id, 1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompt = group.prompt_tokens.tolist()
+    for s in group.samples:
+        tokens = s.completion_ids.tolist()
+        assert tokens[:3] == PARTIAL and len(tokens) == 8 and s.versions.tolist() == [0] * 8
+        assert s.behavior_logprobs[:3].tolist() == PARTIAL_LOGPROBS
+        want = logprobs_under(model, prompt + PARTIAL, tokens[3:])
+        assert torch.allclose(torch.from_numpy(s.behavior_logprobs[3:].astype(np.float32)), want, atol=1e-4)
 
 
 # --------------------------------------------------------------------------------- submit CLI

@@ -23,6 +23,21 @@ def test_settings_parse_engine_url_lists(tok_dir):
         RolloutSettings(tokenizer=tok_dir, heartbeat_s=5, recover_idle_s=10)
 
 
+def test_a_router_url_is_the_generation_url_and_the_workers_join_it(tok_dir):
+    """With a router_url the rollout generates through the router unless told otherwise, and
+    only the listed workers take weight updates (the router takes none): maybe none at start."""
+    s = RolloutSettings(tokenizer=tok_dir, router_url="http://r:9/")
+    assert (s.router_url, s.engine_url_list, s.admin_url_list) == ("http://r:9", ["http://r:9"], [])
+    s = RolloutSettings(
+        tokenizer=tok_dir, router_url="http://r:9", engine_urls="http://g:1", engine_admin_urls="http://w:2"
+    )
+    assert (s.engine_url_list, s.admin_url_list) == (["http://g:1"], ["http://w:2"])
+    with pytest.raises(ValidationError, match="one URL"):
+        RolloutSettings(tokenizer=tok_dir, router_url="http://r:9,http://r:10")
+    with pytest.raises(ValidationError, match="http"):
+        RolloutSettings(tokenizer=tok_dir, router_url="r:9")
+
+
 def test_openenv_servers_come_from_the_toml_table(tok_dir, tmp_path):
     from asyncrl.services.runtime.config import load_settings
 
