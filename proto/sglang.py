@@ -387,6 +387,25 @@ class UpdateWeightsFromDistributedReqInput(BaseModel):
         return self
 
 
+class BroadcastDelta(BaseModel):
+    """asyncrl's extension of `/update_weights_from_distributed`, not SGLang's: the bucket is
+    part of a delta version (services/transport/weights/broadcast.py). Only the reference
+    engine is sent it; 0.5.23's request model drops unknown keys without a word, so SGLang
+    would load the tensors unchecked."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: str = Field(min_length=1)  # the weight_version the delta applies to, exactly that one
+    sha256: dict[str, str]  # each tensor of the bucket → sha256 of its bytes as sent
+
+
+class ReferenceUpdateWeightsFromDistributedReqInput(UpdateWeightsFromDistributedReqInput):
+    """What the reference engine reads on `/update_weights_from_distributed`: SGLang's body,
+    plus `delta` when the sender knows the engine is a reference engine."""
+
+    delta: BroadcastDelta | None = None
+
+
 class WeightUpdateOutput(BaseModel):
     """Answer of `/init_weights_update_group` and `/update_weights_from_distributed`."""
 

@@ -38,9 +38,9 @@ from asyncrl.proto.sglang import (
     InitWeightsUpdateGroupReqInput,
     ModelInfo,
     PauseGenerationReqInput,
+    ReferenceUpdateWeightsFromDistributedReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
-    UpdateWeightsFromDistributedReqInput,
     WeightUpdateOutput,
     check_unicode,
 )
@@ -154,7 +154,9 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
         return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
 
     @app.post("/update_weights_from_distributed", response_model=WeightUpdateOutput)
-    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput) -> JSONResponse:
+    async def update_weights_from_distributed(
+        body: ReferenceUpdateWeightsFromDistributedReqInput,
+    ) -> JSONResponse:
         r = await engine.update_weights_from_distributed(body)
         return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
 
