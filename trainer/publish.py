@@ -386,6 +386,15 @@ class BroadcastPublisher:
         threading.Thread(target=host, name="weight-group-host", daemon=True).start()
         self._post_all("/init_weights_update_group", bodies)
         self.group = hosted.result(timeout=self.timeout_s)
+        self._close_stale_sessions()
+
+    def _close_stale_sessions(self) -> None:
+        """End a weight-update session a dead trainer left open (SGLang refuses to open a second);
+        an engine without one answers that none is open, which is the usual case."""
+        for url in self.engine_urls:
+            resp = self.http.post(url + "/end_weight_update", json={})
+            if resp.status_code != 200 and "no weight-update session is open" not in resp.text:
+                raise BroadcastError(f"{url}: HTTP {resp.status_code} {resp.text[:300]}")
 
     def publish(self, version: int, state: dict[str, torch.Tensor], epoch: int = 0) -> Published:
         if self.group is None:
@@ -396,37 +405,54 @@ class BroadcastPublisher:
         if delta is not None and self._behind(base):
             tm.PUBLISH_RESYNCS.labels(reason="behind").inc()
             delta = None
-        self._post_all("/pause_generation", [{}] * len(self.engine_urls))
-        nbytes = 0
+        everyone = [{}] * len(self.engine_urls)
+        self._post_all("/pause_generation", everyone)
         try:
-            if delta is not None:
-                manifest, tensors = delta
-                hashes = manifest.sha256
-                if not tensors:  # nothing changed: the version's name still travels with a bucket
-                    tensors = _smallest(state)
-                    hashes = {n: tensor_sha256(t) for n, t in tensors.items()}
-                try:
-                    nbytes += self._send(tensors, name, DeltaAnnouncement(base, hashes))
-                except DeltaRefused as exc:
-                    tm.PUBLISH_RESYNCS.labels(reason="refused").inc()
-                    log_event(
-                        log,
-                        "delta refused, sending the full version",
-                        logging.WARNING,
-                        version=version,
-                        error=str(exc),
-                    )
-                    delta = None
-            if delta is None:
-                nbytes += self._send(state, name, None)
+            # SGLang 0.5.23 takes /update_weights_from_distributed only inside this session
+            self._post_all("/begin_weight_update", everyone)
+            try:
+                nbytes, as_delta = self._send_version(version, state, name, base, delta)
+            finally:
+                self._post_all("/end_weight_update", everyone)
         except BaseException:
             self.chain.reset()
             raise
         finally:
-            self._post_all("/continue_generation", [{}] * len(self.engine_urls))
+            self._post_all("/continue_generation", everyone)
         if self.delta:
-            self.chain.sent(version, state, epoch, anchor=delta is None)
-        return Published(version, nbytes, time.perf_counter() - t0, delta=delta is not None)
+            self.chain.sent(version, state, epoch, anchor=not as_delta)
+        return Published(version, nbytes, time.perf_counter() - t0, delta=as_delta)
+
+    def _send_version(
+        self,
+        version: int,
+        state: dict[str, torch.Tensor],
+        name: str,
+        base: str,
+        delta: tuple[DeltaManifest, dict[str, torch.Tensor]] | None,
+    ) -> tuple[int, bool]:
+        """(bytes of the form the engines took, whether a delta): `delta` when given and every
+        engine takes it, else (also after a refusal: the refused delta's bytes are not counted)
+        `state` whole."""
+        if delta is not None:
+            manifest, tensors = delta
+            hashes = manifest.sha256
+            if not tensors:  # nothing changed: the version's name still travels with a bucket
+                tensors = _smallest(state)
+                hashes = {n: tensor_sha256(t) for n, t in tensors.items()}
+            try:
+                return self._send(tensors, name, DeltaAnnouncement(base, hashes)), True
+            except DeltaRefused as exc:
+                tm.PUBLISH_RESYNCS.labels(reason="refused").inc()
+                log_event(
+                    log,
+                    "delta refused, sending the full version",
+                    logging.WARNING,
+                    version=version,
+                    error=str(exc),
+                )
+                return self._send(state, name, None), False
+        return self._send(state, name, None), False
 
     def _send(
         self, named: dict[str, torch.Tensor], weight_version: str, delta: DeltaAnnouncement | None

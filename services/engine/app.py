@@ -33,7 +33,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from asyncrl.proto.openai import ChatCompletion, ChatRequest
 from asyncrl.proto.sglang import (
     AbortReq,
+    BeginWeightUpdateReqInput,
     ContinueGenerationReqInput,
+    EndWeightUpdateReqInput,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
     ModelInfo,
@@ -158,6 +160,17 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
         body: ReferenceUpdateWeightsFromDistributedReqInput,
     ) -> JSONResponse:
         r = await engine.update_weights_from_distributed(body)
+        return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
+
+    @app.post("/begin_weight_update", response_model=WeightUpdateOutput)
+    async def begin_weight_update(body: BeginWeightUpdateReqInput | None = None) -> JSONResponse:
+        # `selector` names SGLang's target and draft runners; this engine has one model
+        r = engine.begin_weight_update()
+        return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
+
+    @app.post("/end_weight_update", response_model=WeightUpdateOutput)
+    async def end_weight_update(body: EndWeightUpdateReqInput | None = None) -> JSONResponse:
+        r = engine.end_weight_update()
         return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
 
     @app.get("/get_weight_version")

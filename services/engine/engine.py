@@ -56,6 +56,11 @@ REFUSED_PATH = "model_path refused: not a directory of *.safetensors files insid
 # library's own timeout (a clean error) normally comes first and ours is the backstop.
 JOIN_GRACE_S = 2.0
 NOT_APPLIED_IN_TIME = "the engine did not reach a point to apply the weights in time"
+# SGLang 0.5.23's answers (scheduler_components/weight_updater.py), word for word
+OUTSIDE_SESSION = (
+    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+)
+NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,8 @@ class InferenceEngine:
         self.loaded: Loaded | None = deltas.loaded_of(settings.model)
         # the whole version broadcasts made the weights: the base a broadcast delta must name
         self.chain = BroadcastChain(self.runner.missing_weights)
+        # SGLang 0.5.23's weight-update session: broadcast buckets are taken only inside one
+        self.weight_session = False
         self._rng = random.Random(settings.seed)  # seeds requests that bring no sampling_seed
         self._in_flight: set[str] = set()
         metrics.set_weight_version(settings.weight_version)
@@ -512,7 +519,10 @@ class InferenceEngine:
                         result,
                         f"receiving from {req.group_name!r} failed ({exc}); group dropped",
                     )
-                # Every tensor was received before this check, so the sender is never left blocked.
+                # Every tensor was received before these checks, so the sender is never left blocked.
+                if not self.weight_session:
+                    self.updates.record("distributed", "refused")
+                    return UpdateResult(False, OUTSIDE_SESSION, 400)
                 error = self.runner.check_weights(received, full=False)
                 if error:
                     return self._failed("distributed", "error", error)
@@ -535,6 +545,24 @@ class InferenceEngine:
         self.updates.record("distributed", "ok")
         log_event(log, "weights updated from broadcast", count=len(req.names), version=self.weight_version)
         return UpdateResult(True, f"Succeeded to update {len(received)} parameters.", 200)
+
+    def begin_weight_update(self) -> UpdateResult:
+        """Open the weight-update session (SGLang restores packed weights here; this engine keeps
+        none, so only the session's state is kept). One at a time, as in SGLang."""
+        if self.weight_session:
+            self.updates.record("session", "refused")
+            return UpdateResult(
+                False, "a weight-update session is already open; call end_weight_update() first", 400
+            )
+        self.weight_session = True
+        return UpdateResult(True, "Success", 200)
+
+    def end_weight_update(self) -> UpdateResult:
+        if not self.weight_session:
+            self.updates.record("session", "refused")
+            return UpdateResult(False, NO_SESSION, 400)
+        self.weight_session = False
+        return UpdateResult(True, "Success", 200)
 
     def _refuse_delta(
         self, req: ReferenceUpdateWeightsFromDistributedReqInput, digests: dict[str, str]

@@ -18,6 +18,9 @@ The sequence, the same for a real SGLang server and the reference engine:
 3. The sender pauses generation (`POST /pause_generation`) before the first bucket and
    continues after the last, so no request is decoded with half-updated weights; the
    reference engine applies each bucket between two scheduler steps and drops old-weight KV.
+   Inside the pause it opens a weight-update session (`POST /begin_weight_update`) and ends
+   it (`POST /end_weight_update`): SGLang 0.5.23 refuses `/update_weights_from_distributed`
+   outside one (the reference engine receives such a bucket, then refuses it).
 4. A body the engine cannot even parse (HTTP 422) leaves the sender's broadcast to time out
    after `timeout_s`.
 
