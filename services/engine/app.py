@@ -5,7 +5,9 @@ Status codes follow SGLang's http_server: 200 on success; 400 with `{"error": {"
 for a refused request or a failed control operation (`success: false` bodies for the weight
 endpoints); 413 for a body over `max_body_bytes`; 422 for a body that does not match the
 schema (bounded, `services/runtime/limits.py`); 503 when the queue is full or a weight update
-found no turn in time; 409 for a second `/init_weights_update_group` while one is joining.
+found no turn in time; 409 for a second `/init_weights_update_group` while one is joining, and
+for a broadcast delta bucket the engine will not take (not on its base, a sha256 that differs:
+the sender sends the full version).
 
 Auth (`services/runtime/auth.py`), `Authorization: Bearer <token>`, 401 when wrong or missing:
 every endpoint outside DATA_PATHS and the probes, i.e. every control endpoint (weight
