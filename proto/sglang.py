@@ -7,7 +7,8 @@ so a real SGLang server, `sglang-router` or the reference engine are interchange
 Checked against the SGLang **0.5.23** wheel (`pip download --no-deps sglang==0.5.23`), read
 file by file: `sglang/srt/entrypoints/http_server.py` (routes), `sglang/srt/managers/io_struct.py`
 (`GenerateReqInput`, `AbortReq`, `UpdateWeightFromDiskReqInput`, `InitWeightsUpdateGroupReqInput`,
-`UpdateWeightsFromDistributedReqInput`, `PauseGenerationReqInput`, `ContinueGenerationReqInput`),
+`UpdateWeightsFromDistributedReqInput`, `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`,
+`PauseGenerationReqInput`, `ContinueGenerationReqInput`),
 `sglang/srt/sampling/sampling_params.py`, `sglang/srt/utils/weight_versions.py` (per-token
 version spans) and `sglang/api/v1/api_types.py`, the generated schema `/generate` checks every
 body with (`api_contract.generate_contract_error`): unknown top-level keys are ignored, unknown
@@ -385,6 +386,38 @@ class UpdateWeightsFromDistributedReqInput(BaseModel):
         if any(d < 0 for shape in self.shapes for d in shape):
             raise ValueError("shapes must be non-negative")
         return self
+
+
+class BeginWeightUpdateReqInput(BaseModel):
+    """Body of `/begin_weight_update` (0.5.23): opens the session every
+    `/update_weights_from_distributed` must run in; `/end_weight_update` (no body) closes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BroadcastDelta(BaseModel):
+    """asyncrl's extension of `/update_weights_from_distributed`, not SGLang's: the bucket is
+    part of a delta version (services/transport/weights/broadcast.py). Only the reference
+    engine is sent it; 0.5.23's request model drops unknown keys without a word, so SGLang
+    would load the tensors unchecked."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: str = Field(min_length=1)  # the weight_version the delta applies to, exactly that one
+    sha256: dict[str, str]  # each tensor of the bucket → sha256 of its bytes as sent
+
+
+class ReferenceUpdateWeightsFromDistributedReqInput(UpdateWeightsFromDistributedReqInput):
+    """What the reference engine reads on `/update_weights_from_distributed`: SGLang's body,
+    plus `delta` when the sender knows the engine is a reference engine."""
+
+    delta: BroadcastDelta | None = None
 
 
 class WeightUpdateOutput(BaseModel):

@@ -170,8 +170,9 @@ class TrainerSettings(ServiceSettings):
     keep_weights: int = Field(3, ge=1, description="weight directories kept on disk")
     publish_delta: bool = Field(
         False,
-        description="disk: write only what changed since the previous version, with a full anchor "
-        "every delta_anchor_every versions (reference engines only: SGLang loads full versions)",
+        description="disk or distributed: publish only what changed since the previous version, with "
+        "a full anchor every delta_anchor_every versions (disk: reference engines only; distributed: "
+        "tensor granularity only)",
     )
     delta_anchor_every: int = Field(10, ge=1, description="publish_delta: a full version every N versions")
     delta_granularity: Literal["tensor", "block"] = Field(
@@ -209,8 +210,13 @@ class TrainerSettings(ServiceSettings):
     def _check(self) -> TrainerSettings:
         if self.publish == "distributed" and not self.engine_urls:
             raise ValueError("publish=distributed needs engine_urls")
-        if self.publish_delta and self.publish != "disk":
-            raise ValueError("publish_delta needs publish=disk (deltas are not broadcast)")
+        if self.publish_delta and self.publish == "none":
+            raise ValueError("publish_delta needs publish=disk or publish=distributed")
+        if self.publish_delta and self.publish == "distributed" and self.delta_granularity != "tensor":
+            raise ValueError(
+                "publish_delta over publish=distributed needs delta_granularity=tensor: SGLang's "
+                "/update_weights_from_distributed loads whole named tensors, a changed block has no name there"
+            )
         if self.share_prompts and self.max_tokens_per_micro_batch > 0:
             raise ValueError(
                 "share_prompts lays a prompt's samples out as one row with a tree mask, packing lays "

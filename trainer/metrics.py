@@ -57,6 +57,13 @@ PUBLISH_FAILURES = Counter(
     "asyncrl_trainer_weight_publish_failures_total",
     "background weight publishes that failed (the trainer stops at its next publish)",
 )
+PUBLISH_RESYNCS = Counter(
+    "asyncrl_trainer_weight_resyncs_total",
+    "broadcast versions sent whole instead of as a delta because an engine could not take the "
+    "delta, by reason (refused = a reference engine answered 409: it did not hold the base, or "
+    "a sha256 differed; behind = an SGLang engine did not serve the base before the delta)",
+    ["reason"],
+)
 HEARTBEATS = Counter(
     "asyncrl_trainer_wait_heartbeats_total", "heartbeats exchanged by the ranks while waiting for data"
 )

@@ -89,7 +89,7 @@ class Parts:
         state = cast_state(state, DTYPES[self.cfg.publish_dtype])
         self.finish_publishing()
         background = self.disk is not None and self.cfg.publish_background and not rollback
-        if background or (self.disk is not None and self.disk.delta):
+        if background or (self.disk or self.broadcast).delta:
             # the next step updates the live tensors in place (a delta publisher also keeps them)
             state = detach_from(state, self.model)
         if background:
@@ -244,6 +244,8 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
                 cfg.bucket_mb << 20,
                 group_name=f"asyncrl-{cfg.run}-{time.time_ns()}",
                 api_token=engine_token(),
+                delta=cfg.publish_delta,
+                anchor_every=cfg.delta_anchor_every,
             )
             # a fresh group name per trainer start: engines still hold the dead group of a crashed one
         if cfg.metrics_port:

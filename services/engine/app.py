@@ -5,7 +5,9 @@ Status codes follow SGLang's http_server: 200 on success; 400 with `{"error": {"
 for a refused request or a failed control operation (`success: false` bodies for the weight
 endpoints); 413 for a body over `max_body_bytes`; 422 for a body that does not match the
 schema (bounded, `services/runtime/limits.py`); 503 when the queue is full or a weight update
-found no turn in time; 409 for a second `/init_weights_update_group` while one is joining.
+found no turn in time; 409 for a second `/init_weights_update_group` while one is joining, and
+for a broadcast delta bucket the engine will not take (not on its base, a sha256 that differs:
+the sender sends the full version).
 
 Auth (`services/runtime/auth.py`), `Authorization: Bearer <token>`, 401 when wrong or missing:
 every endpoint outside DATA_PATHS and the probes, i.e. every control endpoint (weight
@@ -33,14 +35,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from asyncrl.proto.openai import ChatCompletion, ChatRequest
 from asyncrl.proto.sglang import (
     AbortReq,
+    BeginWeightUpdateReqInput,
     ContinueGenerationReqInput,
+    EndWeightUpdateReqInput,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
     ModelInfo,
     PauseGenerationReqInput,
+    ReferenceUpdateWeightsFromDistributedReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
-    UpdateWeightsFromDistributedReqInput,
     WeightUpdateOutput,
     check_unicode,
 )
@@ -154,8 +158,21 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
         return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
 
     @app.post("/update_weights_from_distributed", response_model=WeightUpdateOutput)
-    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput) -> JSONResponse:
+    async def update_weights_from_distributed(
+        body: ReferenceUpdateWeightsFromDistributedReqInput,
+    ) -> JSONResponse:
         r = await engine.update_weights_from_distributed(body)
+        return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
+
+    @app.post("/begin_weight_update", response_model=WeightUpdateOutput)
+    async def begin_weight_update(body: BeginWeightUpdateReqInput | None = None) -> JSONResponse:
+        # `selector` names SGLang's target and draft runners; this engine has one model
+        r = engine.begin_weight_update()
+        return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
+
+    @app.post("/end_weight_update", response_model=WeightUpdateOutput)
+    async def end_weight_update(body: EndWeightUpdateReqInput | None = None) -> JSONResponse:
+        r = engine.end_weight_update()
         return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
 
     @app.get("/get_weight_version")

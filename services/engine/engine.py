@@ -24,21 +24,21 @@ from asyncrl.proto.sglang import (
     GenerateItem,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
+    ReferenceUpdateWeightsFromDistributedReqInput,
     SamplingParams,
     UpdateWeightFromDiskReqInput,
-    UpdateWeightsFromDistributedReqInput,
     refused_by_reference_engine,
 )
 from asyncrl.services.engine import deltas, metrics
 from asyncrl.services.engine.config import EngineSettings
-from asyncrl.services.engine.deltas import Loaded
+from asyncrl.services.engine.deltas import BroadcastChain, Loaded
 from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
 from asyncrl.services.engine.sampling import RowSampling
 from asyncrl.services.engine.scheduler import Request, Scheduler, version_spans
 from asyncrl.services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.transport.weights import broadcast as weight_broadcast
-from asyncrl.services.transport.weights.delta import DeltaError, is_delta_dir
+from asyncrl.services.transport.weights.delta import DeltaError, is_delta_dir, tensor_sha256
 from asyncrl.services.transport.weights.filesystem import WEIGHTS_GLOB
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,11 @@ REFUSED_PATH = "model_path refused: not a directory of *.safetensors files insid
 # library's own timeout (a clean error) normally comes first and ours is the backstop.
 JOIN_GRACE_S = 2.0
 NOT_APPLIED_IN_TIME = "the engine did not reach a point to apply the weights in time"
+# SGLang 0.5.23's answers (scheduler_components/weight_updater.py), word for word
+OUTSIDE_SESSION = (
+    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+)
+NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,9 @@ class InvalidRequest(Exception):
 class UpdateResult:
     ok: bool
     message: str
-    status: int  # HTTP status: 200, 400 (refused or failed), 409 (a join under way), 503 (busy)
+    # HTTP status: 200, 400 (refused or failed), 409 (a join under way; a broadcast delta that
+    # needs a full version), 503 (busy)
+    status: int
     num_paused_requests: int = 0
 
 
@@ -129,6 +136,10 @@ class InferenceEngine:
         self.updates = WeightUpdates()
         # the published version directory the weights came from: the base a delta must name
         self.loaded: Loaded | None = deltas.loaded_of(settings.model)
+        # the whole version broadcasts made the weights: the base a broadcast delta must name
+        self.chain = BroadcastChain(self.runner.missing_weights)
+        # SGLang 0.5.23's weight-update session: broadcast buckets are taken only inside one
+        self.weight_session = False
         self._rng = random.Random(settings.seed)  # seeds requests that bring no sampling_seed
         self._in_flight: set[str] = set()
         metrics.set_weight_version(settings.weight_version)
@@ -401,6 +412,7 @@ class InferenceEngine:
                 if req.abort_all_requests:
                     self.scheduler.abort(abort_all=True, message="aborted for a weight update")
                 self.loaded = None  # until the copy is done: a timed-out one may be half applied
+                self.chain.clear()
                 retracted = await self._set_weights(named, req.weight_version, deadline)
                 self.loaded = made
         except UpdateBusy as exc:
@@ -468,7 +480,7 @@ class InferenceEngine:
         )
 
     async def update_weights_from_distributed(
-        self, req: UpdateWeightsFromDistributedReqInput
+        self, req: ReferenceUpdateWeightsFromDistributedReqInput
     ) -> UpdateResult:
         try:
             dtypes = [weight_broadcast.parse_dtype(d) for d in req.dtypes]
@@ -489,34 +501,90 @@ class InferenceEngine:
                     self.scheduler.abort(abort_all=True, message="aborted for a weight update")
                 device = "cpu" if isinstance(group, dist.ProcessGroupGloo) else self.runner.device
 
-                def receive() -> dict[str, torch.Tensor]:
-                    return weight_broadcast.receive_bucket(group, req.names, dtypes, req.shapes, device)
+                def receive() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+                    got = weight_broadcast.receive_bucket(group, req.names, dtypes, req.shapes, device)
+                    # a delta's hashes here, off the event loop
+                    return got, {n: tensor_sha256(t) for n, t in got.items()} if req.delta else {}
 
                 try:
-                    received = await in_thread(receive, deadline, "weights-receive")
+                    received, digests = await in_thread(receive, deadline, "weights-receive")
                 except (UpdateTimeout, RuntimeError) as exc:
                     # The sender and this engine no longer agree on where the stream is: the group
                     # is dropped, and the trainer joins a new one (a fresh name per start).
                     self.groups.pop(req.group_name, None)
+                    self.chain.clear()
                     result = "timeout" if isinstance(exc, UpdateTimeout) else "error"
                     return self._failed(
                         "distributed",
                         result,
                         f"receiving from {req.group_name!r} failed ({exc}); group dropped",
                     )
-                # Every tensor was received before this check, so the sender is never left blocked.
+                # Every tensor was received before these checks, so the sender is never left blocked.
+                if not self.weight_session:
+                    self.updates.record("distributed", "refused")
+                    return UpdateResult(False, OUTSIDE_SESSION, 400)
                 error = self.runner.check_weights(received, full=False)
                 if error:
                     return self._failed("distributed", "error", error)
+                if req.delta is not None:
+                    refused = self._refuse_delta(req, digests)
+                    if refused is not None:
+                        return refused
                 self.loaded = None  # no longer the weights of a published directory
+                base = None if req.delta is None else req.delta.base
+                self.chain.applying(req.group_name, base, req.names)
                 await self._set_weights(received, req.weight_version, deadline)
+                outcome = self.chain.applied(req.group_name, req.weight_version)
+                if outcome is not None:
+                    metrics.WEIGHT_DELTAS.labels(result=outcome).inc()
         except UpdateBusy as exc:
             return UpdateResult(False, str(exc), 503)
         except UpdateTimeout:
+            self.chain.clear()  # the copy may have been under way
             return self._failed("distributed", "timeout", NOT_APPLIED_IN_TIME)
         self.updates.record("distributed", "ok")
         log_event(log, "weights updated from broadcast", count=len(req.names), version=self.weight_version)
         return UpdateResult(True, f"Succeeded to update {len(received)} parameters.", 200)
+
+    def begin_weight_update(self) -> UpdateResult:
+        """Open the weight-update session (SGLang restores packed weights here; this engine keeps
+        none, so only the session's state is kept). One at a time, as in SGLang."""
+        if self.weight_session:
+            self.updates.record("session", "refused")
+            return UpdateResult(
+                False, "a weight-update session is already open; call end_weight_update() first", 400
+            )
+        self.weight_session = True
+        return UpdateResult(True, "Success", 200)
+
+    def end_weight_update(self) -> UpdateResult:
+        if not self.weight_session:
+            self.updates.record("session", "refused")
+            return UpdateResult(False, NO_SESSION, 400)
+        self.weight_session = False
+        return UpdateResult(True, "Success", 200)
+
+    def _refuse_delta(
+        self, req: ReferenceUpdateWeightsFromDistributedReqInput, digests: dict[str, str]
+    ) -> UpdateResult | None:
+        """The answer to a delta bucket that must not be applied (every tensor of it received
+        already, each hashed to `digests`), counted; None to apply it. A 409 asks the sender
+        for a full version."""
+        assert req.delta is not None
+        if set(req.delta.sha256) != set(req.names):
+            self.updates.record("distributed", "refused")
+            return UpdateResult(False, "a delta bucket needs one sha256 per name, and only those", 400)
+        refused = self.chain.refusal(req.group_name, req.delta.base, req.delta.sha256, digests)
+        if refused is None:
+            return None
+        reason, message = refused
+        metrics.WEIGHT_RESYNCS.labels(reason=reason).inc()
+        if reason == "hash":  # bytes that changed on the way: a failure, even if a resync follows
+            self.updates.record("distributed", "error", message)
+        else:  # nothing was applied: the weights are what they were
+            self.updates.record("distributed", "refused")
+        log_event(log, "broadcast delta refused", logging.WARNING, reason=reason, message=message)
+        return UpdateResult(False, f"{message} (serving weight_version {self.weight_version!r})", 409)
 
     async def _set_weights(self, named: dict[str, torch.Tensor], weight_version: str | None, deadline: float):
         """Install `named` as `weight_version` (`_apply`: between scheduler steps, by `deadline`)."""

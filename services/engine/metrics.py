@@ -55,7 +55,8 @@ STEP_FAILURES = Counter(
 )
 WEIGHT_UPDATES = Counter(
     "asyncrl_engine_weight_updates_total",
-    "Weight update attempts by source (disk, distributed, group = init_weights_update_group) and "
+    "Weight update attempts by source (disk, distributed, group = init_weights_update_group, "
+    "session = /begin_weight_update and /end_weight_update) and "
     "result (ok, error, timeout, refused = before any work, busy = no turn within the deadline)",
     ["source", "result"],
 )

@@ -249,11 +249,17 @@ class ModelRunner:
         if bad:
             return f"shape mismatch: {bad[:3]}"
         if full:
-            covered = {state[k].data_ptr() for k in named}
-            missing = sorted(k for k, t in state.items() if t.data_ptr() not in covered)
+            missing = self.missing_weights(named)
             if missing:
                 return f"checkpoint misses parameters: {missing[:5]}{' …' if len(missing) > 5 else ''}"
         return None
+
+    def missing_weights(self, names) -> list[str]:
+        """The parameters (and buffers) that `names` does not cover, a tied alias covered by
+        its twin."""
+        state = self.model.state_dict()
+        covered = {state[k].data_ptr() for k in names if k in state}
+        return sorted(k for k, t in state.items() if t.data_ptr() not in covered)
 
     @torch.no_grad()
     def apply_weights(self, named: dict[str, torch.Tensor]) -> None:

@@ -307,6 +307,18 @@ class RunConfig(BaseModel):
             data[section] = {**dict.fromkeys(fields, path or COMMAND_LINE_PLACEHOLDER), **table}
         return data
 
+    @model_validator(mode="after")
+    def _deltas_reach_sglang_by_broadcast(self) -> RunConfig:
+        trainer = self.trainer
+        if self.launch.engine_kind == "sglang" and trainer.publish == "disk" and trainer.publish_delta:
+            raise ValueError(
+                '[trainer] publish_delta with publish = "disk" cannot feed SGLang engines: SGLang\'s '
+                "/update_weights_from_disk loads every *.safetensors of a directory with no base version "
+                "to check, so an engine that skipped a version would serve a mix of two; use "
+                'publish = "distributed" (deltas of whole tensors reach SGLang there)'
+            )
+        return self
+
     @property
     def engine_on_gpu(self) -> bool:
         """Whether a started reference engine uses a GPU ([engine] device; SGLang always does)."""
@@ -399,6 +411,8 @@ def describe(error: dict, data: dict) -> str:
         node = node[part]
     field = ".".join(loc[len(tables) :])
     message = error["msg"].removeprefix("Value error, ")
+    if not loc:  # a check across tables: its message names them
+        return message
     if not field and error["type"] == "extra_forbidden":
         return f"[{'.'.join(tables)}]: unknown table"
     if not tables:  # a top-level key that is not a table (or a whole table of the wrong type)

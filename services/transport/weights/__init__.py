@@ -28,7 +28,11 @@ the bucket's `names`, `dtypes` and `shapes` to every engine in one HTTP call, th
 each tensor in `names` order; `weight_version` goes with the last bucket only, so an engine
 takes the new name once it holds every tensor. The receiver receives every tensor of a bucket
 before it checks any (an unknown name, a wrong shape), so the sender never blocks on a refusal:
-the refusal comes back in the HTTP answer. Generation is paused on every engine for the update.
+the refusal comes back in the HTTP answer. Generation is paused on every engine for the update,
+and the buckets go inside a weight-update session (`/begin_weight_update`, `/end_weight_update`:
+SGLang 0.5.23 takes none outside one). With deltas a version's buckets hold only the tensors
+that changed; a reference engine takes them on top of exactly the announced base and checks
+each tensor's sha256, or answers 409 and is sent the full version (broadcast.py).
 """
 
 EPOCH_SEPARATOR = "@e"

@@ -18,8 +18,22 @@ The sequence, the same for a real SGLang server and the reference engine:
 3. The sender pauses generation (`POST /pause_generation`) before the first bucket and
    continues after the last, so no request is decoded with half-updated weights; the
    reference engine applies each bucket between two scheduler steps and drops old-weight KV.
+   Inside the pause it opens a weight-update session (`POST /begin_weight_update`) and ends
+   it (`POST /end_weight_update`): SGLang 0.5.23 refuses `/update_weights_from_distributed`
+   outside one (the reference engine receives such a bucket, then refuses it).
 4. A body the engine cannot even parse (HTTP 422) leaves the sender's broadcast to time out
    after `timeout_s`.
+
+Deltas (`DeltaAnnouncement`). A version may carry only the tensors that changed since the
+previous one, under their own names: a subset of the names is valid SGLang protocol (its
+`/update_weights_from_distributed` loads whatever names a bucket lists). The buckets of a
+delta are announced with asyncrl's `delta` extension (`proto.sglang.BroadcastDelta`: the base
+version, and each tensor's sha256 as sent) to reference engines only; an SGLang engine gets
+SGLang's fields alone, and so checks neither. A reference engine answers a bucket it will not
+take (not on the base, a hash that differs) with 409 after it has received the bucket's
+tensors, so the stream stays in step; the announcer raises `DeltaRefused` when every engine
+that failed answered 409, and the sender then sends the version in full. Changed blocks of a
+tensor cannot be named on SGLang's wire: deltas here are whole tensors.
 
 Names are the HF state-dict names (`model.layers.0.self_attn.q_proj.weight`); dtypes are torch
 dtype names (`"bfloat16"`, `"float32"`; a `"torch."` prefix is accepted); tensors are sent
@@ -35,7 +49,7 @@ can be a real SGLang.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -114,6 +128,19 @@ class Bucket:
     last: bool
 
 
+@dataclass(frozen=True)
+class DeltaAnnouncement:
+    """What a delta version's buckets carry to reference engines: the version it applies to
+    (`weight_version_name`) and every tensor's sha256 (delta.py `tensor_sha256`)."""
+
+    base: str
+    sha256: Mapping[str, str]
+
+
+class DeltaRefused(RuntimeError):
+    """Every engine that failed a bucket of a delta answered 409: it needs the full version."""
+
+
 # announce(bucket) starts the engines' metadata calls and returns a Future that resolves
 # once they have received the bucket (and raises if any engine refused it).
 Announce = Callable[[Bucket], Future]
@@ -184,11 +211,17 @@ def receive_bucket(
 
 
 def bucket_request(
-    bucket: Bucket, *, weight_version: str | None, group_name: str, flush_cache: bool = True
+    bucket: Bucket,
+    *,
+    weight_version: str | None,
+    group_name: str,
+    flush_cache: bool = True,
+    delta: DeltaAnnouncement | None = None,
 ) -> dict:
     """The body of `/update_weights_from_distributed` announcing `bucket`
-    (`UpdateWeightsFromDistributedReqInput` in proto/sglang.py)."""
-    return {
+    (`UpdateWeightsFromDistributedReqInput` in proto/sglang.py; with `delta`, the reference
+    engine's `ReferenceUpdateWeightsFromDistributedReqInput`)."""
+    body = {
         "names": bucket.names,
         "dtypes": bucket.dtypes,
         "shapes": bucket.shapes,
@@ -196,6 +229,9 @@ def bucket_request(
         "flush_cache": flush_cache,
         "weight_version": weight_version if bucket.last else None,
     }
+    if delta is not None:
+        body["delta"] = {"base": delta.base, "sha256": {n: delta.sha256[n] for n in bucket.names}}
+    return body
 
 
 def http_announcer(
@@ -206,9 +242,13 @@ def http_announcer(
     flush_cache: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     headers: dict[str, str] | None = None,
+    delta: DeltaAnnouncement | None = None,
+    extended: Sequence[bool] | None = None,
 ) -> Announce:
     """An `announce` that POSTs each bucket to `/update_weights_from_distributed` of every
-    engine in parallel; the Future raises `RuntimeError` naming the engines that failed."""
+    engine in parallel; the Future raises `RuntimeError` naming the engines that failed
+    (`DeltaRefused` when each of them answered 409). `delta` goes to the engines whose entry
+    of `extended` is true (reference engines), never to the others."""
     import httpx
 
     # one worker per engine plus one for the gathering job
@@ -221,25 +261,35 @@ def http_announcer(
             timeout=timeout_s,
             headers=headers,
         )
+        if resp.status_code == 409 and delta is not None:
+            raise DeltaRefused(f"{url}: HTTP 409: {resp.text[:500]}")
         if resp.status_code != 200 or not resp.json().get("success", False):
             raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:500]}")
 
     def announce(bucket: Bucket) -> Future:
-        body = bucket_request(
-            bucket, weight_version=weight_version, group_name=group_name, flush_cache=flush_cache
-        )
-        futures = [pool.submit(post, url, body) for url in engine_urls]
+        bodies = [
+            bucket_request(
+                bucket,
+                weight_version=weight_version,
+                group_name=group_name,
+                flush_cache=flush_cache,
+                delta=delta if extended is not None and extended[i] else None,
+            )
+            for i in range(len(engine_urls))
+        ]
+        futures = [pool.submit(post, url, body) for url, body in zip(engine_urls, bodies)]
         done: Future = Future()
 
         def gather() -> None:
-            errors = []
+            errors: list[Exception] = []
             for f in futures:
                 try:
                     f.result()
                 except Exception as exc:  # noqa: BLE001 — collected and re-raised below as one error
-                    errors.append(str(exc))
+                    errors.append(exc)
             if errors:
-                done.set_exception(RuntimeError("weight update failed: " + "; ".join(errors)))
+                kind = DeltaRefused if all(isinstance(e, DeltaRefused) for e in errors) else RuntimeError
+                done.set_exception(kind("weight update failed: " + "; ".join(map(str, errors))))
             else:
                 done.set_result(None)
 

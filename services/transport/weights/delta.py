@@ -109,8 +109,12 @@ def compute_delta(
     any of these is a new anchor, not a delta: ValueError)."""
     if set(prev) != set(new):
         raise ValueError("a delta needs the same tensor names in both versions")
-    if max_bytes is not None and _sampled_changed_bytes(prev, new) > 1.25 * max_bytes:
-        return None
+    if max_bytes is not None:
+        if granularity == "tensor":  # a lower bound: stop as soon as it is over
+            if _sampled_changed_bytes(prev, new, whole_tensors=True) > max_bytes:
+                return None
+        elif _sampled_changed_bytes(prev, new) > 1.25 * max_bytes:
+            return None
     out: dict[str, torch.Tensor] = {}
     touched: list[str] = []
     size = 0
@@ -203,10 +207,15 @@ def apply_delta(
     return touched
 
 
-def _sampled_changed_bytes(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> float:
+def _sampled_changed_bytes(
+    prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, whole_tensors: bool = False
+) -> float:
     """An estimate, from at most SAMPLE_ELEMS evenly strided elements per tensor, of the bytes
     of the changed values alone (a lower bound of any delta's size, up to sampling): under
-    Adam every fp32 element moves, and this says so for ~1% of a full comparison's work."""
+    Adam every fp32 element moves, and this says so for ~1% of a full comparison's work.
+    `whole_tensors`: the bytes of every tensor with a sampled element changed, a true lower
+    bound of a tensor-granularity delta (a bf16 step changes a few % of the elements, which
+    touches every large tensor: this finds that for the same ~1%)."""
     total = 0.0
     for name, t in new.items():
         p = prev[name]
@@ -217,7 +226,10 @@ def _sampled_changed_bytes(prev: Mapping[str, torch.Tensor], new: Mapping[str, t
             continue
         stride = max(1, n // SAMPLE_ELEMS)
         a, b = _flat_bits(p)[::stride], _flat_bits(t)[::stride]
-        total += float((a != b).float().mean()) * n * t.element_size()
+        changed = float((a != b).float().mean())
+        if whole_tensors:
+            changed = 1.0 if changed > 0 else 0.0
+        total += changed * n * t.element_size()
     return total
 
 

@@ -45,6 +45,8 @@ CONTROL = [
     ("/continue_generation", {}),
     ("/abort_request", {"rid": "nobody"}),
     ("/flush_cache", None),
+    ("/begin_weight_update", {}),
+    ("/end_weight_update", {}),
     ("/update_weights_from_disk", {"model_path": "/nowhere", "weight_version": "666"}),
     (
         "/init_weights_update_group",

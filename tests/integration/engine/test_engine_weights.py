@@ -125,10 +125,16 @@ TRAINER = textwrap.dedent(
     assert joined["r"].status_code == 200 and joined["r"].json()["success"], joined["r"].text
 
     named = sorted(load_file(weights_file).items())
+    # Outside a weight-update session (SGLang 0.5.23) a bucket is drained, then refused.
+    try:
+        broadcast_weights(named[:1], group,
+                          announce=http_announcer([url], weight_version="1", group_name="wsync", timeout_s=60))
+    except RuntimeError as exc:
+        print("outside:", exc)
     httpx.post(url + "/pause_generation", json={"mode": "retract"}, timeout=60).raise_for_status()
+    httpx.post(url + "/begin_weight_update", json={}, timeout=60).raise_for_status()
     buckets = broadcast_weights(named, group, bucket_bytes=64 * 1024,
                                 announce=http_announcer([url], weight_version="2", group_name="wsync", timeout_s=60))
-    httpx.post(url + "/continue_generation", timeout=60).raise_for_status()
     print("buckets", buckets)
 
     # A bucket the engine must refuse (unknown name): it still drains the broadcast, then says no.
@@ -137,6 +143,8 @@ TRAINER = textwrap.dedent(
                           announce=http_announcer([url], weight_version="3", group_name="wsync", timeout_s=60))
     except RuntimeError as exc:
         print("refused:", exc)
+    httpx.post(url + "/end_weight_update", json={}, timeout=60).raise_for_status()
+    httpx.post(url + "/continue_generation", timeout=60).raise_for_status()
     """
 )
 
@@ -165,6 +173,8 @@ def test_update_from_gloo_broadcast_equals_fresh_load(engines, weights, fresh_w0
     buckets = int(proc.stdout.split("buckets")[1].split()[0])
     assert buckets > 1  # 64 KiB buckets: several metadata calls
     assert "refused:" in proc.stdout and "unknown parameter names" in proc.stdout
+    assert "outside: weight update failed" in proc.stdout
+    assert "must run between begin_weight_update() and end_weight_update()" in proc.stdout
     got = probe(updated.url)
     assert_same_outputs(got, fresh_w0_outputs)
     assert {v for _, _, v in got} == {"2"}  # the refused bucket did not bump the version

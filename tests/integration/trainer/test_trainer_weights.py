@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import torch
 
@@ -190,6 +191,39 @@ def test_broadcast_publisher_updates_a_reference_engine(tiny, dist1):
         with pytest.raises(BroadcastError):
             pub.publish(5, bad)
         pub.close()
+    finally:
+        engine.stop()
+
+
+def test_each_update_runs_in_a_weight_update_session_and_a_stale_one_is_closed(tiny, dist1):
+    """SGLang 0.5.23 takes `/update_weights_from_distributed` only between `/begin_weight_update`
+    and `/end_weight_update`, one session at a time; a trainer that died inside one leaves it
+    open, and the next trainer's connect closes it before it publishes."""
+    from engine_server import serve_in_thread
+
+    from asyncrl.buffer.server import free_port
+
+    engine = serve_in_thread(str(tiny), device="cpu", dtype="float32")
+    try:
+        http = httpx.Client(base_url=engine.url, timeout=60)
+        assert http.post("/begin_weight_update", json={}).json() == {"success": True, "message": "Success"}
+        again = http.post("/begin_weight_update", json={"selector": "all"})
+        assert again.status_code == 400 and "already open" in again.json()["message"]
+        model = build_model(tiny, dist1)
+        state = cast_state(perturbed(full_state_dict(model), 0.02), torch.float32)
+        pub = BroadcastPublisher(
+            [engine.url], "127.0.0.1", free_port(), "gloo", bucket_bytes=64 << 10, timeout_s=60
+        )
+        pub.publish(3, state)  # connects, closes the stale session, then opens and ends its own
+        got = engine.engine.runner.model.state_dict()
+        assert all(torch.equal(got[n], v) for n, v in state.items())
+        assert engine.engine.weight_session is False
+        none = http.post("/end_weight_update", json={})
+        assert none.status_code == 400 and none.json()["message"] == (
+            "no weight-update session is open; call begin_weight_update() first"
+        )
+        pub.close()
+        http.close()
     finally:
         engine.stop()
 

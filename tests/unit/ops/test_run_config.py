@@ -66,6 +66,18 @@ def test_a_table_s_own_checks_and_unknown_tables_are_reported():
     ]
 
 
+def test_disk_deltas_for_sglang_engines_are_refused_with_the_reason():
+    raw = demo_raw()
+    raw["launch"]["engine_kind"] = "sglang"
+    raw["trainer"]["publish_delta"] = True
+    (problem,) = problems(raw)
+    assert problem.startswith('[trainer] publish_delta with publish = "disk" cannot feed SGLang engines: ')
+    assert "loads every *.safetensors of a directory with no base version" in problem
+    assert 'use publish = "distributed"' in problem
+    raw["trainer"].update(publish="distributed", engine_urls=["http://127.0.0.1:30000"])
+    assert validate_run_config(raw).trainer.publish_delta  # over the broadcast they may
+
+
 def test_the_launching_commands_need_a_model_table():
     raw = demo_raw()
     del raw["model"]

@@ -34,6 +34,8 @@ def test_the_vendored_contract_is_the_release_the_proto_names():
         (proto.UpdateWeightFromDiskReqInput, "update_weight_from_disk_req_input"),
         (proto.UpdateWeightsFromDistributedReqInput, "update_weights_from_distributed_req_input"),
         (proto.InitWeightsUpdateGroupReqInput, "init_weights_update_group_req_input"),
+        (proto.BeginWeightUpdateReqInput, "begin_weight_update_req_input"),
+        (proto.EndWeightUpdateReqInput, "end_weight_update_req_input"),
         (proto.PauseGenerationReqInput, "pause_generation_req_input"),
         (proto.ContinueGenerationReqInput, "continue_generation_req_input"),
         (proto.AbortReq, "abort_req"),
@@ -59,7 +61,15 @@ def test_routes_are_the_current_names_with_their_deprecated_aliases():
     routes = set(CONTRACT["routes"])
     for new, old in proto.ROUTES.items():
         assert new in routes and old in routes
-    for used in ("/generate", "/update_weights_from_disk", "/pause_generation", "/continue_generation"):
+    for used in (
+        "/generate",
+        "/update_weights_from_disk",
+        "/pause_generation",
+        "/continue_generation",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_distributed",
+    ):
         assert used in routes
 
 

@@ -24,7 +24,11 @@ def test_toml_env_and_flags_layer(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("bad,match", [
     ({"publish": "distributed"}, "engine_urls"),
-    ({"publish": "none", "publish_delta": True}, "publish_delta needs publish=disk"),
+    ({"publish": "none", "publish_delta": True}, "publish_delta needs publish=disk or publish=distributed"),
+    (
+        {"publish": "distributed", "engine_urls": ["http://e"], "publish_delta": True, "delta_granularity": "block"},
+        "needs delta_granularity=tensor: SGLang's /update_weights_from_distributed loads whole named tensors",
+    ),
     ({"delta_granularity": "row"}, "delta_granularity"),
     ({"batch_groups": 0}, "greater than or equal to 1"),
     ({"overlong_max_len": 100, "overlong_cache_len": 200}, "overlong"),

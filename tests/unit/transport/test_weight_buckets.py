@@ -46,3 +46,27 @@ def test_tensors_are_drawn_one_bucket_at_a_time():
         sent += len(tensors)
         assert len(drawn) <= sent + 1  # this bucket and, at most, the next tensor
     assert sent == len(drawn) == 12
+
+
+def test_a_delta_bucket_carries_its_hashes_to_reference_engines_and_sglang_fields_only_otherwise():
+    """`delta` is asyncrl's extension: the reference engine's request model reads it, SGLang's
+    (0.5.23, whose fields are vendored in tests/data) does not have it, so a body without it
+    holds SGLang's fields alone."""
+    import json
+    from pathlib import Path
+
+    from asyncrl.proto.sglang import ReferenceUpdateWeightsFromDistributedReqInput
+    from asyncrl.services.transport.weights.broadcast import DeltaAnnouncement, bucket_request
+
+    contract = json.loads((Path(__file__).parents[2] / "data" / "sglang_0_5_23_contract.json").read_text())
+    (_, bucket), (_, last) = plan_buckets(named([8, 8]), bucket_bytes=8 * 4)
+    hashes = {"p0": "a" * 64, "p1": "b" * 64}
+    plain = bucket_request(bucket, weight_version="7", group_name="g")
+    assert set(plain) <= set(contract["update_weights_from_distributed_req_input"])
+    assert plain["weight_version"] is None  # not the last bucket
+    body = bucket_request(last, weight_version="7", group_name="g", delta=DeltaAnnouncement("6", hashes))
+    assert body["delta"] == {"base": "6", "sha256": {"p1": "b" * 64}}  # this bucket's tensors only
+    assert body["weight_version"] == "7"
+    read = ReferenceUpdateWeightsFromDistributedReqInput.model_validate(body)
+    assert (read.delta.base, read.delta.sha256, read.names) == ("6", {"p1": "b" * 64}, ["p1"])
+    assert ReferenceUpdateWeightsFromDistributedReqInput.model_validate(plain).delta is None

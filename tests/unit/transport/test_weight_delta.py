@@ -146,3 +146,20 @@ def test_a_delta_where_every_element_moved_stops_at_the_sample():
     assert compute_delta(prev, new, granularity="block", block_elems=1, max_bytes=200_000) is None
     delta, _ = compute_delta(prev, new, granularity="block", block_elems=1, max_bytes=800_000)
     assert torch.equal(delta["w::data"], new["w"]) and delta["w::blocks"].tolist() == list(range(100_000))
+
+
+def test_a_tensor_delta_stops_at_a_sampled_lower_bound():
+    """Tensor granularity: a tensor with a changed element among the sampled ones (every
+    100_000 // 4096 = 24th, from 0) counts whole; an unsampled change does not (a lower bound)."""
+    from asyncrl.services.transport.weights.delta import _sampled_changed_bytes
+
+    prev = {k: torch.zeros(100_000) for k in ("u", "v", "w")}
+    new = {k: t.clone() for k, t in prev.items()}
+    new["u"][0] = 1.0  # sampled
+    new["v"][48] = 1.0  # sampled
+    new["w"][1] = 1.0  # not sampled
+    assert _sampled_changed_bytes(prev, new, whole_tensors=True) == 800_000
+    assert _sampled_changed_bytes(prev, new) == pytest.approx(2 * 4 * 100_000 / 4167)  # 1 of 4167 each
+    assert compute_delta(prev, new, granularity="tensor", max_bytes=799_999) is None
+    delta, _ = compute_delta(prev, new, granularity="tensor", max_bytes=1_200_000)
+    assert sorted(delta) == ["u", "v", "w"]
