@@ -74,6 +74,12 @@ def listen(settings) -> tuple[str, int]:
     return settings.host, settings.port
 
 
+def named(items: list[dict], name: str) -> dict:
+    """The one item of a Kubernetes list (containers, env, volumes) called `name`."""
+    (item,) = [i for i in items if i["name"] == name]
+    return item
+
+
 def flag(argv: list[str], name: str) -> str:
     assert name in argv, f"{name} missing from {argv}"
     return argv[argv.index(name) + 1]

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from deploy_support import K8S, flag, listen, resolve
+from deploy_support import K8S, flag, listen, named, resolve
 
 API_VERSIONS = {
     "Namespace": "v1", "ConfigMap": "v1", "Service": "v1", "PersistentVolumeClaim": "v1", "ServiceAccount": "v1",
@@ -20,11 +20,20 @@ API_VERSIONS = {
     "Role": "rbac.authorization.k8s.io/v1", "RoleBinding": "rbac.authorization.k8s.io/v1",
 }  # fmt: skip
 WORKLOADS = ("StatefulSet", "Deployment", "Job")
+ROUTER_FINDS_WORKERS = {
+    "--worker-urls",
+    "--service-discovery",
+    "--selector",
+    "--prefill-selector",
+    "--decode-selector",
+}
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # a label the Job controller adds
 
 
 @pytest.fixture(scope="module")
 def k8s() -> dict[tuple[str, str], dict]:
+    """The base's objects, and the ConfigMaps its kustomization generates from files (by their
+    name before kustomize adds the content hash)."""
     docs = {}
     for path in sorted(K8S.glob("*.yaml")):
         if path.name == "kustomization.yaml":
@@ -33,6 +42,15 @@ def k8s() -> dict[tuple[str, str], dict]:
             key = (doc["kind"], doc["metadata"]["name"])
             assert key not in docs, f"{key} defined twice"
             docs[key] = doc
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    for generated in kustomization.get("configMapGenerator", []):
+        data = {name: (K8S / name).read_text() for name in generated["files"]}
+        docs[("ConfigMap", generated["name"])] = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": generated["name"], "namespace": kustomization["namespace"]},
+            "data": data,
+        }
     return docs
 
 
@@ -160,13 +178,14 @@ def test_k8s_asyncrl_commands_parse_and_wire_up(k8s, tmp_path):
 
     rollout, trainer = parsed["rollout"][0], parsed["trainer"][0]
     sglang = k8s[("StatefulSet", "sglang")]
-    assert [k8s_reaches(k8s, u)["metadata"]["name"] for u in rollout.engine_url_list] == ["sglang-router"]
-    admins = [k8s_reaches(k8s, u) for u in rollout.admin_url_list]
-    assert admins == [sglang] * sglang["spec"]["replicas"] and len(set(rollout.admin_url_list)) == len(admins)
+    # An engine fleet behind the router: generation goes to the router, and no engine is listed
+    # (each engine pod joins through POST /v1/engines: test_k8s_topologies.py).
+    assert k8s_reaches(k8s, rollout.router_url)["metadata"]["name"] == "sglang-router"
+    assert rollout.engine_url_list == [rollout.router_url] and rollout.admin_url_list == []
     assert k8s_reaches(k8s, rollout.reward_url)["metadata"]["name"] == "reward"
     assert k8s_reaches(k8s, rollout.redis_url)["metadata"]["name"] == "redis"
     assert trainer.redis_url == rollout.redis_url
-    (engine,) = pod_spec(sglang)["containers"]
+    engine = named(pod_spec(sglang)["containers"], "sglang")
     assert flag(engine["args"], "--model-path") == rollout.tokenizer == trainer.model_path
     assert "--enable-metrics" in engine["args"] and engine["resources"]["limits"]["nvidia.com/gpu"] >= 1
 
@@ -198,19 +217,25 @@ def test_k8s_asyncrl_commands_parse_and_wire_up(k8s, tmp_path):
     assert PurePosixPath(trainer.output_dir).is_relative_to("/weights")
 
 
+def secret_source(container: dict, var: str) -> dict:
+    return named(container["env"], var)["valueFrom"]["secretKeyRef"]
+
+
 def test_k8s_router_redis_and_reward_sandbox(k8s):
-    router_spec, sglang = pod_spec(k8s[("Deployment", "sglang-router")]), k8s[("StatefulSet", "sglang")]
+    router_spec = pod_spec(k8s[("Deployment", "sglang-router")])
     (router,) = router_spec["containers"]
-    assert router["command"][-1] == "sglang_router.launch_router" and "--service-discovery" in router["args"]
-    key, value = flag(router["args"], "--selector").split("=")
-    assert sglang["spec"]["template"]["metadata"]["labels"][key] == value
-    assert {int(flag(router["args"], "--service-discovery-port"))} == ports_of(sglang)
-    assert flag(router["args"], "--service-discovery-namespace") == sglang["metadata"]["namespace"]
-    role = k8s[("Role", "sglang-router")]
-    assert {"list", "watch"} <= set(role["rules"][0]["verbs"]) and role["rules"][0]["resources"] == ["pods"]
-    binding = k8s[("RoleBinding", "sglang-router")]
-    assert binding["roleRef"]["name"] == "sglang-router"
-    assert binding["subjects"][0]["name"] == router_spec["serviceAccountName"]
+    assert router["command"][-1] == "sglang_router.launch_router"
+    # Its workers are the rollout's alone: none at launch, none discovered, and /workers takes
+    # the API token (the one the rollout sends), so nothing else can add one.
+    assert not set(router["args"]) & ROUTER_FINDS_WORKERS
+    assert "serviceAccountName" not in router_spec and router_spec["automountServiceAccountToken"] is False
+    assert not {kind for kind, _ in k8s} & {"ServiceAccount", "Role", "RoleBinding"}
+    _, _, role, key = flag(router["args"], "--control-plane-api-keys").split(":", 3)
+    assert (role, key) == ("admin", "$(ASYNCRL_API_TOKEN)")
+    rollout = named(pod_spec(k8s[("Deployment", "rollout")])["containers"], "rollout")
+    assert secret_source(router, "ASYNCRL_API_TOKEN") == secret_source(rollout, "ASYNCRL_API_TOKEN")
+    # The rollout's router calls carry the engine token, which is ASYNCRL_API_TOKEN unless set apart.
+    assert "ASYNCRL_ENGINE_API_TOKEN" not in {e["name"] for e in rollout["env"]}
 
     redis = k8s[("StatefulSet", "redis")]
     (container,) = pod_spec(redis)["containers"]
