@@ -413,15 +413,15 @@ class Buffer:
             self.redis.script_load(script.source)
             return self.redis.evalsha(script.sha, len(keys), *keys, *args)
 
-    def pipeline(self, fill) -> list:
+    def pipeline(self, fill, wait: bool = True) -> list:
         """The replies of the commands `fill(pipe)` queues, sent in one round trip. If Redis lost
         its script cache, load the scripts and run the pipeline again: every write queued in
         one is idempotent. (On a cluster: on the master of the run's slot, `fill` queuing only
-        the run's metadata keys, then `WAIT`.)"""
+        the run's metadata keys, then `WAIT` unless `wait` is False: for reads.)"""
         for attempt in (0, 1):
             try:
                 if self.cluster:
-                    return self._on_master(self.keys.groups, fill)
+                    return self._on_master(self.keys.groups, fill, wait)
                 pipe = self.redis.pipeline(transaction=False)
                 fill(pipe)
                 return pipe.execute()
@@ -440,11 +440,17 @@ class Buffer:
             return f"asyncrl:{{{self.run}:p:{group_id}}}"
         return self.keys.payload_prefix + group_id
 
-    def payload_get(self, keys: list[str]) -> list[bytes | None]:
-        """The payloads under `keys`, in order (`MGET`; on a cluster one pipeline per master)."""
-        if not self.cluster:
-            return self.redis.mget(keys)
-        return self._per_master([(key, ("GET", key)) for key in keys], wait=False)
+    def payload_get(self, keys: list[str], *parts: Part) -> tuple[list[bytes | None], list]:
+        """The payloads under `keys`, in order, and the results of `parts` (reads of the run's
+        metadata). On one Redis all in one round trip (`MGET` and the parts' commands in one
+        pipeline); on a cluster one pipeline per master for the payloads, the parts on the run's
+        master."""
+        if self.cluster:
+            payloads = self._per_master([(key, ("GET", key)) for key in keys], wait=False)
+            return payloads, self.pipeline_parts(*parts, wait=False) if parts else []
+        mget = Part(lambda pipe: pipe.mget(keys), lambda replies: replies[0])
+        payloads, *results = self.pipeline_parts(mget, *parts)
+        return payloads, results
 
     def payload_commands(self, commands: list[tuple]) -> list:
         """Cluster only: each command (its second word the key) on its key's master, one
@@ -506,7 +512,7 @@ class Buffer:
 
         return self.retry.call_with_retry(run, self.redis.refresh)
 
-    def pipeline_parts(self, *parts: Part) -> list:
+    def pipeline_parts(self, *parts: Part, wait: bool = True) -> list:
         """Several calls' commands in one round trip (`pipeline`), in order: each part's `fill`
         queues its commands, its `finish` turns their replies into its result."""
         bounds: list[tuple[int, int]] = []
@@ -518,7 +524,7 @@ class Buffer:
                 part.fill(pipe)
                 bounds.append((start, len(pipe.command_stack)))
 
-        replies = self.pipeline(fill)
+        replies = self.pipeline(fill, wait)
         return [part.finish(replies[a:b]) for part, (a, b) in zip(parts, bounds)]
 
     def read(

@@ -295,8 +295,10 @@ class Groups:
             if not entries:
                 break
             keys = [self.buf.payload_key(f.get(b"gid", b"").decode(errors="replace")) for _, f in entries]
-            payloads = self.buf.payload_get(keys)
-            history = history or PolicyVersions(self.buf).lineage()  # read once per take, after the wait
+            if history is None:  # read once per take, after the wait, with the first payloads
+                payloads, (history,) = self.buf.payload_get(keys, PolicyVersions(self.buf).lineage_part())
+            else:
+                payloads, _ = self.buf.payload_get(keys)
             for (eid, fields), data in zip(entries, payloads):
                 group = self._decode(eid, fields, data, out)
                 if group is None:
