@@ -106,15 +106,17 @@ EXIT = Script(
     _SLICED
     + """
 local states, entries, jobs_of = sliced(gids, 'HMGET', state), sliced(gids, 'HMGET', entry), sliced(gids, 'HMGET', job)
-local done, acks, payloads, moved, left, per_job = {}, {}, {}, {}, {}, {}
+local marks = sliced(gids, 'HMGET', stepped)
+local done, acks, payloads, moved, left, per_job, unmarked = {}, {}, {}, {}, {}, {}, {}
 for i, gid in ipairs(gids) do
   if states[i] == 'buffered' and not done[gid] then
     done[gid] = true
     acks[#acks + 1], payloads[#payloads + 1], left[#left + 1] = entries[i], payload_prefix .. gid, gid
     moved[#moved + 1], moved[#moved + 2] = gid, exit
-    if jobs_of[i] then
-      per_job[jobs_of[i]] = (per_job[jobs_of[i]] or 0) + 1
-      if redis.call('HDEL', stepped, gid) == 1 then redis.call('HINCRBY', job_prefix .. jobs_of[i], 'stepped', -1) end
+    local j = jobs_of[i]
+    if j then
+      per_job[j] = (per_job[j] or 0) + 1
+      if marks[i] then unmarked[j] = (unmarked[j] or 0) + 1 end
     end
   end
 end
@@ -125,9 +127,11 @@ if unlink == '1' then sliced(payloads, 'UNLINK') end
 sliced(moved, 'HSET', state)
 sliced(left, 'HDEL', entry)
 sliced(left, 'HDEL', job)
+if next(unmarked) then sliced(left, 'HDEL', stepped) end
 redis.call('HINCRBY', stats, exit, #left)
 if exit ~= 'trained' then redis.call('HINCRBY', admission, 'accepted', -#left) end
 for j, count in pairs(per_job) do redis.call('HINCRBY', job_prefix .. j, exit, count) end
+for j, count in pairs(unmarked) do redis.call('HINCRBY', job_prefix .. j, 'stepped', -count) end
 if unlink == '1' then return #left end
 return left
 """,
