@@ -304,6 +304,8 @@ class Part:
 
     fill: Callable[[redis.client.Pipeline], None]
     finish: Callable[[list], Any]
+    # Its commands carry group payloads: the pipeline runs as one MULTI/EXEC (`Buffer.pipeline`).
+    transaction: bool = False
 
 
 class ClusterURL:
@@ -413,16 +415,22 @@ class Buffer:
             self.redis.script_load(script.source)
             return self.redis.evalsha(script.sha, len(keys), *keys, *args)
 
-    def pipeline(self, fill, wait: bool = True) -> list:
+    def pipeline(self, fill, wait: bool = True, transaction: bool = False) -> list:
         """The replies of the commands `fill(pipe)` queues, sent in one round trip. If Redis lost
         its script cache, load the scripts and run the pipeline again: every write queued in
         one is idempotent. (On a cluster: on the master of the run's slot, `fill` queuing only
-        the run's metadata keys, then `WAIT` unless `wait` is False: for reads.)"""
+        the run's metadata keys, then `WAIT` unless `wait` is False: for reads.)
+
+        `transaction` (one Redis) wraps the commands in MULTI/EXEC, for pipelines that carry
+        group payloads: Redis reads a pipeline one large argument per event-loop turn and, under
+        `appendfsync always`, fsyncs at the end of every turn that wrote, so payloads in a plain
+        pipeline cost an fsync each; queued, they are applied in one turn and fsynced once (and
+        together: a put cut off mid-pipeline writes nothing)."""
         for attempt in (0, 1):
             try:
                 if self.cluster:
                     return self._on_master(self.keys.groups, fill, wait)
-                pipe = self.redis.pipeline(transaction=False)
+                pipe = self.redis.pipeline(transaction=transaction)
                 fill(pipe)
                 return pipe.execute()
             except redis.exceptions.NoScriptError:
@@ -524,7 +532,7 @@ class Buffer:
                 part.fill(pipe)
                 bounds.append((start, len(pipe.command_stack)))
 
-        replies = self.pipeline(fill, wait)
+        replies = self.pipeline(fill, wait, transaction=any(part.transaction for part in parts))
         return [part.finish(replies[a:b]) for part, (a, b) in zip(parts, bounds)]
 
     def read(

@@ -51,10 +51,11 @@ end
 
 # `puts`: group_id, job_id, min_version per group. One flag per group: 1 new, 0 seen before and
 # still buffered, -1 seen before and left already (a group_id twice in one call is put once). The
-# payloads were written by `SET NX` in the same pipeline (~200 kB through a Lua argument costs as
-# much as the XADD); the entry holds the id and the oldest token version (for inspection). The
-# group's admission slot moves from `running` to `accepted`. On a cluster `payloads` is empty (the
-# payloads live in other slots): the caller deletes those of the -1 groups itself.
+# payloads were written by `SET NX` in the same pipeline, one MULTI/EXEC on one Redis (~200 kB
+# through a Lua argument costs as much as the XADD; `Buffer.pipeline` says why MULTI); the entry
+# holds the id and the oldest token version (for inspection). The group's admission slot moves
+# from `running` to `accepted`. On a cluster `payloads` is empty (the payloads live in other
+# slots): the caller deletes those of the -1 groups itself.
 PUT = Script(
     "state entry job groups admission stats running *payloads",
     "*puts",
@@ -276,7 +277,7 @@ class Groups:
                 m.PUT_SECONDS.observe(elapsed / len(groups))
             return new
 
-        return Part(fill, finish)
+        return Part(fill, finish, transaction=not cluster)
 
     # ------------------------------------------------------------------ consumer side
     def take(
