@@ -305,6 +305,8 @@ class Part:
 
     fill: Callable[[redis.client.Pipeline], None]
     finish: Callable[[list], Any]
+    # Its commands carry group payloads: the pipeline runs as one MULTI/EXEC (`Buffer.pipeline`).
+    transaction: bool = False
 
 
 class ClusterURL:
@@ -414,16 +416,22 @@ class Buffer:
             self.redis.script_load(script.source)
             return self.redis.evalsha(script.sha, len(keys), *keys, *args)
 
-    def pipeline(self, fill) -> list:
+    def pipeline(self, fill, wait: bool = True, transaction: bool = False) -> list:
         """The replies of the commands `fill(pipe)` queues, sent in one round trip. If Redis lost
         its script cache, load the scripts and run the pipeline again: every write queued in
         one is idempotent. (On a cluster: on the master of the run's slot, `fill` queuing only
-        the run's metadata keys, then `WAIT`.)"""
+        the run's metadata keys, then `WAIT` unless `wait` is False: for reads.)
+
+        `transaction` (one Redis) wraps the commands in MULTI/EXEC, for pipelines that carry
+        group payloads: Redis reads a pipeline one large argument per event-loop turn and, under
+        `appendfsync always`, fsyncs at the end of every turn that wrote, so payloads in a plain
+        pipeline cost an fsync each; queued, they are applied in one turn and fsynced once (and
+        together: a put cut off mid-pipeline writes nothing)."""
         for attempt in (0, 1):
             try:
                 if self.cluster:
-                    return self._on_master(self.keys.groups, fill)
-                pipe = self.redis.pipeline(transaction=False)
+                    return self._on_master(self.keys.groups, fill, wait)
+                pipe = self.redis.pipeline(transaction=transaction)
                 fill(pipe)
                 return pipe.execute()
             except redis.exceptions.NoScriptError:
@@ -441,11 +449,17 @@ class Buffer:
             return f"asyncrl:{{{self.run}:p:{group_id}}}"
         return self.keys.payload_prefix + group_id
 
-    def payload_get(self, keys: list[str]) -> list[bytes | None]:
-        """The payloads under `keys`, in order (`MGET`; on a cluster one pipeline per master)."""
-        if not self.cluster:
-            return self.redis.mget(keys)
-        return self._per_master([(key, ("GET", key)) for key in keys], wait=False)
+    def payload_get(self, keys: list[str], *parts: Part) -> tuple[list[bytes | None], list]:
+        """The payloads under `keys`, in order, and the results of `parts` (reads of the run's
+        metadata). On one Redis all in one round trip (`MGET` and the parts' commands in one
+        pipeline); on a cluster one pipeline per master for the payloads, the parts on the run's
+        master."""
+        if self.cluster:
+            payloads = self._per_master([(key, ("GET", key)) for key in keys], wait=False)
+            return payloads, self.pipeline_parts(*parts, wait=False) if parts else []
+        mget = Part(lambda pipe: pipe.mget(keys), lambda replies: replies[0])
+        payloads, *results = self.pipeline_parts(mget, *parts)
+        return payloads, results
 
     def payload_commands(self, commands: list[tuple]) -> list:
         """Cluster only: each command (its second word the key) on its key's master, one
@@ -507,7 +521,7 @@ class Buffer:
 
         return self.retry.call_with_retry(run, self.redis.refresh)
 
-    def pipeline_parts(self, *parts: Part) -> list:
+    def pipeline_parts(self, *parts: Part, wait: bool = True) -> list:
         """Several calls' commands in one round trip (`pipeline`), in order: each part's `fill`
         queues its commands, its `finish` turns their replies into its result."""
         bounds: list[tuple[int, int]] = []
@@ -519,7 +533,7 @@ class Buffer:
                 part.fill(pipe)
                 bounds.append((start, len(pipe.command_stack)))
 
-        replies = self.pipeline(fill)
+        replies = self.pipeline(fill, wait, transaction=any(part.transaction for part in parts))
         return [part.finish(replies[a:b]) for part, (a, b) in zip(parts, bounds)]
 
     def read(

@@ -51,10 +51,11 @@ end
 
 # `puts`: group_id, job_id, min_version per group. One flag per group: 1 new, 0 seen before and
 # still buffered, -1 seen before and left already (a group_id twice in one call is put once). The
-# payloads were written by `SET NX` in the same pipeline (~200 kB through a Lua argument costs as
-# much as the XADD); the entry holds the id and the oldest token version (for inspection). The
-# group's admission slot moves from `running` to `accepted`. On a cluster `payloads` is empty (the
-# payloads live in other slots): the caller deletes those of the -1 groups itself.
+# payloads were written by `SET NX` in the same pipeline, one MULTI/EXEC on one Redis (~200 kB
+# through a Lua argument costs as much as the XADD; `Buffer.pipeline` says why MULTI); the entry
+# holds the id and the oldest token version (for inspection). The group's admission slot moves
+# from `running` to `accepted`. On a cluster `payloads` is empty (the payloads live in other
+# slots): the caller deletes those of the -1 groups itself.
 PUT = Script(
     "state entry job groups admission stats running *payloads",
     "*puts",
@@ -106,15 +107,17 @@ EXIT = Script(
     _SLICED
     + """
 local states, entries, jobs_of = sliced(gids, 'HMGET', state), sliced(gids, 'HMGET', entry), sliced(gids, 'HMGET', job)
-local done, acks, payloads, moved, left, per_job = {}, {}, {}, {}, {}, {}
+local marks = sliced(gids, 'HMGET', stepped)
+local done, acks, payloads, moved, left, per_job, unmarked = {}, {}, {}, {}, {}, {}, {}
 for i, gid in ipairs(gids) do
   if states[i] == 'buffered' and not done[gid] then
     done[gid] = true
     acks[#acks + 1], payloads[#payloads + 1], left[#left + 1] = entries[i], payload_prefix .. gid, gid
     moved[#moved + 1], moved[#moved + 2] = gid, exit
-    if jobs_of[i] then
-      per_job[jobs_of[i]] = (per_job[jobs_of[i]] or 0) + 1
-      if redis.call('HDEL', stepped, gid) == 1 then redis.call('HINCRBY', job_prefix .. jobs_of[i], 'stepped', -1) end
+    local j = jobs_of[i]
+    if j then
+      per_job[j] = (per_job[j] or 0) + 1
+      if marks[i] then unmarked[j] = (unmarked[j] or 0) + 1 end
     end
   end
 end
@@ -125,9 +128,11 @@ if unlink == '1' then sliced(payloads, 'UNLINK') end
 sliced(moved, 'HSET', state)
 sliced(left, 'HDEL', entry)
 sliced(left, 'HDEL', job)
+if next(unmarked) then sliced(left, 'HDEL', stepped) end
 redis.call('HINCRBY', stats, exit, #left)
 if exit ~= 'trained' then redis.call('HINCRBY', admission, 'accepted', -#left) end
 for j, count in pairs(per_job) do redis.call('HINCRBY', job_prefix .. j, exit, count) end
+for j, count in pairs(unmarked) do redis.call('HINCRBY', job_prefix .. j, 'stepped', -count) end
 if unlink == '1' then return #left end
 return left
 """,
@@ -272,7 +277,7 @@ class Groups:
                 m.PUT_SECONDS.observe(elapsed / len(groups))
             return new
 
-        return Part(fill, finish)
+        return Part(fill, finish, transaction=not cluster)
 
     # ------------------------------------------------------------------ consumer side
     def take(
@@ -295,8 +300,10 @@ class Groups:
             if not entries:
                 break
             keys = [self.buf.payload_key(f.get(b"gid", b"").decode(errors="replace")) for _, f in entries]
-            payloads = self.buf.payload_get(keys)
-            history = history or PolicyVersions(self.buf).lineage()  # read once per take, after the wait
+            if history is None:  # read once per take, after the wait, with the first payloads
+                payloads, (history,) = self.buf.payload_get(keys, PolicyVersions(self.buf).lineage_part())
+            else:
+                payloads, _ = self.buf.payload_get(keys)
             for (eid, fields), data in zip(entries, payloads):
                 group = self._decode(eid, fields, data, out)
                 if group is None:

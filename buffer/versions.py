@@ -108,10 +108,16 @@ class PolicyVersions:
         )
 
     def lineage(self) -> Lineage:
-        epoch, forks = (
-            self.buf.redis.pipeline(transaction=False).get(self.keys.epoch).hgetall(self.keys.forks).execute()
-        )
-        return Lineage(int(epoch or 0), {int(e): int(v) for e, v in forks.items()})
+        return self.buf.pipeline_parts(self.lineage_part(), wait=False)[0]
+
+    def lineage_part(self) -> Part:
+        """`lineage` as part of a larger pipeline (`Buffer.pipeline_parts`, `Buffer.payload_get`)."""
+
+        def finish(replies: list) -> Lineage:
+            epoch, forks = replies
+            return Lineage(int(epoch or 0), {int(e): int(v) for e, v in forks.items()})
+
+        return Part(lambda pipe: pipe.get(self.keys.epoch).hgetall(self.keys.forks), finish)
 
 
 class VersionSubscription:

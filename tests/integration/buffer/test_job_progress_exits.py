@@ -77,3 +77,29 @@ def test_trained_from_the_step_durable_at_the_checkpoint_and_dead_letters_shown(
     assert p["trained"] + p["dropped"] + p["dead_lettered"] + p["in_buffer"] == p["buffered"] == 5
     assert conn.redis.hlen(conn.keys.group_stepped) == 0  # nothing left behind once groups leave
     conn.close()
+
+
+def test_one_exit_of_many_groups_takes_back_each_jobs_step_marks(redis_url, run_id):
+    """EXIT reads every group's step mark in one command: a batch with marked and unmarked
+    groups of two jobs (and a repeated id) gives back exactly each job's marks."""
+    conn = Buffer(redis_url, run_id)
+    groups, jobs = Groups(conn, "trainer-0"), Jobs(conn, "rollout-0")
+    for job, n in (("job-a", 3), ("job-b", 4)):
+        jobs.describe(job, groups=n, body_hash="h")
+    a, b = ["a0", "a1", "a2"], ["b0", "b1", "b2", "b3"]
+    groups.put([make_group(g, job_id="job-a") for g in a] + [make_group(g, job_id="job-b") for g in b])
+    assert [g.group_id for g in groups.take(7, current_version=0, block_ms=100).groups] == a + b
+    assert groups.stepped(["a0", "b0", "b1", "b3"], 1) == 4
+    assert (jobs.progress("job-a").stepped, jobs.progress("job-b").stepped) == (1, 3)
+
+    assert groups.ack(["a0", "a1", "b0", "b1", "b2", "a0"]) == 5
+    pa, pb = jobs.progress("job-a"), jobs.progress("job-b")
+    assert (pa.stepped, pa.exits) == (0, {GroupState.trained: 2})
+    assert (pb.stepped, pb.exits) == (1, {GroupState.trained: 3})  # b3: stepped, not acked yet
+    assert conn.redis.hkeys(conn.keys.group_stepped) == [b"b3"]
+    assert groups.discard(["a2", "b3"], GroupState.zero_spread) == 2
+    pa, pb = jobs.progress("job-a"), jobs.progress("job-b")
+    assert (pa.stepped, pa.exits) == (0, {GroupState.trained: 2, GroupState.zero_spread: 1})
+    assert (pb.stepped, pb.exits) == (0, {GroupState.trained: 3, GroupState.zero_spread: 1})
+    assert conn.redis.hlen(conn.keys.group_stepped) == 0
+    conn.close()
