@@ -7,8 +7,9 @@ there is no fleet (no `router_url`) or the engine cannot be brought to the curre
 (unreachable, a failed load, broadcast weights), 502 when the router did not take it, 503 while
 the rollout has not caught up with the published weights since its start. `DELETE
 /v1/engines?url=` takes it out of the router, then out of the weight updates (200, the fleet
-after; 404 for an engine the fleet does not have). Behind the same bearer token as every other
-route; each refusal is counted in `asyncrl_rollout_requests_rejected_total{reason}`.
+after; 404 for an engine the fleet does not have). Behind the engine token whenever the rollout
+holds one (`install_auth`'s `engine_control`): a join makes the rollout send it to the URL given.
+Each refusal is counted in `asyncrl_rollout_requests_rejected_total{reason}`.
 """
 
 from __future__ import annotations
