@@ -14,8 +14,9 @@ left and no weight update misses an engine that serves.
   `engine_unhealthy_after` probes in a row, one every `engine_probe_s`, is taken out of the
   router and out of the updates; it stays in the roster, and joins again (brought to the
   current weights first) once it answers.
-* Every `weights_poll_s` the roster is read again (the joins and leaves of other replicas) and
-  the router's list repaired (a restarted router lists no one; a down engine is taken out).
+* Every `weights_poll_s` the roster is read again (the joins and leaves of other replicas: an
+  engine no longer listed is taken out of the router, and out of the updates here) and the
+  router's list repaired (a restarted router lists no one; a down engine is taken out).
 
 An engine that dies with requests in flight loses nothing that was received: `/generate` is not
 streamed, so the tokens of the attempt it was running never reached the rollout. sglang-router
@@ -194,6 +195,8 @@ class EngineFleet:
             log_event(log, "router's workers not read", logging.WARNING, error=str(exc))
             return
         for member in list(self.members.values()):
+            if member.url not in listed:
+                continue  # being forgotten: never added back
             wrong = (member.state is EngineState.serving) != (member.url in routed)
             if wrong and member.state is not EngineState.joining and not self._locks[member.url].locked():
                 self._background(self._repair(member.url))
@@ -204,10 +207,22 @@ class EngineFleet:
                 await self._bring_up_quietly(url, "joined")
 
     async def _forget(self, url: str) -> None:
-        """An engine another replica took out of the fleet: stop updating it here too."""
+        """An engine another replica took out of the fleet: out of the router (this replica may
+        have added it back while that leave was under way: its sync saw it listed, and not
+        routed), then out of the updates here. Kept while the router fails: the next sync
+        tries again."""
         async with self._locks[url]:
-            member = self.members.pop(url, None)
-            if member is not None and member.endpoint is not None:
+            member = self.members.get(url)
+            if member is None:
+                return
+            try:
+                await self.router.remove(url, self.join_timeout_s)
+            except RouterError as exc:  # counted in asyncrl_rollout_router_calls_total
+                log_event(log, "engine left by another replica still in the router", logging.WARNING,
+                          engine=url, error=str(exc))  # fmt: skip
+                return
+            self.members.pop(url, None)
+            if member.endpoint is not None:
                 await self.weights.retire(member.endpoint)
             self._count()
 
