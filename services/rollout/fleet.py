@@ -59,6 +59,11 @@ class NotAMember(Exception):
     """`DELETE /v1/engines` of an engine the fleet does not have."""
 
 
+class NotAnEngine(ValueError):
+    """`POST /v1/engines` of the fleet's own router: it would be listed as its own worker (requests
+    sent round in a loop) and sent weight updates."""
+
+
 class FleetNotReady(Exception):
     """The weights have not been caught up with since the start: no engine can join yet."""
 
@@ -117,7 +122,10 @@ class EngineFleet:
     async def join(self, url: str, wait_s: float) -> FleetEngine:
         """Add `url` to the fleet (see the module docstring); an engine already serving is left as
         it is. Raises `JoinRefused` or `RouterError` (a new member is then forgotten; a down one
-        stays down), `FleetNotReady` when the weights were not caught up with in `wait_s`."""
+        stays down), `FleetNotReady` when the weights were not caught up with in `wait_s`,
+        `NotAnEngine` for the router itself (another name for it is not recognised)."""
+        if url == self.router.url.rstrip("/"):
+            raise NotAnEngine(f"{url} is this fleet's router, not an engine behind it")
         try:
             await asyncio.wait_for(self.weights.caught_up.wait(), wait_s)
         except TimeoutError:

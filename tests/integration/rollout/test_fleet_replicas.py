@@ -1,6 +1,6 @@
-"""Two rollout replicas managing one engine fleet behind the real `sglang-router`
-(services/rollout/fleet.py): a leave on one replica must not leave the engine in the router
-through the other.
+"""Membership of the engine fleet behind the real `sglang-router` (services/rollout/fleet.py):
+a leave on one of two replicas must not leave the engine in the router through the other; the
+router cannot join its own fleet.
 
 A leave takes the engine out of the router, then out of the weight updates (after any update
 under way: the update lock), then out of the roster. A replica that reads the roster and the
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+import httpx
 import pytest
 import torch
 from engine_server import serve_in_thread as serve_engine
@@ -124,3 +125,33 @@ def test_a_leave_on_one_replica_is_not_undone_by_the_other(redis_url, run_id, ro
     between, after, listed, a_members, b_members = asyncio.run(scenario())
     assert between == {engine.url}  # (the window this test is about was hit)
     assert (after, listed, a_members, b_members) == (set(), set(), {}, {})
+
+
+def test_the_router_cannot_join_its_own_fleet(monkeypatch, redis_url, run_id, tiny, router, engine):
+    """Its own router named as an engine (an easy slip: the rollout's generation URL defaults to
+    it) would be listed as its own worker, requests sent round in a loop, and weight updates
+    sent to it: refused with a 422 that says why, nothing changed."""
+    from fastapi.testclient import TestClient
+
+    from asyncrl.services.rollout.app import build_app
+    from asyncrl.services.rollout.config import RolloutSettings
+    from asyncrl.services.rollout.service import RolloutService
+    from asyncrl.services.runtime.auth import API_TOKEN_ENV, ENGINE_TOKEN_ENV
+
+    monkeypatch.delenv(API_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(ENGINE_TOKEN_ENV, raising=False)
+    closed = f"http://127.0.0.1:{free_port()}"
+    settings = RolloutSettings(run=run_id, replica="r0", router_url=router.url, reward_url=closed,
+                               tokenizer=str(tiny), weights_poll_s=0.2)  # fmt: skip
+    with TestClient(build_app(RolloutService(settings, redis_url))) as client:
+        joined = client.post("/v1/engines", json={"url": engine.url})
+        assert joined.status_code == 200, joined.text
+        refused = client.post("/v1/engines", json={"url": router.url + "/"})
+        assert (refused.status_code, refused.json().get("detail")) == (
+            422,
+            f"{router.url} is this fleet's router, not an engine behind it",
+        )
+        assert [(e["url"], e["state"]) for e in client.get("/v1/engines").json()["engines"]] == [
+            (engine.url, "serving")
+        ]
+    assert [w["url"] for w in httpx.get(f"{router.url}/workers").json()["workers"]] == [engine.url]
