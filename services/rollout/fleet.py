@@ -16,7 +16,9 @@ left and no weight update misses an engine that serves.
   current weights first) once it answers.
 * Every `weights_poll_s` the roster is read again (the joins and leaves of other replicas: an
   engine no longer listed is taken out of the router, and out of the updates here) and the
-  router's list repaired (a restarted router lists no one; a down engine is taken out).
+  router's list repaired (a restarted router lists no one; a down engine is taken out). A join
+  or forget a sync starts reads the roster again under the engine's lock: a join or leave
+  answered since the sync's read is not undone.
 
 An engine that dies with requests in flight loses nothing that was received: `/generate` is not
 streamed, so the tokens of the attempt it was running never reached the rollout. sglang-router
@@ -209,10 +211,28 @@ class EngineFleet:
             if wrong and member.state is not EngineState.joining and not self._locks[member.url].locked():
                 self._background(self._repair(member.url))
 
+    async def _listed(self, url: str) -> bool | None:
+        """Whether the roster lists `url` now (None: not read, counted). A sync decides from a
+        roster read that a join or leave under way (on this replica or another) may have
+        changed since: each change it starts asks again under the engine's lock."""
+        if url in self.configured:
+            return True
+        try:
+            return url in await asyncio.to_thread(self.roster.members)
+        except redis.RedisError as exc:
+            m.FLEET_SYNC_ERRORS.labels("redis").inc()
+            log_event(log, "engine roster not read", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
+            return None
+
     async def _join_listed(self, url: str) -> None:
         async with self._locks[url]:
-            if url in self.members:
-                await self._bring_up_quietly(url, "joined")
+            member = self.members.get(url)
+            if member is None or member.state is not EngineState.joining:
+                return
+            if not await self._listed(url):  # left meanwhile (or unread: the next sync asks again)
+                self.members.pop(url, None)
+                return
+            await self._bring_up_quietly(url, "joined")
 
     async def _forget(self, url: str) -> None:
         """An engine another replica took out of the fleet: out of the router (this replica may
@@ -221,8 +241,8 @@ class EngineFleet:
         tries again."""
         async with self._locks[url]:
             member = self.members.get(url)
-            if member is None:
-                return
+            if member is None or await self._listed(url) is not False:
+                return  # joined again meanwhile (or unread: the next sync asks again)
             try:
                 await self.router.remove(url, self.join_timeout_s)
             except RouterError as exc:  # counted in asyncrl_rollout_router_calls_total

@@ -155,3 +155,32 @@ def test_the_router_cannot_join_its_own_fleet(monkeypatch, redis_url, run_id, ti
             (engine.url, "serving")
         ]
     assert [w["url"] for w in httpx.get(f"{router.url}/workers").json()["workers"]] == [engine.url]
+
+
+def test_a_sync_acts_on_the_roster_as_it_is_when_the_change_runs(redis_url, run_id, router, engine):
+    """A sync reads the roster (in a thread: a join or leave on this replica goes on meanwhile)
+    and then decides from that read. A join answered in between looks unlisted to it, and a
+    leave answered in between looks listed: the forget and the join it then starts (under the
+    engine's lock, after that change) must read the roster again, or it undoes the change."""
+    from asyncrl.services.rollout.fleet import Member
+
+    async def scenario():
+        buf = Buffer(redis_url, run_id)
+        a = Replica(buf, router.url)
+        try:
+            await a.start()
+            assert (await a.fleet.join(engine.url, 10)).state == "serving"
+            await a.fleet._forget(engine.url)  # what a sync that read the roster before the join starts
+            kept = (a.fleet.members[engine.url].state, set(await a.router.workers()), a.weights._indices())
+            await a.fleet.leave(engine.url)
+            a.fleet.members[engine.url] = Member(engine.url)  # what a sync that read it before the leave does
+            await a.fleet._join_listed(engine.url)  # ... and starts
+            gone = (dict(a.fleet.members), set(await a.router.workers()), a.weights._indices())
+            return kept, gone
+        finally:
+            await a.close()
+            buf.close()
+
+    kept, gone = asyncio.run(scenario())
+    assert kept[:2] == ("serving", {engine.url}) and len(kept[2]) == 1
+    assert gone == ({}, set(), [])
