@@ -41,7 +41,7 @@ def build_app(service: RolloutService, *, run_scheduler: bool = True) -> FastAPI
 
     app = FastAPI(title="asyncrl rollout service", lifespan=lifespan)
     app.state.service = service
-    install_auth(app)
+    install_auth(app, engine_control=(engines.router.prefix,))  # it sends the engine token
     app.add_middleware(
         BodyLimit,
         max_bytes=service.settings.max_body_bytes,

@@ -329,6 +329,8 @@ class RolloutSettings(ServiceSettings):
             self.engine_urls = self.router_url  # generation goes through the router it manages
         if not self.engine_url_list:
             raise ValueError("engine_urls needs at least one URL")
+        if self.router_url and self.router_url in _url_list(self.engine_admin_urls):
+            raise ValueError("engine_admin_urls lists router_url: the router is not one of its own workers")
         if self.default_max_new_tokens > self.max_new_tokens_cap:
             raise ValueError("default_max_new_tokens exceeds max_new_tokens_cap")
         if self.heartbeat_s * 3 > self.recover_idle_s:

@@ -14,8 +14,11 @@ left and no weight update misses an engine that serves.
   `engine_unhealthy_after` probes in a row, one every `engine_probe_s`, is taken out of the
   router and out of the updates; it stays in the roster, and joins again (brought to the
   current weights first) once it answers.
-* Every `weights_poll_s` the roster is read again (the joins and leaves of other replicas) and
-  the router's list repaired (a restarted router lists no one; a down engine is taken out).
+* Every `weights_poll_s` the roster is read again (the joins and leaves of other replicas: an
+  engine no longer listed is taken out of the router, and out of the updates here) and the
+  router's list repaired (a restarted router lists no one; a down engine is taken out). A join
+  or forget a sync starts reads the roster again under the engine's lock: a join or leave
+  answered since the sync's read is not undone.
 
 An engine that dies with requests in flight loses nothing that was received: `/generate` is not
 streamed, so the tokens of the attempt it was running never reached the rollout. sglang-router
@@ -56,6 +59,11 @@ PROBE_TIMEOUTS = 5  # a health probe may take this many probe intervals before i
 
 class NotAMember(Exception):
     """`DELETE /v1/engines` of an engine the fleet does not have."""
+
+
+class NotAnEngine(ValueError):
+    """`POST /v1/engines` of the fleet's own router: it would be listed as its own worker (requests
+    sent round in a loop) and sent weight updates."""
 
 
 class FleetNotReady(Exception):
@@ -116,7 +124,10 @@ class EngineFleet:
     async def join(self, url: str, wait_s: float) -> FleetEngine:
         """Add `url` to the fleet (see the module docstring); an engine already serving is left as
         it is. Raises `JoinRefused` or `RouterError` (a new member is then forgotten; a down one
-        stays down), `FleetNotReady` when the weights were not caught up with in `wait_s`."""
+        stays down), `FleetNotReady` when the weights were not caught up with in `wait_s`,
+        `NotAnEngine` for the router itself (another name for it is not recognised)."""
+        if url == self.router.url.rstrip("/"):
+            raise NotAnEngine(f"{url} is this fleet's router, not an engine behind it")
         try:
             await asyncio.wait_for(self.weights.caught_up.wait(), wait_s)
         except TimeoutError:
@@ -194,20 +205,52 @@ class EngineFleet:
             log_event(log, "router's workers not read", logging.WARNING, error=str(exc))
             return
         for member in list(self.members.values()):
+            if member.url not in listed:
+                continue  # being forgotten: never added back
             wrong = (member.state is EngineState.serving) != (member.url in routed)
             if wrong and member.state is not EngineState.joining and not self._locks[member.url].locked():
                 self._background(self._repair(member.url))
 
+    async def _listed(self, url: str) -> bool | None:
+        """Whether the roster lists `url` now (None: not read, counted). A sync decides from a
+        roster read that a join or leave under way (on this replica or another) may have
+        changed since: each change it starts asks again under the engine's lock."""
+        if url in self.configured:
+            return True
+        try:
+            return url in await asyncio.to_thread(self.roster.members)
+        except redis.RedisError as exc:
+            m.FLEET_SYNC_ERRORS.labels("redis").inc()
+            log_event(log, "engine roster not read", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
+            return None
+
     async def _join_listed(self, url: str) -> None:
         async with self._locks[url]:
-            if url in self.members:
-                await self._bring_up_quietly(url, "joined")
+            member = self.members.get(url)
+            if member is None or member.state is not EngineState.joining:
+                return
+            if not await self._listed(url):  # left meanwhile (or unread: the next sync asks again)
+                self.members.pop(url, None)
+                return
+            await self._bring_up_quietly(url, "joined")
 
     async def _forget(self, url: str) -> None:
-        """An engine another replica took out of the fleet: stop updating it here too."""
+        """An engine another replica took out of the fleet: out of the router (this replica may
+        have added it back while that leave was under way: its sync saw it listed, and not
+        routed), then out of the updates here. Kept while the router fails: the next sync
+        tries again."""
         async with self._locks[url]:
-            member = self.members.pop(url, None)
-            if member is not None and member.endpoint is not None:
+            member = self.members.get(url)
+            if member is None or await self._listed(url) is not False:
+                return  # joined again meanwhile (or unread: the next sync asks again)
+            try:
+                await self.router.remove(url, self.join_timeout_s)
+            except RouterError as exc:  # counted in asyncrl_rollout_router_calls_total
+                log_event(log, "engine left by another replica still in the router", logging.WARNING,
+                          engine=url, error=str(exc))  # fmt: skip
+                return
+            self.members.pop(url, None)
+            if member.endpoint is not None:
                 await self.weights.retire(member.endpoint)
             self._count()
 

@@ -3,7 +3,9 @@
 Two tokens, one scheme (`Authorization: Bearer <token>`):
 
 * `ASYNCRL_API_TOKEN`: when set, every endpoint of every service except the probes
-  (`/healthz`, `/health`, `/metrics`) requires it.
+  (`/healthz`, `/health`, `/metrics`) requires it, except the rollout's engine fleet
+  (`/v1/engines`), which requires the engine token whenever the rollout holds one: joining an
+  engine makes the rollout send the engine token to the URL it is given.
 * The engine token: `ASYNCRL_ENGINE_API_TOKEN`, else `ASYNCRL_API_TOKEN`. The reference
   engine requires it on its control endpoints (weight updates, update groups, pause/continue,
   abort, flush: every endpoint that changes state); an engine started without one listens on
@@ -80,14 +82,34 @@ def bearer_matches(header: str, token: str) -> bool:
     return hmac.compare_digest(given, expected) and scheme.lower() == "bearer"
 
 
-def install_auth(app, token: str | None = None) -> None:
+def install_auth(app, token: str | None = None, *, engine_control: Collection[str] = ()) -> None:
     """Require the bearer token (`token`, else `ASYNCRL_API_TOKEN`; a weak one raises `WeakToken`)
-    on every path but OPEN_PATHS; without any token, nothing is required."""
+    on every path but OPEN_PATHS; without any token, nothing is required.
+
+    Paths under the prefixes `engine_control` (a service's routes that make it call a URL its
+    caller names with the engine token: the rollout's engine fleet) take the engine token
+    (`engine_token()`) instead, whenever the service holds one: the API token alone, or no
+    token, must not be a way to have the engine token sent to a host of the caller's choosing."""
     token = token if token is not None else os.environ.get(API_TOKEN_ENV) or None
-    if not token:
+    control = engine_token() if engine_control else None
+    if token:
+        check_token(token)
+    if control and control != token:
+        check_token(control, ENGINE_TOKEN_ENV)
+    if not token and not control:
         return
-    check_token(token)
-    _install(app, lambda path, header: None if path in OPEN_PATHS or bearer_matches(header, token) else 401)
+    prefixes = tuple(p.rstrip("/") for p in engine_control)
+
+    def refusal(path: str, header: str) -> int | None:
+        if path in OPEN_PATHS:
+            return None
+        if control and any(path == p or path.startswith(p + "/") for p in prefixes):
+            return None if bearer_matches(header, control) else 401
+        if token:
+            return None if bearer_matches(header, token) else 401
+        return None
+
+    _install(app, refusal)
 
 
 def install_engine_auth(

@@ -2,13 +2,15 @@
 `services/rollout/fleet.py`, docs/architecture.md §7): list it, add an engine, remove one.
 
 `POST /v1/engines {"url"}` answers once the engine serves the current weights and the router
-lists it (200, the engine; an engine already serving is left as it is), or refuses: 409 when
+lists it (200, the engine; an engine already serving is left as it is), or refuses: 422 for the
+fleet's router itself (it would route to itself and take weight updates), 409 when
 there is no fleet (no `router_url`) or the engine cannot be brought to the current weights
 (unreachable, a failed load, broadcast weights), 502 when the router did not take it, 503 while
 the rollout has not caught up with the published weights since its start. `DELETE
 /v1/engines?url=` takes it out of the router, then out of the weight updates (200, the fleet
-after; 404 for an engine the fleet does not have). Behind the same bearer token as every other
-route; each refusal is counted in `asyncrl_rollout_requests_rejected_total{reason}`.
+after; 404 for an engine the fleet does not have). Behind the engine token whenever the rollout
+holds one (`install_auth`'s `engine_control`): a join makes the rollout send it to the URL given.
+Each refusal is counted in `asyncrl_rollout_requests_rejected_total{reason}`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from asyncrl.proto.rollout import ErrorBody
 from asyncrl.services.rollout.clients.router import RouterError
 from asyncrl.services.rollout.deps import ServiceDep
 from asyncrl.services.rollout.engine_updates import JoinRefused
-from asyncrl.services.rollout.fleet import EngineFleet, FleetNotReady, NotAMember
+from asyncrl.services.rollout.fleet import EngineFleet, FleetNotReady, NotAMember, NotAnEngine
 from asyncrl.services.rollout.routes.errors import ERRORS, refuse
 from asyncrl.services.rollout.service import RolloutService
 
@@ -50,6 +52,8 @@ async def join(body: EngineJoin, service: ServiceDep) -> FleetEngine:
     fleet = _fleet(service)
     try:
         return await fleet.join(body.url, CAUGHT_UP_WAIT_S)
+    except NotAnEngine as exc:
+        raise refuse(422, str(exc), "not_an_engine") from exc
     except JoinRefused as exc:
         raise refuse(409, f"{body.url} did not join: {exc}", "join_refused") from exc
     except RouterError as exc:

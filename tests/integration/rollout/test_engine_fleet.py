@@ -41,6 +41,7 @@ torch.set_num_threads(1)
 CONTEXT = 128
 TOKENS = 40  # per sample: long enough that the engine killed is caught mid-request
 TOKEN = "fleet-test-engine-token-7f3a9c"  # the engines' control token (the process engine needs one)
+CONTROL = {"Authorization": f"Bearer {TOKEN}"}  # what /v1/engines takes (the rollout sends it to engines)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,7 @@ def test_engines_join_die_and_leave_behind_sglang_router(parts, models, redis_ur
     }
     running = serve_in_thread(redis_url, loaded_tokenizer=tokenizer, **settings)
     try:
-        with httpx.Client(base_url=running.url, timeout=60) as client:
+        with httpx.Client(base_url=running.url, timeout=60, headers=CONTROL) as client:
             # At start the configured engines join: the router gets them from the rollout.
             wait_until(lambda: fleet(client) == dict.fromkeys(members, ("serving", 0)), timeout=30,
                        message="the three engines joined")  # fmt: skip
@@ -242,7 +243,7 @@ def test_engines_join_die_and_leave_behind_sglang_router(parts, models, redis_ur
     # A restarted rollout finds the spare in Redis; the killed engine, still configured, is down.
     restarted = serve_in_thread(redis_url, loaded_tokenizer=tokenizer, **settings)
     try:
-        with httpx.Client(base_url=restarted.url, timeout=60) as client:
+        with httpx.Client(base_url=restarted.url, timeout=60, headers=CONTROL) as client:
             want = {victim.url: ("down", None), **dict.fromkeys(live, ("serving", 2))}
             wait_until(lambda: fleet(client) == want, timeout=30, message="the restarted rollout's fleet")
             assert routed(router) == set(live)

@@ -36,6 +36,10 @@ def test_a_router_url_is_the_generation_url_and_the_workers_join_it(tok_dir):
         RolloutSettings(tokenizer=tok_dir, router_url="http://r:9,http://r:10")
     with pytest.raises(ValidationError, match="http"):
         RolloutSettings(tokenizer=tok_dir, router_url="r:9")
+    with pytest.raises(ValidationError, match="not one of its own workers"):
+        RolloutSettings(
+            tokenizer=tok_dir, router_url="http://r:9", engine_admin_urls="http://w:2,http://r:9/"
+        )
 
 
 def test_openenv_servers_come_from_the_toml_table(tok_dir, tmp_path):

@@ -1,0 +1,186 @@
+"""Membership of the engine fleet behind the real `sglang-router` (services/rollout/fleet.py):
+a leave on one of two replicas must not leave the engine in the router through the other; the
+router cannot join its own fleet.
+
+A leave takes the engine out of the router, then out of the weight updates (after any update
+under way: the update lock), then out of the roster. A replica that reads the roster and the
+router in that window sees a serving member the router does not list and adds it back; when
+it then finds the engine gone from the roster it must take it out of the router too, or the
+router keeps sending requests to an engine that no replica updates any more."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import httpx
+import pytest
+import torch
+from engine_server import serve_in_thread as serve_engine
+from rollout_server import free_port, start_process
+
+from asyncrl.buffer import Buffer, EngineRoster, PolicyVersions
+from asyncrl.services.rollout.clients.engine import EngineClient
+from asyncrl.services.rollout.clients.router import RouterClient
+from asyncrl.services.rollout.engine_updates import WeightSync
+from asyncrl.services.rollout.fleet import EngineFleet
+
+pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install sglang-router)")
+
+torch.set_num_threads(1)
+
+JOIN_TIMEOUT_S = 20.0
+
+
+@pytest.fixture
+def router(tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--policy", "round_robin", "--log-level", "warn",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+    running = start_process(cmd, f"http://127.0.0.1:{port}", "/health", log_path=tmp_path / "router.log")
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def engine(tiny):
+    running = serve_engine(str(tiny), max_running_requests=2, context_length=128)
+    yield running
+    running.stop()
+
+
+class Replica:
+    """One rollout replica's fleet: its own engine client, weight sync and router client, the
+    run's roster."""
+
+    def __init__(self, buf: Buffer, router_url: str):
+        self.engines = EngineClient(
+            [router_url],
+            [],
+            timeout_s=30.0,
+            retries=0,
+            backoff_s=0.05,
+            unhealthy_after=2,
+            probe_s=0.2,
+            update_timeout_s=30.0,
+        )
+        self.weights = WeightSync(PolicyVersions(buf), self.engines, poll_s=0.2)
+        self.router = RouterClient(router_url, timeout_s=30.0)
+        self.fleet = EngineFleet(self.engines, self.weights, self.router, EngineRoster(buf), configured=[],
+                                 probe_s=0.2, down_after=2, join_timeout_s=JOIN_TIMEOUT_S, sync_s=0.2)  # fmt: skip
+        self._following: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._following = asyncio.create_task(self.weights.run())
+        await asyncio.wait_for(self.weights.caught_up.wait(), 10)
+
+    async def sync(self) -> None:
+        """One roster and router read, and the changes it starts, to their end."""
+        await self.fleet._sync()
+        while self.fleet._tasks:
+            await asyncio.gather(*list(self.fleet._tasks))
+
+    async def close(self) -> None:
+        self._following.cancel()
+        await asyncio.gather(self._following, return_exceptions=True)
+        await self.engines.aclose()
+        await self.router.aclose()
+
+
+def test_a_leave_on_one_replica_is_not_undone_by_the_other(redis_url, run_id, router, engine):
+    async def scenario() -> tuple[set[str], set[str], set[str], dict, dict]:
+        buf = Buffer(redis_url, run_id)
+        a, b = Replica(buf, router.url), Replica(buf, router.url)
+        try:
+            await a.start()
+            await b.start()
+            joined = await a.fleet.join(engine.url, 10)
+            await b.sync()  # b finds the engine in the roster and brings it up too
+            both = {a.fleet.view().engines[0].state, b.fleet.view().engines[0].state}
+            assert (joined.state, both, set(await a.router.workers())) == (
+                "serving",
+                {"serving"},
+                {engine.url},
+            )
+
+            # An update under way on a: its leave waits for it after the router let the engine go.
+            async with a.weights._lock:
+                leaving = asyncio.create_task(a.fleet.leave(engine.url))
+                for _ in range(int(JOIN_TIMEOUT_S / 0.02)):  # until the router let it go
+                    if engine.url not in await a.router.workers():
+                        break
+                    await asyncio.sleep(0.02)
+                await b.sync()  # still in the roster, not in the router: b adds it back
+                between = set(await b.router.workers())
+            await leaving
+            await b.sync()  # gone from the roster: b forgets it
+            after = set(await b.router.workers())
+            return between, after, set(EngineRoster(buf).members()), a.fleet.members, b.fleet.members
+        finally:
+            await a.close()
+            await b.close()
+            buf.close()
+
+    between, after, listed, a_members, b_members = asyncio.run(scenario())
+    assert between == {engine.url}  # (the window this test is about was hit)
+    assert (after, listed, a_members, b_members) == (set(), set(), {}, {})
+
+
+def test_the_router_cannot_join_its_own_fleet(monkeypatch, redis_url, run_id, tiny, router, engine):
+    """Its own router named as an engine (an easy slip: the rollout's generation URL defaults to
+    it) would be listed as its own worker, requests sent round in a loop, and weight updates
+    sent to it: refused with a 422 that says why, nothing changed."""
+    from fastapi.testclient import TestClient
+
+    from asyncrl.services.rollout.app import build_app
+    from asyncrl.services.rollout.config import RolloutSettings
+    from asyncrl.services.rollout.service import RolloutService
+    from asyncrl.services.runtime.auth import API_TOKEN_ENV, ENGINE_TOKEN_ENV
+
+    monkeypatch.delenv(API_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(ENGINE_TOKEN_ENV, raising=False)
+    closed = f"http://127.0.0.1:{free_port()}"
+    settings = RolloutSettings(run=run_id, replica="r0", router_url=router.url, reward_url=closed,
+                               tokenizer=str(tiny), weights_poll_s=0.2)  # fmt: skip
+    with TestClient(build_app(RolloutService(settings, redis_url))) as client:
+        joined = client.post("/v1/engines", json={"url": engine.url})
+        assert joined.status_code == 200, joined.text
+        refused = client.post("/v1/engines", json={"url": router.url + "/"})
+        assert (refused.status_code, refused.json().get("detail")) == (
+            422,
+            f"{router.url} is this fleet's router, not an engine behind it",
+        )
+        assert [(e["url"], e["state"]) for e in client.get("/v1/engines").json()["engines"]] == [
+            (engine.url, "serving")
+        ]
+    assert [w["url"] for w in httpx.get(f"{router.url}/workers").json()["workers"]] == [engine.url]
+
+
+def test_a_sync_acts_on_the_roster_as_it_is_when_the_change_runs(redis_url, run_id, router, engine):
+    """A sync reads the roster (in a thread: a join or leave on this replica goes on meanwhile)
+    and then decides from that read. A join answered in between looks unlisted to it, and a
+    leave answered in between looks listed: the forget and the join it then starts (under the
+    engine's lock, after that change) must read the roster again, or it undoes the change."""
+    from asyncrl.services.rollout.fleet import Member
+
+    async def scenario():
+        buf = Buffer(redis_url, run_id)
+        a = Replica(buf, router.url)
+        try:
+            await a.start()
+            assert (await a.fleet.join(engine.url, 10)).state == "serving"
+            await a.fleet._forget(engine.url)  # what a sync that read the roster before the join starts
+            kept = (a.fleet.members[engine.url].state, set(await a.router.workers()), a.weights._indices())
+            await a.fleet.leave(engine.url)
+            a.fleet.members[engine.url] = Member(engine.url)  # what a sync that read it before the leave does
+            await a.fleet._join_listed(engine.url)  # ... and starts
+            gone = (dict(a.fleet.members), set(await a.router.workers()), a.weights._indices())
+            return kept, gone
+        finally:
+            await a.close()
+            buf.close()
+
+    kept, gone = asyncio.run(scenario())
+    assert kept[:2] == ("serving", {engine.url}) and len(kept[2]) == 1
+    assert gone == ({}, set(), [])
