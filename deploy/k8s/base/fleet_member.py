@@ -16,7 +16,8 @@ Environment (the same in both containers):
     ASYNCRL_FLEET_ENGINE_URL   how the rollout and the router reach this engine: its stable
                                StatefulSet name, e.g. http://sglang-0.sglang:30000; the sidecar
                                probes the same port on loopback
-    ASYNCRL_API_TOKEN          the bearer token every asyncrl route requires
+    ASYNCRL_ENGINE_API_TOKEN   the engine token, which the rollout's /v1/engines require
+    ASYNCRL_API_TOKEN          used instead when no engine token is set (as on deploy/k8s)
     ASYNCRL_FLEET_STATE_DIR    a directory both containers mount (an emptyDir): the join lock
                                and the `leaving` mark live there
 
@@ -70,7 +71,9 @@ class Settings:
         self.state_dir = environ["ASYNCRL_FLEET_STATE_DIR"]
         port = urllib.parse.urlsplit(self.engine).port or 80
         self.health = f"http://127.0.0.1:{port}/health"  # the engine in this pod, on loopback
-        token = environ.get("ASYNCRL_API_TOKEN", "")
+        # the rollout's /v1/engines take the engine token (it is what a join sends the engine):
+        # ASYNCRL_ENGINE_API_TOKEN, else ASYNCRL_API_TOKEN, the same fallback as the services'
+        token = environ.get("ASYNCRL_ENGINE_API_TOKEN") or environ.get("ASYNCRL_API_TOKEN", "")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
 
