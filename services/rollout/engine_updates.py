@@ -381,15 +381,16 @@ class WeightSync:
                     "which a new engine cannot receive: publish to disk for an elastic fleet"
                 )
             want, version = None, (self._announced[1] if self._announced[1] >= 0 else None)
-            if self.latest is not None:  # the disk weights of `version`: load them unless it has them
+            if self.latest is not None:  # the disk weights of `version`, loaded whatever it reports:
+                # a name is not unique to a run, so an engine left over from another run (or one
+                # restarted onto other weights) may report this name over other weights
                 want, version = (
                     weight_version_name(self.latest.version, self.latest.epoch),
                     self.latest.version,
                 )
-                if await self.engines.weight_version(engine) != want:
-                    problem = await self.engines.update_from_disk(engine, self.latest.path or "", want)
-                    if problem is not None:
-                        raise JoinRefused(f"loading version {version}: {problem}")
+                problem = await self.engines.update_from_disk(engine, self.latest.path or "", want)
+                if problem is not None:
+                    raise JoinRefused(f"loading version {version}: {problem}")
             reported = await self.engines.weight_version(engine)
             if reported is None:
                 raise JoinRefused(f"{engine.url} reports no weight_version (unreachable, or not an engine)")

@@ -184,3 +184,51 @@ def test_a_sync_acts_on_the_roster_as_it_is_when_the_change_runs(redis_url, run_
     kept, gone = asyncio.run(scenario())
     assert kept[:2] == ("serving", {engine.url}) and len(kept[2]) == 1
     assert gone == ({}, set(), [])
+
+
+def test_a_joining_engine_is_loaded_even_when_it_reports_the_fleet_version(
+    redis_url, run_id, tmp_path, router, engine, tiny
+):
+    """A version's name ("1") is not unique to a run: an engine left over from another run, or
+    restarted onto other weights, can report the fleet's version over other weights. A join
+    loads the published directory whatever the engine reports, so what it then serves under
+    that name are the fleet's weights."""
+    import time
+
+    from safetensors.torch import load_file
+
+    from asyncrl.proto import WeightsInfo
+    from asyncrl.services.ops.tinymodel import build_tiny_model
+    from asyncrl.services.transport.weights import weight_version_name
+
+    published, other = tmp_path / "v1", tmp_path / "other"
+    build_tiny_model(published, seed=11)
+    build_tiny_model(other, seed=12)
+    name = weight_version_name(1, 0)
+    loaded = httpx.post(f"{engine.url}/update_weights_from_disk",
+                        json={"model_path": str(other), "weight_version": name}, timeout=60)  # fmt: skip
+    assert loaded.status_code == 200 and engine.engine.weight_version == name, loaded.text
+
+    def served(key: str) -> torch.Tensor:
+        return engine.engine.runner.model.state_dict()[key].detach().clone()
+
+    want, impostor = load_file(published / "model.safetensors"), load_file(other / "model.safetensors")
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(served(key), impostor[key]) and not torch.equal(want[key], impostor[key])
+
+    async def scenario():
+        buf = Buffer(redis_url, run_id)
+        PolicyVersions(buf).publish(
+            WeightsInfo(version=1, method="disk", path=str(published), published_at=time.time())
+        )
+        a = Replica(buf, router.url)
+        try:
+            await a.start()
+            return await a.fleet.join(engine.url, 10)
+        finally:
+            await a.close()
+            buf.close()
+
+    joined = asyncio.run(scenario())
+    assert (joined.state, joined.version, engine.engine.weight_version) == ("serving", 1, name)
+    assert torch.equal(served(key), want[key])
