@@ -415,10 +415,13 @@ class BroadcastPublisher:
             finally:
                 self._post_all("/end_weight_update", everyone)
         except BaseException:
+            # The engines stay paused: some buckets may have loaded, under the old version's
+            # name, and generating on them would label tokens with weights they were not
+            # sampled from. The trainer exits; its restart's rollback publish sends a whole
+            # version and continues them (trainer/loop.py).
             self.chain.reset()
             raise
-        finally:
-            self._post_all("/continue_generation", everyone)
+        self._post_all("/continue_generation", everyone)
         if self.delta:
             self.chain.sent(version, state, epoch, anchor=not as_delta)
         return Published(version, nbytes, time.perf_counter() - t0, delta=as_delta)

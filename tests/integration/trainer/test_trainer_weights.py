@@ -190,6 +190,14 @@ def test_broadcast_publisher_updates_a_reference_engine(tiny, dist1):
         bad = {"model.norm.weight": torch.zeros(3)}  # wrong shape: refused after the tensors are received
         with pytest.raises(BroadcastError):
             pub.publish(5, bad)
+        # a failed update leaves the engine paused, never generating on part of a version under
+        # the old name; the next whole publish continues it
+        assert (engine.engine.scheduler.paused, engine.engine.weight_version) == ("abort", "4")
+        pub.publish(6, state)
+        assert (engine.engine.scheduler.paused, engine.engine.weight_version) == (None, "6")
+        done = pub.http.post(engine.url + "/generate", json={"input_ids": [1, 2, 3],
+                             "sampling_params": {"max_new_tokens": 2, "temperature": 0}})  # fmt: skip
+        assert done.status_code == 200 and len(done.json()["output_ids"]) == 2, done.text
         pub.close()
     finally:
         engine.stop()
