@@ -1,6 +1,8 @@
 """The figures of `asyncrl demo` runs on a real model, from their run directories: the held-out
 accuracy curve against wall time and version, the gain over the base model, when the gain first
-reached `--gain` points, and where a step's time went (from the trainer's per-step log lines).
+reached `--gain` points (all of the main set, `heldout`), each held-out set's evaluations with
+their format rate and accuracy among formatted answers, and where a step's time went (from the
+trainer's per-step log lines).
 
     .venv/bin/python benchmarks/real_run_report.py runs/real-s0 runs/real-s1 [--gain 0.10]
 
@@ -20,10 +22,20 @@ from real_vs_trl import trainer_steps  # this script's folder is on sys.path
 PHASES = ("wait_s", "recompute_s", "forward_backward_s", "optimizer_s", "publish_s")
 
 
-def evals(run: Path) -> list[dict]:
+MAIN = "heldout"  # the main held-out set's name (rows of runs before sets were named have none)
+
+
+def evals(run: Path) -> dict[str, list[dict]]:
+    """Each held-out set's evaluations by version, the main set first."""
     rows = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines() if line.strip()]
-    out = {e["eval"]["version"]: e["eval"] for e in rows if "eval" in e}
-    return [out[v] for v in sorted(out)]
+    out: dict[str, dict[int, dict]] = {MAIN: {}}
+    for e in (r["eval"] for r in rows if "eval" in r):
+        out.setdefault(e.get("name", MAIN), {})[e["version"]] = e
+    return {name: [by_version[v] for v in sorted(by_version)] for name, by_version in out.items()}
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _acc(e: dict | None) -> str:
@@ -32,7 +44,8 @@ def _acc(e: dict | None) -> str:
 
 def report(run: Path, gain: float) -> tuple[str, list[str]]:
     summary = json.loads((run / "summary.json").read_text())
-    ev, st = evals(run), trainer_steps((run / "logs" / "trainer.log").read_text().splitlines())
+    sets, st = evals(run), trainer_steps((run / "logs" / "trainer.log").read_text().splitlines())
+    ev = sets[MAIN]
     base = next((e["accuracy"] for e in ev if e["version"] == 0), None)
     reached = next(
         (e for e in ev if base is not None and e["version"] > 0 and e["accuracy"] - base >= gain - 1e-9), None
@@ -46,12 +59,16 @@ def report(run: Path, gain: float) -> tuple[str, list[str]]:
     row = (f"| {run.name} | {summary.get('seed')} | {summary['steps']} | {summary['wall_s']:.0f} s | "
            f"{'-' if base is None else f'{base:.3f}'} | {_acc(best)} | {_acc(ev[-1] if ev else None)} | "
            f"{best_gain} | {when} | {step_s} |")  # fmt: skip
-    detail = [f"\n{run.name}: evaluations (greedy, {ev[0]['prompts'] if ev else 0} held-out problems)\n",
-              "| version | wall time | accuracy | mean length | eval s |", "|---|---|---|---|---|"]  # fmt: skip
-    detail += [
-        f"| {e['version']} | {e['t']:.0f} s | {e['accuracy']:.3f} | {e['mean_length']:.0f} | {e['eval_s']:.0f} |"
-        for e in ev
-    ]
+    detail = []
+    for name, rows in sets.items():
+        detail += [f"\n{run.name}: {name} (greedy, {rows[0]['prompts'] if rows else 0} held-out problems)\n",
+                   "| version | wall time | accuracy | format rate | among formatted | mean length | eval s |",
+                   "|---|---|---|---|---|---|---|"]  # fmt: skip
+        detail += [
+            f"| {e['version']} | {e['t']:.0f} s | {e['accuracy']:.3f} | {_f(e.get('format_rate'))} | "
+            f"{_f(e.get('formatted_accuracy'))} | {e['mean_length']:.0f} | {e['eval_s']:.0f} |"
+            for e in rows
+        ]
     if med:
         detail += [f"\n{run.name}: median step (versions 2..{st[-1]['version']}, {len(train)} steps): "
                    f"{med['step_s']:.1f} s for {med['tokens']:.0f} completion tokens; "

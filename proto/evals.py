@@ -7,6 +7,14 @@ version (greedy unless its sampling params say otherwise), scores them and summa
   over all items. An item the reward service could not score (`timeout`, `error`,
   `invalid_input`) counts as wrong; `statuses` counts the items of each status, so such items
   are never a silent 0.
+* `formatted` = items whose answer had the final-answer format their verifier requires (the
+  verifier says so: `RewardResult.formatted`, e.g. strict math's marked answer).
+  `format_rate` = `formatted` over the items that needed a format: all items but the scored
+  ones whose verifier has no notion of format (an unscored item counts as unformatted).
+  `formatted_accuracy` = correct formatted items / `formatted` (null when none is formatted).
+  All three are null when no item has a format verdict (verifiers without one: `reverse`,
+  `code`, …). They tell learning from formatting: with strict math, accuracy = format_rate ×
+  formatted_accuracy, so a gain in accuracy with a flat formatted_accuracy is a gain in format.
 * `mean_reward` = mean reward of the `scored` items (null when none was scored).
 * `mean_length` = mean completion length in tokens over all items.
 
@@ -95,6 +103,9 @@ class EvalItem(BaseModel):
     reward: float | None = Field(description="null unless reward_status is scored")
     reward_status: RewardStatus
     reward_details: dict[str, Any] = Field(default_factory=dict)
+    formatted: bool | None = Field(
+        None, description="the answer had the verifier's required format (null: no format verdict)"
+    )
 
 
 class EvalSummary(BaseModel):
@@ -112,6 +123,11 @@ class EvalSummary(BaseModel):
     mean_length: float | None = None
     correct: int | None = None
     scored: int | None = None
+    formatted: int | None = Field(None, description="items whose answer had the required final-answer format")
+    format_rate: float | None = Field(None, description="formatted / items that needed a format")
+    formatted_accuracy: float | None = Field(
+        None, description="correct formatted items / formatted (null when none is formatted)"
+    )
     statuses: dict[str, int] = Field(default_factory=dict, description="items by reward status")
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     engine: str | None = None

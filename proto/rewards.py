@@ -2,6 +2,10 @@
 
 `status` separates "infrastructure failed" (`timeout`, `error`) and "the input was bad"
 (`invalid_input`) from "the answer was judged" (`scored`); only `scored` carries a reward.
+`formatted` says whether a scored answer had the final-answer format its verifier requires
+(math: a marked answer it could read; reasoning_gym: an answer tag), so "wrong" and "never
+gave an answer" can be told apart; null where the verifier has no notion of format or did
+not judge. Optional on the wire: a client that does not read it loses nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ from asyncrl.proto.records import RewardStatus, check_reward
 
 MAX_ITEMS_PER_BATCH = MAX_GROUP_SIZE  # a group's samples are scored in one batch
 MAX_COMPLETION_CHARS = 1_000_000  # hard cap on the wire; verifiers cap lower before parsing
+
+
+def check_formatted(formatted: bool | None, status: RewardStatus) -> None:
+    """Only a judged answer has a format verdict: an item that was not scored has none."""
+    if formatted is not None and status is not RewardStatus.scored:
+        raise ValueError(f"formatted must be None when the status is {status.value}")
 
 
 class RewardSpec(BaseModel):
@@ -61,10 +71,16 @@ class RewardResult(BaseModel):
     status: RewardStatus
     reward: float | None = None
     details: dict[str, Any] = Field(default_factory=dict)
+    formatted: bool | None = Field(
+        None,
+        description="the answer had the final-answer format the verifier requires (null: the verifier "
+        "has no notion of format, or the item was not scored)",
+    )
 
     @model_validator(mode="after")
     def _reward_iff_scored(self) -> RewardResult:
         check_reward(self.reward, self.status)
+        check_formatted(self.formatted, self.status)
         return self
 
 

@@ -228,6 +228,7 @@ class LocalVerdict(Protocol):
     status: RewardStatus
     reward: float | None
     details: dict[str, Any]
+    formatted: bool | None  # as `asyncrl.proto.rewards.RewardResult.formatted`
 
 
 class LocalScorer(Protocol):

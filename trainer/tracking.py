@@ -9,7 +9,8 @@ What is logged, with W&B's step = the policy version v:
   perf/…                 tokens, tokens_per_second, step_seconds, <phase>_seconds
   data/…                 staleness mean/max, response length mean, truncation rate,
                          zero-spread groups, groups trained/dropped
-  eval/<name>/…          accuracy, mean_reward, mean_length, n and the evaluated `version`
+  eval/<name>/…          accuracy, format_rate, formatted_accuracy, mean_reward, mean_length,
+                         prompts and the evaluated `version` (a figure that is null is left out)
                          (each eval_id once, at the step of the last trained version; W&B plots
                          them against `eval/<name>/version`)
 and as the run config: the resolved trainer settings (Redis password redacted) plus `meta`
@@ -53,7 +54,16 @@ log = logging.getLogger("asyncrl.trainer")
 
 INSTALL_HINT = "pip install 'asyncrl[tracking]'"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
-EVAL_FIELDS = ("version", "accuracy", "mean_reward", "mean_length", "n")
+# Fields of an `asyncrl.proto.evals.EvalSummary` logged per evaluation.
+EVAL_FIELDS = (
+    "version",
+    "accuracy",
+    "format_rate",
+    "formatted_accuracy",
+    "mean_reward",
+    "mean_length",
+    "prompts",
+)
 GIT_TIMEOUT_S = 5.0  # a hung git (network filesystem, lock) must not hold up the trainer's start
 # Quiet and light on a small machine: no console capture, no system-metric sampling process,
 # no machine/git/code/requirements probing (the `meta` config says what matters). The `x_`
@@ -151,16 +161,16 @@ class Tracker:
                 self.run.log(metrics, step=version)
 
     def log_evaluation(self, summary: dict) -> None:
-        """Log one evaluation summary (`eval_id, name, version, accuracy, mean_reward,
-        mean_length, n`) under `eval/<name>/…`, at most once per eval_id; a summary whose log
-        fails is counted and not retried."""
+        """Log one evaluation summary (an `EvalSummary` as a dict: `eval_id`, `name` and
+        `EVAL_FIELDS`) under `eval/<name>/…`, at most once per eval_id; a null figure is left
+        out; a summary whose log fails is counted and not retried."""
         with self._contain("log_evaluation"):
             eval_id = str(summary["eval_id"])
             if eval_id in self.logged_evals:
                 return
             self.logged_evals.add(eval_id)
             prefix = f"eval/{summary['name']}"
-            row = {f"{prefix}/{k}": summary[k] for k in EVAL_FIELDS}
+            row = {f"{prefix}/{k}": summary[k] for k in EVAL_FIELDS if summary[k] is not None}
             if self.run is None:
                 return
             if prefix not in self._eval_axes:  # chart an eval against the version it evaluated

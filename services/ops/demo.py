@@ -232,9 +232,12 @@ class Evals:
             if e["state"] != JobState.done or e["version"] in self.rows:
                 continue
             row = {
+                "name": self.name,
                 "version": e["version"],
                 "t": round(e["finished_at"] - self.t0_wall, 3),
                 "accuracy": e["accuracy"],
+                "format_rate": e.get("format_rate"),  # (absent from an older rollout service's answer)
+                "formatted_accuracy": e.get("formatted_accuracy"),
                 "mean_reward": e["mean_reward"],
                 "mean_length": e["mean_length"],
                 "prompts": e["prompts"],
@@ -303,10 +306,14 @@ def episode(cfg: DemoSection) -> dict:
 
 
 def math_task(cfg: DemoSection):
-    from asyncrl.services.ops.tasks import MathTask
+    from asyncrl.services.ops.tasks import HeldoutSet, MathTask
 
     return MathTask(
-        eval_seed=cfg.eval_seed, eval_size=cfg.eval_size, word_fraction=cfg.word_fraction, level=cfg.level
+        eval_seed=cfg.eval_seed,
+        eval_size=cfg.eval_size,
+        word_fraction=cfg.word_fraction,
+        level=cfg.level,
+        more_heldout={name: HeldoutSet(**e.model_dump()) for name, e in cfg.eval_sets.items()},
     )
 
 
@@ -328,6 +335,28 @@ def sampling_params(cfg: DemoSection) -> dict:
 
 
 EVAL_NAME = "heldout"
+
+
+def heldout_sets(demo: DemoSection, run_dir: Path, raw: dict) -> dict[str, list[dict]]:
+    """The math task's held-out sets, name -> prompts (the main one, `heldout`, first), each
+    written to `<run_dir>/<name>.jsonl` and named in the run config `raw` as an automatic
+    evaluation of the rollout service (`[rollout] eval_sets`, every `eval_every` versions)."""
+    if demo.task != "math" or not demo.eval_every:
+        return {}
+    task = math_task(demo)
+    heldout = {EVAL_NAME: task.heldout_prompts()} if demo.eval_size else {}
+    heldout |= {name: held.prompts(name) for name, held in task.more_heldout.items()}
+    for name, prompts in heldout.items():
+        (run_dir / f"{name}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    if heldout:
+        raw.setdefault("rollout", {}).update(
+            eval_sets={name: str(run_dir / f"{name}.jsonl") for name in heldout},
+            eval_every=demo.eval_every,
+            eval_max_new_tokens=demo.max_new_tokens,
+        )
+    return heldout
+
+
 PROMPTS_PER_JOB = 20_000  # well under the rollout service's per-job cap
 TOPUP_STEPS = 250  # the demo submits prompts for this many steps at a time (twice over)
 
@@ -397,15 +426,21 @@ def plot(
     eta: int,
     evals: list[dict] | None = None,
     task: str = "reverse",
+    more: dict[str, list[dict]] | None = None,
 ) -> None:
-    """Reward and staleness against wall time; with evaluations, a second panel of training reward
-    and held-out accuracy against the policy version, and the accuracy on the first panel too."""
+    """Reward and staleness against wall time; with evaluations (`evals`: the main held-out set's
+    rows; `more`: other sets' by name), a second panel of training reward and each set's
+    held-out accuracy against the policy version (and, dashed, its accuracy among formatted
+    answers), and the accuracies on the first panel too."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in history.rows if r["reward"] is not None]
+    sets = {name: r for name, r in {EVAL_NAME: evals or [], **(more or {})}.items() if r}
+    colours = dict(zip(sets, ("tab:green", "tab:purple", "tab:brown", "tab:gray")))
+    evals = evals or next(iter(sets.values()), [])  # whether there are panels for evaluations at all
     if evals:
         fig, (ax, axv) = plt.subplots(1, 2, figsize=(13, 4.5), dpi=110)
     else:
@@ -429,13 +464,14 @@ def plot(
             color="tab:blue",
             label=f"training reward (last {window} steps)",
         )
-        ax.plot(
-            [e["t"] for e in evals],
-            [e["accuracy"] for e in evals],
-            "o-",
-            color="tab:green",
-            label="held-out greedy accuracy",
-        )
+        for name, set_rows in sets.items():
+            ax.plot(
+                [e["t"] for e in set_rows],
+                [e["accuracy"] for e in set_rows],
+                "o-",
+                color=colours.get(name),
+                label=f"{name}: greedy accuracy",
+            )
     if target is not None:
         ax.axhline(target, color="tab:blue", linestyle=":", linewidth=1, label=f"target {target}")
     ax.set_xlabel("wall time (s)")
@@ -464,13 +500,24 @@ def plot(
             color="tab:blue",
             label=f"training reward (last {window} steps)",
         )
-        axv.plot(
-            [e["version"] for e in evals],
-            [e["accuracy"] for e in evals],
-            "o-",
-            color="tab:green",
-            label="held-out greedy accuracy",
-        )
+        for name, set_rows in sets.items():
+            axv.plot(
+                [e["version"] for e in set_rows],
+                [e["accuracy"] for e in set_rows],
+                "o-",
+                color=colours.get(name),
+                label=f"{name}: greedy accuracy",
+            )
+            among = [e for e in set_rows if e.get("formatted_accuracy") is not None]
+            if among:
+                axv.plot(
+                    [e["version"] for e in among],
+                    [e["formatted_accuracy"] for e in among],
+                    "s--",
+                    color=colours.get(name),
+                    alpha=0.7,
+                    label=f"{name}: accuracy among formatted answers",
+                )
         axv.set_xlabel("policy version (optimizer steps)")
         axv.set_ylim(0, 1.02)
         axv.set_title("against version")
@@ -484,7 +531,9 @@ def plot(
 
 
 def eval_summary(rows: list[dict]) -> dict:
-    """The held-out accuracy curve's key figures: at version 0 (the base model), the last, the best."""
+    """A held-out set's key figures: at version 0 (the base model), the last, the best; the
+    format rate and the accuracy among formatted answers at the base and the last version (a gain
+    in accuracy at a flat accuracy among formatted answers is a gain in format alone)."""
     if not rows:
         return {"evals": []}
     base = next((r for r in rows if r["version"] == 0), None)
@@ -497,15 +546,30 @@ def eval_summary(rows: list[dict]) -> dict:
         "eval_best_accuracy": best["accuracy"],
         "eval_best_version": best["version"],
     }
+    for key in ("format_rate", "formatted_accuracy"):
+        out[f"eval_base_{key}"] = base.get(key) if base else None
+        out[f"eval_last_{key}"] = last.get(key)
     if base:
         out["eval_gain_last"] = round(last["accuracy"] - base["accuracy"], 4)
         out["eval_gain_best"] = round(best["accuracy"] - base["accuracy"], 4)
+        if None not in (out["eval_base_formatted_accuracy"], out["eval_last_formatted_accuracy"]):
+            out["eval_formatted_gain_last"] = round(
+                out["eval_last_formatted_accuracy"] - out["eval_base_formatted_accuracy"], 4
+            )
     return out
 
 
 def _eval_line(s: dict) -> str:
-    base = "-" if s["eval_base_accuracy"] is None else f"{s['eval_base_accuracy']:.3f}"
-    return f"{base} / {s['eval_last_accuracy']:.3f} (v{s['eval_last_version']})"
+    def f(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    line = f"{f(s['eval_base_accuracy'])} / {f(s['eval_last_accuracy'])} (v{s['eval_last_version']})"
+    if s.get("eval_last_format_rate") is not None:
+        line += (
+            f"; format {f(s['eval_base_format_rate'])} / {f(s['eval_last_format_rate'])}, among formatted "
+            f"{f(s['eval_base_formatted_accuracy'])} / {f(s['eval_last_formatted_accuracy'])}"
+        )
+    return line
 
 
 def summary_table(s: dict) -> str:
@@ -521,6 +585,11 @@ def summary_table(s: dict) -> str:
         ("groups not trained (stale etc.)", int(s["dropped"])),
         ("trainer tokens/s (last)", f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "-"),
         *([("held-out accuracy: base / last", _eval_line(s))] if s.get("evals") else []),
+        *(
+            (f"{name}: base / last", _eval_line(e))
+            for name, e in s.get("eval_sets", {}).items()
+            if e["evals"]
+        ),
         ("plot", s["plot"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -567,17 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     raw["run"].update(id=run_dir.name, dir=str(run_dir))
-    heldout: list[dict] = []
-    if demo.task == "math" and demo.eval_size and demo.eval_every:
-        heldout = math_task(demo).heldout_prompts()
-        (run_dir / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in heldout))
-        rollout_cfg = raw.setdefault("rollout", {})
-        rollout_cfg.update(
-            eval_file=str(run_dir / "heldout.jsonl"),
-            eval_every=demo.eval_every,
-            eval_name=EVAL_NAME,
-            eval_max_new_tokens=demo.max_new_tokens,
-        )
+    heldout = heldout_sets(demo, run_dir, raw)
     config_path = run_dir / "config.toml"
     try:
         cfg = validate_run_config(raw, config_path)  # what the flags above changed is checked too
@@ -594,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     topups = ThreadPoolExecutor(1, thread_name_prefix="demo-submit")
     stop_on_first_signal()
     history, progress = History(), (run_dir / "progress.jsonl").open("w")
-    evals: Evals | None = None
+    evals: dict[str, Evals] = {}  # by held-out set name
     tty = sys.stdout.isatty()
     t0 = time.monotonic()
     reached_at: float | None = None
@@ -616,18 +675,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         t0 = time.monotonic()
         steps = StepRewards(run_dir / "logs" / "trainer.log", time.time())
-        if heldout:
-            evals = Evals(
+        evals = {
+            name: Evals(
                 rollout_url,
-                EVAL_NAME,
+                name,
                 time.time(),
                 final_body={
-                    "name": EVAL_NAME,
-                    "prompts": heldout,
-                    "idempotency_key": f"{run_dir.name}-final",
+                    "name": name,
+                    "prompts": prompts,
+                    "idempotency_key": f"{run_dir.name}-final-{name}",
                     "sampling_params": {"temperature": 0.0, "max_new_tokens": demo.max_new_tokens},
                 },
             )
+            for name, prompts in heldout.items()
+        }
         last_print = 0.0
         while True:
             s = scrape_trainer(launcher.trainer_url, t0)
@@ -645,15 +706,10 @@ def main(argv: list[str] | None = None) -> int:
                 elif row["t"] - last_print >= 5:
                     print(line, flush=True)
                     last_print = row["t"]
-            for e in evals.poll() if evals else []:
+            for e in (row for set_ in evals.values() for row in set_.poll()):
                 progress.write(json.dumps({"eval": e}) + "\n")
                 progress.flush()
-                print(
-                    ("\n" if tty else "")
-                    + f"eval v{e['version']}: accuracy {e['accuracy']:.3f} on {e['prompts']} "
-                    f"held-out problems, mean length {e['mean_length']:.0f} tokens ({e['eval_s']:.0f} s)",
-                    flush=True,
-                )
+                print(("\n" if tty else "") + _eval_progress(e), flush=True)
             if topup is not None and topup.done():
                 try:
                     jobs += topup.result()
@@ -698,14 +754,17 @@ def main(argv: list[str] | None = None) -> int:
         if tty:
             print()
         usage = utilisation(launcher, time.monotonic() - t0) if launcher.procs else {}
-        if evals is not None and code in (0, 1) and launcher.procs and demo.final_eval:
+        for set_ in evals.values() if code in (0, 1) and launcher.procs and demo.final_eval else ():
             last = history.rows[-1]["version"] if history.rows else 0
-            if not evals.rows or max(evals.rows) < last:
-                print("final evaluation of the served version (training goes on meanwhile) ...", flush=True)
-                final = evals.run_final(demo.final_eval_timeout_s)
+            if not set_.rows or max(set_.rows) < last:
+                print(
+                    f"final evaluation of {set_.name} at the served version (training goes on) ...",
+                    flush=True,
+                )
+                final = set_.run_final(demo.final_eval_timeout_s)
                 if final:
                     progress.write(json.dumps({"eval": final}) + "\n")
-                    print(f"eval v{final['version']}: accuracy {final['accuracy']:.3f}")
+                    print(_eval_progress(final))
         print("stopping services ...", flush=True)
         topups.shutdown(wait=False, cancel_futures=True)
         launcher.stop()
@@ -716,16 +775,29 @@ def main(argv: list[str] | None = None) -> int:
             **usage,
             "samples_per_step": demo.prompts_per_step * demo.group_size,
         }
-        if evals is not None:
-            summary.update(eval_summary(evals.sorted()))
+        if EVAL_NAME in evals:  # the main held-out set's figures stay at the top level
+            summary.update(eval_summary(evals[EVAL_NAME].sorted()))
+        more = {name: set_.sorted() for name, set_ in evals.items() if name != EVAL_NAME}
+        if more:
+            summary["eval_sets"] = {name: eval_summary(rows) for name, rows in more.items()}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot(
-            history, run_dir / "demo.png", demo.target_reward, eta, evals.sorted() if evals else [], demo.task
-        )
+        main_rows = evals[EVAL_NAME].sorted() if EVAL_NAME in evals else []
+        plot(history, run_dir / "demo.png", demo.target_reward, eta, main_rows, demo.task, more)
         print(summary_table(summary))
         if reached_at is None and code == 0 and demo.target_reward is not None:
             code = 1
     return code
+
+
+def _eval_progress(e: dict) -> str:
+    """One evaluation as it lands: accuracy, then how much of it is format (when the verifier says)."""
+    line = f"eval {e['name']} v{e['version']}: accuracy {e['accuracy']:.3f} on {e['prompts']} problems"
+    if e.get("format_rate") is not None:
+        among = e["formatted_accuracy"]
+        line += (
+            f" (format {e['format_rate']:.3f}, among formatted {'-' if among is None else f'{among:.3f}'})"
+        )
+    return line + f", mean length {e['mean_length']:.0f} tokens ({e['eval_s']:.0f} s)"
 
 
 def _progress_line(row: dict, windowed: float | None, demo: DemoSection) -> str:

@@ -19,6 +19,7 @@ Importing this module pulls no torch: each service's settings module is torch-fr
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -223,6 +224,21 @@ class SubmitSection(BaseModel):
         return args + (["--boxed-fallback"] if rg.boxed_fallback else [])
 
 
+class DemoEvalSet(BaseModel):
+    """A math held-out set beside the main one (`[demo.eval_sets.NAME]`), evaluated at the same
+    versions and reported under its own name (services/ops/tasks.py `HeldoutSet`); its problems
+    are never trained on either."""
+
+    model_config = ConfigDict(extra="forbid")
+    level: Literal["easy", "hard"] = Field("hard", description="difficulty (services/ops/tasks.py LEVELS)")
+    size: int = Field(200, ge=1, le=10_000, description="problems")
+    seed: int = Field(1234, description="seed of the set (fixed across runs)")
+    word_fraction: float = Field(0.4, ge=0, le=1, description="share of word problems")
+    worked_example: bool = Field(
+        False, description="ask each problem after one worked exchange that answers in \\boxed{}"
+    )
+
+
 class DemoSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task: Literal["reverse", "math", "secret"] = Field(
@@ -257,6 +273,10 @@ class DemoSection(BaseModel):
         description="math: evaluate at version 0 and every this many versions "
         "(0: no evaluations; the held-out problems are still never trained on)",
     )
+    eval_sets: dict[str, DemoEvalSet] = Field(
+        default_factory=dict,
+        description="math: more held-out sets by name, evaluated with the main one (named heldout)",
+    )
     final_eval: bool = Field(True, description="math: evaluate the last served version before stopping")
     final_eval_timeout_s: float = Field(
         900, gt=0, description="math: how long to wait for the final evaluation"
@@ -267,6 +287,17 @@ class DemoSection(BaseModel):
     target_window: int = Field(5, ge=1)
     time_limit_s: float = Field(300, gt=0)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _eval_set_names(self) -> DemoSection:
+        from asyncrl.proto.evals import EVAL_NAME_PATTERN
+
+        for name in self.eval_sets:
+            if name == "heldout" or not re.fullmatch(EVAL_NAME_PATTERN, name):
+                raise ValueError(
+                    f"eval set name {name!r}: must match {EVAL_NAME_PATTERN} and not be the main set's, heldout"
+                )
+        return self
 
 
 # The fields of a service's table that every launch gives on the command line (the launcher

@@ -6,9 +6,13 @@
   one-sentence word problems, asked as chat `messages` with a system prompt
   that asks for the final answer in `\\boxed{}`, scored by the `math` verifier (math-verify).
 
-The held-out set of a math task is a pure function of its seed and size, and training prompts
-never repeat one of its problems: `MathTask.train_prompts` rejects any problem text that the
-held-out set holds, so evaluation measures generalisation, not recall.
+The held-out sets of a math task are pure functions of their seeds and sizes, and training
+prompts never repeat one of their problems: `MathTask.train_prompts` rejects any problem text
+that a held-out set holds, so evaluation measures generalisation, not recall. A held-out set
+may ask its problems after one worked example (`worked_example`): a user turn and an
+assistant turn that answers in `\\boxed{}`. SmolLM2-135M-Instruct boxes almost no answer
+from the system prompt alone and almost every answer after the example, so a set asked that
+way measures arithmetic with the format already given (docs/architecture.md, evaluations).
 """
 
 from __future__ import annotations
@@ -99,10 +103,26 @@ def math_problem(rng: random.Random, word_fraction: float = 0.4, level: str = "e
     return word(rng) if rng.random() < word_fraction else arith(rng)
 
 
-def math_prompt(question: str, answer: int, prompt_id: str | None = None) -> dict:
-    """A `/v1/rollouts` prompt: chat messages with the system prompt, scored by `math`."""
+# One worked exchange in the answer format, asked before a `worked_example` set's problem (never
+# a problem of the hard level, whose sums have two-digit operands or three terms).
+WORKED_EXAMPLE = ("What is 3 + 4?", "3 + 4 = 7.\n\n\\boxed{7}")
+
+
+def math_prompt(
+    question: str, answer: int, prompt_id: str | None = None, worked_example: bool = False
+) -> dict:
+    """A `/v1/rollouts` prompt: chat messages with the system prompt (and, with `worked_example`,
+    one worked exchange), scored by `math`."""
+    example = [
+        {"role": "user", "content": WORKED_EXAMPLE[0]},
+        {"role": "assistant", "content": WORKED_EXAMPLE[1]},
+    ]
     prompt = {
-        "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            *(example if worked_example else []),
+            {"role": "user", "content": question},
+        ],
         "reward_spec": {"verifier": "math", "answer": str(answer)},
     }
     if prompt_id is not None:
@@ -110,37 +130,65 @@ def math_prompt(question: str, answer: int, prompt_id: str | None = None) -> dic
     return prompt
 
 
+@dataclass(frozen=True)
+class HeldoutSet:
+    """`size` distinct problems of `level`, fixed by `seed`, asked as `math_prompt` asks them."""
+
+    seed: int = 1234
+    size: int = 200
+    word_fraction: float = 0.4
+    level: str = "easy"
+    worked_example: bool = False
+
+    def problems(self) -> list[tuple[str, int]]:
+        rng, seen, out = random.Random(self.seed), set(), []
+        while len(out) < self.size:
+            q, a = math_problem(rng, self.word_fraction, self.level)
+            if q not in seen:
+                seen.add(q)
+                out.append((q, a))
+        return out
+
+    def prompts(self, name: str) -> list[dict]:
+        """Prompt ids `<name>-<i>`."""
+        return [
+            math_prompt(q, a, prompt_id=f"{name}-{i}", worked_example=self.worked_example)
+            for i, (q, a) in enumerate(self.problems())
+        ]
+
+
 @dataclass
 class MathTask:
-    """A training stream and a held-out set, both reproducible from their seeds."""
+    """A training stream and held-out sets, all reproducible from their seeds: the main one
+    (`eval_seed`, `eval_size`, the training level) and `more_heldout` by name."""
 
     eval_seed: int = 1234
     eval_size: int = 200
     word_fraction: float = 0.4
     level: str = "easy"
-    _heldout: list[tuple[str, int]] = field(default_factory=list, init=False, repr=False)
+    more_heldout: dict[str, HeldoutSet] = field(default_factory=dict)
+    _held: set[str] = field(default_factory=set, init=False, repr=False)
+
+    @property
+    def main_heldout(self) -> HeldoutSet:
+        return HeldoutSet(self.eval_seed, self.eval_size, self.word_fraction, self.level)
 
     def heldout(self) -> list[tuple[str, int]]:
-        """`eval_size` distinct problems fixed by `eval_seed`."""
-        if not self._heldout:
-            rng, seen = random.Random(self.eval_seed), set()
-            while len(self._heldout) < self.eval_size:
-                q, a = math_problem(rng, self.word_fraction, self.level)
-                if q not in seen:
-                    seen.add(q)
-                    self._heldout.append((q, a))
-        return self._heldout
+        """The main held-out set: `eval_size` distinct problems fixed by `eval_seed`."""
+        return self.main_heldout.problems()
 
     def heldout_prompts(self) -> list[dict]:
-        return [math_prompt(q, a, prompt_id=f"heldout-{i}") for i, (q, a) in enumerate(self.heldout())]
+        return self.main_heldout.prompts("heldout")
 
     def train_prompts(self, n: int, rng: random.Random) -> list[dict]:
-        """`n` training prompts from `rng`, none of them a held-out problem."""
-        held = {q for q, _ in self.heldout()}
+        """`n` training prompts from `rng`, none of them a problem of any held-out set."""
+        if not self._held:
+            for held in (self.main_heldout, *self.more_heldout.values()):
+                self._held.update(q for q, _ in held.problems())
         out = []
         while len(out) < n:
             q, a = math_problem(rng, self.word_fraction, self.level)
-            if q not in held:
+            if q not in self._held:
                 out.append(math_prompt(q, a))
         return out
 

@@ -205,7 +205,7 @@ class Scorer:
         return RewardResponse.model_construct(
             results=[
                 RewardResult.model_construct(
-                    id=job.item.id, status=v.status, reward=v.reward, details=v.details
+                    id=job.item.id, status=v.status, reward=v.reward, details=v.details, formatted=v.formatted
                 )
                 for job, v in zip(jobs, verdicts)
             ]
@@ -247,7 +247,7 @@ class Scorer:
         it is ever in flight for another request to share)."""
         verdict = self.cache.get(job.key)
         if verdict is not None:
-            return Verdict(verdict.status, verdict.reward, {**verdict.details, "cached": True}), True
+            return verdict.cached(), True
         started = time.monotonic()
         try:
             verdict = job.verifier.judge(job.spec, job.item.prompt, job.item.completion)
@@ -262,7 +262,7 @@ class Scorer:
         """The item's verdict, and whether it came from the cache or an identical item in flight."""
         verdict = self.cache.get(job.key) or await self._shared(job.key)
         if verdict is not None:
-            return Verdict(verdict.status, verdict.reward, {**verdict.details, "cached": True}), True
+            return verdict.cached(), True
         future = asyncio.get_running_loop().create_future()
         self._inflight[job.key] = future
         try:

@@ -207,10 +207,17 @@ class RolloutSettings(ServiceSettings):
         0,
         ge=0,
         le=1_000_000,
-        description="evaluate eval_file at every version divisible by this (version 0 included); 0: off",
+        description="evaluate eval_file and eval_sets at every version divisible by this (version 0 "
+        "included); 0: off",
     )
     eval_name: str = Field(
-        "heldout", min_length=1, max_length=64, description="name of the automatic evaluations"
+        "heldout", min_length=1, max_length=64, description="name of the automatic evaluations of eval_file"
+    )
+    eval_sets: dict[str, str] = Field(
+        default_factory=dict,
+        description="more automatic evaluations beside eval_file: name → JSONL of held-out prompts (as "
+        "eval_file), each evaluated at the same versions and reported under its own name "
+        "(TOML [rollout.eval_sets]; env: JSON)",
     )
     eval_max_new_tokens: int | None = Field(
         None,
@@ -298,6 +305,18 @@ class RolloutSettings(ServiceSettings):
             raise ValueError(f"must match {EVAL_NAME_PATTERN} (it is a Prometheus label value)")
         return value
 
+    @field_validator("eval_sets")
+    @classmethod
+    def _eval_set_names(cls, value: dict[str, str]) -> dict[str, str]:
+        from asyncrl.proto.evals import EVAL_NAME_PATTERN
+
+        for name in value:
+            if not re.fullmatch(EVAL_NAME_PATTERN, name):
+                raise ValueError(
+                    f"evaluation name {name!r} must match {EVAL_NAME_PATTERN} (a Prometheus label value)"
+                )
+        return value
+
     @field_validator("engine_urls", "engine_admin_urls", mode="before")
     @classmethod
     def _normalise_urls(cls, value: Any) -> str:
@@ -335,8 +354,10 @@ class RolloutSettings(ServiceSettings):
             raise ValueError("default_max_new_tokens exceeds max_new_tokens_cap")
         if self.heartbeat_s * 3 > self.recover_idle_s:
             raise ValueError("heartbeat_s must be at most recover_idle_s / 3, or live jobs get stolen")
-        if (self.eval_file is None) != (self.eval_every == 0):
-            raise ValueError("automatic evaluations need both eval_file and eval_every > 0")
+        if (not self.auto_eval_files) != (self.eval_every == 0):
+            raise ValueError("automatic evaluations need both eval_file (or eval_sets) and eval_every > 0")
+        if self.eval_file is not None and self.eval_name in self.eval_sets:
+            raise ValueError(f"eval_sets names {self.eval_name!r}, the name of eval_file's evaluations")
         if (self.eval_max_new_tokens or 0) > self.max_new_tokens_cap:
             raise ValueError("eval_max_new_tokens exceeds max_new_tokens_cap")
         if self.gateway_reap_interval_s > self.gateway_session_ttl_s:
@@ -344,6 +365,12 @@ class RolloutSettings(ServiceSettings):
         if (self.eval_sampling_params or {}).get("max_new_tokens", 0) > self.max_new_tokens_cap:
             raise ValueError("eval_sampling_params.max_new_tokens exceeds max_new_tokens_cap")
         return self
+
+    @property
+    def auto_eval_files(self) -> dict[str, str]:
+        """Every automatic evaluation: name → its JSONL (eval_file under eval_name, then eval_sets)."""
+        first = {self.eval_name: self.eval_file} if self.eval_file is not None else {}
+        return first | self.eval_sets
 
     @property
     def engine_url_list(self) -> list[str]:

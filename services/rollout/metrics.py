@@ -167,10 +167,21 @@ EVAL_ACCURACY = Gauge(
     "Fraction of items scored with reward >= 1 (unscored items are wrong)",
     ["name", "version"],
 )
+EVAL_FORMAT_RATE = Gauge(
+    "asyncrl_eval_format_rate",
+    "Fraction of items whose answer had the final-answer format its verifier requires (unset: no format verdict)",
+    ["name", "version"],
+)
+EVAL_FORMATTED_ACCURACY = Gauge(
+    "asyncrl_eval_formatted_accuracy",
+    "Fraction of the formatted items that are correct (unset: none formatted)",
+    ["name", "version"],
+)
 EVAL_MEAN_REWARD = Gauge("asyncrl_eval_mean_reward", "Mean reward of the scored items", ["name", "version"])
 EVAL_MEAN_LENGTH = Gauge(
     "asyncrl_eval_mean_length", "Mean completion length in tokens of all items", ["name", "version"]
 )
+EVAL_GAUGES = (EVAL_ACCURACY, EVAL_FORMAT_RATE, EVAL_FORMATTED_ACCURACY, EVAL_MEAN_REWARD, EVAL_MEAN_LENGTH)
 EVALS_SUBMITTED = Counter("asyncrl_eval_submitted_total", "Evaluations created", ["source"])
 EVALS_FINISHED = Counter(
     "asyncrl_eval_evaluations_total",

@@ -12,6 +12,7 @@ import time
 import httpx
 
 from asyncrl.buffer import Buffer, EngineRoster, EvalStore, Jobs, PolicyVersions
+from asyncrl.proto.evals import EvalTask
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import EngineClient, get_info
 from asyncrl.services.rollout.clients.environments import EnvClient
@@ -62,7 +63,7 @@ class RolloutService:
         self.buf = Buffer(redis_url, run=settings.run)
         self.jobs = Jobs(self.buf)
         self.evals = EvalStore(redis_url, run=settings.run)  # thread-safe: routes and the evaluator share it
-        self.auto_eval = self._auto_eval_task()
+        self.auto_evals = self._auto_eval_tasks()
         self._tasks: list[asyncio.Task] = []
         # An embedded Redis this process started (`asyncrl rollout` without redis_url): stopped
         # with the app, because uvicorn re-raises SIGTERM after its shutdown and no `finally`
@@ -80,21 +81,17 @@ class RolloutService:
         self._engine_kind: tuple[float, str | None] = (float("-inf"), None)  # (probed at, kind)
         self._engine_probe = asyncio.Lock()
 
-    def _auto_eval_task(self):
-        """The tokenized `eval_file` (checked now, so a bad file stops the service at start)."""
-        s = self.settings
-        if s.eval_file is None:
-            return None
-        try:
-            return build_task(
-                self.intake,
-                load_eval_file(s.eval_file),
-                None,
-                sampling_params(s, s.eval_sampling_params),
-                s.eval_name,
-            )
-        except BadRequest as exc:
-            raise ValueError(f"eval_file {s.eval_file}: {exc}") from None
+    def _auto_eval_tasks(self) -> dict[str, EvalTask]:
+        """The tokenized automatic evaluation sets, by name (checked now, so a bad file stops the
+        service at start)."""
+        s, tasks = self.settings, {}
+        for name, path in s.auto_eval_files.items():
+            params = sampling_params(s, s.eval_sampling_params)
+            try:
+                tasks[name] = build_task(self.intake, load_eval_file(path), None, params, name)
+            except BadRequest as exc:
+                raise ValueError(f"evaluation {name} ({path}): {exc}") from None
+        return tasks
 
     def _headers(self) -> dict[str, str] | None:
         token = os.environ.get("ASYNCRL_API_TOKEN")
@@ -141,7 +138,7 @@ class RolloutService:
             initial_version=s.initial_weight_version,
         )
         evaluator = Evaluator(
-            s, self.evals, self.engines, self.rewards, weights, self.tokenizer, self.auto_eval
+            s, self.evals, self.engines, self.rewards, weights, self.tokenizer, self.auto_evals
         )
         scheduler = GroupScheduler(
             s,

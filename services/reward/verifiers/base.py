@@ -2,7 +2,9 @@
 
 A verifier returns a `Verdict`. `scored` is the only status with a reward; a verifier that
 could not judge says so (`timeout`, `error`, `invalid_input`) with a `reason` in `details`,
-so nothing downstream mistakes an infrastructure failure for a wrong answer.
+so nothing downstream mistakes an infrastructure failure for a wrong answer. A verifier that
+requires a final-answer format says on each scored verdict whether the answer had it
+(`formatted`), so a wrong answer and a missing one are told apart; the others leave it None.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from asyncrl.proto.records import RewardStatus, check_reward
+from asyncrl.proto.rewards import check_formatted
 from asyncrl.proto.verifiers import validate_spec
 
 
@@ -22,13 +25,19 @@ class Verdict:
     status: RewardStatus
     reward: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    formatted: bool | None = None  # the answer had the required final-answer format (scored only)
 
     def __post_init__(self) -> None:
         check_reward(self.reward, self.status)  # a NaN score is refused here, as an error of this item
+        check_formatted(self.formatted, self.status)
 
     @classmethod
-    def scored(cls, reward: float, **details: Any) -> Verdict:
-        return cls(RewardStatus.scored, float(reward), details)
+    def scored(cls, reward: float, *, formatted: bool | None = None, **details: Any) -> Verdict:
+        return cls(RewardStatus.scored, float(reward), details, formatted)
+
+    def cached(self) -> Verdict:
+        """This verdict as served again from the cache (or an identical item in flight)."""
+        return Verdict(self.status, self.reward, {**self.details, "cached": True}, self.formatted)
 
     @classmethod
     def failed(cls, status: RewardStatus, reason: str, **details: Any) -> Verdict:

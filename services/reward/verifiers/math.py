@@ -13,6 +13,12 @@ the last line that starts with `####` (GSM8K's marker) or `Answer:` / `Final ans
 (markdown bold allowed). An unmarked completion scores 0
 (`details.unmarked`): its text never reaches math-verify's extractor, which would find "14"
 in "maybe 14" and pay it (the gold is still parsed, so a bad gold stays `invalid_input`).
+
+`formatted` (on every scored verdict): the answer came from a final-answer mark this mode
+reads, and math-verify read an answer out of it. Strict: any of the marks above; lenient: a
+`\\boxed{…}` (an unboxed completion is formatted False even when its tail is paid). An empty
+or unreadable mark (`\\boxed{}`) is not formatted. So a strict reward of 1 implies formatted,
+and strict accuracy = format rate × accuracy among formatted answers.
 """
 
 from __future__ import annotations
@@ -111,6 +117,7 @@ class MathVerifier(PooledVerifier):
             marked, truncated = marked_answer(completion, self.max_chars), False
             pred = "" if marked is None else marked  # still sent: the gold is checked all the same
         else:
+            marked = last_boxed(completion, self.max_chars)  # the one mark lenient mode reads
             pred, truncated = answer_region(completion, self.max_chars)
         try:
             reply = await self.pool.request({"gold": spec.answer, "pred": pred})
@@ -124,6 +131,7 @@ class MathVerifier(PooledVerifier):
             return Verdict.failed(RewardStatus.invalid_input, "gold_unparseable", gold=spec.answer[:200])
         return Verdict.scored(
             1.0 if reply["equal"] else 0.0,
+            formatted=marked is not None and reply["pred_ok"],
             gold=reply["gold_extracted"],
             extracted=reply["pred_extracted"],
             truncated=truncated,

@@ -3,8 +3,9 @@
 Started by `services.reward.verifiers.math.MathPool` as `python -I math_worker.py MEMORY_MB`.
 It has no timeout of its own (math-verify's uses `signal.alarm`); the pool kills it when a
 request runs past the deadline. Request `{"gold": str, "pred": str}`; reply
-`{"gold_ok": bool, "equal": bool, "gold_extracted": [...], "pred_extracted": [...]}` or
-`{"error": str}`. Only extracted *strings* are returned: printing sympy objects can itself hang.
+`{"gold_ok": bool, "pred_ok": bool, "equal": bool, "gold_extracted": [...], "pred_extracted": [...]}`
+or `{"error": str}` (`pred_ok`: math-verify read at least one answer out of `pred`). Only
+extracted *strings* are returned: printing sympy objects can itself hang.
 """
 
 from __future__ import annotations
@@ -49,12 +50,19 @@ def main() -> int:
             request = json.loads(line)
             gold = _parse_gold(parse, request["gold"])
             if not gold:
-                reply = {"gold_ok": False, "equal": False, "gold_extracted": [], "pred_extracted": []}
+                reply = {
+                    "gold_ok": False,
+                    "pred_ok": False,
+                    "equal": False,
+                    "gold_extracted": [],
+                    "pred_extracted": [],
+                }
             else:
                 pred = parse(request["pred"], parsing_timeout=None)
                 equal = bool(pred) and verify(gold, pred, timeout_seconds=None)
                 reply = {
                     "gold_ok": True,
+                    "pred_ok": bool(pred),
                     "equal": bool(equal),
                     "gold_extracted": _strings(gold),
                     "pred_extracted": _strings(pred),

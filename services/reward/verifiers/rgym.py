@@ -7,7 +7,8 @@ simulators) with no timeout of their own.
 
 The answer is what reasoning-gym's own `extract_answer` takes from the completion (the last
 `<answer>…</answer>`, stripped), so the reward equals what reasoning-gym's training code
-would compute; `boxed_fallback` adds the last `\\boxed{}` when there is no tag. The score is
+would compute; `boxed_fallback` adds the last `\\boxed{}` when there is no tag. `formatted`
+says whether there was such an answer (a tag, or the box under the fallback). The score is
 passed through unchanged, partial credit included (gsm_symbolic pays 0.01 for a well-formed
 wrong number; the base scorer pays len(gold)/len(answer) when the gold is a substring).
 
@@ -79,6 +80,7 @@ class ReasoningGymVerifier(PooledVerifier):
             return Verdict.failed(RewardStatus.error, reason, error=reply["error"])
         return Verdict.scored(
             reply["score"],
+            formatted=reply["answer"] is not None,
             answer=reply["answer"],
             source=reply["source"],
             truncated=len(completion) > self.max_chars,

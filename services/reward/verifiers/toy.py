@@ -56,7 +56,7 @@ class ArithVerifier(Verifier):
     name = "arith"
     description = (
         "Exact-match integer arithmetic: 1 if the stripped completion is the integer `answer`, "
-        "`format_credit` if it is some other integer, 0 otherwise."
+        "`format_credit` if it is some other integer, 0 otherwise; formatted: the completion is an integer."
     )
     Spec = ArithSpec
     inline = True
@@ -64,6 +64,8 @@ class ArithVerifier(Verifier):
     def judge(self, spec: ArithSpec, prompt: str, completion: str) -> Verdict:
         text = completion.strip()
         if not INTEGER.fullmatch(text):
-            return Verdict.scored(0.0, well_formed=False)
+            return Verdict.scored(0.0, formatted=False, well_formed=False)
         correct = int(text) == int(spec.answer)
-        return Verdict.scored(1.0 if correct else spec.format_credit, well_formed=True, correct=correct)
+        return Verdict.scored(
+            1.0 if correct else spec.format_credit, formatted=True, well_formed=True, correct=correct
+        )

@@ -184,18 +184,31 @@ def new_summary(eval_id: str, name: str, source: str, task: EvalTask, digest: st
 
 
 def summarize(items: list[EvalItem]) -> dict:
-    """accuracy = scored items with reward ≥ CORRECT_REWARD / all items (unscored count as
-    wrong); mean_reward over the scored items (None if none); mean_length over all items."""
-    scored = [i.reward for i in items if i.reward_status is RewardStatus.scored and i.reward is not None]
-    correct = sum(1 for r in scored if r >= CORRECT_REWARD)
-    return {
-        "accuracy": correct / len(items),
-        "mean_reward": sum(scored) / len(scored) if scored else None,
+    """The summary's figures of `items` (proto/evals.py defines each): accuracy over all items
+    (unscored count as wrong); formatted, format_rate and formatted_accuracy from the verifiers'
+    format verdicts (None when no item has one); mean_reward over the scored items (None if
+    none); mean_length over all items."""
+    scored = [i for i in items if i.reward_status is RewardStatus.scored and i.reward is not None]
+    correct = [i for i in scored if i.reward >= CORRECT_REWARD]
+    formatted = [i for i in items if i.formatted]
+    out = {
+        "accuracy": len(correct) / len(items),
+        "formatted": None,
+        "format_rate": None,
+        "formatted_accuracy": None,
+        "mean_reward": sum(i.reward for i in scored) / len(scored) if scored else None,
         "mean_length": sum(i.completion_tokens for i in items) / len(items),
-        "correct": correct,
+        "correct": len(correct),
         "scored": len(scored),
         "statuses": dict(Counter(i.reward_status.value for i in items)),
     }
+    if any(i.formatted is not None for i in items):
+        formatless = sum(1 for i in scored if i.formatted is None)  # their verifier has no format
+        out["formatted"] = len(formatted)
+        out["format_rate"] = len(formatted) / (len(items) - formatless)
+        if formatted:
+            out["formatted_accuracy"] = sum(1 for i in correct if i.formatted) / len(formatted)
+    return out
 
 
 # --- running evaluations ------------------------------------------------------------------------
@@ -213,12 +226,12 @@ class Evaluator:
         rewards: RewardClient,
         weights: WeightSync,
         tokenizer,
-        auto: EvalTask | None = None,
+        auto: dict[str, EvalTask] | None = None,
     ):
         self.settings, self.store = settings, store
         self.engines, self.rewards, self.weights = engines, rewards, weights
         self.tokenizer = tokenizer
-        self.auto = auto if settings.eval_every else None
+        self.auto = (auto or {}) if settings.eval_every else {}  # name -> task, evaluated every eval_every
         self.owner = f"rollout-{settings.replica}"
         self.running: dict[str, asyncio.Task] = {}
         self._lost: set[str] = set()
@@ -254,19 +267,30 @@ class Evaluator:
 
     async def on_version(self, version: int) -> None:
         """WeightSync listener, called under its lock as the engines first reach `version`:
-        create the automatic evaluation due at it (once across replicas) and pin it now."""
-        if self.auto is None or version % self.settings.eval_every:
+        create the automatic evaluations due at it (each once across replicas) and pin them now."""
+        if not self.auto or version % self.settings.eval_every:
             return
-        eval_id = eval_id_for(self.settings.run, f"auto-{self.settings.eval_name}-v{version}", "auto")
-        task = self.auto.model_copy(update={"target_version": version})
-        summary = new_summary(eval_id, self.settings.eval_name, "auto", task)
+        for name, task in self.auto.items():
+            await self._auto_eval(name, task, version)
+
+    async def _auto_eval(self, name: str, task: EvalTask, version: int) -> None:
+        eval_id = eval_id_for(self.settings.run, f"auto-{name}-v{version}", "auto")
+        task = task.model_copy(update={"target_version": version})
+        summary = new_summary(eval_id, name, "auto", task)
         try:
             created = await asyncio.to_thread(
                 self.store.create, summary, task, self.owner, self.settings.recover_idle_s
             )
         except redis.RedisError as exc:
             m.AUTO_EVALS.labels("error").inc()
-            log_event(log, "automatic evaluation not created", logging.ERROR, version=version, error=str(exc))
+            log_event(
+                log,
+                "automatic evaluation not created",
+                logging.ERROR,
+                name=name,
+                version=version,
+                error=str(exc),
+            )
             return
         m.AUTO_EVALS.labels("created" if created else "exists").inc()
         if not created:
@@ -417,6 +441,7 @@ class Evaluator:
                 reward=r.reward,
                 reward_status=r.status,
                 reward_details=r.details,
+                formatted=r.formatted,
             )
             for k, (p, gen, text, r) in enumerate(zip(prompts, gens, texts, results))
         ]
@@ -458,6 +483,8 @@ class Evaluator:
             name=summary.name,
             version=summary.version,
             accuracy=summary.accuracy,
+            format_rate=summary.format_rate,
+            formatted_accuracy=summary.formatted_accuracy,
             mean_reward=summary.mean_reward,
             error=summary.error,
         )
@@ -484,17 +511,23 @@ _series: dict[tuple[str, str], int] = {}  # gauge label sets set by this process
 
 
 def set_gauges(summary: EvalSummary) -> None:
-    """Export a done evaluation; beyond EVAL_SERIES_KEPT series the lowest versions are removed."""
+    """Export a done evaluation; beyond EVAL_SERIES_KEPT series the lowest versions are removed.
+    A figure that is None (no scored item, no format verdict) sets no gauge, rather than a made-up 0."""
     labels = (summary.name, str(summary.version))
     m.EVAL_ACCURACY.labels(*labels).set(summary.accuracy or 0.0)
     m.EVAL_MEAN_LENGTH.labels(*labels).set(summary.mean_length or 0.0)
-    if summary.mean_reward is not None:  # no scored item: no mean reward, rather than a made-up 0
-        m.EVAL_MEAN_REWARD.labels(*labels).set(summary.mean_reward)
+    for gauge, value in (
+        (m.EVAL_MEAN_REWARD, summary.mean_reward),
+        (m.EVAL_FORMAT_RATE, summary.format_rate),
+        (m.EVAL_FORMATTED_ACCURACY, summary.formatted_accuracy),
+    ):
+        if value is not None:
+            gauge.labels(*labels).set(value)
     _series[labels] = summary.version or 0
     while len(_series) > m.EVAL_SERIES_KEPT:
         oldest = min(_series, key=_series.__getitem__)
         del _series[oldest]
-        for gauge in (m.EVAL_ACCURACY, m.EVAL_MEAN_LENGTH, m.EVAL_MEAN_REWARD):
+        for gauge in m.EVAL_GAUGES:
             try:
                 gauge.remove(*oldest)
             except KeyError:

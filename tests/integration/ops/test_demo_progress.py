@@ -56,16 +56,17 @@ def test_before_the_first_step_there_is_no_reward_and_after_it_there_is():
 
 def test_evaluations_are_read_once_per_version_and_summarised(tmp_path):
     """The demo reads finished evaluations off a (real, loopback) `/v1/evaluations` listing, one
-    row per version, and its summary states base, last and best accuracy and the gains."""
-    from asyncrl.services.ops.demo import Evals, eval_summary, plot
+    row per version, and its summary states base, last and best accuracy and the gains, and the
+    format rate and accuracy among formatted answers at the base and the last version."""
+    from asyncrl.services.ops.demo import Evals, _eval_line, eval_summary, plot
 
     listing = {"evaluations": [
         {"eval_id": "a", "state": "done", "version": 0, "accuracy": 0.25, "mean_reward": 0.25, "mean_length": 100.0,
-         "prompts": 4, "started_at": 1000.0, "finished_at": 1010.0},
+         "format_rate": 0.25, "formatted_accuracy": 1.0, "prompts": 4, "started_at": 1000.0, "finished_at": 1010.0},
         {"eval_id": "b", "state": "done", "version": 10, "accuracy": 0.5, "mean_reward": 0.5, "mean_length": 80.0,
-         "prompts": 4, "started_at": 1100.0, "finished_at": 1130.0},
+         "format_rate": 0.5, "formatted_accuracy": 1.0, "prompts": 4, "started_at": 1100.0, "finished_at": 1130.0},
         {"eval_id": "c", "state": "running", "version": 20, "accuracy": None, "mean_reward": None, "mean_length": None,
-         "prompts": 4, "started_at": 1200.0, "finished_at": None},
+         "format_rate": None, "formatted_accuracy": None, "prompts": 4, "started_at": 1200.0, "finished_at": None},
     ]}  # fmt: skip
     app = FastAPI()
     asked: list[str | None] = []
@@ -81,8 +82,13 @@ def test_evaluations_are_read_once_per_version_and_summarised(tmp_path):
         first = evals.poll(every_s=0.0)
         assert [r["version"] for r in first] == [0, 10] and asked == ["heldout"]
         assert first[1]["t"] == 130.0 and first[1]["eval_s"] == 30.0
+        assert (first[1]["name"], first[1]["format_rate"], first[1]["formatted_accuracy"]) == (
+            "heldout",
+            0.5,
+            1.0,
+        )
         listing["evaluations"][2].update(state="done", accuracy=0.375, mean_reward=0.375, mean_length=70.0,
-                                         finished_at=1250.0)  # fmt: skip
+                                         format_rate=0.5, formatted_accuracy=0.75, finished_at=1250.0)  # fmt: skip
         second = evals.poll(every_s=0.0)
         assert [r["version"] for r in second] == [20]  # versions already read are not repeated
     finally:
@@ -93,10 +99,16 @@ def test_evaluations_are_read_once_per_version_and_summarised(tmp_path):
     )
     assert s["eval_best_accuracy"] == 0.5 and s["eval_best_version"] == 10
     assert s["eval_gain_last"] == 0.125 and s["eval_gain_best"] == 0.25
+    # the gain up to v10 was all format (1 of 4 boxed and right -> 2 of 4); v20 boxed as many and got fewer right
+    assert (s["eval_base_format_rate"], s["eval_last_format_rate"]) == (0.25, 0.5)
+    assert (s["eval_base_formatted_accuracy"], s["eval_last_formatted_accuracy"]) == (1.0, 0.75)
+    assert s["eval_formatted_gain_last"] == -0.25
+    assert _eval_line(s) == "0.250 / 0.375 (v20); format 0.250 / 0.500, among formatted 1.000 / 0.750"
     history = History()
     for v, reward in ((1, 0.2), (2, 0.3)):
         history.rows.append({"t": 10.0 * v, "version": v, "reward": reward, "staleness": 1.0})
-    plot(history, tmp_path / "demo.png", None, 1, evals.sorted())
+    hard = [{**r, "name": "heldout-hard", "accuracy": r["accuracy"] / 2} for r in evals.sorted()]
+    plot(history, tmp_path / "demo.png", None, 1, evals.sorted(), "math", {"heldout-hard": hard})
     assert (tmp_path / "demo.png").stat().st_size > 10_000
 
 

@@ -160,14 +160,20 @@ def test_rewards_equal_the_datasets_own_scores_and_the_doc_table(service, entrie
     got = score(service, items)
 
     for n, (case, key, _, marked) in enumerate(CASES):
+        completion = items[4 * n]["completion"]
+        tagged = extract_answer(completion) is not None
+        # formatted: an answer where the verifier requires one (the tag; or the box, with the fallback)
+        has_format = {"rg": tagged, "rgbox": tagged or boxed_inside(completion) is not None}
         for kind in ("rg", "rgbox"):
             result = got[f"{kind}{n}"]
-            assert (result["status"], result["reward"]) == ("scored", expected[f"{kind}{n}"]), (
-                case,
-                key,
-                result,
-            )
+            assert (result["status"], result["reward"], result["formatted"]) == (
+                "scored",
+                expected[f"{kind}{n}"],
+                has_format[kind],
+            ), (case, key, result)
         strict = got[f"strict{n}"]
+        # formatted for math: marked, and math-verify reads an answer out of the mark (none out of words)
+        assert strict["formatted"] is (marked and key != "words"), (case, key, strict)
         if not marked:  # strict mode pays no unmarked answer, whatever lenient math-verify finds in it
             assert (strict["status"], strict["reward"], strict["details"]["unmarked"]) == (
                 "scored",
@@ -175,7 +181,6 @@ def test_rewards_equal_the_datasets_own_scores_and_the_doc_table(service, entrie
                 True,
             )
         name = ITEMS[key][0]
-        completion = items[4 * n]["completion"]
         rows.append(
             (name, case, completion, *(verdict(got[f"{k}{n}"]) for k in ("rg", "rgbox", "strict", "lenient")))
         )

@@ -63,6 +63,41 @@ def test_math_equivalents_and_non_equivalents():
     assert got == want, [(case, g) for case, g, w in zip(EQUIVALENT + NOT_EQUIVALENT, got, want) if g != w]
 
 
+# (case, completion against the gold 14, strict: (reward, formatted), lenient: (reward, formatted))
+FORMAT_CASES = [
+    ("boxed, right", r"7 + 7 = 14, so \boxed{14}.", (1.0, True), (1.0, True)),
+    ("boxed, wrong", r"7 + 7 = 15, so \boxed{15}.", (0.0, True), (0.0, True)),
+    ("unboxed, right", "7 + 7 = 14. The answer is 14.", (0.0, False), (1.0, False)),
+    ("garbage", "the the the apples ?!", (0.0, False), (0.0, False)),
+    ("empty box", r"I think \boxed{} is it", (0.0, False), (0.0, False)),
+    ("Answer: line, right", "7 + 7\nAnswer: 14", (1.0, True), (1.0, False)),  # lenient: only a box is a mark
+]  # fmt: skip
+
+
+def test_math_says_whether_the_answer_had_the_required_format():
+    """`formatted`: strict mode's marks (a box, an answer tag, an answer line) or lenient mode's
+    box, with math-verify reading an answer out of it; a paid lenient answer without a box is
+    right and not formatted."""
+
+    async def both() -> list:
+        verifier = MathVerifier(workers=1, timeout_s=MATH_TIMEOUT_S, max_chars=8192, memory_mb=2048)
+        await verifier.start()
+        try:
+            return [
+                await verifier.verify(verifier.parse_spec({"answer": "14", "strict": strict}), "", completion)
+                for _, completion, *_ in FORMAT_CASES
+                for strict in (True, False)
+            ]
+        finally:
+            await verifier.close()
+
+    verdicts = iter(run(both()))
+    for case, _, strict, lenient in FORMAT_CASES:
+        for mode, want in (("strict", strict), ("lenient", lenient)):
+            v = next(verdicts)
+            assert (v.status, v.reward, v.formatted) == (RewardStatus.scored, *want), (case, mode, v)
+
+
 def test_math_unparseable_gold_is_invalid_input_and_hang_is_killed_and_replaced():
     adversarial = ("$\\frac{1}{" * 10_000)[:100_000]  # 100 kB of unbalanced LaTeX, no \boxed
     cases = [
@@ -74,10 +109,11 @@ def test_math_unparseable_gold_is_invalid_input_and_hang_is_killed_and_replaced(
     ]
     results, alive = run(_math_batch(cases))
     (bad1, _), (bad2, _), (hang, hang_s), (big, big_s), (after, _) = results
-    assert (bad1.status, bad1.reward, bad1.details["reason"]) == (
+    assert (bad1.status, bad1.reward, bad1.details["reason"], bad1.formatted) == (
         RewardStatus.invalid_input,
         None,
         "gold_unparseable",
+        None,  # not judged: no format verdict either
     )
     assert (bad2.status, bad2.details["reason"]) == (RewardStatus.invalid_input, "gold_unparseable")
     assert (hang.status, hang.details["reason"]) == (RewardStatus.timeout, "math_timeout")

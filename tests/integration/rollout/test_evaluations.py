@@ -5,11 +5,12 @@ verifier), the rollout service over HTTP. Nothing is mocked.
 Covers: an evaluation pinned at a version survives a weight update published in the middle
 of it (no abort, no resubmit, every item at the pinned version, the engine moves on after);
 evaluations never reach the training buffer or admission; GET and listing carry the values
-the items give; idempotency keys; bad bodies → 4xx; Prometheus gauges labelled by version;
-an update the service does not drive fails the evaluation it interrupts, saying why; a dead
-replica's evaluation is recovered; the API token; behind sglang-router an evaluation pins
-every worker; automatic evaluations at version 0 and every `eval_every` versions, once
-across two replicas.
+the items give; strict accuracy, format rate and accuracy among formatted answers over the
+math verifier's format verdicts (a model built to answer in known formats); idempotency keys;
+bad bodies → 4xx; Prometheus gauges labelled by version; an update the service does not drive
+fails the evaluation it interrupts, saying why; a dead replica's evaluation is recovered; the
+API token; behind sglang-router an evaluation pins every worker; automatic evaluations of two
+named sets at version 0 and every `eval_every` versions, once across two replicas.
 """
 
 from __future__ import annotations
@@ -130,6 +131,19 @@ def assert_summary_matches_items(result: dict) -> None:
     assert result["prompts"] == len(items)
     assert result["correct"] == correct and result["scored"] == len(scored)
     assert result["accuracy"] == pytest.approx(correct / len(items))
+    formatted = [i for i in items if i["formatted"]]
+    if all(i["formatted"] is None for i in items):  # no verifier of the set has a format
+        assert (result["formatted"], result["format_rate"], result["formatted_accuracy"]) == (
+            None,
+            None,
+            None,
+        )
+    else:
+        formatless = sum(1 for i in items if i["reward_status"] == "scored" and i["formatted"] is None)
+        assert result["formatted"] == len(formatted)
+        assert result["format_rate"] == pytest.approx(len(formatted) / (len(items) - formatless))
+        right = sum(1 for i in formatted if i["reward"] >= 1.0)
+        assert result["formatted_accuracy"] == (pytest.approx(right / len(formatted)) if formatted else None)
     assert result["mean_reward"] == pytest.approx(sum(scored) / len(scored))
     assert result["mean_length"] == pytest.approx(sum(i["completion_tokens"] for i in items) / len(items))
     statuses: dict[str, int] = {}
@@ -254,6 +268,129 @@ def test_gauges_carry_the_version_label_and_the_values(shared, scored):
     assert items["invalid_input"] >= 2 and items["scored"] >= 20  # the probe's and arith's
     done = [s.value for s in families["asyncrl_eval_evaluations"].samples if s.labels.get("result") == "done"]
     assert done and done[0] >= 2
+
+
+# --------------------------------------------------------------------------------- answer formats
+
+# What the scripted model answers after a prompt's last character: a box, a bare number, noise.
+SCRIPT = {"q": "\\boxed{42}", "w": "73", "k": "mnp"}
+SCRIPT_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 >\\{}"
+
+
+def build_scripted_model(path) -> None:
+    """A real Qwen2 checkpoint whose greedy continuation of a prompt is `SCRIPT[last char]` then
+    EOS: every layer's output projections are zero, so the last position's hidden state is its
+    token's embedding (one-hot), and the untied LM head maps each token to the next character
+    of its script (EOS after a script's last character and after any other token)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.services.ops.tinymodel import EOS_ID
+
+    build_tiny_model(
+        path, chars=SCRIPT_CHARS, num_layers=1, tie_word_embeddings=False, max_position_embeddings=CONTEXT
+    )
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    assert vocab <= hidden, "one-hot embeddings need a dimension per token"
+    following = {}
+    for selector, script in SCRIPT.items():
+        chars = [selector, *script]
+        following |= dict(zip(chars, chars[1:]))
+    assert len(following) == sum(len(v) for v in SCRIPT.values()), "a character may continue one script only"
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab, hidden))
+        head = torch.zeros(vocab, hidden)
+        for token in range(vocab):
+            text = tok.decode([token])
+            head[tok.convert_tokens_to_ids(following[text]) if text in following else EOS_ID, token] = 10.0
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+@pytest.fixture(scope="module")
+def scripted(redis_server, reward, tmp_path_factory):
+    """The scripted model behind a reference engine and a rollout service on a fresh run."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("scripted_model")
+    build_scripted_model(path)
+    run = f"t{uuid.uuid4().hex[:12]}"
+    engine = start_engine(str(path))
+    running = serve_in_thread(
+        redis_server.url,
+        loaded_tokenizer=AutoTokenizer.from_pretrained(path),
+        **settings(engine.url, reward.url, str(path), run),
+    )
+    with httpx.Client(base_url=running.url, timeout=30) as client:
+        yield client
+    running.stop()
+    engine.stop()
+
+
+def test_format_rate_and_accuracy_among_formatted_answers(scripted):
+    """Eight strict-math items whose answers are known in advance: 3 boxed and right (42 for
+    42), 2 boxed and wrong (42 for 41), 2 bare right numbers (73 for 73: strict pays no
+    unmarked answer), 1 noise. Strict accuracy 3/8, format rate 5/8, accuracy among formatted
+    answers 3/5; a `reverse` set over the same answers has no format figures at all."""
+    client = scripted
+    math = [("q", "42")] * 3 + [("q", "41")] * 2 + [("w", "73")] * 2 + [("k", "5")]
+    prompts = [
+        {"text": f"a{selector}", "reward_spec": {"verifier": "math", "answer": answer, "strict": True}}
+        for selector, answer in math
+    ]
+    resp = client.post(
+        "/v1/evaluations",
+        json={"name": "formats", "prompts": prompts, "sampling_params": {"max_new_tokens": 12}},
+    )
+    assert resp.status_code == 202, resp.text
+    result = wait_eval(client, resp.json()["eval_id"])
+    assert result["state"] == "done", result
+    items = result["items"]
+    assert [i["completion"] for i in items] == [SCRIPT[selector] for selector, _ in math]
+    assert [(i["reward"], i["formatted"]) for i in items] == [(1.0, True)] * 3 + [(0.0, True)] * 2 + [
+        (0.0, False)
+    ] * 3
+    assert (result["accuracy"], result["formatted"], result["format_rate"], result["formatted_accuracy"]) == (
+        3 / 8,
+        5,
+        5 / 8,
+        3 / 5,
+    )
+    assert_summary_matches_items(result)
+
+    resp = client.post(
+        "/v1/evaluations",
+        json={"name": "formatless", "prompts": [{"text": "aq"}, {"text": "aw"}], "reward_spec": {"verifier": "reverse"},
+              "sampling_params": {"max_new_tokens": 12}},
+    )  # fmt: skip
+    formatless = wait_eval(client, resp.json()["eval_id"])
+    assert [i["formatted"] for i in formatless["items"]] == [None, None]
+    assert (formatless["formatted"], formatless["format_rate"], formatless["formatted_accuracy"]) == (
+        None,
+        None,
+        None,
+    )
+
+    wait_until(
+        lambda: 'name="formatless",version="0"' in client.get("/metrics").text, timeout=10, message="gauges"
+    )
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    gauges = {
+        (name, s.labels["name"]): s.value
+        for name in ("asyncrl_eval_accuracy", "asyncrl_eval_format_rate", "asyncrl_eval_formatted_accuracy")
+        for s in families[name].samples
+        if s.labels.get("version") == "0" and s.labels["name"] in ("formats", "formatless")
+    }
+    assert gauges == {
+        ("asyncrl_eval_accuracy", "formats"): 3 / 8,
+        ("asyncrl_eval_format_rate", "formats"): 5 / 8,
+        ("asyncrl_eval_formatted_accuracy", "formats"): 3 / 5,
+        ("asyncrl_eval_accuracy", "formatless"): 0.0,  # no format gauge: none was measured, never a 0
+    }
 
 
 def test_idempotency_key_gives_one_evaluation(shared):
@@ -554,15 +691,29 @@ def test_automatic_evaluations_at_every_eval_every_versions_once_across_replicas
     redis_url, run_id, reward, model_dir, model_dir_v1, tokenizer, tmp_path
 ):
     """Two replicas, each driving its own engine, both follow versions 0…4 with eval_every = 2:
-    versions 0, 2 and 4 are evaluated exactly once each (by whichever replica got there first)."""
-    eval_file = tmp_path / "heldout.jsonl"
+    versions 0, 2 and 4 are evaluated exactly once each (by whichever replica got there first),
+    for each of two named sets (`eval_file` as "heldout", and `eval_sets`' "heldout-math")."""
+    eval_file, math_file = tmp_path / "heldout.jsonl", tmp_path / "heldout-math.jsonl"
     eval_file.write_text(
         "\n".join(
             json.dumps({"text": word(i) + ">", "reward_spec": {"verifier": "reverse"}}) for i in range(4)
         )
     )
+    math_file.write_text(
+        "\n".join(
+            json.dumps(
+                {"text": word(i) + ">", "reward_spec": {"verifier": "math", "answer": str(i), "strict": True}}
+            )
+            for i in range(3)
+        )
+    )
     AdmissionControl(Buffer(redis_url, run_id)).configure(batch_groups=8, max_staleness=1)
-    auto = {"eval_file": str(eval_file), "eval_every": 2, "eval_max_new_tokens": 6}
+    auto = {
+        "eval_file": str(eval_file),
+        "eval_sets": {"heldout-math": str(math_file)},
+        "eval_every": 2,
+        "eval_max_new_tokens": 6,
+    }
     created0, exists0 = (metric("asyncrl_eval_auto_total", result=r) for r in ("created", "exists"))
     engines = [start_engine(model_dir), start_engine(model_dir)]
     replicas = []
@@ -572,13 +723,13 @@ def test_automatic_evaluations_at_every_eval_every_versions_once_across_replicas
             replicas.append(serve_in_thread(redis_url, loaded_tokenizer=tokenizer, **fields))
         with httpx.Client(base_url=replicas[0].url, timeout=30) as client:
 
-            def heldout() -> list[dict]:
-                return client.get("/v1/evaluations", params={"name": "heldout"}).json()["evaluations"]
+            def heldout(name: str = "heldout") -> list[dict]:
+                return client.get("/v1/evaluations", params={"name": name}).json()["evaluations"]
 
             wait_until(
-                lambda: [s["state"] for s in heldout()] == ["done"],
+                lambda: [s["state"] for s in heldout() + heldout("heldout-math")] == ["done"] * 2,
                 timeout=30,
-                message="an evaluation at version 0",
+                message="both sets' evaluations at version 0",
             )
             weights = PolicyVersions(Buffer(redis_url, run_id))
             for version in range(1, 5):
@@ -592,13 +743,14 @@ def test_automatic_evaluations_at_every_eval_every_versions_once_across_replicas
                     message=f"the engines reach version {version}",
                 )
             wait_until(
-                lambda: [s["state"] for s in heldout()] == ["done"] * 3,
+                lambda: [s["state"] for s in heldout() + heldout("heldout-math")] == ["done"] * 6,
                 timeout=30,
-                message="3 evaluations are done",
+                message="3 evaluations of each set are done",
             )
             time.sleep(0.5)  # time is the subject: nothing else turns up in this while
-            summaries = heldout()
+            summaries, math_summaries = heldout(), heldout("heldout-math")
             results = [client.get(f"/v1/evaluations/{s['eval_id']}").json() for s in summaries]
+            math_results = [client.get(f"/v1/evaluations/{s['eval_id']}").json() for s in math_summaries]
             wait_until(
                 lambda: 'asyncrl_eval_accuracy{name="heldout",version="4"}' in client.get("/metrics").text,
                 timeout=10,
@@ -618,7 +770,14 @@ def test_automatic_evaluations_at_every_eval_every_versions_once_across_replicas
         assert result["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 6}
         assert [i["version"] for i in result["items"]] == [result["version"]] * 4
         assert_summary_matches_items(result)
-    assert metric("asyncrl_eval_auto_total", result="created") - created0 == 3
-    assert metric("asyncrl_eval_auto_total", result="exists") - exists0 == 3  # the other replica's tries
+    assert [s["version"] for s in math_summaries] == [0, 2, 4]
+    assert len({s["eval_id"] for s in summaries + math_summaries}) == 6
+    for result in math_results:  # the random model writes letters: no marked answer, never right
+        assert [(i["version"], i["reward"], i["formatted"]) for i in result["items"]] == [
+            (result["version"], 0.0, False)
+        ] * 3
+        assert (result["accuracy"], result["format_rate"], result["formatted_accuracy"]) == (0.0, 0.0, None)
+    assert metric("asyncrl_eval_auto_total", result="created") - created0 == 6
+    assert metric("asyncrl_eval_auto_total", result="exists") - exists0 == 6  # the other replica's tries
     for version in (0, 2, 4):
         assert f'asyncrl_eval_accuracy{{name="heldout",version="{version}"}}' in metrics_text

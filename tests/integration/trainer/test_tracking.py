@@ -24,6 +24,8 @@ from factories import edit_sample, make_group
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
+from asyncrl.proto.evals import EvalSummary
+from asyncrl.proto.states import JobState
 from asyncrl.services.runtime.config import load_settings
 from asyncrl.trainer import metrics as tm
 from asyncrl.trainer.batch import build_rows
@@ -74,8 +76,19 @@ def errors(op: str) -> float:
     return REGISTRY.get_sample_value("asyncrl_trainer_tracking_errors_total", {"op": op}) or 0.0
 
 
-EVAL = {"eval_id": "e-1", "name": "gsm8k", "version": 1, "accuracy": 0.625, "mean_reward": 0.5,
-        "mean_length": 41.5, "n": 16, "state": "done"}  # fmt: skip
+# An evaluation as the trainer fetches it (`EvalStore.list()`, dumped): 16 prompts, 12 formatted,
+# 10 right. The fields the tracker reads must be the summary's own.
+EVAL = EvalSummary(eval_id="e-1", name="gsm8k", source="auto", state=JobState.done, version=1, prompts=16,
+                   accuracy=10 / 16, formatted=12, format_rate=12 / 16, formatted_accuracy=10 / 12,
+                   mean_reward=0.5, mean_length=41.5, created_at=0.0).model_dump()  # fmt: skip
+LOGGED = {"accuracy": 10 / 16, "format_rate": 12 / 16, "formatted_accuracy": 10 / 12, "mean_reward": 0.5,
+          "mean_length": 41.5, "prompts": 16}  # what is logged of EVAL besides its version  # fmt: skip
+
+
+def logged(name: str, version: int, **changes) -> dict:
+    return {
+        f"eval/{name}/{k}": v for k, v in {"version": version, **LOGGED, **changes}.items() if v is not None
+    }
 
 
 def test_offline_run_holds_steps_config_and_evaluation(tmp_path):
@@ -90,9 +103,7 @@ def test_offline_run_holds_steps_config_and_evaluation(tmp_path):
     rows = history(records)
     assert rows == {
         1: {"train/reward_mean": 0.25, "train/loss": -0.125, "perf/tokens": 96},
-        2: {"train/reward_mean": 0.75, "train/loss": 0.5, "perf/tokens": 80, "eval/gsm8k/version": 1,
-            "eval/gsm8k/accuracy": 0.625, "eval/gsm8k/mean_reward": 0.5, "eval/gsm8k/mean_length": 41.5,
-            "eval/gsm8k/n": 16},
+        2: {"train/reward_mean": 0.75, "train/loss": 0.5, "perf/tokens": 80, **logged("gsm8k", 1)},
     }  # fmt: skip
     (axis,) = [r["metric"] for r in records if r["type"] == "metric"]
     assert (axis["glob_name"], axis["step_metric"]) == ("eval/gsm8k/*", "eval/gsm8k/version")
@@ -122,7 +133,8 @@ def test_record_logs_every_step_figure_and_finished_evaluations(tmp_path):
              "mismatch_kl": 0.01, "approx_kl": 0.02, "entropy": 1.5, "ref_kl": 0.0, "grad_norm": 3.0, "tokens": 30.0,
              "lr": 2.5e-7}  # fmt: skip
     evals = [EVAL, {**EVAL, "eval_id": "e-2", "version": 2, "accuracy": 0.75},  # same name: waits a step
-             {**EVAL, "eval_id": "e-3", "name": "math", "accuracy": 0.25},
+             {**EVAL, "eval_id": "e-3", "name": "math", "accuracy": 0.25, "formatted": None, "format_rate": None,
+              "formatted_accuracy": None},  # a verifier without a format: those figures are left out
              {**EVAL, "eval_id": "e-4", "name": "math", "state": "running"}]  # fmt: skip
     tracker = build_tracker(settings(tmp_path), rank=0, world=1, backend="gloo")
     p = SimpleNamespace(ranks=SimpleNamespace(is_main=True), status=tm.TrainerStatus(), tracker=tracker,
@@ -144,16 +156,12 @@ def test_record_logs_every_step_figure_and_finished_evaluations(tmp_path):
         "data/response_length_mean": 26 / 6,  # 4 samples of 5 tokens, 2 of 3
         "data/truncation_rate": 1 / 6, "data/zero_spread_groups": 1,  # g0, g1 have spread; z1 was discarded
         "data/groups_trained": 2, "data/groups_dropped": 1,
-        "eval/gsm8k/version": 1, "eval/gsm8k/accuracy": 0.625, "eval/gsm8k/mean_reward": 0.5,
-        "eval/gsm8k/mean_length": 41.5, "eval/gsm8k/n": 16,
-        "eval/math/version": 1, "eval/math/accuracy": 0.25, "eval/math/mean_reward": 0.5,
-        "eval/math/mean_length": 41.5, "eval/math/n": 16,
+        **logged("gsm8k", 1), **logged("math", 1, accuracy=0.25, format_rate=None, formatted_accuracy=None),
     }  # fmt: skip
     assert step.keys() == expected.keys()
     assert step == pytest.approx(expected, rel=1e-12)
     later = {k: v for k, v in rows_by_step[6].items() if k.startswith("eval/")}
-    assert later == {"eval/gsm8k/version": 2, "eval/gsm8k/accuracy": 0.75, "eval/gsm8k/mean_reward": 0.5,
-                     "eval/gsm8k/mean_length": 41.5, "eval/gsm8k/n": 16}  # e-1, e-3 once; e-4 not done  # fmt: skip
+    assert later == logged("gsm8k", 2, accuracy=0.75)  # e-1, e-3 once; e-4 not done
     assert tracker.logged_evals == {"e-1", "e-2", "e-3"}
 
 

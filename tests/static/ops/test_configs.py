@@ -62,6 +62,8 @@ def test_run_config_validates_for_every_service(path):
         demo = DemoSection.model_validate(tomllib.loads(path.read_text())["demo"])
         assert up.launch.engine_kind == "reference" and not up.model.build_tiny and demo.task == "math"
         assert trainer.device != "cuda" and trainer.max_staleness >= 1 and demo.eval_size >= 200
+        hard = demo.eval_sets["heldout-hard"]  # where the base model formats and computes badly
+        assert (hard.level, hard.worked_example, hard.size) == ("hard", True, 200)
     else:  # the GPU configs: SGLang engines, a dataset, a real model path
         assert up.launch.engine_kind == "sglang" and up.submit is not None and not up.model.build_tiny
         assert trainer.device == "cuda" and trainer.mixed_precision == "bfloat16"

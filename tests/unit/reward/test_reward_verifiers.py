@@ -84,10 +84,11 @@ def test_arith_exact_match_with_format_credit(completion, reward, well_formed):
     verdict = run(
         verifier.verify(verifier.parse_spec({"answer": "42", "format_credit": 0.1}), "", completion)
     )
-    assert (verdict.status, verdict.reward, verdict.details["well_formed"]) == (
+    assert (verdict.status, verdict.reward, verdict.details["well_formed"], verdict.formatted) == (
         RewardStatus.scored,
         reward,
         well_formed,
+        well_formed,  # the format arith requires: the completion is an integer
     )
 
 
@@ -197,9 +198,19 @@ def test_a_group_judged_at_once_gets_the_batch_paths_verdicts(cache_entries):
         ]
         batch = asyncio.run(scorer.score(scorer.prepare(RewardRequest(items=items)))).results
         group = scorer.judge_group(spec, prompt, completions)
-        assert [(v.status, v.reward, _plain(v.details)) for v in group] == [
-            (r.status, r.reward, _plain(r.details)) for r in batch
+        assert [(v.status, v.reward, _plain(v.details), v.formatted) for v in group] == [
+            (r.status, r.reward, _plain(r.details), r.formatted) for r in batch
         ]
+    # served again (from the cache when there is one), the format verdict is kept
+    arith = RewardSpec.model_validate({"verifier": "arith", "answer": "12", "format_credit": 0.25})
+    again = scorer.judge_group(arith, "7+5=", ["12", " 13", "x"])
+    assert [(v.reward, v.formatted, v.details.get("cached", False)) for v in again] == [
+        (1.0, True, cache_entries > 0), (0.25, True, cache_entries > 0), (0.0, False, cache_entries > 0)
+    ]  # fmt: skip
+    assert {
+        v.formatted
+        for v in scorer.judge_group(RewardSpec.model_validate({"verifier": "reverse"}), "a>", ["a"])
+    } == {None}  # reverse has no notion of format
     expected = [1.0, 2 / 3, 0.0, 0.25]
     assert [v.reward for v in scorer.judge_group(RewardSpec.model_validate({"verifier": "reverse"}), "abc>",
                                                   ["cba", "cbz", "", "abcd"])] == pytest.approx(expected)  # fmt: skip

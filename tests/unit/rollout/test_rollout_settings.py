@@ -60,3 +60,31 @@ def test_openenv_servers_come_from_the_toml_table(tok_dir, tmp_path):
         RolloutSettings(tokenizer=tok_dir, openenv={"x": {"url": "file:///etc/passwd"}})
     with pytest.raises(ValidationError, match="a tool name"):
         RolloutSettings(tokenizer=tok_dir, openenv={"no spaces": {"url": "ws://h:1"}})
+
+
+def test_automatic_evaluation_sets_by_name(tok_dir, tmp_path, monkeypatch):
+    """`eval_file` (named `eval_name`) and `[rollout.eval_sets]` are evaluated together at every
+    `eval_every` versions, each under its own name; the TOML table and the env's JSON agree."""
+    from asyncrl.services.runtime.config import load_settings
+
+    config = tmp_path / "rollout.toml"
+    config.write_text(
+        f'[rollout]\ntokenizer = "{tok_dir}"\neval_file = "/d/easy.jsonl"\neval_every = 10\n'
+        '[rollout.eval_sets]\nheldout-hard = "/d/hard.jsonl"\n'
+    )
+    s = load_settings(RolloutSettings, ["--config", str(config)], prog="rollout", section="rollout")
+    assert s.auto_eval_files == {"heldout": "/d/easy.jsonl", "heldout-hard": "/d/hard.jsonl"}
+    monkeypatch.setenv("ASYNCRL_ROLLOUT_EVAL_SETS", '{"words": "/d/words.jsonl"}')
+    s = RolloutSettings(tokenizer=tok_dir, eval_every=5)
+    assert s.auto_eval_files == {"words": "/d/words.jsonl"}  # eval_sets alone is enough
+    monkeypatch.delenv("ASYNCRL_ROLLOUT_EVAL_SETS")
+    with pytest.raises(ValidationError, match="eval_file \\(or eval_sets\\) and eval_every > 0"):
+        RolloutSettings(tokenizer=tok_dir, eval_sets={"hard": "/d/hard.jsonl"})  # no eval_every
+    with pytest.raises(ValidationError, match="eval_file \\(or eval_sets\\) and eval_every > 0"):
+        RolloutSettings(tokenizer=tok_dir, eval_every=5)  # nothing to evaluate
+    with pytest.raises(ValidationError, match="the name of eval_file's evaluations"):
+        RolloutSettings(
+            tokenizer=tok_dir, eval_file="/d/a.jsonl", eval_every=5, eval_sets={"heldout": "/d/b.jsonl"}
+        )
+    with pytest.raises(ValidationError, match="Prometheus label"):
+        RolloutSettings(tokenizer=tok_dir, eval_every=5, eval_sets={"no spaces": "/d/b.jsonl"})
