@@ -373,7 +373,15 @@ class WeightSync:
         reports them, and make it an admin: every update from then on goes to it too. Under the
         update lock, so no update runs in between and no engine joins at a version the others
         have left. Returns the policy version it serves; raises `JoinRefused`. Call it once
-        `caught_up` is set (before, the latest weights are not known here yet)."""
+        `caught_up` is set (before, the latest weights are not known here yet).
+
+        The load, the long part (up to `update_timeout_s` on a slow or unreachable engine), runs
+        first outside the lock, so the fleet's updates go on meanwhile (not to this engine: it
+        is no admin yet); under the lock it is loaded again only if the weights moved since."""
+        loaded = None
+        if self.method != "distributed" and self.latest is not None:
+            loaded = self.latest
+            await self._load_joining(engine, loaded)
         async with self._lock:
             if self.method == "distributed":
                 raise JoinRefused(
@@ -381,16 +389,13 @@ class WeightSync:
                     "which a new engine cannot receive: publish to disk for an elastic fleet"
                 )
             want, version = None, (self._announced[1] if self._announced[1] >= 0 else None)
-            if self.latest is not None:  # the disk weights of `version`, loaded whatever it reports:
-                # a name is not unique to a run, so an engine left over from another run (or one
-                # restarted onto other weights) may report this name over other weights
+            if self.latest is not None:  # the disk weights of `version`
                 want, version = (
                     weight_version_name(self.latest.version, self.latest.epoch),
                     self.latest.version,
                 )
-                problem = await self.engines.update_from_disk(engine, self.latest.path or "", want)
-                if problem is not None:
-                    raise JoinRefused(f"loading version {version}: {problem}")
+                if self.latest is not loaded:
+                    await self._load_joining(engine, self.latest)
             reported = await self.engines.weight_version(engine)
             if reported is None:
                 raise JoinRefused(f"{engine.url} reports no weight_version (unreachable, or not an engine)")
@@ -404,6 +409,15 @@ class WeightSync:
             self.served[engine.index] = served
             await self._announce(served)  # the version a fleet with no engine so far moved to
             return served
+
+    async def _load_joining(self, engine: EngineEndpoint, weights: WeightsInfo) -> None:
+        """Load `weights` into a joining engine whatever it reports: a version's name is not
+        unique to a run, so an engine left over from another run (or one restarted onto other
+        weights) may report this name over other weights."""
+        name = weight_version_name(weights.version, weights.epoch)
+        problem = await self.engines.update_from_disk(engine, weights.path or "", name)
+        if problem is not None:
+            raise JoinRefused(f"loading version {weights.version}: {problem}")
 
     async def retire(self, engine: EngineEndpoint) -> None:
         """No update goes to `engine` any more (it left the fleet, or died). Under the update

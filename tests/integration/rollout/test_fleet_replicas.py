@@ -11,6 +11,7 @@ router keeps sending requests to an engine that no replica updates any more."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
 
 import httpx
@@ -232,3 +233,88 @@ def test_a_joining_engine_is_loaded_even_when_it_reports_the_fleet_version(
     joined = asyncio.run(scenario())
     assert (joined.state, joined.version, engine.engine.weight_version) == ("serving", 1, name)
     assert torch.equal(served(key), want[key])
+
+
+def test_a_slow_join_does_not_hold_the_fleets_weight_updates(
+    redis_url, run_id, router, engine, tiny, tmp_path
+):
+    """A joining engine's load can take up to `update_timeout_s` (a large model, a slow disk, a
+    blackholed host): it runs outside the update lock, so the members' updates go on meanwhile;
+    the joiner is loaded again under the lock when the weights moved during its load."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from asyncrl.proto import WeightsInfo
+    from asyncrl.services.transport.weights import weight_version_name
+
+    release, loading = threading.Event(), threading.Event()
+    loads: list[str] = []
+    state = {"weight_version": "default"}
+
+    class SlowEngine(BaseHTTPRequestHandler):
+        """Answers as an engine whose /update_weights_from_disk takes until `release`."""
+
+        def _reply(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._reply(dict(state))
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+            if self.path == "/update_weights_from_disk":
+                loads.append(body["model_path"])
+                loading.set()
+                release.wait(30)
+                state["weight_version"] = body["weight_version"]
+            self._reply({"success": True, "message": "ok"})
+
+        def log_message(self, *args) -> None:
+            pass
+
+    slow = ThreadingHTTPServer(("127.0.0.1", free_port()), SlowEngine)
+    threading.Thread(target=slow.serve_forever, daemon=True).start()
+    slow_url = f"http://127.0.0.1:{slow.server_address[1]}"
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for path in (v1, v2):
+        shutil.copytree(tiny, path)
+
+    async def scenario():
+        buf = Buffer(redis_url, run_id)
+        versions = PolicyVersions(buf)
+        versions.publish(WeightsInfo(version=1, method="disk", path=str(v1), published_at=time.time()))
+        a = Replica(buf, router.url)
+        try:
+            await a.start()
+            assert (await a.fleet.join(engine.url, 10)).version == 1  # a member, at v1
+            joining = asyncio.create_task(a.weights.bring_up(a.engines.new_admin(slow_url)))
+            assert await asyncio.to_thread(loading.wait, 30)
+            # while the joiner loads v1, v2 is published and the member moves to it
+            versions.publish(WeightsInfo(version=2, method="disk", path=str(v2), published_at=time.time()))
+            for _ in range(1000):
+                if engine.engine.weight_version == weight_version_name(2, 0):
+                    break
+                await asyncio.sleep(0.02)
+            member_moved = engine.engine.weight_version
+            release.set()
+            served = await asyncio.wait_for(joining, 30)
+            return member_moved, served, state["weight_version"], list(loads)
+        finally:
+            release.set()
+            await a.close()
+            buf.close()
+
+    try:
+        member_moved, served, reported, loaded = asyncio.run(scenario())
+    finally:
+        slow.shutdown()
+        slow.server_close()
+    assert member_moved == weight_version_name(2, 0)  # the update did not wait for the join
+    assert (served, reported, loaded) == (2, weight_version_name(2, 0), [str(v1), str(v2)])
