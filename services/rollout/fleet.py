@@ -13,7 +13,8 @@ left and no weight update misses an engine that serves.
 * **down**: an engine that does not answer `GET /health` (refused, reset, timed out)
   `engine_unhealthy_after` probes in a row, one every `engine_probe_s`, is taken out of the
   router and out of the updates; it stays in the roster, and joins again (brought to the
-  current weights first) once it answers.
+  current weights first) once it answers. A join that fails leaves it down, tried again after
+  `engine_probe_s` · 2^failures (at most `MAX_REJOIN_BACKOFF_S`), each failure counted.
 * Every `weights_poll_s` the roster is read again (the joins and leaves of other replicas: an
   engine no longer listed is taken out of the router, and out of the updates here) and the
   router's list repaired (a restarted router lists no one; a down engine is taken out). A join
@@ -55,6 +56,10 @@ from asyncrl.services.runtime.logging import log_event
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUTS = 5  # a health probe may take this many probe intervals before it counts as a miss
+# A down engine that answers its probes but fails to join (a load it cannot do, a router that
+# refuses it) is tried again after probe_s · 2^failures, at most this long: without a bound on
+# the rate, a broken engine would be reloaded at every probe for ever.
+MAX_REJOIN_BACKOFF_S = 60.0
 
 
 class NotAMember(Exception):
@@ -78,6 +83,8 @@ class Member:
     since: float = field(default_factory=time.time)
     error: str = ""
     misses: int = 0  # health probes in a row it did not answer
+    failed_joins: int = 0  # joins in a row that failed (reset by one that succeeds)
+    retry_at: float = 0.0  # time.monotonic() before which a down engine is not joined again
 
     def enter(self, state: EngineState, error: str = "") -> None:
         self.state, self.since, self.error, self.misses = state, time.time(), error, 0
@@ -280,7 +287,7 @@ class EngineFleet:
             member.misses = 0 if answered else member.misses + 1
             if member.misses >= self.down_after:
                 self._background(self._change(member, EngineState.serving, self._take_down))
-        elif member.state is EngineState.down and answered:
+        elif member.state is EngineState.down and answered and time.monotonic() >= member.retry_at:
             self._background(self._change(member, EngineState.down, self._rejoin))
 
     async def _change(self, member: Member, state: EngineState, change) -> None:
@@ -309,12 +316,17 @@ class EngineFleet:
                 raise
         except (JoinRefused, RouterError) as exc:
             member.enter(EngineState.down, str(exc))
+            member.failed_joins += 1
+            member.retry_at = time.monotonic() + min(
+                MAX_REJOIN_BACKOFF_S, self.probe_s * 2**member.failed_joins
+            )
             m.FLEET_CHANGES.labels("join_failed").inc()
             self._count()
             log_event(log, "engine did not join the fleet", logging.WARNING, engine=url, error=str(exc))
             raise
         member.endpoint = endpoint
         member.enter(EngineState.serving)
+        member.failed_joins = 0
         m.FLEET_CHANGES.labels(change).inc()
         self._count()
         log_event(log, f"engine {change} the fleet", engine=url, version=version)

@@ -318,3 +318,79 @@ def test_a_slow_join_does_not_hold_the_fleets_weight_updates(
         slow.server_close()
     assert member_moved == weight_version_name(2, 0)  # the update did not wait for the join
     assert (served, reported, loaded) == (2, weight_version_name(2, 0), [str(v1), str(v2)])
+
+
+def test_a_down_engine_that_cannot_load_is_retried_with_backoff(redis_url, run_id, router, tiny, tmp_path):
+    """A listed engine that answers its health probes but refuses every load stays down, counted
+    per failure, and is tried again after probe_s · 2, 4, 8 … (not at every probe): with probes
+    every 0.1 s, 2.5 s hold at most 5 attempts (0.2 + 0.4 + 0.8 + 1.6 s of waits), where
+    retrying at every probe would make about 25."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from asyncrl.proto import WeightsInfo
+    from asyncrl.services.rollout import metrics as m
+
+    loads: list[float] = []
+
+    class Broken(BaseHTTPRequestHandler):
+        def _reply(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._reply(200, {"weight_version": "default"})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            if self.path == "/update_weights_from_disk":
+                loads.append(time.monotonic())
+                self._reply(400, {"success": False, "message": "cannot load"})
+            else:
+                self._reply(200, {"success": True, "message": "ok"})
+
+        def log_message(self, *args) -> None:
+            pass
+
+    broken = ThreadingHTTPServer(("127.0.0.1", free_port()), Broken)
+    threading.Thread(target=broken.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{broken.server_address[1]}"
+    failed = m.FLEET_CHANGES.labels("join_failed")
+
+    async def scenario():
+        buf = Buffer(redis_url, run_id)
+        PolicyVersions(buf).publish(
+            WeightsInfo(version=1, method="disk", path=str(tiny), published_at=time.time())
+        )
+        a = Replica(buf, router.url)
+        a.fleet.probe_s = 0.1
+        running = None
+        try:
+            await a.start()
+            before = failed._value.get()
+            EngineRoster(buf).add(url)  # listed (as by another replica): the sync joins it
+            running = asyncio.create_task(a.fleet.run())
+            await asyncio.sleep(2.5)  # time is the subject: how often the probes try again
+            return a.fleet.members[url], failed._value.get() - before
+        finally:
+            if running is not None:
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+            await a.close()
+            buf.close()
+
+    try:
+        member, counted = asyncio.run(scenario())
+    finally:
+        broken.shutdown()
+        broken.server_close()
+    gaps = [b - a for a, b in zip(loads, loads[1:])]
+    assert (member.state, member.failed_joins, counted) == ("down", len(loads), len(loads))
+    assert 2 <= len(loads) <= 5, loads
+    assert all(gap >= 0.1 * 2 ** (i + 1) for i, gap in enumerate(gaps)), gaps
