@@ -49,20 +49,26 @@ class RouterClient:
         m.ROUTER_CALLS.labels("add", "ok").inc()
 
     async def remove(self, url: str, deadline_s: float) -> None:
-        """Take `url` out of the router (nothing to do when it is not listed) and wait until it is
-        not listed any more."""
+        """Take `url` out of the router (nothing to do when it is not listed) and wait until the
+        worker deleted is not listed any more. By its id: the router gives a URL added again a
+        new id, so an add by another replica meanwhile (services/rollout/fleet.py) is not this
+        removal still pending, and is that replica's to undo."""
         listed = (await self.workers()).get(url)
         if listed is not None:
-            resp = await self._call("DELETE", f"/workers/{listed['id']}", ok=(202, 404))
+            gone = listed["id"]
+            resp = await self._call("DELETE", f"/workers/{gone}", ok=(202, 404))
             if resp.status_code == 202:
-                await self._until(lambda workers: url not in workers, deadline_s, "remove", url)
+                await self._until(
+                    lambda workers: workers.get(url, {}).get("id") != gone, deadline_s, "remove", url
+                )
         m.ROUTER_CALLS.labels("remove", "ok").inc()
 
     async def _until(self, done, deadline_s: float, op: str, url: str) -> None:
         deadline = time.monotonic() + deadline_s
         while not done(await self.workers()):
             if time.monotonic() > deadline:
-                raise self._failed(op, f"{url} not {op}ed by the router within {deadline_s:g} s")
+                past = {"add": "added", "remove": "removed"}[op]
+                raise self._failed(op, f"{url} not {past} by the router within {deadline_s:g} s")
             await asyncio.sleep(LIST_POLL_S)
 
     async def _call(self, method: str, path: str, *, json=None, ok=(200, 202)) -> httpx.Response:

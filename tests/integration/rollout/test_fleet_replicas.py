@@ -394,3 +394,40 @@ def test_a_down_engine_that_cannot_load_is_retried_with_backoff(redis_url, run_i
     assert (member.state, member.failed_joins, counted) == ("down", len(loads), len(loads))
     assert 2 <= len(loads) <= 5, loads
     assert all(gap >= 0.1 * 2 ** (i + 1) for i, gap in enumerate(gaps)), gaps
+
+
+def test_a_removal_is_done_once_its_worker_is_gone_though_the_url_came_back(router, engine):
+    """`RouterClient.remove` waits for the worker it deleted, by id: another replica that adds the
+    URL back meanwhile (the router gives it a new id) makes a new worker, which is that
+    replica's to undo, not this removal still pending (before, the removal waited for the URL
+    to be unlisted and timed out)."""
+
+    async def scenario():
+        client = RouterClient(router.url, timeout_s=30.0)
+        real, reads = client.workers, 0
+
+        async def workers():
+            nonlocal reads
+            reads += 1
+            if reads == 2:  # remove's first poll after its DELETE: another replica adds it back
+                async with httpx.AsyncClient() as other:
+                    await other.post(f"{router.url}/workers", json={"url": engine.url})
+                for _ in range(500):
+                    listed = await real()
+                    if engine.url in listed and listed[engine.url]["id"] != first:
+                        break
+                    await asyncio.sleep(0.02)
+            return await real()
+
+        try:
+            await client.add(engine.url, JOIN_TIMEOUT_S)
+            first = (await real())[engine.url]["id"]
+            client.workers = workers
+            await client.remove(engine.url, 3.0)
+            client.workers = real
+            return first, await real()
+        finally:
+            await client.aclose()
+
+    first, after = asyncio.run(scenario())
+    assert engine.url in after and after[engine.url]["id"] != first
