@@ -11,8 +11,13 @@ router keeps sending requests to an engine that no replica updates any more."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -31,6 +36,39 @@ pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (
 torch.set_num_threads(1)
 
 JOIN_TIMEOUT_S = 20.0
+
+
+@contextmanager
+def fake_engine(answer: Callable[[str, str, dict], tuple[int, dict]]) -> Iterator[str]:
+    """An HTTP server on loopback standing for an engine that misbehaves in a way a real one
+    cannot be made to: `answer(method, path, json_body)` gives each request's status and JSON
+    answer. Yields its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            length = int(self.headers.get("content-length", 0))
+            status, reply = answer(
+                self.command, self.path, json.loads(self.rfile.read(length)) if length else {}
+            )
+            data = json.dumps(reply).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture
@@ -241,10 +279,7 @@ def test_a_slow_join_does_not_hold_the_fleets_weight_updates(
     """A joining engine's load can take up to `update_timeout_s` (a large model, a slow disk, a
     blackholed host): it runs outside the update lock, so the members' updates go on meanwhile;
     the joiner is loaded again under the lock when the weights moved during its load."""
-    import json
-    import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from asyncrl.proto import WeightsInfo
     from asyncrl.services.transport.weights import weight_version_name
@@ -253,35 +288,17 @@ def test_a_slow_join_does_not_hold_the_fleets_weight_updates(
     loads: list[str] = []
     state = {"weight_version": "default"}
 
-    class SlowEngine(BaseHTTPRequestHandler):
-        """Answers as an engine whose /update_weights_from_disk takes until `release`."""
+    def slow(method: str, path: str, body: dict) -> tuple[int, dict]:
+        """An engine whose /update_weights_from_disk takes until `release`."""
+        if method == "GET":
+            return 200, dict(state)
+        if path == "/update_weights_from_disk":
+            loads.append(body["model_path"])
+            loading.set()
+            release.wait(30)
+            state["weight_version"] = body["weight_version"]
+        return 200, {"success": True, "message": "ok"}
 
-        def _reply(self, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            self._reply(dict(state))
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
-            if self.path == "/update_weights_from_disk":
-                loads.append(body["model_path"])
-                loading.set()
-                release.wait(30)
-                state["weight_version"] = body["weight_version"]
-            self._reply({"success": True, "message": "ok"})
-
-        def log_message(self, *args) -> None:
-            pass
-
-    slow = ThreadingHTTPServer(("127.0.0.1", free_port()), SlowEngine)
-    threading.Thread(target=slow.serve_forever, daemon=True).start()
-    slow_url = f"http://127.0.0.1:{slow.server_address[1]}"
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     for path in (v1, v2):
         shutil.copytree(tiny, path)
@@ -311,11 +328,8 @@ def test_a_slow_join_does_not_hold_the_fleets_weight_updates(
             await a.close()
             buf.close()
 
-    try:
+    with fake_engine(slow) as slow_url:
         member_moved, served, reported, loaded = asyncio.run(scenario())
-    finally:
-        slow.shutdown()
-        slow.server_close()
     assert member_moved == weight_version_name(2, 0)  # the update did not wait for the join
     assert (served, reported, loaded) == (2, weight_version_name(2, 0), [str(v1), str(v2)])
 
@@ -325,42 +339,21 @@ def test_a_down_engine_that_cannot_load_is_retried_with_backoff(redis_url, run_i
     per failure, and is tried again after probe_s · 2, 4, 8 … (not at every probe): with probes
     every 0.1 s, 2.5 s hold at most 5 attempts (0.2 + 0.4 + 0.8 + 1.6 s of waits), where
     retrying at every probe would make about 25."""
-    import json
-    import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from asyncrl.proto import WeightsInfo
     from asyncrl.services.rollout import metrics as m
 
     loads: list[float] = []
 
-    class Broken(BaseHTTPRequestHandler):
-        def _reply(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def broken(method: str, path: str, body: dict) -> tuple[int, dict]:
+        if method == "GET":
+            return 200, {"weight_version": "default"}
+        if path == "/update_weights_from_disk":
+            loads.append(time.monotonic())
+            return 400, {"success": False, "message": "cannot load"}
+        return 200, {"success": True, "message": "ok"}
 
-        def do_GET(self) -> None:
-            self._reply(200, {"weight_version": "default"})
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("content-length", 0)))
-            if self.path == "/update_weights_from_disk":
-                loads.append(time.monotonic())
-                self._reply(400, {"success": False, "message": "cannot load"})
-            else:
-                self._reply(200, {"success": True, "message": "ok"})
-
-        def log_message(self, *args) -> None:
-            pass
-
-    broken = ThreadingHTTPServer(("127.0.0.1", free_port()), Broken)
-    threading.Thread(target=broken.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{broken.server_address[1]}"
     failed = m.FLEET_CHANGES.labels("join_failed")
 
     async def scenario():
@@ -385,11 +378,8 @@ def test_a_down_engine_that_cannot_load_is_retried_with_backoff(redis_url, run_i
             await a.close()
             buf.close()
 
-    try:
+    with fake_engine(broken) as url:
         member, counted = asyncio.run(scenario())
-    finally:
-        broken.shutdown()
-        broken.server_close()
     gaps = [b - a for a, b in zip(loads, loads[1:])]
     assert (member.state, member.failed_joins, counted) == ("down", len(loads), len(loads))
     assert 2 <= len(loads) <= 5, loads
