@@ -482,9 +482,19 @@ def test_delete_cancels_pending_groups(redis_url, run_id, engine, reward, model_
 # --------------------------------------------------------------------------------- broken engines
 
 
+def serve_app(app, what: str) -> tuple[str, object]:
+    """`app` on a free loopback port in a thread: (its URL, the uvicorn server, to stop)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    wait_until(lambda: server.started, interval=0.01, message=what)
+    return f"http://127.0.0.1:{port}", server
+
+
 def garbage_engine() -> tuple[str, object]:
     """A real HTTP server that is healthy but answers /generate with a body that is not SGLang's."""
-    import uvicorn
     from fastapi import FastAPI
 
     app = FastAPI()
@@ -497,11 +507,7 @@ def garbage_engine() -> tuple[str, object]:
     def health() -> dict:
         return {}
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    wait_until(lambda: server.started, interval=0.01, message="the garbage engine started")
-    return f"http://127.0.0.1:{port}", server
+    return serve_app(app, "the garbage engine started")
 
 
 def test_down_and_garbage_engines_are_marked_unhealthy_and_groups_requeued(
@@ -560,7 +566,6 @@ def engine_that_fails_after_one_segment() -> tuple[str, object]:
     """A real HTTP server with SGLang's `/generate` shape: its first answer gives every input
     PARTIAL, aborted (as a weight update aborts requests); every later call answers 500, as an
     engine that broke (fault injection, not a stand-in)."""
-    import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -583,11 +588,7 @@ def engine_that_fails_after_one_segment() -> tuple[str, object]:
     def health() -> dict:
         return {}
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    wait_until(lambda: server.started, interval=0.01, message="the failing engine started")
-    return f"http://127.0.0.1:{port}", server
+    return serve_app(app, "the failing engine started")
 
 
 def test_a_group_whose_engine_fails_goes_on_elsewhere_from_its_last_segment(
@@ -683,7 +684,6 @@ def faulty_reward_service(calls: list | None = None) -> tuple[str, object]:
     `POST /v1/rewards` body is appended to `calls`."""
     import asyncio
 
-    import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -705,11 +705,7 @@ def faulty_reward_service(calls: list | None = None) -> tuple[str, object]:
             await asyncio.sleep(5)  # time is the subject: longer than the rollout's 0.5 s reward timeout
         return JSONResponse({"error": "verifier crashed"}, status_code=500)
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    wait_until(lambda: server.started, interval=0.01, message="the faulty reward service started")
-    return f"http://127.0.0.1:{port}", server
+    return serve_app(app, "the faulty reward service started")
 
 
 def test_reward_timeouts_and_errors_become_statuses_not_zeros(
