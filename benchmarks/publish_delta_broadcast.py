@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from publish_delta import metric
 from publish_real import ENGINE_TOKEN, UPDATE_TIMEOUT_S, load_state, start_engine_process
 
 PROBE = {"input_ids": [[1, 5, 6, 7], [1, 9, 9]], "return_logprob": True,
@@ -58,13 +59,6 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the steps")
     p.add_argument("--json", help="write the figures here")
     return p.parse_args(argv)
-
-
-def engine_metric(http, url: str, sample: str) -> float:
-    for line in http.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(sample + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def trained(master: dict, last_layers: int) -> list[str]:
@@ -149,7 +143,7 @@ def run_dtype(args, master, dtype_name: str, pubs: dict, urls: dict, http, first
     )
     resp.raise_for_status()
     before = {
-        "engine_base": engine_metric(http, urls["delta"], 'asyncrl_engine_weight_resyncs_total{reason="base"}'),
+        "engine_base": metric(http, urls["delta"], 'asyncrl_engine_weight_resyncs_total{reason="base"}'),
         "trainer_refused": REGISTRY.get_sample_value("asyncrl_trainer_weight_resyncs_total", {"reason": "refused"}) or 0.0,
     }  # fmt: skip
     state = step()
@@ -157,7 +151,7 @@ def run_dtype(args, master, dtype_name: str, pubs: dict, urls: dict, http, first
     out = pubs["delta"].publish(version, state)
     resync_s = time.perf_counter() - t0
     resynced = {
-        "engine_base": engine_metric(http, urls["delta"], 'asyncrl_engine_weight_resyncs_total{reason="base"}'),
+        "engine_base": metric(http, urls["delta"], 'asyncrl_engine_weight_resyncs_total{reason="base"}'),
         "trainer_refused": REGISTRY.get_sample_value("asyncrl_trainer_weight_resyncs_total", {"reason": "refused"}) or 0.0,
     }  # fmt: skip
     pubs["full"].publish(version, state)  # both arms in step for the next dtype
