@@ -450,6 +450,18 @@ def plot(
     def smooth(values: list[float]) -> list[float]:
         return [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))]
 
+    def accuracies(axis, x: str, formatted: bool) -> None:
+        """Each set's greedy accuracy against `x` ("t" or "version"), and with `formatted` its
+        accuracy among formatted answers, dashed."""
+        for name, set_rows in sets.items():
+            axis.plot([e[x] for e in set_rows], [e["accuracy"] for e in set_rows], "o-",
+                      color=colours.get(name), label=f"{name}: greedy accuracy")  # fmt: skip
+            among = [e for e in set_rows if e.get("formatted_accuracy") is not None]
+            if formatted and among:
+                axis.plot([e[x] for e in among], [e["formatted_accuracy"] for e in among], "s--",
+                          color=colours.get(name), alpha=0.7,
+                          label=f"{name}: accuracy among formatted answers")  # fmt: skip
+
     ax.plot(
         [r["t"] for r in rows],
         [r["reward"] for r in rows],
@@ -464,14 +476,7 @@ def plot(
             color="tab:blue",
             label=f"training reward (last {window} steps)",
         )
-        for name, set_rows in sets.items():
-            ax.plot(
-                [e["t"] for e in set_rows],
-                [e["accuracy"] for e in set_rows],
-                "o-",
-                color=colours.get(name),
-                label=f"{name}: greedy accuracy",
-            )
+        accuracies(ax, "t", formatted=False)
     if target is not None:
         ax.axhline(target, color="tab:blue", linestyle=":", linewidth=1, label=f"target {target}")
     ax.set_xlabel("wall time (s)")
@@ -500,24 +505,7 @@ def plot(
             color="tab:blue",
             label=f"training reward (last {window} steps)",
         )
-        for name, set_rows in sets.items():
-            axv.plot(
-                [e["version"] for e in set_rows],
-                [e["accuracy"] for e in set_rows],
-                "o-",
-                color=colours.get(name),
-                label=f"{name}: greedy accuracy",
-            )
-            among = [e for e in set_rows if e.get("formatted_accuracy") is not None]
-            if among:
-                axv.plot(
-                    [e["version"] for e in among],
-                    [e["formatted_accuracy"] for e in among],
-                    "s--",
-                    color=colours.get(name),
-                    alpha=0.7,
-                    label=f"{name}: accuracy among formatted answers",
-                )
+        accuracies(axv, "version", formatted=True)
         axv.set_xlabel("policy version (optimizer steps)")
         axv.set_ylim(0, 1.02)
         axv.set_title("against version")
