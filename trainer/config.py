@@ -146,6 +146,18 @@ class TrainerSettings(ServiceSettings):
         description="FSDP2 param dtype; auto: bfloat16 on CUDA or a CPU with native bf16 (AMX, AVX512-BF16). "
         "float16 runs without loss scaling: gradients under fp16's range (~6e-8) are lost, so prefer bfloat16",
     )
+    core_share: str | None = Field(
+        None,
+        description="CPU, one rank: a file shared with the engine on this machine (services/runtime/cores.py); "
+        "the trainer computes on core_share_threads while the engine has nothing to generate, on OMP_NUM_THREADS "
+        "while it generates",
+    )
+    core_share_threads: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="core_share: threads while the engine idles (0: every core of the affinity mask)",
+    )
     dist_timeout_s: float = Field(
         1800.0, gt=0, description="collective timeout (ranks wait while rank 0 waits for data)"
     )

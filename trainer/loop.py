@@ -99,7 +99,11 @@ def train_steps(parts: Parts) -> int:
     while cfg.max_steps == 0 or version < cfg.max_steps:
         timer, t_step = PhaseTimer(), time.perf_counter()
         with timer("wait"):
+            if parts.cores is not None:
+                parts.cores.rest()  # the engine may generate on every core meanwhile
             taken = parts.source.next(version)
+            if parts.cores is not None:
+                parts.cores.work()  # its borrowed core back before computing (waits at most a step of it)
         if taken.stop:
             break
         with timer("recompute"):

@@ -210,6 +210,28 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
+def share_cores(model: nn.Module, cores) -> None:
+    """Core sharing (services/runtime/cores.py): re-claim threads at each decoder layer's
+    forward and at the start of its backward (a hook on the layer's output gradient), so the
+    engine waits at most about one layer's compute for a core it takes back. Both run on the
+    thread that computes: autograd runs a CPU graph's backward on the thread that called it."""
+
+    def backward_checkpoint(grad):
+        cores.work()
+
+    def forward_pre(module, args):
+        cores.work()
+
+    def forward_post(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(backward_checkpoint)
+
+    for layer in _decoder_layers(model):
+        layer.register_forward_pre_hook(forward_pre)
+        layer.register_forward_hook(forward_post)
+
+
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks (the FSDP units): the largest ModuleList in the model."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]

@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from asyncrl.proto import WeightsInfo
 from asyncrl.services.runtime.auth import engine_token
+from asyncrl.services.runtime.cores import CoreShare, cpu_count
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.runtime.metrics import serve_metrics
 from asyncrl.trainer import metrics as tm
@@ -30,7 +31,14 @@ from asyncrl.trainer.batch import Shaping
 from asyncrl.trainer.checkpoint import Checkpointer
 from asyncrl.trainer.config import TrainerSettings
 from asyncrl.trainer.data import GroupSource
-from asyncrl.trainer.model import DTYPES, Dist, build_model, full_state_dict, resolve_mixed_precision
+from asyncrl.trainer.model import (
+    DTYPES,
+    Dist,
+    build_model,
+    full_state_dict,
+    resolve_mixed_precision,
+    share_cores,
+)
 from asyncrl.trainer.publish import BroadcastPublisher, DiskPublisher, cast_state, detach_from
 from asyncrl.trainer.schedule import build_scheduler
 from asyncrl.trainer.step import StepConfig
@@ -64,6 +72,7 @@ class Parts:
     tracker: Tracker | None = None  # rank 0's W&B run when [trainer.wandb] is enabled
     fetch_evaluations: Callable[[], list[dict]] | None = None  # evaluation summaries for the tracker
     epoch: int = 0  # the run's history this trainer writes (proto/lineage.py); set by `resume`
+    cores: CoreShare | None = None  # [trainer] core_share: the engine's core while it idles
 
     # rank 0, `publish_background`: the disk write of the newest version, running while the next step trains
     _shipping: Future | None = field(default=None, init=False, repr=False)
@@ -192,6 +201,21 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
             trainable=False,
             packing=cfg.max_tokens_per_micro_batch > 0,
         )
+    cores = None
+    if cfg.core_share is not None:
+        if ranks.world > 1 or ranks.device.type != "cpu":
+            raise ValueError(
+                f"core_share is for one CPU rank beside a CPU engine (this trainer: {ranks.world} ranks on "
+                f"{ranks.device.type}); unset it"
+            )
+        home = torch.get_num_threads()
+        cores = CoreShare(
+            cfg.core_share, "trainer", home=home, total=max(cfg.core_share_threads or cpu_count(), home)
+        )
+        for m in (model, ref_model):
+            if m is not None:
+                share_cores(m, cores)
+        log_event(log, "core sharing", file=cfg.core_share, home=home, total=cores.total)
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.lr,
@@ -297,4 +321,5 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
         out / "trained.jsonl" if cfg.audit_log else None,
         tracker,
         fetch,
+        cores=cores,
     )

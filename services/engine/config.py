@@ -57,6 +57,17 @@ class EngineSettings(ServiceSettings):
     device: str = Field(default="auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
     dtype: str = Field(default="auto", description="'float32', 'bfloat16', 'float16' or 'auto' (fp32 on CPU)")
     num_threads: int = Field(default=1, gt=0, le=256, description="torch intra-op threads on CPU")
+    core_share: str | None = Field(
+        default=None,
+        description="CPU: a file shared with the trainer on this machine (services/runtime/cores.py); the "
+        "engine uses core_share_threads while the trainer waits for rollouts, num_threads while it trains",
+    )
+    core_share_threads: int = Field(
+        default=0,
+        ge=0,
+        le=256,
+        description="core_share: threads while the trainer waits (0: every core of the affinity mask)",
+    )
     served_model_name: str | None = Field(default=None, description="model name reported to OpenAI clients")
     weight_version: str = Field(default="0", description="initial weight_version reported in meta_info")
     log_level: str = Field(default="info", description="debug, info, warning, error")

@@ -36,6 +36,7 @@ from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
 from asyncrl.services.engine.sampling import RowSampling
 from asyncrl.services.engine.scheduler import Request, Scheduler, version_spans
 from asyncrl.services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
+from asyncrl.services.runtime.cores import CoreShare, cpu_count
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.transport.weights import broadcast as weight_broadcast
 from asyncrl.services.transport.weights.delta import DeltaError, is_delta_dir, tensor_sha256
@@ -131,6 +132,7 @@ class InferenceEngine:
             continuous_decode_steps=settings.num_continuous_decode_steps,
             logit_noise_std=settings.logit_noise_std,
             seed=settings.seed,
+            cores=_core_share(settings),
         )
         self.groups: dict[str, object] = {}  # group_name → process group
         self.updates = WeightUpdates()
@@ -644,3 +646,14 @@ def _cut_at(text: str, stop: str | None) -> str:
         return text
     at = text.find(stop)
     return text[:at] if at >= 0 else text
+
+
+def _core_share(settings: EngineSettings) -> CoreShare | None:
+    if settings.core_share is None:
+        return None
+    return CoreShare(
+        settings.core_share,
+        "engine",
+        home=settings.num_threads,
+        total=max(settings.core_share_threads or cpu_count(), settings.num_threads),
+    )

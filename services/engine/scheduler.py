@@ -32,6 +32,7 @@ import torch
 from asyncrl.services.engine import metrics
 from asyncrl.services.engine.model_runner import ForwardRow, ModelRunner
 from asyncrl.services.engine.sampling import RowSampling, sample_next, uniforms_at
+from asyncrl.services.runtime.cores import CoreShare
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,12 @@ class Scheduler:
         continuous_decode_steps: int = 1,
         logit_noise_std: float = 0.0,
         seed: int = 0,
+        cores: CoreShare | None = None,
     ):
         self.runner = runner
+        # Core sharing with the trainer (services/runtime/cores.py): claimed before each step
+        # with work, given up while there is none; called from this thread only.
+        self.cores = cores
         # A controlled mismatch for studies (EngineSettings.logit_noise_std): noise on the
         # sampling logits, from a generator of its own (the requests' uniforms stay as they are).
         self.logit_noise_std = logit_noise_std
@@ -184,6 +189,14 @@ class Scheduler:
             try:
                 self._take_commands(block=not self._has_work())
                 self._run_exclusive()
+                if self.cores is not None:
+                    computing = not self.paused and bool(
+                        self.running or (self.waiting and not self._draining())
+                    )
+                    if computing:
+                        self.cores.work()
+                    else:
+                        self.cores.rest()
                 if self.paused:
                     continue
                 admitted = [] if self._draining() else self._admit()

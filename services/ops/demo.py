@@ -411,12 +411,37 @@ def utilisation(launcher, wall_s: float) -> dict[str, float | None]:
     )
     idle, tbusy = t.get("asyncrl_trainer_idle_seconds_total"), t.get("asyncrl_trainer_busy_seconds_total")
     known = [b for b in busy if b is not None]
+    shares = (
+        {"engine": launcher.engine_urls[:1], "trainer": [launcher.trainer_url]} if launcher.core_share else {}
+    )
     return {
         "engine_busy_ratio": sum(known) / (len(known) * wall_s) if known and wall_s > 0 else None,
         "trainer_idle_ratio": idle / (idle + tbusy) if idle is not None and tbusy else None,
         "trainer_idle_s": idle,
         "trainer_busy_s": tbusy,
+        # core sharing: seconds each had work, by torch threads it used, and seconds it waited for a core
+        "core_share": {role: core_share_seconds(urls[0], role) for role, urls in shares.items() if urls}
+        or None,
     }
+
+
+def core_share_seconds(url: str, role: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            if s.labels.get("role") != role:
+                continue
+            if s.name == "asyncrl_core_share_busy_seconds_total":
+                out[f"busy_s_{s.labels['threads']}_threads"] = round(s.value, 1)
+            elif s.name == "asyncrl_core_share_wait_seconds_total":
+                out["wait_s"] = round(s.value, 2)
+    return out
 
 
 def plot(
@@ -592,6 +617,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, help="seconds of training before giving up")
     parser.add_argument("--max-steps", type=int, help="stop after this many versions whatever the reward")
     parser.add_argument("--max-staleness", type=int, help="η (0 = synchronous)")
+    parser.add_argument(
+        "--core-share",
+        choices=("auto", "on", "off"),
+        help="[launch] core_share: engine and trainer lend idle cores",
+    )
     args = parser.parse_args(argv)
 
     from asyncrl.services.ops.launcher import Launcher, stop_on_first_signal
@@ -614,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer_cfg["seed"] = demo.seed
     if args.max_staleness is not None:
         trainer_cfg["max_staleness"] = args.max_staleness
+    if args.core_share is not None:
+        raw.setdefault("launch", {})["core_share"] = args.core_share
     raw["model"]["seed"] = demo.seed
     if raw["model"].get("build_tiny"):
         raw["model"]["path"] = str(run_dir / "base")  # built fresh for this run

@@ -67,9 +67,11 @@ from asyncrl.services.ops.placement import (
 from asyncrl.services.ops.run_config import RunConfig, RunConfigError, load_run_config
 from asyncrl.services.ops.scrape import write_scrape_config
 from asyncrl.services.runtime import auth
+from asyncrl.services.runtime.cores import cpu_count
 from asyncrl.services.runtime.metrics import serve_metrics
 
 STOP_GRACE_S = 15.0
+AUTO_CORE_SHARE_MAX_CORES = 4  # `[launch] core_share = "auto"`: on at most this many cores
 PROBE_TIMEOUT_S = 2.0  # one liveness probe; a service too busy to answer this fast is failing one
 STARTING_PROBE_TIMEOUT_S = 0.5  # health polls of a restarted service, once per supervision round
 
@@ -213,6 +215,7 @@ class Launcher:
             )
             for i, url in enumerate(self.reward_urls)
         ]
+        share = self.core_share_env()
         engines = (
             []
             if ln.engine_urls
@@ -221,7 +224,10 @@ class Launcher:
                     f"engine-{i}",
                     self._engine_cmd(model, ln.engine_port + i),
                     f"{url}/health",
-                    env=gpus.env(gpus.engines[i]) if gpus.engines else no_gpu,
+                    env={
+                        **(gpus.env(gpus.engines[i]) if gpus.engines else no_gpu),
+                        **share.get("engine", {}),
+                    },
                 )
                 for i, url in enumerate(self.engine_urls)
             ]
@@ -280,10 +286,45 @@ class Launcher:
                     str(ln.trainer_metrics_port),
                 ],
                 f"{self.trainer_url}/healthz",
-                env=gpus.env(gpus.trainer),
+                env={**gpus.env(gpus.trainer), **share.get("trainer", {})},
             )
             stages.append([trainer])
         return [s for s in stages if s]
+
+    @property
+    def core_share(self) -> bool:
+        """`[launch] core_share`: whether the engine and the trainer lend each other their core.
+        `auto` turns it on where it was measured to pay (benchmarks/RESULTS.md, "Core sharing"):
+        one reference engine and a one-rank trainer, both on the CPU of a machine of ≤ 4 cores."""
+        ln = self.cfg.launch
+        if ln.core_share == "off":
+            return False
+        eligible = (
+            ln.engine_kind == "reference"
+            and not ln.engine_urls
+            and ln.engines == 1
+            and ln.trainer
+            and ln.trainer_nproc_per_node == 1
+            and self.cfg.trainer.device != "cuda"
+            and not any(self.placement.engines)
+            and not self.placement.trainer
+        )
+        if ln.core_share == "on" and not eligible:
+            raise RuntimeError(
+                "[launch] core_share = on needs one reference engine and a one-rank trainer, both on the "
+                "CPU; set it to auto or off"
+            )
+        return eligible and (ln.core_share == "on" or cpu_count() <= AUTO_CORE_SHARE_MAX_CORES)
+
+    def core_share_env(self) -> dict[str, dict[str, str]]:
+        """Per process, the settings that point the engine and the trainer at one shared file."""
+        if not self.core_share:
+            return {}
+        path = str(self.run_dir / "cores")
+        return {
+            "engine": {"ASYNCRL_ENGINE_CORE_SHARE": path},
+            "trainer": {"ASYNCRL_TRAINER_CORE_SHARE": path},
+        }
 
     def _engine_cmd(self, model: str, port: int) -> list[str]:
         ln = self.cfg.launch
@@ -344,6 +385,9 @@ class Launcher:
     # ------------------------------------------------------------------ lifecycle
     def prepare(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "cores").unlink(
+            missing_ok=True
+        )  # core sharing: no slot of an earlier run's processes
         m = self.cfg.model
         if m.build_tiny and not (Path(m.path) / "config.json").exists():
             from asyncrl.services.ops.tinymodel import DEFAULT_CHARS, build_tiny_model

@@ -126,6 +126,12 @@ class LaunchSection(BaseModel):
         description="how long every client retries a lost Redis "
         "before it gives up (ASYNCRL_REDIS_RECONNECT_S)",
     )
+    core_share: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="a CPU engine and a one-rank CPU trainer lend each other their core while idle "
+        "(services/runtime/cores.py); auto: on where both run on the CPU of a machine of at most "
+        "4 cores, with one reference engine",
+    )
     metrics_port: int = Field(
         8004,
         ge=0,
