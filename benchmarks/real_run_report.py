@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -42,6 +43,37 @@ def _acc(e: dict | None) -> str:
     return f"{e['accuracy']:.3f} (v{e['version']})" if e else "-"
 
 
+def items(run: Path, name: str, version: int) -> dict[str, dict] | None:
+    """The items of one evaluation by prompt id (`asyncrl demo` saves them under evals/)."""
+    path = run / "evals" / f"{name}-v{version}.jsonl"
+    if not path.exists():
+        return None
+    return {r["prompt_id"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
+
+
+def paired_gain(base: dict[str, dict] | None, now: dict[str, dict] | None) -> str:
+    """Accuracy gain over the base on the same problems, with a 95% interval over the items
+    (paired: each problem's change, -1, 0 or +1; normal approximation), and the gain in accuracy
+    among formatted answers with an unpaired 95% interval (its denominators differ)."""
+    if not base or not now:
+        return "-"
+    ids = sorted(base.keys() & now.keys())
+    d = [int(now[i]["correct"]) - int(base[i]["correct"]) for i in ids]
+    n = len(d)
+    mean = sum(d) / n
+    sd = statistics.pstdev(d) if n > 1 else 0.0
+    half = 1.96 * sd / math.sqrt(n) if n else 0.0
+    out = f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]"
+    fa = [[r for r in x.values() if r.get("formatted")] for x in (base, now)]
+    if all(fa):
+        p = [sum(r["correct"] for r in f) / len(f) for f in fa]
+        half_f = 1.96 * math.sqrt(sum(q * (1 - q) / len(f) for q, f in zip(p, fa)))
+        out += f" | {p[1] - p[0]:+.3f} [{p[1] - p[0] - half_f:+.3f}, {p[1] - p[0] + half_f:+.3f}]"
+    else:
+        out += " | -"
+    return out
+
+
 def report(run: Path, gain: float) -> tuple[str, list[str]]:
     summary = json.loads((run / "summary.json").read_text())
     sets, st = evals(run), trainer_steps((run / "logs" / "trainer.log").read_text().splitlines())
@@ -62,11 +94,15 @@ def report(run: Path, gain: float) -> tuple[str, list[str]]:
     detail = []
     for name, rows in sets.items():
         detail += [f"\n{run.name}: {name} (greedy, {rows[0]['prompts'] if rows else 0} held-out problems)\n",
-                   "| version | wall time | accuracy | format rate | among formatted | mean length | eval s |",
-                   "|---|---|---|---|---|---|---|"]  # fmt: skip
+                   "| version | wall time | accuracy | format rate | among formatted | mean length | eval s | "
+                   "gain over v0 [95% CI, paired] | gain among formatted [95% CI] |",
+                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        base_items = items(run, name, 0)
         detail += [
             f"| {e['version']} | {e['t']:.0f} s | {e['accuracy']:.3f} | {_f(e.get('format_rate'))} | "
-            f"{_f(e.get('formatted_accuracy'))} | {e['mean_length']:.0f} | {e['eval_s']:.0f} |"
+            f"{_f(e.get('formatted_accuracy'))} | {e['mean_length']:.0f} | {e['eval_s']:.0f} | "
+            + (paired_gain(base_items, items(run, name, e["version"])) if e["version"] else "- | -")
+            + " |"
             for e in rows
         ]
     if med:

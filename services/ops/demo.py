@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from asyncrl.proto.evals import CORRECT_REWARD
 from asyncrl.proto.states import GroupState, JobState
 from asyncrl.services.ops.run_config import (
     DemoSection,
@@ -214,6 +215,9 @@ class Evals:
     url: str
     name: str
     t0_wall: float
+    items_dir: Path | None = (
+        None  # each finished evaluation's items go to <items_dir>/<name>-v<version>.jsonl
+    )
     rows: dict[int, dict] = field(default_factory=dict)
     _next_poll: float = 0.0
 
@@ -246,7 +250,33 @@ class Evals:
             }
             self.rows[e["version"]] = row
             new.append(row)
+            self.save_items(e["eval_id"], e["version"])
         return new
+
+    def save_items(self, eval_id: str, version: int) -> None:
+        """Per item: right or not, formatted or not, its length. The same problems at every version, so a
+        gain can be judged item by item (benchmarks/real_run_report.py: a paired interval)."""
+        if self.items_dir is None:
+            return
+        try:
+            resp = httpx.get(f"{self.url}/v1/evaluations/{eval_id}", timeout=30.0)
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            print(f"items of evaluation {eval_id} not saved: {exc}")
+            return
+        self.items_dir.mkdir(exist_ok=True)
+        lines = [
+            json.dumps(
+                {
+                    "prompt_id": it["prompt_id"],
+                    "correct": it["reward_status"] == "scored" and (it["reward"] or 0.0) >= CORRECT_REWARD,
+                    "formatted": it.get("formatted"),
+                    "tokens": it["completion_tokens"],
+                }
+            )  # fmt: skip
+            for it in resp.json()["items"]
+        ]
+        (self.items_dir / f"{self.name}-v{version}.jsonl").write_text("\n".join(lines) + "\n")
 
     def sorted(self) -> list[dict]:
         return [self.rows[v] for v in sorted(self.rows)]
@@ -700,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
                 rollout_url,
                 name,
                 time.time(),
+                items_dir=run_dir / "evals",
                 final_body={
                     "name": name,
                     "prompts": prompts,
