@@ -1,6 +1,6 @@
 """LoRA in the engine, in process: the update each row gets (hand arithmetic), PEFT's scale, the
-adapter directories `read_adapter` refuses and why, path confinement, and admission under
-`max_loras_per_batch`. Over HTTP: tests/integration/engine/test_engine_lora.py."""
+adapter directories `read_adapter` refuses and why, path confinement, which adapter eviction
+takes, and admission under `max_loras_per_batch`. Over HTTP: tests/integration/engine/test_engine_lora.py."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from peft_adapters import save_peft_adapter
 from torch import nn
 
+from asyncrl.services.engine.adapters import AdapterRegistry
 from asyncrl.services.engine.lora import (
     AdapterError,
     LoraAdapter,
@@ -168,6 +169,48 @@ def test_adapter_paths_are_confined_to_the_root(model, tmp_path):
     (root / "c" / "adapter_model.safetensors").symlink_to(outside / "b" / "adapter_model.safetensors")
     for refused in [outside / "b", root / ".." / "outside" / "b", root / "c", root / "missing", "a", "\0"]:
         assert resolve_adapter_dir(str(root), str(refused)) is None, refused
+
+
+# ------------------------------------------------------------------------------ the registry
+
+
+def test_eviction_takes_the_least_recently_used_adapter_no_request_uses():
+    registry = AdapterRegistry(max_loaded=3)
+    a, b, c = adapter("a"), adapter("b", pinned=True), adapter("c")
+    for x in (a, b, c):
+        registry.add(x)
+    assert registry.room_needed()
+    assert registry.victim() == "a"  # loaded first, never used since
+    held = registry.acquire(["a", None, "c"])
+    assert held == [a, None, c]
+    assert registry.victim() is None  # a and c in use, b pinned
+    registry.release([c])
+    assert registry.victim() == "c"
+    registry.release([a])
+    assert registry.victim() == "a"  # used before c
+    registry.acquire(["a"])
+    registry.release([a])
+    assert registry.victim() == "c"  # now c is the least recently used
+    registry.evict("c")
+    assert list(registry.loaded_paths()) == ["b", "a"] and not registry.room_needed()
+    with pytest.raises(KeyError):
+        registry.acquire(["a", "c"])
+
+
+def test_an_unregistered_adapter_goes_when_its_last_request_ends():
+    registry = AdapterRegistry(max_loaded=None)
+    a = adapter("a")
+    registry.add(a)
+    held = registry.acquire(["a", "a"])
+    gone = registry.unregister("a")
+    assert registry.missing(["a"]) == ["a"] and not gone.is_set()  # hidden from new requests at once
+    assert registry.unregister("a") is gone  # a second unload waits for the same
+    registry.release(held[:1])
+    assert not gone.is_set() and registry.is_leaving("a")
+    registry.release(held[1:])
+    assert gone.is_set() and not registry.is_leaving("a") and registry.state() == []
+    registry.add(adapter("b"))
+    assert registry.unregister("b").is_set()  # nothing used it: gone at once
 
 
 # ------------------------------------------------------------------------------- admission
