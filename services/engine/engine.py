@@ -699,7 +699,7 @@ class InferenceEngine:
                 )
             if registry.is_loaded(name):
                 return self._lora_refused(
-                    "load", f"Failed to load LoRA adapter {name} because it is already loaded"
+                    "load", f"Failed to load LoRA adapter {name} because it is already loaded", listed=True
                 )
             if req.pinned and registry.num_pinned >= self.settings.max_loras_per_batch - 1:
                 return self._lora_refused(
@@ -707,6 +707,7 @@ class InferenceEngine:
                     f"Failed to load LoRA adapter {name} as a pinned adapter. It is not allowed to pin all "
                     "slots in the LoRA memory pool to avoid starvation for unpinned adapters and base models. "
                     "Please increase your `--max-loras-per-batch` or load it as unpinned LoRA adapters.",
+                    listed=True,
                 )
             if registry.room_needed() and registry.victim() is None:
                 return self._lora_refused("load", self._no_room(name))
@@ -736,7 +737,7 @@ class InferenceEngine:
             except lora.AdapterError as exc:
                 return self._lora_failed(name, "error", str(exc))
             if adapter is None:
-                return self._lora_refused("load", REFUSED_ADAPTER_PATH)
+                return self._lora_refused("load", REFUSED_ADAPTER_PATH, listed=True)
             if registry.room_needed():
                 victim = registry.victim()  # requests may have started using the one seen above
                 if victim is None:
@@ -777,11 +778,14 @@ class InferenceEngine:
             "their requests have ended"
         )
 
-    def _lora_refused(self, operation: str, message: str) -> LoraResult:
-        """Refused before any adapter was read or changed."""
+    def _lora_refused(self, operation: str, message: str, *, listed: bool = False) -> LoraResult:
+        """Refused before any adapter was read or changed. `listed`: answer with the adapters
+        loaded, as SGLang does for what its LoRA manager refuses (not for what its tokenizer
+        manager refuses first: LoRA off, an unload under way, no room, an unknown unload)."""
         metrics.LORA_UPDATES.labels(operation=operation, result="refused").inc()
         log_event(log, "LoRA update refused", logging.WARNING, operation=operation, message=message)
-        return LoraResult(False, message, 400)
+        loaded = self.adapters.loaded_paths() if listed and self.adapters is not None else None
+        return LoraResult(False, message, 400, loaded)
 
     def _lora_failed(self, name: str, result: str, message: str) -> LoraResult:
         """A load whose adapter could not be read or does not fit the model: nothing changed."""

@@ -346,6 +346,7 @@ def test_a_bad_load_is_refused_counted_and_not_listed(client, tree, path, result
     assert resp.status_code == 400
     body = resp.json()
     assert body["success"] is False and message in body["error_message"], body
+    assert body["loaded_adapters"] == {}  # SGLang's LoRA manager answers with what is loaded
     assert lora_updates(client, "load", result) == before + 1
     assert "bad" not in loaded(client) and "bad" not in adapters(client)
     assert generate(client, "bad").status_code == 400
@@ -355,7 +356,11 @@ def test_loading_a_name_twice_is_refused_and_keeps_the_first(client, tree):
     assert load(client, "c", tree["root"] / "c").status_code == 200
     resp = load(client, "c", tree["root"] / "d")
     assert resp.status_code == 400
-    assert resp.json()["error_message"] == "Failed to load LoRA adapter c because it is already loaded"
+    assert resp.json() == {
+        "success": False,
+        "error_message": "Failed to load LoRA adapter c because it is already loaded",
+        "loaded_adapters": {"c": str(tree["root"] / "c")},
+    }
     assert adapters(client)["c"]["path"] == str(tree["root"] / "c")
 
 
