@@ -8,7 +8,8 @@ Checked against the SGLang **0.5.23** wheel (`pip download --no-deps sglang==0.5
 file by file: `sglang/srt/entrypoints/http_server.py` (routes), `sglang/srt/managers/io_struct.py`
 (`GenerateReqInput`, `AbortReq`, `UpdateWeightFromDiskReqInput`, `InitWeightsUpdateGroupReqInput`,
 `UpdateWeightsFromDistributedReqInput`, `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`,
-`PauseGenerationReqInput`, `ContinueGenerationReqInput`),
+`PauseGenerationReqInput`, `ContinueGenerationReqInput`, `LoadLoRAAdapterReqInput`,
+`UnloadLoRAAdapterReqInput`, `LoRAUpdateOutput`),
 `sglang/srt/sampling/sampling_params.py`, `sglang/srt/utils/weight_versions.py` (per-token
 version spans) and `sglang/api/v1/api_types.py`, the generated schema `/generate` checks every
 body with (`api_contract.generate_contract_error`): unknown top-level keys are ignored, unknown
@@ -25,6 +26,10 @@ requestable through the rollout): 0.5.23's `stop_regex`, `structural_tag`, `cust
 Routes: 0.5.23 names `/model_info` and `/server_info`; `/get_model_info` and `/get_server_info`
 still answer but are deprecated, and servers before them know only the old names. `ROUTES`
 maps each new name to its old one; clients try the new one and fall back on a 404.
+
+LoRA: `/load_lora_adapter` and `/unload_lora_adapter` (`LoRAUpdateOutput`, 200 or 400), and
+`/generate`'s `lora_path`, the name of a loaded adapter per item. Not modelled: `lora_id`
+(0.5.23's tokenizer manager sets it; a client does not) and `/load_lora_adapter_from_tensors`.
 
 Limits of this subset, stated rather than silently ignored: `stream`, `n > 1`, penalties,
 grammars (`regex`, `json_schema`, `ebnf`), `logit_bias`, `top_logprobs_num > 0` and
@@ -169,6 +174,9 @@ class GenerateReqInput(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
+    # The LoRA adapter of each item, by the name it was loaded under (`/load_lora_adapter`):
+    # one name for every item, or one per item of a batch; None (or a None item) is the base model.
+    lora_path: str | list[str | None] | None = None
     # Fields sglang-router (0.3.x) re-sends on every request with their defaults. They are
     # accepted at those defaults; asking for what this engine does not do is refused below.
     model: str | None = None
@@ -178,7 +186,7 @@ class GenerateReqInput(BaseModel):
     background: bool = False
     no_logs: bool = False
 
-    _unicode = field_validator("text", "rid")(check_unicode)
+    _unicode = field_validator("text", "rid", "lora_path")(check_unicode)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:
@@ -233,6 +241,11 @@ class GenerateReqInput(BaseModel):
             if not batch or len(params) != n:
                 raise ValueError("`sampling_params` as a list needs a batch of the same length")
             params = params[i]
+        lora_path = self.lora_path
+        if isinstance(lora_path, list) and not batch:
+            raise ValueError("`lora_path` as a list needs a batch; a single request names one adapter")
+        if isinstance(lora_path, list) and len(lora_path) != n:
+            raise ValueError(f"lora_path list length ({len(lora_path)}) must match batch size ({n})")
         logprob_start_len = int(pick(self.logprob_start_len, -1))
         if logprob_start_len < -1:  # -1 is SGLang's default (no prompt logprobs); below it means nothing
             raise ValueError(f"logprob_start_len must be -1 or a prompt position, got {logprob_start_len}")
@@ -246,6 +259,7 @@ class GenerateReqInput(BaseModel):
             return_logprob=bool(pick(self.return_logprob, False)),
             logprob_start_len=logprob_start_len,
             top_logprobs_num=int(pick(self.top_logprobs_num, 0)),
+            lora_path=lora_path[i] if isinstance(lora_path, list) else lora_path,
         )
 
 
@@ -262,6 +276,7 @@ class GenerateItem:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    lora_path: str | None = None  # the adapter's name; None: the base model
 
 
 FinishType = Literal["stop", "length", "abort"]
@@ -454,3 +469,38 @@ class ModelInfo(BaseModel):
     weight_version: str | None = None
     model_type: str | None = None
     architectures: list[str] | None = None
+
+
+class LoadLoRAAdapterReqInput(BaseModel):
+    """Body of `POST /load_lora_adapter` (0.5.23 `io_struct.LoadLoRAAdapterReqInput`): load the
+    PEFT adapter directory `lora_path` (`adapter_config.json`, `adapter_model.safetensors`)
+    under `lora_name`, the name `/generate`'s `lora_path` then names. `pinned`: never evicted
+    to make room for another (an explicit unload still removes it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+
+    _unicode = field_validator("lora_name", "lora_path")(check_unicode)
+
+
+class UnloadLoRAAdapterReqInput(BaseModel):
+    """Body of `POST /unload_lora_adapter` (0.5.23 `io_struct.UnloadLoRAAdapterReqInput`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+
+    _unicode = field_validator("lora_name")(check_unicode)
+
+
+class LoRAUpdateOutput(BaseModel):
+    """Answer of `/load_lora_adapter` and `/unload_lora_adapter` (0.5.23 `io_struct.LoRAUpdateOutput`;
+    200 when `success`, else 400). `loaded_adapters`: name → path of every adapter loaded after
+    the call; None when the call was refused before reaching the adapters (SGLang's shape)."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None

@@ -3,7 +3,8 @@ plus an OpenAI-compatible, non-streaming `/v1/chat/completions`.
 
 Status codes follow SGLang's http_server: 200 on success; 400 with `{"error": {"message"}}`
 for a refused request or a failed control operation (`success: false` bodies for the weight
-endpoints); 413 for a body over `max_body_bytes`; 422 for a body that does not match the
+and LoRA endpoints; `/unload_lora_adapter` answers once the adapter's requests in flight have
+ended); 413 for a body over `max_body_bytes`; 422 for a body that does not match the
 schema (bounded, `services/runtime/limits.py`); 503 when the queue is full or a weight update
 found no turn in time; 409 for a second `/init_weights_update_group` while one is joining, and
 for a broadcast delta bucket the engine will not take (not on its base, a sha256 that differs:
@@ -11,8 +12,9 @@ the sender sends the full version).
 
 Auth (`services/runtime/auth.py`), `Authorization: Bearer <token>`, 401 when wrong or missing:
 every endpoint outside DATA_PATHS and the probes, i.e. every control endpoint (weight
-updates, update groups, pause/continue, abort, flush) and any added later, needs the engine
-token, and answers 403 on an engine started without one (loopback only, see config.py). The
+updates, update groups, LoRA loads and unloads, pause/continue, abort, flush) and any added
+later, needs the engine token, and answers 403 on an engine started without one (loopback
+only, see config.py). The
 DATA_PATHS take the engine token or `ASYNCRL_API_TOKEN`, and are open when that is unset and
 the engine listens on loopback. `/health` and `/metrics` are open; `/health` is 200, or 503
 with `{"status": "degraded", "reason", "message"}` while weight sync is failing (the rule:
@@ -40,9 +42,12 @@ from asyncrl.proto.sglang import (
     EndWeightUpdateReqInput,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     ModelInfo,
     PauseGenerationReqInput,
     ReferenceUpdateWeightsFromDistributedReqInput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     WeightUpdateOutput,
@@ -50,7 +55,7 @@ from asyncrl.proto.sglang import (
 )
 from asyncrl.services.engine import metrics
 from asyncrl.services.engine.config import is_loopback
-from asyncrl.services.engine.engine import InferenceEngine, InvalidRequest
+from asyncrl.services.engine.engine import InferenceEngine, InvalidRequest, LoraResult
 from asyncrl.services.runtime.auth import API_TOKEN_ENV, install_engine_auth
 from asyncrl.services.runtime.limits import BodyLimit, install_validation_handler
 from asyncrl.services.runtime.metrics import router as metrics_router
@@ -135,7 +140,14 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
     @app.get("/v1/models")
     async def list_models() -> dict:
         name = engine.settings.served_model_name or engine.settings.model
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "asyncrl"}]}
+        base = {"id": name, "object": "model", "owned_by": "asyncrl"}
+        # one card per loaded adapter, its path as loaded and the base model as parent (SGLang 0.5.23)
+        adapters = engine.adapters.loaded_paths() if engine.adapters is not None else {}
+        cards = [
+            {"id": n, "object": "model", "owned_by": "asyncrl", "root": p, "parent": name}
+            for n, p in adapters.items()
+        ]
+        return {"object": "list", "data": [base, *cards]}
 
     @app.post("/abort_request")
     async def abort_request(body: AbortReq) -> Response:
@@ -174,6 +186,16 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
     async def end_weight_update(body: EndWeightUpdateReqInput | None = None) -> JSONResponse:
         r = engine.end_weight_update()
         return JSONResponse({"success": r.ok, "message": r.message}, status_code=r.status)
+
+    # --- LoRA adapters --------------------------------------------------------------------
+
+    @app.post("/load_lora_adapter", response_model=LoRAUpdateOutput)
+    async def load_lora_adapter(body: LoadLoRAAdapterReqInput) -> JSONResponse:
+        return _lora_answer(await engine.load_lora_adapter(body))
+
+    @app.post("/unload_lora_adapter", response_model=LoRAUpdateOutput)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterReqInput) -> JSONResponse:
+        return _lora_answer(await engine.unload_lora_adapter(body))
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict:
@@ -241,6 +263,11 @@ def build_app(engine: InferenceEngine, *, tokenless_control: bool = False) -> Fa
         return engine.server_info()
 
     return app
+
+
+def _lora_answer(r: LoraResult) -> JSONResponse:
+    out = LoRAUpdateOutput(success=r.ok, error_message=r.error_message, loaded_adapters=r.loaded_adapters)
+    return JSONResponse(out.model_dump(), status_code=r.status)
 
 
 def check_text_messages(body: ChatRequest) -> None:

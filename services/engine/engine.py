@@ -1,8 +1,9 @@
 """The engine behind the HTTP routes: request validation, submission to the scheduler, SGLang
-response shapes, and weight updates. Runs on the asyncio loop; the model lives on the
-scheduler thread (`services/engine/scheduler.py`). Weight updates run one at a time, each
+response shapes, weight updates and LoRA adapters. Runs on the asyncio loop; the model lives on
+the scheduler thread (`services/engine/scheduler.py`). Weight updates run one at a time, each
 within a deadline, their blocking parts on threads of their own (`services/engine/updates.py`);
-disk updates load only directories inside `weights_root`."""
+disk updates and adapters load only directories inside `weights_root`. Which adapters are held
+and when one may go: `services/engine/adapters.py`."""
 
 from __future__ import annotations
 
@@ -24,12 +25,15 @@ from asyncrl.proto.sglang import (
     GenerateItem,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
     ReferenceUpdateWeightsFromDistributedReqInput,
     SamplingParams,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     refused_by_reference_engine,
 )
-from asyncrl.services.engine import deltas, metrics
+from asyncrl.services.engine import deltas, lora, metrics
+from asyncrl.services.engine.adapters import AdapterRegistry
 from asyncrl.services.engine.config import EngineSettings
 from asyncrl.services.engine.deltas import BroadcastChain, Loaded
 from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
@@ -62,6 +66,13 @@ OUTSIDE_SESSION = (
     "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
 )
 NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
+# SGLang 0.5.23's LoRA answers (managers/tokenizer_control_mixin.py, tokenizer_manager.py), word for word
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+# One answer for every lora_path refused, as REFUSED_PATH for weights.
+REFUSED_ADAPTER_PATH = (
+    "lora_path refused: not a directory with adapter_config.json and adapter_model.safetensors "
+    "inside the engine's weights_root"
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,17 @@ class UpdateResult:
     # needs a full version), 503 (busy)
     status: int
     num_paused_requests: int = 0
+
+
+@dataclass(frozen=True)
+class LoraResult:
+    """What `/load_lora_adapter` and `/unload_lora_adapter` answer (SGLang's `LoRAUpdateOutput`):
+    `loaded_adapters` None when refused before reaching the adapters, as SGLang does."""
+
+    ok: bool
+    error_message: str
+    status: int  # 200, or 400 (SGLang's status for every failed LoRA update)
+    loaded_adapters: dict[str, str] | None = None
 
 
 def resolve_weights_dir(root: str, path: str) -> str | None:
@@ -133,6 +155,11 @@ class InferenceEngine:
             logit_noise_std=settings.logit_noise_std,
             seed=settings.seed,
             cores=_core_share(settings),
+            max_loras_per_batch=settings.max_loras_per_batch if settings.enable_lora else None,
+        )
+        # None: LoRA is off (`enable_lora`)
+        self.adapters = (
+            AdapterRegistry(max_loaded=settings.max_loaded_loras) if settings.enable_lora else None
         )
         self.groups: dict[str, object] = {}  # group_name → process group
         self.updates = WeightUpdates()
@@ -177,6 +204,8 @@ class InferenceEngine:
             raise InvalidRequest(str(exc)) from exc
         if body.is_batch and not items:
             raise InvalidRequest("empty batch")
+        names = [item.lora_path for item in items]
+        self._check_adapters(names)  # at once; `acquire` below, after the awaits, decides
         # id(sampling params) → what every item with them shares: a batch usually shares one object
         shared: dict[int, _Params] = {}
         for item in items:
@@ -192,10 +221,45 @@ class InferenceEngine:
             raise InvalidRequest("duplicate rid: a request with this rid is already in flight")
         if self.scheduler.num_waiting + len(requests) > self.settings.max_queued_requests:
             raise InvalidRequest("engine queue is full; retry later", status=503, reason="queue_full")
+        adapters = self._acquire_adapters(names)  # no await from here to the submission
+        for r, adapter in zip(requests, adapters):
+            r.adapter = adapter
         self._in_flight.update(rids)  # before any await, so a concurrent duplicate is refused
-        await self._run(requests)
+        try:
+            await self._run(requests)
+        finally:
+            if self.adapters is not None:
+                self.adapters.release(adapters)
         outputs = [self._response(r, item, body.return_text_in_logprobs) for r, item in zip(requests, items)]
         return outputs if body.is_batch else outputs[0]
+
+    def _check_adapters(self, names: list[str | None]) -> None:
+        """Refuse a request naming an adapter the engine does not hold (or LoRA when it is off)."""
+        if not any(n is not None for n in names):
+            return
+        if self.adapters is None:
+            first = next(n for n in names if n is not None)
+            raise InvalidRequest(
+                f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server "
+                "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.",
+                reason="lora_disabled",
+            )
+        missing = self.adapters.missing(names)
+        if missing:
+            raise InvalidRequest(
+                f"The following requested LoRA adapters are not loaded: {', '.join(missing)}. "
+                f"Loaded adapters: {sorted(self.adapters.loaded_paths())}.",
+                reason="lora_not_loaded",
+            )
+
+    def _acquire_adapters(self, names: list[str | None]) -> list[lora.LoraAdapter | None]:
+        """Each item's adapter, held for the request until `release`; refused as `_check_adapters`."""
+        if self.adapters is None:
+            return [None] * len(names)
+        self._check_adapters(names)
+        adapters = self.adapters.acquire(names)
+        metrics.LORA_REQUESTS.inc(sum(a is not None for a in adapters))
+        return adapters
 
     async def _run(self, requests: list[Request]) -> None:
         """Submit a request's items and wait until all have finished: one future and one wake-up
@@ -614,6 +678,121 @@ class InferenceEngine:
         log_event(log, "weight update failed", logging.WARNING, source=source, result=result, message=message)
         return UpdateResult(False, message, 400)
 
+    # --- LoRA adapters --------------------------------------------------------------------
+
+    async def load_lora_adapter(self, req: LoadLoRAAdapterReqInput) -> LoraResult:
+        """Read, check and register an adapter; past `max_loaded_loras`, evict the least
+        recently used one that no request uses and is not pinned (`adapters.py`), or refuse."""
+        registry = self.adapters
+        if registry is None:
+            return self._lora_refused("load", LORA_DISABLED)
+        root = self.settings.weights_root
+        if root is None:
+            return self._lora_refused("load", "load_lora_adapter is disabled: the engine has no weights_root")
+        name = req.lora_name
+        async with registry.lock:
+            if registry.is_leaving(name):
+                return self._lora_refused(
+                    "load",
+                    f"LoRA adapter '{name}' is being unloaded: requests in flight still use it. "
+                    "Load it again once its unload has returned.",
+                )
+            if registry.is_loaded(name):
+                return self._lora_refused(
+                    "load", f"Failed to load LoRA adapter {name} because it is already loaded", listed=True
+                )
+            if req.pinned and registry.num_pinned >= self.settings.max_loras_per_batch - 1:
+                return self._lora_refused(
+                    "load",
+                    f"Failed to load LoRA adapter {name} as a pinned adapter. It is not allowed to pin all "
+                    "slots in the LoRA memory pool to avoid starvation for unpinned adapters and base models. "
+                    "Please increase your `--max-loras-per-batch` or load it as unpinned LoRA adapters.",
+                    listed=True,
+                )
+            if registry.room_needed() and registry.victim() is None:
+                return self._lora_refused("load", self._no_room(name))
+
+            def read() -> lora.LoraAdapter | None:
+                real = lora.resolve_adapter_dir(root, req.lora_path)
+                if real is None:
+                    return None
+                return lora.read_adapter(
+                    name,
+                    req.lora_path,
+                    real_path=real,
+                    linears=self.runner.lora_linears,
+                    max_rank=self.settings.max_lora_rank,  # type: ignore[arg-type]  # set with enable_lora
+                    allowed=self.settings.lora_targets,
+                    vocab_size=self.runner.vocab_size,
+                    dtype=self.runner.dtype,
+                    device=self.runner.device,
+                    pinned=req.pinned,
+                )
+
+            deadline = time.monotonic() + self.settings.weight_update_timeout_s
+            try:
+                adapter = await in_thread(read, deadline, "lora-read")
+            except UpdateTimeout:
+                return self._lora_failed(name, "timeout", f"reading LoRA adapter {name} timed out")
+            except lora.AdapterError as exc:
+                return self._lora_failed(name, "error", str(exc))
+            if adapter is None:
+                return self._lora_refused("load", REFUSED_ADAPTER_PATH, listed=True)
+            if registry.room_needed():
+                victim = registry.victim()  # requests may have started using the one seen above
+                if victim is None:
+                    return self._lora_refused("load", self._no_room(name))
+                registry.evict(victim)
+                metrics.LORA_UPDATES.labels(operation="evict", result="ok").inc()
+                log_event(log, "LoRA adapter evicted", name=victim, for_adapter=name)
+            registry.add(adapter)
+            metrics.LORA_ADAPTERS.set(len(registry.loaded_paths()))
+        metrics.LORA_UPDATES.labels(operation="load", result="ok").inc()
+        log_event(log, "LoRA adapter loaded", name=name, path=req.lora_path, rank=adapter.rank)
+        return LoraResult(True, "", 200, registry.loaded_paths())
+
+    async def unload_lora_adapter(self, req: UnloadLoRAAdapterReqInput) -> LoraResult:
+        """Hide the adapter from new requests at once, and answer once the requests in flight
+        that use it have ended and it is gone (SGLang's order)."""
+        registry = self.adapters
+        if registry is None:
+            return self._lora_refused("unload", LORA_DISABLED)
+        name = req.lora_name
+        async with registry.lock:
+            if not registry.is_loaded(name) and not registry.is_leaving(name):
+                return self._lora_refused(
+                    "unload",
+                    f"LoRA with name {name} does not exist. Loaded LoRAs: {list(registry.loaded_paths())}",
+                )
+            gone = registry.unregister(name)
+            metrics.LORA_ADAPTERS.set(len(registry.loaded_paths()))
+        await gone.wait()  # outside the lock: other loads and unloads go on meanwhile
+        metrics.LORA_UPDATES.labels(operation="unload", result="ok").inc()
+        log_event(log, "LoRA adapter unloaded", name=name)
+        return LoraResult(True, "", 200, registry.loaded_paths())
+
+    def _no_room(self, name: str) -> str:
+        return (
+            f"cannot load LoRA adapter {name}: all {self.settings.max_loaded_loras} loaded adapters "
+            "(max_loaded_loras) are in use by requests in flight or pinned; unload one, or retry once "
+            "their requests have ended"
+        )
+
+    def _lora_refused(self, operation: str, message: str, *, listed: bool = False) -> LoraResult:
+        """Refused before any adapter was read or changed. `listed`: answer with the adapters
+        loaded, as SGLang does for what its LoRA manager refuses (not for what its tokenizer
+        manager refuses first: LoRA off, an unload under way, no room, an unknown unload)."""
+        metrics.LORA_UPDATES.labels(operation=operation, result="refused").inc()
+        log_event(log, "LoRA update refused", logging.WARNING, operation=operation, message=message)
+        loaded = self.adapters.loaded_paths() if listed and self.adapters is not None else None
+        return LoraResult(False, message, 400, loaded)
+
+    def _lora_failed(self, name: str, result: str, message: str) -> LoraResult:
+        """A load whose adapter could not be read or does not fit the model: nothing changed."""
+        metrics.LORA_UPDATES.labels(operation="load", result=result).inc()
+        log_event(log, "LoRA adapter load failed", logging.WARNING, name=name, message=message)
+        return LoraResult(False, message, 400, self.adapters.loaded_paths() if self.adapters else None)
+
     def server_info(self) -> dict:
         return {
             **self.settings.model_dump(mode="json"),
@@ -628,6 +807,8 @@ class InferenceEngine:
                 }
             ],
             "weight_updates": self.updates.state(),
+            # LoRA adapters held, least recently used first (None: LoRA off)
+            "lora_adapters": self.adapters.state() if self.adapters is not None else None,
             # The release tag of the API it follows; the rollout's `engine_kind` tells the
             # reference engine by this key.
             "sglang_api_commit": f"v{SGLANG_RELEASE}",

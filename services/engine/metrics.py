@@ -120,3 +120,20 @@ WEIGHT_DELTAS = Counter(
     "rebuilt from the anchor, failed = the rebuild failed too: the weights were left as they were)",
     ["result"],
 )
+
+LORA_UPDATES = Counter(
+    "asyncrl_engine_lora_updates_total",
+    "LoRA adapter operations by operation (load, unload, evict = unloaded to make room for a load) and "
+    "result (ok; error = the adapter could not be read or does not fit the model; timeout = reading it "
+    "took past weight_update_timeout_s; refused = before any adapter was read: LoRA off, a path outside "
+    "weights_root, a name already loaded or not loaded, no room)",
+    ["operation", "result"],
+)
+LORA_ADAPTERS = Gauge(
+    "asyncrl_engine_lora_adapters_loaded",
+    "LoRA adapters requests may name (an unloaded one still used by requests in flight not counted)",
+)
+LORA_REQUESTS = Counter(
+    "asyncrl_engine_lora_requests_total",
+    "Requests (items of a batch) served with a LoRA adapter; per adapter: /server_info's lora_adapters",
+)

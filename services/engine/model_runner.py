@@ -6,6 +6,9 @@ running request owns one slot; running requests always occupy slots 0..n-1 (a fi
 request's slot is refilled by moving the last one in), so a decode step runs on plain views
 of the cache, never gathers. Capacity grows by doubling up to the context length.
 
+LoRA (`lora.py`): each row of a prefill or decode may name an adapter; `lora.applied` adds each
+adapter's update to its own rows during that forward. A batch that names none runs unchanged.
+
 The model's attention layers see the cache through `_SlotView.update(k, v, layer_idx)` (the
 only cache method a transformers decoder calls when it is given position ids and a prepared
 4-D mask): a prefill writes positions 0..T-1 of new slots, a decode step writes one token per
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.services.engine import lora
 from asyncrl.services.transport.weights.filesystem import WEIGHTS_GLOB
 
 log = logging.getLogger(__name__)
@@ -94,6 +98,7 @@ class ForwardRow:
     token_ids: list[int]
     full_logits: bool = False  # also return the logits of every position (prompt logprobs)
     copied: bool = False  # set by `prefill`: its cache and logits were copied from an identical row's
+    adapter: lora.LoraAdapter | None = None  # the LoRA adapter this row runs with (None: the base model)
 
 
 class ModelRunner:
@@ -137,6 +142,8 @@ class ModelRunner:
             )
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
+        # The linear modules LoRA adapters may target, by name (`lora.target_linears`).
+        self.lora_linears = lora.target_linears(self.model)
 
     # --- forwards -------------------------------------------------------------------------
 
@@ -146,11 +153,11 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Prefill `rows` into slots first_slot.. → (last-position logits [n, V], per-row full
         logits [L_i, V] where `full_logits` was asked, else None). Rows with the same tokens (a
-        group's samples share their prompt) are computed once and their cache copied to the
-        others' slots (`_prefill_unique`)."""
+        group's samples share their prompt) and the same adapter are computed once and their
+        cache copied to the others' slots (`_prefill_unique`)."""
         if not any(r.full_logits for r in rows):
-            first_of: dict[tuple[int, ...], int] = {}
-            source = [first_of.setdefault(tuple(r.token_ids), i) for i, r in enumerate(rows)]
+            first_of: dict[tuple, int] = {}
+            source = [first_of.setdefault((id(r.adapter), *r.token_ids), i) for i, r in enumerate(rows)]
             if len(first_of) < len(rows):
                 return self._prefill_unique(first_slot, rows, source, list(first_of.values())), [None] * len(
                     rows
@@ -192,13 +199,13 @@ class ModelRunner:
             # mask[b, 0, i, j]: query i may attend key j (causal, and j is a real token of row b)
             mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] < length_t[:, None, None])
             mask = mask[:, None]
-        hidden = self.decoder(
+        hidden = self._forward(
+            [r.adapter for r in rows],
             input_ids=ids,
             attention_mask=self._masks(mask),
             position_ids=pos[None, :].expand(len(rows), t),
             cache=self.cache.view(first_slot, len(rows), None, t),
-            use_cache=True,
-        ).last_hidden_state
+        )
         last = hidden[torch.arange(len(rows), device=self.device), length_t - 1]
         full = [
             self.lm_head(hidden[i, : lengths[i]]).float() if r.full_logits else None
@@ -207,8 +214,14 @@ class ModelRunner:
         return self.lm_head(last).float(), full
 
     @torch.no_grad()
-    def decode(self, last_tokens: list[int], kv_starts: list[int]) -> torch.Tensor:
-        """Feed `last_tokens[i]` at position `kv_starts[i]` of slot i, for slots 0..n-1 → logits [n, V]."""
+    def decode(
+        self,
+        last_tokens: list[int],
+        kv_starts: list[int],
+        adapters: list[lora.LoraAdapter | None] | None = None,
+    ) -> torch.Tensor:
+        """Feed `last_tokens[i]` at position `kv_starts[i]` of slot i, for slots 0..n-1 → logits [n, V];
+        slot i runs with `adapters[i]` (None, or no list: the base model)."""
         kv_len = max(kv_starts) + 1
         self.cache.ensure(kv_len)
         starts = torch.tensor(kv_starts, device=self.device)
@@ -216,14 +229,21 @@ class ModelRunner:
         mask = None  # rows of one length attend to every cached key
         if min(kv_starts) + 1 != kv_len or not self.layer_typed:
             mask = (torch.arange(kv_len, device=self.device)[None, :] <= starts[:, None])[:, None, None, :]
-        hidden = self.decoder(
+        hidden = self._forward(
+            adapters,
             input_ids=ids,
             attention_mask=self._masks(mask),
             position_ids=starts[:, None],
             cache=self.cache.view(0, len(last_tokens), kv_starts, kv_len),
-            use_cache=True,
-        ).last_hidden_state
+        )
         return self.lm_head(hidden[:, 0]).float()
+
+    def _forward(self, adapters: list[lora.LoraAdapter | None] | None, **inputs) -> torch.Tensor:
+        """The decoder's last hidden states; row i with `adapters[i]`'s update where it names one."""
+        if adapters is None or not any(adapters):
+            return self.decoder(**inputs, use_cache=True).last_hidden_state
+        with lora.applied(self.lora_linears, adapters):
+            return self.decoder(**inputs, use_cache=True).last_hidden_state
 
     def _masks(self, mask: torch.Tensor | None) -> dict[str, torch.Tensor | None] | torch.Tensor:
         """A prepared mask per attention type (layer-typed decoders), else the 4-D mask itself."""

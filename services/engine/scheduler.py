@@ -4,6 +4,11 @@
     → one batched prefill of the admitted → one batched decode step of every running request
     → finish the requests that hit a stop token, their length or an abort.
 
+LoRA: a request may run with an adapter (`Request.adapter`, resolved by the engine before it is
+submitted); a running batch holds at most `max_loras_per_batch` distinct adapters, the base
+model counted as one, and a waiting request whose adapter would exceed that waits while later
+ones that fit are admitted (SGLang's `can_schedule_lora_req`).
+
 Control operations (weight updates, flush, pause) run on the same thread between two steps,
 so a forward never sees a mix of weight versions. A weight update waits for the running
 requests to drain (SGLang's behaviour: new requests wait, running ones finish) unless the
@@ -30,6 +35,7 @@ from typing import Any
 import torch
 
 from asyncrl.services.engine import metrics
+from asyncrl.services.engine.lora import LoraAdapter
 from asyncrl.services.engine.model_runner import ForwardRow, ModelRunner
 from asyncrl.services.engine.sampling import RowSampling, sample_next, uniforms_at
 from asyncrl.services.runtime.cores import CoreShare
@@ -67,6 +73,9 @@ class Request:
     # Stop strings (SGLang's `stop`): matched against the text of the last tokens after each one.
     stop_strs: tuple[str, ...] = ()
     detokenize: Callable[[list[int]], str] | None = None
+    adapter: LoraAdapter | None = (
+        None  # the LoRA adapter it runs with from start to end; None: the base model
+    )
 
     @property
     def tokens(self) -> list[int]:
@@ -119,8 +128,11 @@ class Scheduler:
         logit_noise_std: float = 0.0,
         seed: int = 0,
         cores: CoreShare | None = None,
+        max_loras_per_batch: int | None = None,
     ):
         self.runner = runner
+        # None: LoRA is off, and no step looks at adapters at all.
+        self.max_loras_per_batch = max_loras_per_batch
         # Core sharing with the trainer (services/runtime/cores.py): claimed before each step
         # with work, given up while there is none; called from this thread only.
         self.cores = cores
@@ -266,12 +278,23 @@ class Scheduler:
             return []
         admitted: list[Request] = []
         longest = 0
+        # the adapters of the batch (None: the base model) and the requests passed over for theirs
+        limit = self.max_loras_per_batch
+        adapters = None if limit is None else {r.adapter for r in self.running}
+        passed: list[Request] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            longest_with = max(longest, len(self.waiting[0].tokens))
+            head = self.waiting[0]
+            if adapters is not None and head.adapter not in adapters and len(adapters) >= limit:
+                passed.append(self.waiting.popleft())
+                continue
+            longest_with = max(longest, len(head.tokens))
             if admitted and longest_with * (len(admitted) + 1) > self.max_prefill_tokens:
                 break
             longest = longest_with
             admitted.append(self.waiting.popleft())
+            if adapters is not None:
+                adapters.add(head.adapter)
+        self.waiting.extendleft(reversed(passed))
         if admitted:
             self._steps_since_admit = 1
         return admitted
@@ -280,7 +303,9 @@ class Scheduler:
         first = len(self.running)
         rows = [
             ForwardRow(
-                r.tokens, full_logits=r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids
+                r.tokens,
+                full_logits=r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids,
+                adapter=r.adapter,
             )
             for r in reqs
         ]
@@ -305,7 +330,8 @@ class Scheduler:
 
     def _decode(self) -> None:
         batch = list(self.running)
-        logits = self.runner.decode([r.output_ids[-1] for r in batch], [r.kv_len for r in batch])
+        adapters = None if self.max_loras_per_batch is None else [r.adapter for r in batch]
+        logits = self.runner.decode([r.output_ids[-1] for r in batch], [r.kv_len for r in batch], adapters)
         for r in batch:
             r.kv_len += 1
         self.stats["decode_steps"] += 1

@@ -77,8 +77,10 @@ def check(statuses: dict[int, int], minimum: int) -> None:
 def test_engine_schema_fuzz_gives_no_5xx(tmp_path):
     model = tmp_path / "tiny"
     build_tiny_model(model, seed=0, max_position_embeddings=64)
+    # LoRA on, so /load_lora_adapter, /unload_lora_adapter and /generate's lora_path are fuzzed past "off"
     engine = serve_engine(str(model), tokenless_control=False, api_token=TOKEN, weights_root=str(tmp_path),
-                          max_new_tokens_cap=8, context_length=64)  # fmt: skip
+                          max_new_tokens_cap=8, context_length=64, enable_lora=True, max_lora_rank=8,
+                          lora_target_modules="all")  # fmt: skip
     try:
         statuses = fuzz(engine.url, tmp_path / "engine.ndjson", "-H", f"Authorization: Bearer {TOKEN}",
                         "--exclude-path", "/pause_generation", "--exclude-path", "/init_weights_update_group",

@@ -62,6 +62,8 @@ CONTROL = [
         "/update_weights_from_distributed",
         {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"},
     ),
+    ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere"}),
+    ("/unload_lora_adapter", {"lora_name": "x"}),
 ]
 
 

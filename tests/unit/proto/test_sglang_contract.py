@@ -40,6 +40,9 @@ def test_the_vendored_contract_is_the_release_the_proto_names():
         (proto.ContinueGenerationReqInput, "continue_generation_req_input"),
         (proto.AbortReq, "abort_req"),
         (proto.WeightVersionSpan, "weight_version_span"),
+        (proto.LoadLoRAAdapterReqInput, "load_lora_adapter_req_input"),
+        (proto.UnloadLoRAAdapterReqInput, "unload_lora_adapter_req_input"),
+        (proto.LoRAUpdateOutput, "lora_update_output"),
     ],
 )
 def test_every_field_we_can_send_is_one_sglang_accepts(model, key):
@@ -52,7 +55,7 @@ def test_every_field_we_can_send_is_one_sglang_accepts(model, key):
 def test_generate_fields_exist_in_the_schema():
     # GenerateRequest ignores unknown top-level keys, but a name we send that it does not know
     # would silently do nothing: the fields the rollout sends must be real ones.
-    sent = {"input_ids", "sampling_params", "return_logprob", "rid"}
+    sent = {"input_ids", "sampling_params", "return_logprob", "rid", "lora_path"}
     assert sent <= set(CONTRACT["generate_request"])
     assert {"weight_version", "weight_versions", "output_token_logprobs"} <= set(CONTRACT["meta_info"])
 
@@ -69,8 +72,24 @@ def test_routes_are_the_current_names_with_their_deprecated_aliases():
         "/begin_weight_update",
         "/end_weight_update",
         "/update_weights_from_distributed",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
     ):
         assert used in routes
+
+
+def test_lora_path_is_one_name_or_one_per_item():
+    single = proto.GenerateReqInput(input_ids=[1, 2], lora_path="a")
+    assert single.item(0).lora_path == "a"
+    batch = proto.GenerateReqInput(input_ids=[[1], [2], [3]], lora_path=["a", None, "b"])
+    assert [batch.item(i).lora_path for i in range(3)] == ["a", None, "b"]
+    shared = proto.GenerateReqInput(input_ids=[[1], [2]], lora_path="a")
+    assert [shared.item(i).lora_path for i in range(2)] == ["a", "a"]
+    assert proto.GenerateReqInput(input_ids=[1]).item(0).lora_path is None
+    with pytest.raises(ValueError, match=r"lora_path list length \(2\) must match batch size \(3\)"):
+        proto.GenerateReqInput(input_ids=[[1], [2], [3]], lora_path=["a", "b"]).item(0)
+    with pytest.raises(ValueError, match="needs a batch"):
+        proto.GenerateReqInput(input_ids=[1], lora_path=["a"]).item(0)
 
 
 def test_aliases_are_translated_to_sglangs_field_before_sending():
