@@ -170,6 +170,12 @@ def _log_failed_publish(version: int, shipping: Future) -> None:
 def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
     from transformers import AutoConfig
 
+    if cfg.core_share is not None and (ranks.world > 1 or ranks.device.type != "cpu"):
+        # refused before anything loads, starts a W&B run or writes the output directory
+        raise ValueError(
+            f"core_share is for one CPU rank beside a CPU engine (this trainer: {ranks.world} ranks on "
+            f"{ranks.device.type}); unset it"
+        )
     out = Path(cfg.output_dir)
     if ranks.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -203,11 +209,6 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
         )
     cores = None
     if cfg.core_share is not None:
-        if ranks.world > 1 or ranks.device.type != "cpu":
-            raise ValueError(
-                f"core_share is for one CPU rank beside a CPU engine (this trainer: {ranks.world} ranks on "
-                f"{ranks.device.type}); unset it"
-            )
         home = torch.get_num_threads()
         cores = CoreShare(
             cfg.core_share, "trainer", home=home, total=max(cfg.core_share_threads or cpu_count(), home)

@@ -23,7 +23,7 @@ from readme_commands import sample_dataset
 from waiting import wait_until
 
 from asyncrl.buffer.server import free_port
-from asyncrl.services.ops.demo import History, scrape_trainer, submit
+from asyncrl.services.ops.demo import History, core_share_seconds, scrape_trainer, submit
 from asyncrl.services.ops.launcher import Launcher
 from asyncrl.services.ops.run_config import DemoSection, RunConfig
 
@@ -92,6 +92,9 @@ def test_demo_topology_learns_and_shuts_down_cleanly(tmp_path):
         wait_until(trained, timeout=300, interval=0.3, message=f"the trainer reaches version {STEPS}")
         engine_version = httpx.get(f"{launcher.engine_urls[0]}/get_weight_version", timeout=5).json()
         final = scrape_trainer(launcher.trainer_url, t0)
+        shares = None
+        if launcher.core_share:  # what the demo's summary.json reports as `core_share`
+            shares = {role: core_share_seconds(services[role], role) for role in ("engine", "trainer")}
         # The README's HTTP examples, as written, against this topology (tests/e2e/readme_commands.py)
         sample_dataset(tmp_path / "data.jsonl")
         ran = readme_commands.run_all(
@@ -113,6 +116,17 @@ def test_demo_topology_learns_and_shuts_down_cleanly(tmp_path):
     assert final.staleness_count > 0 and final.staleness_max_bucket is not None
     assert final.staleness_max_bucket <= ETA
     assert int(engine_version.get("weight_version", "0")) > 0, "published weights never reached the engine"
+    # [launch] core_share = auto (demo.toml) is on only where the launcher's own condition holds
+    # (`Launcher.core_share`: one CPU engine and a one-rank CPU trainer on <= 4 cores), so only
+    # there is it checked: the trainer (home: one thread, OMP_NUM_THREADS=1) computed on the
+    # engine's idle core for part of its busy time, and the engine had work too.
+    if shares is not None:
+        seconds = {
+            role: {int(k.split("_")[2]): v for k, v in got.items() if k.startswith("busy_s_")}
+            for role, got in shares.items()
+        }
+        assert sum(v for n, v in seconds["trainer"].items() if n > 1) > 0, shares
+        assert sum(seconds["engine"].values()) > 0, shares
     # Shutdown left nothing behind: no process group of any service, no Redis.
     # A killed service's children are reaped by init a moment after stop() returns.
     wait_until(lambda: not any(_group_alive(g) for g in pgids), timeout=10, message="every group is gone")
