@@ -126,6 +126,8 @@ def train_steps(parts: Parts) -> int:
                 else [None] * len(micro)
             )
         stats = policy_step(parts.model, parts.optimizer, micro, old, ref, parts.step_cfg, ranks.device)
+        if parts.cores is not None:
+            parts.cores.work()  # the layers' hooks check in; the LM head and AdamW since then do not
         stats["lr"] = parts.scheduler.get_last_lr()[0]  # the lr this version's update used
         parts.scheduler.step()  # once per version (trainer/schedule.py), before a checkpoint saves it
         timer.seconds["forward_backward"] = stats.pop("forward_backward_s")

@@ -171,6 +171,8 @@ class Scheduler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        if self.cores is not None and not self._thread.is_alive():
+            self.cores.close()  # its slot claims nothing once the loop is gone
 
     def submit(self, req: Request) -> None:
         self._inbox.put(("submit", req))

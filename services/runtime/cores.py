@@ -17,11 +17,14 @@ one step for the other party:
   other is idle, its own (`home`) while the other is busy.
 * `rest()`: "I have none": claims nothing until the next `work()`.
 
-The thread count is applied with `torch.set_num_threads` on the calling thread: torch's
-OpenMP thread count is per calling thread, so each party calls these from the thread that
-runs its forwards (the engine's scheduler thread, the trainer's main thread). A party calls
-`work()` often while it computes (the engine at each scheduler step, the trainer at each
-decoder layer's forward and backward), which bounds how long the other waits for its core.
+The thread count is applied with `torch.set_num_threads` on the calling thread. torch keeps
+OpenMP's count per thread (a thread adopts the process-wide count, which `set_num_threads` also
+sets, at its first parallel op), so each party calls these from the thread that runs its
+forwards: the engine's scheduler thread, the trainer's main thread. Other threads of the process
+(a weight-load or publish thread) run at the count last set. A party calls `work()` often while
+it computes (the engine at each scheduler step; the trainer at each decoder layer's forward and
+backward and after each step), which bounds how long the other waits for its core: one
+scheduler step, one layer, or the LM head's or the optimizer's compute.
 """
 
 from __future__ import annotations
