@@ -189,9 +189,10 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
         mixed_precision=compute_dtype,
         activation_checkpointing=cfg.activation_checkpointing,
         packing=cfg.max_tokens_per_micro_batch > 0,
+        lora=cfg.lora,
     )
     ref_model = None
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and not cfg.lora.enabled:  # with LoRA the reference is the base: adapters off
         ref_model = build_model(
             cfg.model_path,
             ranks,
@@ -217,7 +218,7 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
                 share_cores(m, cores)
         log_event(log, "core sharing", file=cfg.core_share, home=home, total=cores.total)
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],  # with LoRA: the adapters alone
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
