@@ -161,3 +161,16 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(
         model, state_dict=state, adapter_name=ADAPTER, save_embedding_layers=False
     )
+
+
+def adapter_config(model: nn.Module, base_model_path: str) -> dict:
+    """The `adapter_config.json` of the model's adapter as peft writes it (sets as sorted lists),
+    for `base_model_path`, with rsLoRA folded into α (module docstring)."""
+    config = model.peft_config[ADAPTER].to_dict()
+    out = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    out["base_model_name_or_path"] = str(base_model_path)
+    out["inference_mode"] = True
+    if out.get("use_rslora"):
+        out["lora_alpha"] = out["lora_alpha"] * math.sqrt(out["r"])
+        out["use_rslora"] = False
+    return out

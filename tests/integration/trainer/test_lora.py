@@ -8,14 +8,17 @@ batch at once, padded, its log-probs taken from its full logits, started from th
 values the trainer started from. With B = 0 at the start, step 1 moves only B (∂L/∂A = 0) and
 step 2 moves A too, so both are compared.
 
-On the same worlds: the KL reference with the adapters switched off against a separately built
-base model.
+On the same worlds: what a version publishes (the adapter alone, readable by
+`PeftModel.from_pretrained`, reproducing the trainer's logits), and the KL reference with the
+adapters switched off against a separately built base model.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import struct
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ torch.set_num_threads(1)
 RANK, ALPHA, SEED = 4, 8.0, 7
 LR, STEPS = 1.0, 2
 NO_CLIP = 1e9  # the step's clipping off: an update is −LR · gradient exactly
+PROBE = [1, 5, 6, 7, 9, 12, 30, 31]  # token ids whose logits the published adapter must reproduce
 # Adapter parameters of the tiny Qwen2 (hidden 128, 2 q heads of 64 → k/v 64 wide, MLP 256, 2
 # layers), r·(in + out) per Linear: q 128+128, k 128+64, v 128+64, o 128+128, gate 128+256,
 # up 128+256, down 256+128 = 2048 per unit of r per layer → 4 · 2048 · 2 layers.
@@ -36,9 +40,9 @@ ADAPTER_PARAMS = RANK * 2048 * 2
 
 # name: (options, worlds that run it)
 CASES = {
-    "padded": ({"kl": True}, (1, 2)),
+    "padded": ({"publish": True, "kl": True}, (1, 2)),
     "packed-chunked-checkpointed-rslora": (
-        {"max_tokens": 20, "chunk": 3, "ac": True, "rslora": True},
+        {"max_tokens": 20, "chunk": 3, "ac": True, "rslora": True, "publish": True},
         (2,),
     ),
     "shared-prompts-chunked": ({"share": True, "chunk": 3}, (2,)),
@@ -68,7 +72,9 @@ def snapshot(model) -> dict[str, torch.Tensor]:
 
 
 def run_case(d, model_dir, name: str, options: dict, out) -> dict:
+    from asyncrl.trainer.lora import adapter_config, adapter_state_dict
     from asyncrl.trainer.model import build_model
+    from asyncrl.trainer.publish import DiskPublisher, cast_state
     from asyncrl.trainer.step import StepConfig, policy_step, recompute_logprobs, reference_logprobs
 
     model = build_model(model_dir, d, seed=SEED, mixed_precision=options.get("mp", "float32"),
@@ -100,6 +106,14 @@ def run_case(d, model_dir, name: str, options: dict, out) -> dict:
         ),
         "row_counts": [mb.input_ids.shape[0] for mb in micro],
     }
+    if options.get("publish"):  # what Parts.publish writes for a version (fp32 here, to compare exactly)
+        state = adapter_state_dict(model)
+        if d.is_main:
+            publisher = DiskPublisher(out / f"weights-{name}-w{d.world}", model_dir,
+                                      adapter_config=adapter_config(model, model_dir))  # fmt: skip
+            result["published"] = publisher.write(STEPS, cast_state(state, torch.float32)).path
+        with torch.no_grad():
+            result["logits"] = model(input_ids=torch.tensor([PROBE])).logits
     if options.get("kl"):
         policy = recompute_logprobs(model, micro, 1.0, chunk)
         adapters_off = reference_logprobs(model, None, micro, 1.0, chunk)
@@ -236,6 +250,50 @@ def test_adapter_updates_equal_plain_peft(tiny, runs, name, world):
     ]
     b_moved = [k for k in init if ".lora_B." in k and not torch.equal(init[k], got["adapters"][1][k])]
     assert len(a_moved) == len(b_moved) == 14  # step 1 moved every B, step 2 every A
+
+
+PUBLISHED = [(name, world) for name, world in RUNS if CASES[name][0].get("publish")]
+
+
+@pytest.mark.parametrize("name,world", PUBLISHED, ids=[f"{n}-w{w}" for n, w in PUBLISHED])
+def test_a_version_publishes_the_adapter_alone(tiny, runs, name, world):
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    got = runs[0][world][name]
+    published = got["published"]
+    files = sorted(p.name for p in os.scandir(published))
+    assert files == ["adapter_config.json", "adapter_model.safetensors"]
+    assert os.path.basename(published) == f"v{STEPS:08d}"  # named by version, as weight directories are
+    weights = os.path.join(published, "adapter_model.safetensors")
+    with safe_open(weights, "pt") as f:
+        keys = list(f.keys())
+        tensors = {k: f.get_tensor(k) for k in keys}
+    assert all(k.startswith("base_model.model.model.layers.") for k in keys), keys
+    assert all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys), keys
+    assert sum(t.numel() for t in tensors.values()) == ADAPTER_PARAMS
+    for key, value in tensors.items():
+        assert torch.equal(value, got["adapters"][-1][key]), key
+    with open(weights, "rb") as f:
+        header = struct.unpack("<Q", f.read(8))[0]
+    # the file is its header and the adapter's fp32 bytes, nothing else
+    assert os.path.getsize(weights) == 8 + header + ADAPTER_PARAMS * 4
+    assert header < 0.1 * ADAPTER_PARAMS * 4
+    with open(os.path.join(published, "adapter_config.json")) as f:
+        config = json.load(f)
+    assert (config["peft_type"], config["r"], config["base_model_name_or_path"]) == ("LORA", RANK, str(tiny))
+    if CASES[name][0].get("rslora"):  # folded: α/r with α' = α·√r is the rsLoRA scale α/√r
+        assert config["use_rslora"] is False and config["lora_alpha"] == pytest.approx(ALPHA * RANK**0.5)
+    else:
+        assert config["lora_alpha"] == ALPHA
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    plain = base(input_ids=torch.tensor([PROBE])).logits.detach()
+    loaded = PeftModel.from_pretrained(base, published)
+    with torch.no_grad():
+        logits = loaded(input_ids=torch.tensor([PROBE])).logits
+    assert torch.allclose(logits, got["logits"], atol=1e-5, rtol=1e-5)
+    assert float((logits - plain).abs().max()) > 1e-3  # the adapter does change the model
 
 
 @pytest.mark.parametrize("world", [1, 2])
