@@ -284,16 +284,18 @@ class Checkpointer:
         reader = CheckedReader(path)
         # a tampered index raises UnsafeCheckpoint here (dcp.load would wrap it)
         saved = {
-            k.removeprefix("model.")
-            for k in reader.read_metadata().state_dict_metadata
+            k.removeprefix("model."): tuple(getattr(m, "size", ()))
+            for k, m in reader.read_metadata().state_dict_metadata.items()
             if k.startswith("model.")
         }
-        if saved != set(trained):
-            differ = sorted(saved.symmetric_difference(trained))
+        wanted = {k: tuple(model_sd[k].shape) for k in trained}
+        if saved != wanted:
+            differ = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))
             raise ValueError(
-                f"{path} holds {len(saved)} model tensors, this trainer trains {len(trained)} (e.g. "
-                f"{differ[:3]}): it was written with another [trainer.lora] (or without one); restore "
-                "that setting or start from a fresh output_dir"
+                f"{path} holds {len(saved)} model tensors, this trainer trains {len(trained)}, "
+                f"{len(differ)} of them differing in name or shape (e.g. {differ[:3]}): it was written "
+                "with another [trainer.lora] (or without one); restore that setting or start from a "
+                "fresh output_dir"
             )
         # the saved parameters are those that train (`save`): they are read in place into model_sd,
         # whose frozen entries load back the values the model has

@@ -5,7 +5,7 @@ on the same or a different number of ranks, continues exactly as the uninterrupt
 The plan of tests/integration/trainer/test_checkpoint_sharded.py, with a LoRA model:
   2 ranks: `ref2` trains K steps, checkpoints at v=K into ck2, trains M more
   1 rank:  `2to1` resumes ck2 and trains M; `ref1` trains K, checkpoints into ck1, trains M more;
-           a LoRA trainer refuses a full fine-tune's checkpoint (`refused`)
+           a LoRA trainer refuses a full fine-tune's checkpoint, one of rank 2 refuses ck1
   2 ranks: `2to2` resumes ck2 and trains M; `1to2` resumes ck1 and trains M
 Every rank trains on the same batch and nothing is clipped, so runs on 1 and 2 ranks are
 bit-identical and every comparison below is exact.
@@ -42,12 +42,12 @@ def train_step(model, opt, sched, v: int) -> None:
     sched.step()
 
 
-def build(d, model_dir, lora: bool = True):
+def build(d, model_dir, lora: bool = True, rank: int = RANK):
     from asyncrl.trainer.config import LoraSettings
     from asyncrl.trainer.model import build_model
     from asyncrl.trainer.schedule import build_scheduler
 
-    model = build_model(model_dir, d, lora=LoraSettings(rank=RANK if lora else 0, alpha=8.0))
+    model = build_model(model_dir, d, lora=LoraSettings(rank=rank if lora else 0, alpha=8.0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
     return model, opt, build_scheduler(opt, "cosine", 2, 6, 0.1)
 
@@ -86,18 +86,20 @@ def run_job(d, model_dir, name: str, resume: Path | None = None, save: Path | No
             "adapters": adapters, "optim": optim["state"], "last_epoch": sched.last_epoch}  # fmt: skip
 
 
-def refuse_full_checkpoint(d, model_dir, out: Path) -> None:
-    """A full fine-tune's checkpoint, then a LoRA trainer starting on it: refused, named."""
+def refuse_other_checkpoints(d, model_dir, out: Path) -> None:
+    """A full fine-tune's checkpoint, then a LoRA trainer starting on it; a LoRA checkpoint of
+    rank 4, then a trainer of rank 2 (same names, other shapes): both refused, named."""
     from asyncrl.trainer.checkpoint import Checkpointer
 
     model, opt, sched = build(d, model_dir, lora=False)
     train_step(model, opt, sched, 0)
     Checkpointer(out / "ck_full", d).save(model, opt, sched, 1, [])
-    model, opt, sched = build(d, model_dir)
-    try:
-        Checkpointer(out / "ck_full", d).load(model, opt, sched)
-    except ValueError as exc:
-        (out / "refused.txt").write_text(str(exc))
+    for checkpoint, rank, refused in (("ck_full", RANK, "refused_full.txt"), ("ck1", 2, "refused_rank.txt")):
+        model, opt, sched = build(d, model_dir, rank=rank)
+        try:
+            Checkpointer(out / checkpoint, d).load(model, opt, sched)
+        except ValueError as exc:
+            (out / refused).write_text(str(exc))
 
 
 def worker(rank: int, world: int, port: int, model_dir: Path, jobs: list[dict], out: Path) -> None:
@@ -112,7 +114,7 @@ def worker(rank: int, world: int, port: int, model_dir: Path, jobs: list[dict], 
     try:
         for job in jobs:
             if job.get("refuse"):
-                refuse_full_checkpoint(d, model_dir, out)
+                refuse_other_checkpoints(d, model_dir, out)
                 continue
             result = run_job(d, model_dir, **job)
             if d.is_main:
@@ -167,9 +169,12 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_only(runs):
     assert files < 0.5 * BASE_PARAMS * 4
 
 
-def test_a_full_fine_tunes_checkpoint_is_refused_by_name(runs):
-    message = (runs[1] / "refused.txt").read_text()
-    assert "[trainer.lora]" in message and "this trainer trains 28" in message
+def test_another_trainers_checkpoint_is_refused_by_name(runs):
+    full = (runs[1] / "refused_full.txt").read_text()  # 27 base tensors, 28 adapters: all differ
+    assert "holds 27 model tensors, this trainer trains 28, 55 of them differing" in full
+    assert "[trainer.lora]" in full
+    other_rank = (runs[1] / "refused_rank.txt").read_text()  # the same names, r = 2 instead of 4
+    assert "holds 28 model tensors, this trainer trains 28, 28 of them differing" in other_rank
 
 
 @pytest.mark.parametrize("resumed,reference", [("2to2", "ref2"), ("2to1", "ref2"), ("1to2", "ref1")])
