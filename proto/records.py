@@ -503,7 +503,12 @@ class GroupJob(Record, tag="job"):
 
 
 class WeightsInfo(Record, tag="weights"):
-    """Where the weights of policy version `version` can be loaded from."""
+    """Where the weights of policy version `version` can be loaded from.
+
+    `kind="lora"` (a `[trainer.lora]` run): `path` is a PEFT adapter directory, not weights; the
+    engine keeps its base model and loads the adapter beside it under `adapter_name`
+    (SGLang: `/load_lora_adapter {lora_name: adapter_name, lora_path: path}`), and requests name
+    it (`lora_path: adapter_name`) to be sampled by this version (services/transport/weights)."""
 
     version: Count
     method: Literal["disk", "distributed"]
@@ -511,10 +516,16 @@ class WeightsInfo(Record, tag="weights"):
     path: str | None = None
     published_at: float = 0.0
     extra: dict[str, Any] = {}
+    kind: Literal["full", "lora"] = "full"  # the whole model's weights, or a LoRA adapter on the base
+    adapter_name: Id | None = None  # lora: the name to load and request it by, unique per version
 
     def _check(self) -> None:
         if self.method == "disk" and not self.path:
             raise ValueError("disk weights need a path")
+        if self.kind == "lora" and (self.method != "disk" or not self.adapter_name):
+            raise ValueError("a LoRA adapter is published on disk, with an adapter_name")
+        if self.kind == "full" and self.adapter_name is not None:
+            raise ValueError("adapter_name names a LoRA adapter: full weights have none")
 
 
 def _token_arrays(cls: type[_Struct]) -> dict[str, np.dtype]:

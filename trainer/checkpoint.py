@@ -3,8 +3,9 @@ groups they cover.
 
 Layout of `<root>/step_<version:08d>/`:
 * `__<rank>_0.distcp`, `.metadata`: torch.distributed.checkpoint (DCP). Every rank writes its own
-  FSDP shards of the model and of the optimizer state (`exp_avg`, `exp_avg_sq`, `step`); no rank
-  gathers the full state.
+  FSDP shards of the parameters that train and of their optimizer state (`exp_avg`,
+  `exp_avg_sq`, `step`); no rank gathers the full state. A full fine-tune saves the whole model;
+  with LoRA only the adapters and their state (the frozen base is the model directory's).
 * `extra.pt` (rank 0): every rank's torch RNG state (and CUDA's), rank 0's Python RNG, the
   optimizer's param groups (lr, betas, …) and the LR scheduler's state; tensors and plain
   containers only, so `torch.load(weights_only=True)` reads it.
@@ -169,6 +170,15 @@ def atomic_publish_dir(tmp: Path, final: Path, written: list[Path] | None = None
     fsync_dir(final.parent)
 
 
+def trained_state(model: nn.Module, state: dict) -> dict:
+    """`state` (a model state dict) without the frozen parameters, under every name they have: a
+    checkpoint holds what trains (with LoRA, the adapters: the frozen base is the model
+    directory's, loaded again at every start). torch's `ignore_frozen_params` would keep a tied
+    alias of a frozen weight (the LM head of tied embeddings: the whole embedding matrix)."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
 class Checkpointer:
     def __init__(self, root: str | Path, ranks: Dist, keep: int = 2):
         self.root = Path(root)
@@ -205,6 +215,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no gather
+        model_sd = trained_state(model, model_sd)
         cuda = self.ranks.device.type == "cuda"
         python_rng = random.getstate()
         extra = {
@@ -268,10 +279,31 @@ class Checkpointer:
         # Freshly made state dicts of this world's shards (the optimizer's state is initialised by
         # a zero-lr step if empty); dcp.load fills them in place from whatever world saved them.
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        trained = trained_state(model, model_sd).keys()
         configured = _hyperparameters(optimizer, scheduler)  # what this start's config asks for
         reader = CheckedReader(path)
-        reader.read_metadata()  # a tampered index raises UnsafeCheckpoint here (dcp.load would wrap it)
-        dcp.load({"model": model_sd, "optim": optim_sd["state"]}, checkpoint_id=path, storage_reader=reader)
+        # a tampered index raises UnsafeCheckpoint here (dcp.load would wrap it)
+        saved = {
+            k.removeprefix("model."): tuple(getattr(m, "size", ()))
+            for k, m in reader.read_metadata().state_dict_metadata.items()
+            if k.startswith("model.")
+        }
+        wanted = {k: tuple(model_sd[k].shape) for k in trained}
+        if saved != wanted:
+            differ = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))
+            raise ValueError(
+                f"{path} holds {len(saved)} model tensors, this trainer trains {len(trained)}, "
+                f"{len(differ)} of them differing in name or shape (e.g. {differ[:3]}): it was written "
+                "with another [trainer.lora] (or without one); restore that setting or start from a "
+                "fresh output_dir"
+            )
+        # the saved parameters are those that train (`save`): they are read in place into model_sd,
+        # whose frozen entries load back the values the model has
+        dcp.load(
+            {"model": {k: model_sd[k] for k in trained}, "optim": optim_sd["state"]},
+            checkpoint_id=path,
+            storage_reader=reader,
+        )
         extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
         set_state_dict(
             model,

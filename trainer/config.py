@@ -3,7 +3,8 @@
 The loss has its own table, `[trainer.loss]` (trainer/losses.py `LossConfig`); env
 `ASYNCRL_TRAINER_LOSS__KIND=gspo` sets one of its fields. Weights & Biases tracking likewise:
 `[trainer.wandb]` (`WandbSettings` below, used by trainer/tracking.py), env
-`ASYNCRL_TRAINER_WANDB__ENABLED=true`.
+`ASYNCRL_TRAINER_WANDB__ENABLED=true`. LoRA too: `[trainer.lora]` (`LoraSettings`, used by
+trainer/lora.py), env `ASYNCRL_TRAINER_LORA__RANK=16`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,57 @@ class WandbSettings(BaseModel):
     dir: str | None = Field(
         None, min_length=1, description="W&B writes under <dir>/wandb (default: output_dir)"
     )
+
+
+LORA_ALL_LINEAR = "all-linear"  # peft's shorthand: every Linear layer but the LM head
+# Modules outside the decoder layers that a target list may not name: the LM head's log-probs are
+# computed from its weight (trainer/logprobs.py), and an embedding adapter is not a Linear one
+# (SGLang loads those only with an added-tokens file).
+LORA_REFUSED_TARGETS = ("lm_head", "embed_tokens")
+LoraTarget = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.]+$")]
+
+
+class LoraSettings(BaseModel):
+    """LoRA adapters on the policy (`[trainer.lora]`, trainer/lora.py): with `rank` > 0 only the
+    adapters train, the base model stays frozen, and each version publishes only the adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(0, ge=0, le=1024, description="r of every adapter (0: no LoRA, the whole model trains)")
+    alpha: float = Field(
+        16.0, gt=0.0, description="LoRA α: the adapter's output is scaled by α/r (α/√r with rslora)"
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="dropout on the adapters' input in every trainer forward (the π_old recompute too): "
+        "keep 0 for RL, where π_old must be the policy's deterministic log-probs",
+    )
+    target_modules: Literal["all-linear"] | list[LoraTarget] = Field(
+        LORA_ALL_LINEAR,
+        description="Linear layers of the decoder layers to adapt: names or name suffixes "
+        "(q_proj, v_proj, ...), or all-linear (every Linear but the LM head)",
+    )
+    rslora: bool = Field(False, description="rank-stabilised scaling α/√r instead of α/r")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @model_validator(mode="after")
+    def _check(self) -> LoraSettings:
+        if isinstance(self.target_modules, list):
+            if not self.target_modules:
+                raise ValueError("lora target_modules is empty: name modules, or use all-linear")
+            refused = [t for t in self.target_modules if t.split(".")[-1] in LORA_REFUSED_TARGETS]
+            if refused:
+                raise ValueError(
+                    f"lora target_modules {refused}: adapters go on the Linear layers inside the decoder "
+                    "layers only; the LM head's log-probs come from its weight directly (trainer/logprobs.py) "
+                    "and an embedding adapter needs added-token files SGLang reads apart"
+                )
+        return self
 
 
 class TrainerSettings(ServiceSettings):
@@ -217,6 +269,9 @@ class TrainerSettings(ServiceSettings):
     metrics_port: int = Field(0, ge=0, le=65535, description="port of /metrics and /healthz (0: disabled)")
     log_level: str = Field("info", description="log level")
     wandb: WandbSettings = Field(default_factory=WandbSettings, description="W&B tracking ([trainer.wandb])")
+    lora: LoraSettings = Field(
+        default_factory=LoraSettings, description="LoRA adapters instead of a full fine-tune ([trainer.lora])"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSettings:
@@ -228,6 +283,18 @@ class TrainerSettings(ServiceSettings):
             raise ValueError(
                 "publish_delta over publish=distributed needs delta_granularity=tensor: SGLang's "
                 "/update_weights_from_distributed loads whole named tensors, a changed block has no name there"
+            )
+        if self.lora.enabled and self.publish == "distributed":
+            raise ValueError(
+                "[trainer.lora] with publish=distributed: SGLang takes an adapter by path "
+                "(/load_lora_adapter) or as tensors serialized in its own process "
+                "(/load_lora_adapter_from_tensors, one host); its broadcast, /update_weights_from_distributed, "
+                "updates base weights only. Publish adapters with publish=disk (one adapter is a few MB)"
+            )
+        if self.lora.enabled and self.publish_delta:
+            raise ValueError(
+                "[trainer.lora] with publish_delta: every element of every adapter changes each step, so a "
+                "delta would be the whole adapter, and /load_lora_adapter has no delta form: unset publish_delta"
             )
         if self.share_prompts and self.max_tokens_per_micro_batch > 0:
             raise ValueError(

@@ -26,7 +26,7 @@ from asyncrl.trainer import metrics as tm
 from asyncrl.trainer.batch import build_rows, micro_batches, zero_spread_groups
 from asyncrl.trainer.model import broadcast_from_main
 from asyncrl.trainer.parts import Parts
-from asyncrl.trainer.step import policy_step, recompute_logprobs
+from asyncrl.trainer.step import policy_step, recompute_logprobs, reference_logprobs
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -121,8 +121,10 @@ def train_steps(parts: Parts) -> int:
             )
             old = old_logprobs(parts, micro)
             ref = (
-                recompute_logprobs(parts.ref_model, micro, cfg.temperature, cfg.logprob_chunk_tokens)
-                if parts.ref_model is not None
+                reference_logprobs(
+                    parts.model, parts.ref_model, micro, cfg.temperature, cfg.logprob_chunk_tokens
+                )
+                if cfg.kl_coef > 0
                 else [None] * len(micro)
             )
         stats = policy_step(parts.model, parts.optimizer, micro, old, ref, parts.step_cfg, ranks.device)

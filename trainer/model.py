@@ -14,12 +14,16 @@ import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from asyncrl.trainer.logprobs import install as install_logprobs
+
+if TYPE_CHECKING:
+    from asyncrl.trainer.config import LoraSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with native bf16 matmul
@@ -124,6 +128,7 @@ def build_model(
     trainable: bool = True,
     activation_checkpointing: bool = False,
     packing: bool = False,
+    lora: LoraSettings | None = None,
 ) -> nn.Module:
     """Meta-init → (activation checkpointing per decoder layer) → fully_shard per decoder layer
     and root (not on a world of one in fp32: nothing to shard or cast, and FSDP2's hooks and
@@ -145,7 +150,11 @@ def build_model(
     hook; under FSDP2 the recompute runs inside the layer's pre-backward all-gather).
 
     `packing`: micro-batches are packed rows (trainer/batch.py); attention then follows the
-    samples' position ids (`packed_attention`)."""
+    samples' position ids (`packed_attention`).
+
+    `lora` (enabled): the model is a peft `PeftModel` whose LoRA adapters alone train; the base
+    is frozen before sharding and loaded as above, the adapters start at peft's initialisation
+    drawn with `seed` (trainer/lora.py)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -158,6 +167,11 @@ def build_model(
         enable_activation_checkpointing(model)
     if packing:
         packed_attention(model, d.device, DTYPES[mixed_precision])
+    lora = lora if lora is not None and lora.enabled else None
+    if lora is not None:
+        from asyncrl.trainer.lora import wrap
+
+        model = wrap(model, lora, _decoder_layers(model))
     sharded = d.world > 1 or mixed_precision != "float32"
     if sharded:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
@@ -174,6 +188,10 @@ def build_model(
         model.tie_weights()  # to_empty made the tied head a parameter of its own
     _rebuild_nonpersistent_buffers(model, d.device)
     full = load_full_state_dict(model_path, random_init, seed) if d.is_main else {}
+    if lora is not None and d.is_main:
+        from asyncrl.trainer.lora import initial_state
+
+        full = initial_state(model, full, seed)
     for alias, canonical in tied_aliases(model).items():
         if d.is_main and alias not in full:  # HF writes a tied weight once
             full[alias] = full[canonical]

@@ -26,11 +26,13 @@ from asyncrl.services.runtime.auth import engine_token
 from asyncrl.services.runtime.cores import CoreShare, cpu_count
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.runtime.metrics import serve_metrics
+from asyncrl.services.transport.weights import adapter_name
 from asyncrl.trainer import metrics as tm
 from asyncrl.trainer.batch import Shaping
 from asyncrl.trainer.checkpoint import Checkpointer
 from asyncrl.trainer.config import TrainerSettings
 from asyncrl.trainer.data import GroupSource
+from asyncrl.trainer.lora import adapter_config, adapter_state_dict
 from asyncrl.trainer.model import (
     DTYPES,
     Dist,
@@ -79,7 +81,8 @@ class Parts:
     _shipper: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     def publish(self, version: int, rollback: bool = False) -> None:
-        """Collective: gather the full weights, then rank 0 ships them and announces `version`.
+        """Collective: gather the full weights (with LoRA, the adapter alone: the frozen base is
+        never gathered), then rank 0 ships them and announces `version`.
 
         With `publish_background` (disk only), rank 0 hands a snapshot of the weights to one
         writer thread and returns: the directory is written, fsynced and announced while the
@@ -92,7 +95,7 @@ class Parts:
                 self.versions.set_version(version)
             return
         t0 = time.perf_counter()
-        state = full_state_dict(self.model)
+        state = adapter_state_dict(self.model) if self.cfg.lora.enabled else full_state_dict(self.model)
         if not self.ranks.is_main:
             return
         state = cast_state(state, DTYPES[self.cfg.publish_dtype])
@@ -120,8 +123,15 @@ class Parts:
     def _ship(self, version: int, state: dict[str, torch.Tensor], rollback: bool, t0: float) -> None:
         if self.disk is not None:
             out = self.disk.write(version, state, self.epoch)
+            lora = self.cfg.lora.enabled
             info = WeightsInfo(
-                version=version, epoch=self.epoch, method="disk", path=out.path, published_at=time.time()
+                version=version,
+                epoch=self.epoch,
+                method="disk",
+                path=out.path,
+                published_at=time.time(),
+                kind="lora" if lora else "full",
+                adapter_name=adapter_name(self.cfg.run, version, self.epoch) if lora else None,
             )
         else:
             out = self.broadcast.publish(version, state, self.epoch)
@@ -195,9 +205,10 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
         mixed_precision=compute_dtype,
         activation_checkpointing=cfg.activation_checkpointing,
         packing=cfg.max_tokens_per_micro_batch > 0,
+        lora=cfg.lora,
     )
     ref_model = None
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and not cfg.lora.enabled:  # with LoRA the reference is the base: adapters off
         ref_model = build_model(
             cfg.model_path,
             ranks,
@@ -218,7 +229,7 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
                 share_cores(m, cores)
         log_event(log, "core sharing", file=cfg.core_share, home=home, total=cores.total)
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],  # with LoRA: the adapters alone
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
@@ -256,6 +267,7 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
                 anchor_every=cfg.delta_anchor_every,
                 granularity=cfg.delta_granularity,
                 block_elems=cfg.delta_block_elems,
+                adapter_config=adapter_config(model, cfg.model_path) if cfg.lora.enabled else None,
             )
         elif cfg.publish == "distributed":
             from asyncrl.buffer.server import free_port

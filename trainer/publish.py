@@ -14,6 +14,9 @@ generation on every engine for the update, and a typed error when an engine refu
 handled: engines joining after the group is formed (list them at start), and re-forming a
 broken group (restart the trainer).
 
+LoRA: with `[trainer.lora]` a version is the adapter alone, written to disk as a PEFT adapter
+directory (`DiskPublisher(adapter_config=...)`); the broadcast does not carry adapters.
+
 Deltas (`DeltaChain`, either publisher with `delta=True`): a version holds only what changed
 since the previous one, with a full anchor every `anchor_every` versions. On disk a delta is a
 directory an engine rebuilds on its own (services/engine/deltas.py); over the broadcast the
@@ -22,6 +25,7 @@ changed tensors are sent and an engine that cannot take them is sent the full ve
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -52,6 +56,8 @@ from asyncrl.services.transport.weights.delta import (
     tensor_sha256,
 )
 from asyncrl.services.transport.weights.filesystem import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
     MODEL_FILE,
     file_metadata,
     is_source_weights,
@@ -164,7 +170,12 @@ class DeltaChain:
 class DiskPublisher:
     """`delta=True`: every `anchor_every`-th version (and the first, and any after a gap, a
     rollback or a new epoch) is written whole (an anchor); the others hold only what changed
-    since the previous version (services/transport/weights/delta.py; `DeltaChain` decides)."""
+    since the previous version (services/transport/weights/delta.py; `DeltaChain` decides).
+
+    `adapter_config` (LoRA, trainer/lora.py): each version is a PEFT adapter directory instead,
+    `adapter_config.json` (this dict) and `adapter_model.safetensors` (the state handed to
+    `write`: the adapter's tensors alone), nothing of the source directory; named, announced,
+    kept and pruned like full versions. Not with `delta`."""
 
     def __init__(
         self,
@@ -176,11 +187,15 @@ class DiskPublisher:
         anchor_every: int = 10,
         granularity: str = "tensor",
         block_elems: int = 65536,
+        adapter_config: dict | None = None,
     ):
+        if delta and adapter_config is not None:
+            raise ValueError("adapters are published whole: no delta")
         self.root = Path(root)
         self.source_dir = Path(source_dir)
         self.keep = keep
         self.delta = delta
+        self.adapter_config = adapter_config
         self.chain = DeltaChain(anchor_every, granularity, block_elems)
         self.root.mkdir(parents=True, exist_ok=True)
         # closes the last references to pruned weight files (see _prune)
@@ -203,6 +218,8 @@ class DiskPublisher:
         tmp = self.root / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        if self.adapter_config is not None:
+            return self._write_adapter(version, state, epoch, tmp, final, t0)
         written = [tmp / MODEL_FILE]  # files whose bytes this write put on disk
         for f in self.source_dir.iterdir():
             if not f.is_file() or is_source_weights(f.name):
@@ -228,6 +245,18 @@ class DiskPublisher:
             self.chain.sent(version, state, epoch, anchor=delta is None)
         self._prune()
         return Published(version, nbytes, time.perf_counter() - t0, str(final), delta=delta is not None)
+
+    def _write_adapter(
+        self, version: int, state: dict[str, torch.Tensor], epoch: int, tmp: Path, final: Path, t0: float
+    ) -> Published:
+        from safetensors.torch import save_file
+
+        save_file(state, str(tmp / ADAPTER_FILE), metadata=file_metadata(version, epoch))
+        (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(self.adapter_config, indent=2, sort_keys=True))
+        atomic_publish_dir(tmp, final, [tmp / ADAPTER_FILE, tmp / ADAPTER_CONFIG_FILE])
+        self._prune()
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        return Published(version, nbytes, time.perf_counter() - t0, str(final))
 
     def _drop_lost(self, version: int, epoch: int) -> None:
         """Versions above `version` of this or an older epoch come from steps lost in a crash

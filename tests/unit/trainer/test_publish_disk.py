@@ -103,3 +103,34 @@ def test_a_delta_no_smaller_than_the_full_version_is_written_whole(tiny, tmp_pat
     out = pub.write(3, {k: v + (1.0 if k.endswith("norm.weight") else 0.0) for k, v in v2.items()})
     assert not (tmp_path / "w" / "v00000003" / "model.safetensors").is_file()  # 2 is its anchor
     assert out.nbytes == sum(t.numel() * 4 for k, t in base.items() if k.endswith("norm.weight"))
+
+
+def test_adapter_versions_hold_the_two_peft_files_and_are_kept_like_weights(tiny, tmp_path):
+    """A LoRA publisher writes each version as a PEFT adapter directory, the config given and the
+    tensors handed over, and nothing of the source directory; versions are kept and dropped
+    like full ones."""
+    import json
+
+    import pytest
+    from safetensors import safe_open
+
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4.0, "target_modules": ["q_proj"]}
+    pub = DiskPublisher(tmp_path / "w", tiny, keep=2, adapter_config=config)
+    a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    for v in (1, 2, 3):
+        out = pub.write(v, {a: torch.full((2, 128), float(v)), b: torch.zeros(128, 2)}, epoch=1)
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v00000002-e1", "v00000003-e1"]
+    assert out.nbytes == (2 * 128 + 128 * 2) * 4 and not out.delta
+    assert sorted(p.name for p in (tmp_path / "w" / "v00000003-e1").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert json.loads((tmp_path / "w" / "v00000003-e1" / "adapter_config.json").read_text()) == config
+    with safe_open(tmp_path / "w" / "v00000003-e1" / "adapter_model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == [a, b] and float(f.get_tensor(a)[0, 0]) == 3.0
+        assert f.metadata() == {"format": "pt", "asyncrl_version": "3", "asyncrl_epoch": "1"}
+    pub.write(2, {a: torch.zeros(2, 128), b: torch.zeros(128, 2)}, epoch=2)  # a resumed trainer's
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v00000002-e1", "v00000002-e2"]
+    with pytest.raises(ValueError, match="no delta"):
+        DiskPublisher(tmp_path / "w2", tiny, delta=True, adapter_config=config)

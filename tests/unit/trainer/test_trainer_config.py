@@ -35,6 +35,18 @@ def test_toml_env_and_flags_layer(tmp_path, monkeypatch):
     ({"loss": {"agg": "seq_mean_token_sum_norm"}}, "max_tokens"),
     ({"loss": {"kind": "dpo"}}, "kind"),
     ({"unknown_field": 1}, "unknown_field"),
+    (
+        {"lora": {"rank": 8}, "publish": "distributed", "engine_urls": ["http://e"]},
+        r"\[trainer.lora\] with publish=distributed: SGLang takes an adapter by path",
+    ),
+    ({"lora": {"rank": 8}, "publish_delta": True}, r"\[trainer.lora\] with publish_delta"),
+    ({"lora": {"rank": 8, "target_modules": ["q_proj", "lm_head"]}}, r"\['lm_head'\]: adapters go on the Linear layers inside"),
+    ({"lora": {"rank": 8, "target_modules": ["model.embed_tokens"]}}, "embed_tokens"),
+    ({"lora": {"rank": 8, "target_modules": []}}, "target_modules is empty"),
+    ({"lora": {"rank": 8, "target_modules": "all"}}, "target_modules"),
+    ({"lora": {"rank": -1}}, "rank"),
+    ({"lora": {"rank": 8, "dropout": 1.0}}, "dropout"),
+    ({"lora": {"rank": 8, "bias": "all"}}, "bias"),
 ])  # fmt: skip
 def test_bad_settings_are_refused(bad, match):
     with pytest.raises(ValidationError, match=match):
@@ -58,3 +70,19 @@ def test_auto_mixed_precision_picks_bf16_only_where_it_is_native():
     assert TrainerSettings(model_path="/m", mixed_precision="auto").mixed_precision == "auto"
     with pytest.raises(ValidationError, match="mixed_precision"):
         TrainerSettings(model_path="/m", mixed_precision="bf16")
+
+
+def test_lora_table_and_env(tmp_path, monkeypatch):
+    """`[trainer.lora]` with a rank turns LoRA on (rank 0, the default, is a full fine-tune); env
+    sets one of its fields like any nested table's. Its defaults: α 16, no dropout, every Linear."""
+    assert not TrainerSettings(model_path="/m").lora.enabled
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[trainer]\nmodel_path = "/m"\nkl_coef = 0.1\n[trainer.lora]\nrank = 16\nrslora = true\n')
+    monkeypatch.setenv("ASYNCRL_TRAINER_LORA__ALPHA", "32")
+    s = load_settings(TrainerSettings, ["--config", str(cfg)], prog="t", section="trainer")
+    assert s.lora.enabled and (s.lora.rank, s.lora.alpha, s.lora.rslora) == (16, 32.0, True)
+    assert (s.lora.dropout, s.lora.target_modules) == (0.0, "all-linear")
+    narrow = TrainerSettings(
+        model_path="/m", lora={"rank": 4, "target_modules": ["q_proj", "layers.3.mlp.down_proj"]}
+    )
+    assert narrow.lora.target_modules == ["q_proj", "layers.3.mlp.down_proj"]
