@@ -458,7 +458,7 @@ def run_ours(b: Bench, raw: dict, bench_dir: Path) -> dict:
         "step_ends": [t - t0_wall for t in win["step_ends"]],
         **rates(step_samples, win["tokens"], limit, win["step_ends"]), "tokens": win["tokens"],
         "phases_s": win["phases_s"], "rewards": win["rewards"],
-        **{k: summary.get(k) for k in ("engine_busy_ratio", "trainer_idle_ratio", "mean_staleness", "dropped")},
+        **{k: summary.get(k) for k in ("engine_busy_ratio", "trainer_idle_ratio", "mean_staleness", "dropped", "core_share")},
         "final_model": final, "eval_version": int(Path(final).name[1:]) if final else None,
         "run_dir": str(run_dir), "engine_dtype": raw.get("engine", {}).get("dtype", "auto"),
         "demo_v0_eval_s": v0_eval_s,
