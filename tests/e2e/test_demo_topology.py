@@ -36,8 +36,15 @@ def _config(tmp_path: Path) -> tuple[dict, Path]:
     raw = tomllib.loads((REPO / "configs" / "demo.toml").read_text())
     raw["run"].update(id="e2e", dir=str(tmp_path / "run"))
     raw["model"]["path"] = str(tmp_path / "run" / "base")
-    raw["launch"].update(engine_port=free_port(), reward_port=free_port(), rollout_port=free_port(),
-                         trainer_metrics_port=free_port(), metrics_port=free_port(), health_timeout_s=120)  # fmt: skip
+    raw["launch"].update(
+        engine_port=free_port(),
+        reward_port=free_port(),
+        rollout_port=free_port(),
+        trainer_metrics_port=free_port(),
+        metrics_port=free_port(),
+        health_timeout_s=120,
+        core_share="auto",
+    )  # fmt: skip  (the demo sets off; auto shares on <= 4 cores)
     # Short and steep: a higher learning rate makes the rise visible within STEPS versions.
     # max_steps leaves headroom: the test stops the trainer, which must still be up when polled.
     raw["trainer"].update(
@@ -116,7 +123,7 @@ def test_demo_topology_learns_and_shuts_down_cleanly(tmp_path):
     assert final.staleness_count > 0 and final.staleness_max_bucket is not None
     assert final.staleness_max_bucket <= ETA
     assert int(engine_version.get("weight_version", "0")) > 0, "published weights never reached the engine"
-    # [launch] core_share = auto (demo.toml) is on only where the launcher's own condition holds
+    # [launch] core_share = auto (set above) is on only where the launcher's own condition holds
     # (`Launcher.core_share`: one CPU engine and a one-rank CPU trainer on <= 4 cores), so only
     # there is it checked: the trainer (home: one thread, OMP_NUM_THREADS=1) computed on the
     # engine's idle core for part of its busy time, and the engine had work too.
