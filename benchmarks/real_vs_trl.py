@@ -574,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--no-base-eval", action="store_true", help="do not evaluate the base model")
+    ap.add_argument("--no-eval", action="store_true", help="evaluate no model (throughput only)")
     ap.add_argument("--out", type=Path, help="run directory (default: runs/trl-bench-<time>)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
@@ -597,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{b.threads} threads for TRL; run dir {bench_dir}", flush=True)  # fmt: skip
 
     def ev(model_dir: str | None, name: str) -> dict | None:
+        if args.no_eval:
+            return None
         if model_dir is None:
             print(f"{name}: no model to evaluate", flush=True)
             return None

@@ -294,8 +294,9 @@ class Launcher:
     @property
     def core_share(self) -> bool:
         """`[launch] core_share`: whether the engine and the trainer lend each other their core.
-        `auto` turns it on where it was measured to pay (benchmarks/RESULTS.md, "Core sharing"):
-        one reference engine and a one-rank trainer, both on the CPU of a machine of ≤ 4 cores."""
+        `auto` turns it on for one reference engine and a one-rank trainer, both on the CPU of a
+        machine of ≤ 4 cores; the default is off (slower in every run measured so far:
+        benchmarks/RESULTS.md, "Core sharing")."""
         ln = self.cfg.launch
         if ln.core_share == "off":
             return False

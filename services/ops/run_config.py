@@ -127,10 +127,11 @@ class LaunchSection(BaseModel):
         "before it gives up (ASYNCRL_REDIS_RECONNECT_S)",
     )
     core_share: Literal["auto", "on", "off"] = Field(
-        "auto",
+        "off",
         description="a CPU engine and a one-rank CPU trainer lend each other their core while idle "
         "(services/runtime/cores.py); auto: on where both run on the CPU of a machine of at most "
-        "4 cores, with one reference engine",
+        "4 cores, with one reference engine. Off by default: slower in every run measured so far "
+        "(benchmarks/RESULTS.md)",
     )
     metrics_port: int = Field(
         8004,
