@@ -8,7 +8,9 @@ its tokens carry that version with the adapter's log-probs (not the base model's
 evaluation names it too; an adapter a long request in flight uses survives three newer
 versions and is unloaded once that request ends; a version whose adapter one of two engines
 fails to load is never sampled there (counted, retried); an engine restarted without its
-adapters gets them again and no base-model token is labelled as the policy's.
+adapters gets them again and no base-model token is labelled as the policy's; with
+`weight_update_abort` a newer version aborts the requests naming an older one, which go on
+under it (partial rollouts).
 """
 
 from __future__ import annotations
@@ -194,9 +196,11 @@ def test_an_announced_version_is_loaded_and_named_by_the_next_groups_and_evaluat
             resp = client.post("/v1/evaluations", json={"name": "lora", "prompts": prompts})
             assert resp.status_code == 202, resp.text
             result = wait_until(
-                lambda: (r := client.get(f"/v1/evaluations/{resp.json()['eval_id']}").json())["state"]
-                in ("done", "failed")
-                and r,
+                lambda: (
+                    (r := client.get(f"/v1/evaluations/{resp.json()['eval_id']}").json())["state"]
+                    in ("done", "failed")
+                    and r
+                ),
                 timeout=60,
                 message="the evaluation ends",
             )
@@ -232,7 +236,9 @@ def test_an_adapter_in_use_survives_three_newer_versions_and_goes_once_its_reque
             names = {1: announce(buf, run_id, 1, adapters[1])}
             wait_until(lambda: loaded(engine.url) == [names[1]], timeout=30, message="version 1 is loaded")
             job_id = submit(client, prompts=1, group_size=1, tokens=60)
-            wait_until(lambda: in_the_middle(engine, 1, 4), timeout=30, interval=0.002, message="it generates")
+            wait_until(
+                lambda: in_the_middle(engine, 1, 4), timeout=30, interval=0.002, message="it generates"
+            )
             assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
             for v in (2, 3, 4):
                 names[v] = announce(buf, run_id, v, adapters[v])
@@ -261,7 +267,9 @@ def test_a_version_one_engine_cannot_load_is_never_sampled_there(
     try:
         with rollout_on(f"{a.url},{b.url}", redis_url, run_id, reward, model_dir, tokenizer) as (buf, client):
             v1 = announce(buf, run_id, 1, adapters[1])
-            wait_until(lambda: loaded(a.url) == loaded(b.url) == [v1], timeout=30, message="both hold version 1")
+            wait_until(
+                lambda: loaded(a.url) == loaded(b.url) == [v1], timeout=30, message="both hold version 1"
+            )
             failures0 = metric("asyncrl_rollout_adapter_load_failures_total", engine="1")
             b_tokens = generated_tokens(b.url)
             v2 = announce(buf, run_id, 2, adapters[2])
@@ -308,3 +316,47 @@ def test_an_engine_restarted_without_its_adapters_gets_them_again(
     finally:
         engine.stop()
     assert max(assert_sampled_by(g, model_dir, adapters[1], 1) for g in groups) > MOVED
+
+
+def test_a_newer_version_aborts_the_requests_naming_an_older_one_and_they_go_on_under_it(
+    redis_url, run_id, reward, model_dir, adapters, tokenizer
+):
+    """`weight_update_abort` (the default) with LoRA: once version 2 is loaded, the requests in
+    flight naming version 1 are aborted and their remainders go again naming version 2 (partial
+    rollouts, as with full weights): each sample's tokens are version 1's then version 2's,
+    each with its own adapter's log-prob. (The engine is paused mid-sequence so that the
+    announcement finds the requests running.)"""
+    engine = start_engine(model_dir, adapters["root"])
+    aborts0 = metric("asyncrl_rollout_aborts_total")
+    try:
+        with (
+            rollout_on(engine.url, redis_url, run_id, reward, model_dir, tokenizer) as (buf, client),
+            httpx.Client(base_url=engine.url, timeout=30) as eng,
+        ):
+            v1 = announce(buf, run_id, 1, adapters[1])
+            wait_until(lambda: loaded(engine.url) == [v1], timeout=30, message="version 1 is loaded")
+            job_id = submit(client, prompts=1, group_size=2, tokens=40)
+            wait_until(
+                lambda: in_the_middle(engine, 2, 4), timeout=30, interval=0.002, message="it generates"
+            )
+            assert eng.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+            announce(buf, run_id, 2, adapters[2])
+            wait_until(lambda: metric("asyncrl_rollout_aborts_total") >= aborts0 + 2, timeout=30,
+                       message="both requests come back aborted")  # fmt: skip
+            assert eng.post("/continue_generation", json={}).status_code == 200
+            assert wait_job(client, job_id)["buffered"] == 1
+            (group,) = take(buf, 1)
+    finally:
+        engine.stop()
+    prompt = group.prompt_tokens.tolist()
+    for s in group.samples:
+        versions, tokens = s.versions.tolist(), s.completion_ids.tolist()
+        k = versions.index(2)
+        assert len(tokens) == 40 and 4 <= k < 40 and versions == [1] * k + [2] * (40 - k)
+        got = torch.from_numpy(s.behavior_logprobs.astype(np.float32))
+        for v, span in ((1, slice(0, k)), (2, slice(k, 40))):
+            want = teacher_forced_logprobs(model_dir, adapters[v], prompt, tokens)
+            assert torch.allclose(got[span], want[span], atol=TOLERANCE), (
+                v,
+                (got[span] - want[span]).abs().max(),
+            )
