@@ -112,8 +112,9 @@ class AdapterVersions:
         """The newest adapter of policy version `version` (any epoch) that `admins` all hold."""
         return self.newest(n for n in self.held(admins) if self.order[n][1] == version)
 
-    def _record(self, i: int, listed: dict[str, str] | None) -> None:
-        """What engine `i` says it holds is what it holds (the run's adapters in `listed`)."""
+    def _record(self, i: int, listed: dict[str, str] | None, loading: str) -> None:
+        """What engine `i` says it holds is what it holds (the run's adapters in `listed`, the
+        answer to the load of `loading`)."""
         if listed is None:
             return
         ours = {}
@@ -124,7 +125,7 @@ class AdapterVersions:
         for name, at in ours.items():
             self.order.setdefault(name, at)
         lost = self.loaded[i] - set(ours)
-        adopted = set(ours) - self.loaded[i] - self.unloading[i]
+        adopted = set(ours) - self.loaded[i] - self.unloading[i] - {loading}
         if lost or adopted:
             log_event(
                 log,
@@ -144,7 +145,7 @@ class AdapterVersions:
         await self.trim(e, self.max_loaded - 1)
         path = self.infos[name].path
         answer = await self.engines.load_adapter(e, name, path)
-        self._record(e.index, answer.loaded)
+        self._record(e.index, answer.loaded, loading=name)
         # "already loaded" (an earlier process of this rollout loaded it): held, if from our path
         if answer.ok or (answer.loaded or {}).get(name) == path:
             self.loaded[e.index].add(name)
