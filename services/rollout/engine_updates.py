@@ -12,6 +12,14 @@ each new policy version; hold back the engines an evaluation has pinned.
   With `weight_update_in_flight` the update is pause (`retract`), load without abort,
   continue instead (`EngineClient.update_from_disk`): nothing is resubmitted, and each token's
   version comes from the engine's per-token `weight_versions` spans.
+* `disk` events of `kind="lora"` (a `[trainer.lora]` run): no weight update. The adapter is
+  loaded beside the base on every admin engine (`/load_lora_adapter`), nothing is paused, and
+  from then on each request names the newest adapter its engine holds (`lease`), its tokens
+  labelled with that adapter's version (services/rollout/adapter_versions.py says what is
+  kept loaded and when one goes). With `weight_update_abort` this replica's requests that name
+  an older adapter are aborted by rid and go on under the new one. An engine that cannot load it
+  keeps its older adapters and gets no new group while another holds the newest; an engine that
+  lost its adapters (restarted) has them loaded again when a request is refused for it (`recover`).
 * `distributed` events: the trainer broadcasts to the engines itself; this service only
   records the version. Any request the trainer's update aborts comes back with
   `finish_reason: abort` and is resubmitted like any other.
@@ -22,7 +30,9 @@ moved back to it at once (in-flight requests aborted; the buffer drops what the 
 sampled). A missed pub/sub message is caught up by polling the latest weights every
 `poll_s`, and at start the engines are brought to the latest disk weights.
 
-Pins (evaluations, `services/rollout/evaluations/evaluator.py`): `pin()` chooses an engine and, under the
+Pins (evaluations, `services/rollout/evaluations/evaluator.py`). With LoRA a pin holds an
+adapter, not an engine's updates: it chooses an engine whose admins hold the version's adapter,
+which is not unloaded until `unpin`. Otherwise `pin()` chooses an engine and, under the
 same lock every update holds, counts a pin on the admin engines that serve it (the admin with
 the same URL; every admin when generation goes through a router). An update skips pinned
 engines (`deferred`, counted as `asyncrl_rollout_weight_updates_total{result="deferred"}`);

@@ -5,6 +5,7 @@ gauges labelled by version.
     an evaluation reaches this replica: claimed from the queue (a POST, or one whose replica
     died: its lease ran out), or created here as the engines reach version v (automatic)
         pin one engine under WeightSync's lock: its weight updates wait until we are done
+            (LoRA: the pin holds the version's adapter loaded; its requests name it)
         version = what the pinned engine serves (exactly v for an automatic evaluation)
         generate the prompts CHUNK at a time (one /generate each), score each chunk (one
             reward batch); any aborted item, or one whose tokens carry another version,
