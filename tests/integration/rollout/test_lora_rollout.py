@@ -10,7 +10,8 @@ versions and is unloaded once that request ends; a version whose adapter one of 
 fails to load is never sampled there (counted, retried); an engine restarted without its
 adapters gets them again and no base-model token is labelled as the policy's; with
 `weight_update_abort` a newer version aborts the requests naming an older one, which go on
-under it (partial rollouts).
+under it (partial rollouts); a group whose engine fails goes on on another from its last
+segment, naming that engine's newest adapter.
 """
 
 from __future__ import annotations
@@ -348,6 +349,57 @@ def test_a_newer_version_aborts_the_requests_naming_an_older_one_and_they_go_on_
             (group,) = take(buf, 1)
     finally:
         engine.stop()
+    prompt = group.prompt_tokens.tolist()
+    for s in group.samples:
+        versions, tokens = s.versions.tolist(), s.completion_ids.tolist()
+        k = versions.index(2)
+        assert len(tokens) == 40 and 4 <= k < 40 and versions == [1] * k + [2] * (40 - k)
+        got = torch.from_numpy(s.behavior_logprobs.astype(np.float32))
+        for v, span in ((1, slice(0, k)), (2, slice(k, 40))):
+            want = teacher_forced_logprobs(model_dir, adapters[v], prompt, tokens)
+            assert torch.allclose(got[span], want[span], atol=TOLERANCE), (
+                v,
+                (got[span] - want[span]).abs().max(),
+            )
+
+
+def test_a_group_whose_engine_fails_goes_on_elsewhere_naming_that_engines_newest_adapter(
+    redis_url, run_id, reward, model_dir, adapters, tokenizer
+):
+    """Engines A and B hold version 1; a group runs on A (listed first). A is frozen mid-sequence
+    and version 2 arrives: its requests come back aborted with their version-1 tokens, and their
+    remainders, naming version 2, hang on A until they time out. The group moves to B and its
+    samples go on from their last segment there, naming B's newest adapter (version 2), as a
+    group moves between engines with full weights: the version-1 tokens keep their version and
+    log-probs, the rest are version 2's."""
+    a = start_engine(model_dir, adapters["root"])
+    b = start_engine(model_dir, adapters["root"])
+    resumed0 = metric("asyncrl_rollout_failover_resumes_total")
+    try:
+        with (
+            rollout_on(f"{a.url},{b.url}", redis_url, run_id, reward, model_dir, tokenizer, engine_timeout_s=5,
+                       engine_retries=1, engine_unhealthy_after=1, engine_probe_s=600,
+                       requeue_backoff_max_s=0.2) as (buf, client),
+            httpx.Client(base_url=a.url, timeout=30) as eng_a,
+        ):  # fmt: skip
+            v1 = announce(buf, run_id, 1, adapters[1])
+            wait_until(
+                lambda: loaded(a.url) == loaded(b.url) == [v1], timeout=30, message="both hold version 1"
+            )
+            job_id = submit(client, prompts=1, group_size=2, tokens=40)
+            wait_until(
+                lambda: in_the_middle(a, 2, 4), timeout=30, interval=0.002, message="it generates on A"
+            )
+            assert eng_a.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+            v2 = announce(buf, run_id, 2, adapters[2])
+            assert wait_job(client, job_id, timeout_s=90)["buffered"] == 1
+            (group,) = take(buf, 1)
+            assert adapter_state(b.url)[v2]["requests"] == 2 and adapter_state(b.url)[v1]["requests"] == 0
+            eng_a.post("/continue_generation", json={})  # (the timed-out remainders end on A)
+    finally:
+        a.stop()
+        b.stop()
+    assert metric("asyncrl_rollout_failover_resumes_total") - resumed0 == 2
     prompt = group.prompt_tokens.tolist()
     for s in group.samples:
         versions, tokens = s.versions.tolist(), s.completion_ids.tolist()
