@@ -123,8 +123,12 @@ async def _segment(
             gens = await engines.generate(engine, bodies, params, lease.rids, lora=lease.name)
             return gens, weight_version_name(lease.version, lease.epoch)
         except EngineRejected as exc:
-            if attempt == ADAPTER_RELOADS or lease.name not in lora_not_loaded(str(exc)):
+            if lease.name not in lora_not_loaded(str(exc)):
                 raise
+            if attempt == ADAPTER_RELOADS:  # the engine's fault, not the request's: the group moves on
+                raise EngineFailure(
+                    f"{engine.url} lost adapter {lease.name} again after {ADAPTER_RELOADS} reloads"
+                ) from exc
         finally:
             weights.release(lease)
         await weights.recover(engine, lease.name)
