@@ -377,8 +377,8 @@ def test_a_group_whose_engine_fails_goes_on_elsewhere_naming_that_engines_newest
     resumed0 = metric("asyncrl_rollout_failover_resumes_total")
     try:
         with (
-            rollout_on(f"{a.url},{b.url}", redis_url, run_id, reward, model_dir, tokenizer, engine_timeout_s=5,
-                       engine_retries=1, engine_unhealthy_after=1, engine_probe_s=600,
+            rollout_on(f"{a.url},{b.url}", redis_url, run_id, reward, model_dir, tokenizer, engine_timeout_s=15,
+                       engine_retries=0, engine_unhealthy_after=1, engine_probe_s=600,
                        requeue_backoff_max_s=0.2) as (buf, client),
             httpx.Client(base_url=a.url, timeout=30) as eng_a,
         ):  # fmt: skip
