@@ -496,6 +496,22 @@ class UnloadLoRAAdapterReqInput(BaseModel):
     _unicode = field_validator("lora_name")(check_unicode)
 
 
+# SGLang 0.5.23's refusal of a `/generate` that names an adapter it does not hold (a 400, before
+# any token): the names follow this prefix, comma-separated, up to the first ". " or newline.
+# The reference engine writes it; the rollout reads it to tell "the engine lost my adapter"
+# (restarted, or evicted it) from any other refusal.
+LORA_NOT_LOADED = "The following requested LoRA adapters are not loaded: "
+
+
+def lora_not_loaded(message: str) -> list[str]:
+    """The adapter names a `LORA_NOT_LOADED` refusal lists (empty for any other message)."""
+    _, found, rest = message.partition(LORA_NOT_LOADED)
+    if not found:
+        return []
+    names = rest.split("\n", 1)[0].split(". ", 1)[0].rstrip(".")
+    return [n.strip() for n in names.split(",") if n.strip()]
+
+
 class LoRAUpdateOutput(BaseModel):
     """Answer of `/load_lora_adapter` and `/unload_lora_adapter` (0.5.23 `io_struct.LoRAUpdateOutput`;
     200 when `success`, else 400). `loaded_adapters`: name → path of every adapter loaded after

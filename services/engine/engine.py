@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.proto.sglang import (
+    LORA_NOT_LOADED,
     SGLANG_RELEASE,
     GenerateItem,
     GenerateReqInput,
@@ -247,7 +248,7 @@ class InferenceEngine:
         missing = self.adapters.missing(names)
         if missing:
             raise InvalidRequest(
-                f"The following requested LoRA adapters are not loaded: {', '.join(missing)}. "
+                f"{LORA_NOT_LOADED}{', '.join(missing)}. "
                 f"Loaded adapters: {sorted(self.adapters.loaded_paths())}.",
                 reason="lora_not_loaded",
             )

@@ -347,12 +347,14 @@ class Launcher:
                 self.engine_token,
                 "--tp-size",
                 str(ln.engine_tp),
+                *self.cfg.engine_lora_args(),
                 *ln.engine_args,
             ]
         # The token goes by env (not argv); disk updates are confined to the trainer's weights.
         weights = str(self.run_dir / "trainer" / "weights")
         return [
             *self._cli("engine", "--model", model, "--port", str(port), "--weights-root", weights),
+            *self.cfg.engine_lora_args(),  # [trainer.lora]: the engine serves its adapters
             *ln.engine_args,
         ]
 

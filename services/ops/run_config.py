@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from asyncrl.services.engine.config import EngineSettings
+from asyncrl.services.engine.config import LORA_TARGET_ALL, LORA_TARGET_NAMES, EngineSettings
 from asyncrl.services.reward.config import RewardSettings
 from asyncrl.services.rollout.config import RolloutSettings
 from asyncrl.trainer.config import TrainerSettings
@@ -356,6 +356,62 @@ class RunConfig(BaseModel):
                 'publish = "distributed" (deltas of whole tensors reach SGLang there)'
             )
         return self
+
+    @model_validator(mode="after")
+    def _engines_serve_the_trainers_adapters(self) -> RunConfig:
+        lora, engine = self.trainer.lora, self.engine
+        if not lora.enabled:
+            return self
+        self.lora_target_modules()  # (refuses a target no engine adapts)
+        if engine.enable_lora and (engine.max_lora_rank or 0) < lora.rank:
+            raise ValueError(
+                f"[engine] max_lora_rank {engine.max_lora_rank} is below [trainer.lora] rank {lora.rank}: "
+                "the engines would refuse every adapter the trainer publishes"
+            )
+        if engine.max_loaded_loras is not None and self.rollout.max_loaded_adapters > engine.max_loaded_loras:
+            raise ValueError(
+                f"[rollout] max_loaded_adapters {self.rollout.max_loaded_adapters} exceeds [engine] "
+                f"max_loaded_loras {engine.max_loaded_loras}: the engine would evict adapters the rollout "
+                "still counts on"
+            )
+        return self
+
+    def lora_target_modules(self) -> str:
+        """`[trainer.lora] target_modules` as the engines' `lora_target_modules` (SGLang's names)."""
+        targets = self.trainer.lora.target_modules
+        if isinstance(targets, str):  # all-linear: every linear layer of the decoder layers
+            return LORA_TARGET_ALL
+        names = list(dict.fromkeys(t.split(".")[-1] for t in targets))
+        unknown = [n for n in names if n not in LORA_TARGET_NAMES]
+        if unknown:
+            raise ValueError(
+                f"[trainer.lora] target_modules {unknown}: the engines adapt only {list(LORA_TARGET_NAMES)}"
+            )
+        return ",".join(names)
+
+    def engine_lora_args(self) -> list[str]:
+        """The flags a started engine needs to serve the trainer's adapters (none without
+        `[trainer.lora]`): SGLang's `--enable-lora --max-lora-rank --lora-target-modules
+        --max-loras-per-batch` (and `--max-loaded-loras` when [engine] sets it), taken from
+        `[trainer.lora]` and `[engine]`. A reference engine reads them from `[engine]` when that
+        table turns LoRA on; otherwise it gets them here too."""
+        lora, engine = self.trainer.lora, self.engine
+        if not lora.enabled:
+            return []
+        if self.launch.engine_kind == "reference" and engine.enable_lora:
+            return []
+        if self.launch.engine_kind == "sglang" and "--enable-lora" in self.launch.engine_args:
+            return []
+        rank = max(lora.rank, engine.max_lora_rank or 0)
+        args = ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules"]
+        # (SGLang takes the modules as separate arguments, the reference engine as one list)
+        targets = self.lora_target_modules()
+        args += targets.split(",") if self.launch.engine_kind == "sglang" else [targets]
+        if self.launch.engine_kind == "sglang":
+            args += ["--max-loras-per-batch", str(engine.max_loras_per_batch)]
+            if engine.max_loaded_loras is not None:
+                args += ["--max-loaded-loras", str(engine.max_loaded_loras)]
+        return args
 
     @property
     def engine_on_gpu(self) -> bool:

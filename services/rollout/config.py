@@ -194,6 +194,14 @@ class RolloutSettings(ServiceSettings):
         "that sampled it (SGLang >= 0.5.23's meta_info.weight_versions; PipelineRL's in-flight updates). "
         "Overrides weight_update_abort",
     )
+    max_loaded_adapters: int = Field(
+        4,
+        ge=1,
+        le=1024,
+        description="LoRA runs ([trainer.lora]): adapters kept loaded per engine; past it the oldest that no "
+        "request of this replica and no evaluation uses is unloaded (the newest never). At most the engine's "
+        "max_loaded_loras, so the engine never evicts one itself",
+    )
     weights_poll_s: float = Field(
         5.0, gt=0, description="fallback poll of the latest weights (pub/sub may drop)"
     )

@@ -12,6 +12,14 @@ each new policy version; hold back the engines an evaluation has pinned.
   With `weight_update_in_flight` the update is pause (`retract`), load without abort,
   continue instead (`EngineClient.update_from_disk`): nothing is resubmitted, and each token's
   version comes from the engine's per-token `weight_versions` spans.
+* `disk` events of `kind="lora"` (a `[trainer.lora]` run): no weight update. The adapter is
+  loaded beside the base on every admin engine (`/load_lora_adapter`), nothing is paused, and
+  from then on each request names the newest adapter its engine holds (`lease`), its tokens
+  labelled with that adapter's version (services/rollout/adapter_versions.py says what is
+  kept loaded and when one goes). With `weight_update_abort` this replica's requests that name
+  an older adapter are aborted by rid and go on under the new one. An engine that cannot load it
+  keeps its older adapters and gets no new group while another holds the newest; an engine that
+  lost its adapters (restarted) has them loaded again when a request is refused for it (`recover`).
 * `distributed` events: the trainer broadcasts to the engines itself; this service only
   records the version. Any request the trainer's update aborts comes back with
   `finish_reason: abort` and is resubmitted like any other.
@@ -22,7 +30,9 @@ moved back to it at once (in-flight requests aborted; the buffer drops what the 
 sampled). A missed pub/sub message is caught up by polling the latest weights every
 `poll_s`, and at start the engines are brought to the latest disk weights.
 
-Pins (evaluations, `services/rollout/evaluations/evaluator.py`): `pin()` chooses an engine and, under the
+Pins (evaluations, `services/rollout/evaluations/evaluator.py`). With LoRA a pin holds an
+adapter, not an engine's updates: it chooses an engine whose admins hold the version's adapter,
+which is not unloaded until `unpin`. Otherwise `pin()` chooses an engine and, under the
 same lock every update holds, counts a pin on the admin engines that serve it (the admin with
 the same URL; every admin when generation goes through a router). An update skips pinned
 engines (`deferred`, counted as `asyncrl_rollout_weight_updates_total{result="deferred"}`);
@@ -53,6 +63,7 @@ from dataclasses import dataclass
 from asyncrl.buffer import PolicyVersions
 from asyncrl.proto import WeightsInfo
 from asyncrl.services.rollout import metrics as m
+from asyncrl.services.rollout.adapter_versions import AdapterVersions, Lease, NoAdapter
 from asyncrl.services.rollout.clients.engine import EngineClient, EngineEndpoint
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.transport.weights import parse_weight_version, weight_version_name
@@ -82,19 +93,29 @@ class Pin:
     engine: EngineEndpoint  # the generation endpoint the evaluation sends to
     admins: tuple[int, ...]  # admin engines whose updates wait for `unpin`
     version: int | None  # what they serve as far as this replica knows (None: unknown or mixed)
+    adapter: str | None = None  # LoRA: the adapter of `version` the evaluation names (held while pinned)
 
 
 class WeightSync:
     def __init__(
-        self, published: PolicyVersions, engines: EngineClient, *, poll_s: float, initial_version: int = 0
+        self,
+        published: PolicyVersions,
+        engines: EngineClient,
+        *,
+        poll_s: float,
+        initial_version: int = 0,
+        run: str = "default",
+        max_loaded_adapters: int = 4,
     ):
         self.published = published  # where the trainer announces its weights
         self.engines = engines
+        self.adapters = AdapterVersions(engines, run=run, max_loaded=max_loaded_adapters)  # LoRA versions
+        engines.eligible = self._eligible
         self.poll_s = poll_s
         self.initial_version = initial_version
         self.version = -1  # last version the engines were moved to (-1: not known yet)
         self.epoch = 0  # ... and its epoch
-        self.latest: WeightsInfo | None = None  # the disk weights of `version`
+        self.latest: WeightsInfo | None = None  # the disk weights (or LoRA adapter) of `version`
         self.method: str | None = None  # of the last weights applied: disk | distributed
         self.served: dict[int, int] = {}  # admin index -> version it serves, as far as we know
         self.deferred: set[int] = set()  # admins left behind `version` by a pin
@@ -133,6 +154,7 @@ class WeightSync:
             self._stopped = True  # pins released from now on (shutdown) move nothing
             for task in self._refreshes:
                 task.cancel()
+            self.adapters.cancel()
 
     async def _catch_up(self, initial: bool = False) -> None:
         latest = await asyncio.to_thread(self.published.latest)
@@ -142,6 +164,8 @@ class WeightSync:
             await self.apply(latest)
         elif self.deferred:
             await self.refresh()  # a deferred update whose first attempt failed
+        elif self.lora:
+            await self._load_missing()
         elif self.method == "disk" and self.latest is not None:
             await self._reload_restarted()
 
@@ -190,6 +214,7 @@ class WeightSync:
             start = versions.pop() if len(versions) == 1 else None
         elif (
             latest.method == "disk"
+            and latest.kind == "full"
             and current
             and all(v == weight_version_name(latest.version, latest.epoch) for v in current)
         ):
@@ -232,6 +257,8 @@ class WeightSync:
                 m.WEIGHT_UPDATES.labels("distributed", "observed").inc()
                 await self._announce(info.version, info.epoch)
                 return True
+            if info.kind == "lora":
+                return await self._apply_adapter(info)
             targets = [i for i in self._indices() if not self.pins.get(i)]
             if not await self._move(info, targets):
                 return False
@@ -249,6 +276,128 @@ class WeightSync:
             if targets:
                 await self._announce(info.version, info.epoch)
             return True
+
+    # --- LoRA versions (services/rollout/adapter_versions.py) ----------------------------------
+
+    @property
+    def lora(self) -> bool:
+        """The engines serve the policy as LoRA adapters: requests name one (`lease`)."""
+        return self.latest is not None and self.latest.kind == "lora"
+
+    async def _apply_adapter(self, info: WeightsInfo) -> bool:
+        """Load a LoRA version on every admin engine (the lock is held). Nothing is paused: the
+        base weights do not change, and a request holds the adapter it named to its end. An
+        engine that fails keeps its older adapters (its tokens say so) and gets no new group
+        while another holds this version; the poll loads it again. False when every engine
+        failed (the next event or poll tries again)."""
+        targets = self._indices()
+        loaded = await self._load_adapter(info, targets)
+        if targets and not loaded:
+            return False
+        self.version, self.epoch, self.latest, self.method = info.version, info.epoch, info, info.method
+        if loaded:
+            await self._announce(info.version, info.epoch)
+        return True
+
+    async def _load_adapter(self, info: WeightsInfo, targets: list[int]) -> list[int]:
+        """Load `info`'s adapter on the admin engines `targets` (the lock is held); the ones
+        that hold it now. With `weight_update_abort` the requests in flight that name an older
+        adapter on engines that now hold this one are aborted: their remainders go again naming
+        this one (partial rollouts, as a disk update's abort)."""
+        if not targets:
+            return []
+        t0 = time.perf_counter()
+        for hook in self.moving:
+            hook()
+        self.adapters.announced(info)
+        admins = {a.index: a for a in self.engines.admins}
+        targets = [i for i in targets if i in admins]
+        problems = await asyncio.gather(*(self.adapters.load(admins[i], info.adapter_name) for i in targets))
+        loaded = [i for i, problem in zip(targets, problems) if problem is None]
+        errors = [problem for problem in problems if problem is not None]
+        m.WEIGHT_UPDATE_SECONDS.observe(time.perf_counter() - t0)
+        for i in loaded:  # (the newest it holds: `info` may be an older one an evaluation needs again)
+            self.served[i] = self.adapters.order[self.adapters.newest_on((i,)) or info.adapter_name][1]
+        if errors:
+            m.WEIGHT_UPDATES.labels("disk", "error").inc()
+            log_event(
+                log,
+                "adapter load failed: this version is not sampled there until a retry loads it",
+                logging.ERROR,
+                version=info.version,
+                adapter=info.adapter_name,
+                errors=errors,
+            )
+        if loaded:
+            m.POLICY_VERSION.set(info.version)
+            m.WEIGHT_UPDATES.labels("disk", "ok").inc()
+            log_event(
+                log,
+                "adapter loaded",
+                version=info.version,
+                adapter=info.adapter_name,
+                engines=len(loaded),
+                seconds=round(time.perf_counter() - t0, 3),
+            )
+        if self.engines.update_abort and not self.engines.update_in_flight:
+            aborts = [(lease.engine, rid) for lease in self.adapters.outdated() for rid in list(lease.rids)]
+            await asyncio.gather(*(self.engines.abort(e, rid) for e, rid in aborts))
+        return loaded
+
+    async def _load_missing(self) -> None:
+        """Load the newest adapter on the admin engines that lack it (its load failed, the
+        engine restarted, or it joined at run time): one poll's retry."""
+        async with self._lock:
+            info = self.latest
+            if info is None or info.kind != "lora":
+                return
+            behind = [i for i in self._indices() if info.adapter_name not in self.adapters.loaded[i]]
+            if behind:
+                await self._load_adapter(info, behind)
+
+    def _eligible(self, healthy: list[EngineEndpoint]) -> list[EngineEndpoint]:
+        """The engines a new group may go to (`EngineClient.pick`): with LoRA, those whose admins
+        hold the newest adapter, else (none does) those holding any adapter of the run; never
+        one that would serve the base model in the policy's place."""
+        if not self.lora or self.latest is None:
+            return healthy
+        holding = [(e, self.adapters.held(self._admins_of(e))) for e in healthy]
+        current = [e for e, names in holding if self.latest.adapter_name in names]
+        return current or [e for e, names in holding if names]
+
+    def lease(self, engine: EngineEndpoint, rids: set[str]) -> Lease | None:
+        """With LoRA, the adapter a request to `engine` names (the newest its admins hold), in
+        use until `release`; None without LoRA (the engine's own weights). Raises `NoAdapter`
+        when the engine holds none of the run's."""
+        if not self.lora:
+            return None
+        lease = self.adapters.lease(engine, self._admins_of(engine), rids)
+        if lease is None:
+            raise NoAdapter(f"{engine.url} holds no LoRA adapter of this run (its loads failed)")
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        self.adapters.release(lease)
+        self.adapters.trim_later(lease.admins)
+
+    async def recover(self, engine: EngineEndpoint, name: str) -> None:
+        """An engine behind `engine` refused adapter `name` as not loaded, although this replica
+        had it there (the engine restarted, or evicted it): forget it there, and load the newest
+        adapter again, and `name` too while an evaluation holds it. Counted; the caller sends
+        its request again."""
+        m.ADAPTER_LOST.inc()
+        admins = self._admins_of(engine)
+        log_event(log, "engine lost an adapter: reloading", logging.WARNING, engine=engine.url, adapter=name)
+        async with self._lock:
+            self.adapters.forget(admins, name)
+            wanted = [self.latest] if self.latest is not None and self.latest.kind == "lora" else []
+            pinned = any(self.adapters.pins.get((i, name)) for i in admins)
+            if pinned and name in self.adapters.infos and (not wanted or wanted[0].adapter_name != name):
+                wanted.append(self.adapters.infos[name])
+            for info in wanted:
+                await self._load_adapter(
+                    info, [i for i in admins if info.adapter_name not in self.adapters.loaded[i]]
+                )
 
     async def refresh(self) -> None:
         """Move the deferred engines no pin holds any more to the newest weights."""
@@ -318,6 +467,8 @@ class WeightSync:
     def pin_locked(self, version: int | None = None) -> Pin | None:
         """`pin` for a caller that holds the lock (a listener); None when `pin` must wait."""
         assert self._lock.locked(), "a pin is taken under the weight-update lock"
+        if self.lora:
+            return self._pin_adapter(version)
         candidates = []
         for e in self.engines.engines:
             admins = self._admins_of(e)
@@ -342,8 +493,35 @@ class WeightSync:
             self.pins[i] = self.pins.get(i, 0) + 1
         return Pin(engine, admins, served_version)
 
+    def _pin_adapter(self, version: int | None) -> Pin | None:
+        """`pin_locked` with LoRA: an engine whose admins all hold the adapter of `version` (the
+        newest one, without `version`), which then stays loaded until `unpin`. Updates go on:
+        a newer adapter does not change what the evaluation's requests name."""
+        candidates = []
+        for e in self.engines.engines:
+            admins = self._admins_of(e)
+            name = (
+                self.adapters.newest_on(admins) if version is None else self.adapters.holding(admins, version)
+            )
+            if name is not None:
+                candidates.append((e, admins, name))
+        if version is not None and not candidates:
+            raise VersionNotServed(f"no engine holds the LoRA adapter of version {version} any more")
+        candidates = [c for c in candidates if c[0].healthy]
+        newest = self.adapters.newest(c[2] for c in candidates)
+        candidates = [c for c in candidates if c[2] == newest]
+        if not candidates:
+            return None
+        engine, admins, name = min(candidates, key=lambda c: c[0].in_flight)
+        self.adapters.pin(admins, name)
+        return Pin(engine, admins, self.adapters.order[name][1], adapter=name)
+
     def unpin(self, pin: Pin) -> None:
         """Release a pin; engines it held back are moved to the newest weights (in the background)."""
+        if pin.adapter is not None:  # LoRA: the adapter may go now
+            self.adapters.unpin(pin.admins, pin.adapter)
+            self.adapters.trim_later(pin.admins)
+            return
         for i in pin.admins:
             self.pins[i] -= 1
             if not self.pins[i]:
@@ -378,6 +556,8 @@ class WeightSync:
         The load, the long part (up to `update_timeout_s` on a slow or unreachable engine), runs
         first outside the lock, so the fleet's updates go on meanwhile (not to this engine: it
         is no admin yet); under the lock it is loaded again only if the weights moved since."""
+        if self.lora:
+            return await self._bring_up_adapter(engine)
         loaded = None
         if self.method != "distributed" and self.latest is not None:
             loaded = self.latest
@@ -410,6 +590,24 @@ class WeightSync:
             await self._announce(served)  # the version a fleet with no engine so far moved to
             return served
 
+    async def _bring_up_adapter(self, engine: EngineEndpoint) -> int:
+        """`bring_up` with LoRA: the newest adapter loaded on `engine` (its base model is the one
+        it started with, as on every engine), first outside the lock, then again under it if a
+        newer one was announced meanwhile."""
+        first = self.latest
+        assert first is not None and first.adapter_name is not None
+        self.adapters.announced(first)
+        if (problem := await self.adapters.load(engine, first.adapter_name)) is not None:
+            raise JoinRefused(f"loading the LoRA adapter of version {first.version}: {problem}")
+        async with self._lock:
+            info = self.latest
+            assert info is not None and info.adapter_name is not None
+            if info is not first and (problem := await self.adapters.load(engine, info.adapter_name)):
+                raise JoinRefused(f"loading the LoRA adapter of version {info.version}: {problem}")
+            self.engines.admins.append(engine)
+            self.served[engine.index] = info.version
+            return info.version
+
     async def _load_joining(self, engine: EngineEndpoint, weights: WeightsInfo) -> None:
         """Load `weights` into a joining engine whatever it reports: a version's name is not
         unique to a run, so an engine left over from another run (or one restarted onto other
@@ -427,3 +625,4 @@ class WeightSync:
                 self.engines.admins.remove(engine)
             self.served.pop(engine.index, None)
             self.deferred.discard(engine.index)
+            self.adapters.retire(engine.index)

@@ -130,6 +130,22 @@ WEIGHT_UPDATE_SECONDS = Histogram(
     "Pause → update → continue on all engines",
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
 )
+ADAPTER_LOADS = Counter(
+    "asyncrl_rollout_adapter_loads_total", "LoRA adapters loaded on an engine (one per engine and version)"
+)
+ADAPTER_LOAD_FAILURES = Counter(
+    "asyncrl_rollout_adapter_load_failures_total",
+    "LoRA adapter loads an engine refused or failed: that version is not sampled on it until a retry loads it",
+    ["engine"],
+)
+ADAPTER_UNLOADS = Counter(
+    "asyncrl_rollout_adapter_unloads_total", "LoRA adapters unloaded by this replica", ["result"]
+)
+ADAPTER_LOST = Counter(
+    "asyncrl_rollout_adapter_lost_total",
+    "Requests an engine refused because it no longer held the adapter they named (restarted, evicted): "
+    "reloaded and sent again",
+)
 POLICY_VERSION = Gauge(
     "asyncrl_rollout_engine_weight_version", "Weight version the engines were last updated to"
 )

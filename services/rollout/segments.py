@@ -9,6 +9,11 @@ answer spans several versions), and the sample's lineage the newest version per 
 (proto/lineage.py). `generate_resuming` runs the
 segments of any number of samples on one engine, the aborted ones of each round together as one
 batch; the callers differ only in each segment's sampling parameters (`params_for`).
+
+With LoRA versions (`WeightSync.lease`, services/rollout/adapter_versions.py) each segment names
+the newest adapter its engine holds, and its tokens carry that adapter's version: the engine's
+`weight_version` is the base model's then, never the policy's. A segment refused because the
+engine no longer holds the adapter (it restarted) is sent again once the adapter is reloaded.
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ from dataclasses import dataclass, field
 
 from asyncrl.proto.lineage import merge
 from asyncrl.proto.openai import SEED_MOD
+from asyncrl.proto.sglang import lora_not_loaded
 from asyncrl.services.rollout import metrics as m
-from asyncrl.services.rollout.clients.engine import EngineFailure
-from asyncrl.services.transport.weights import parse_weight_version
+from asyncrl.services.rollout.clients.engine import EngineFailure, EngineRejected, Generation
+from asyncrl.services.transport.weights import parse_weight_version, weight_version_name
 
 SEED_STRIDE = 1_000_003  # spreads a sampling_seed over samples and segments (a prime)
+# A segment refused for an adapter its engine lost goes again after a reload at most this many
+# times: an engine that loses it again each time is failing, and the group moves on.
+ADAPTER_RELOADS = 2
 
 
 class TooManyAborts(EngineFailure):
@@ -88,16 +97,42 @@ async def generate_resuming(
         ]
         if weights is not None:
             await weights.ready.wait()  # never start a segment while the weights change
-        gens = await engines.generate(engine, bodies, params, rids)
+        gens, label = await _segment(engines, engine, weights, bodies, params, rids)
         pending = [
             i
             for i, gen in zip(pending, gens)
-            if _extend(drafts[i], gen, budgets[i], len(prompts[i]), context_length, initial_version)
+            if _extend(drafts[i], gen, budgets[i], len(prompts[i]), context_length, initial_version, label)
         ]
         if not pending:
             return
         m.RESUBMITS.inc(len(pending))
     raise TooManyAborts(f"aborted by weight updates {max_resubmits + 1} times")
+
+
+async def _segment(
+    engines, engine, weights, bodies: list[list[int]], params: list[dict], rids: set[str]
+) -> tuple[list[Generation], str | None]:
+    """One segment's request, and the version name its tokens carry (None: the engine's own
+    `weight_version`s). With LoRA it names the newest adapter the engine holds; refused because
+    the engine lost it, the adapter is reloaded and the request sent again."""
+    for attempt in range(ADAPTER_RELOADS + 1):
+        lease = weights.lease(engine, rids) if weights is not None else None
+        if lease is None:
+            return await engines.generate(engine, bodies, params, rids), None
+        try:
+            gens = await engines.generate(engine, bodies, params, lease.rids, lora=lease.name)
+            return gens, weight_version_name(lease.version, lease.epoch)
+        except EngineRejected as exc:
+            if lease.name not in lora_not_loaded(str(exc)):
+                raise
+            if attempt == ADAPTER_RELOADS:  # the engine's fault, not the request's: the group moves on
+                raise EngineFailure(
+                    f"{engine.url} lost adapter {lease.name} again after {ADAPTER_RELOADS} reloads"
+                ) from exc
+        finally:
+            weights.release(lease)
+        await weights.recover(engine, lease.name)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def sample_text(tokenizer, d: Draft, params: dict) -> str:
@@ -122,11 +157,20 @@ def _version(name: str | None, initial_version: int) -> tuple[int, int]:
     return parse_weight_version(name) or (initial_version, 0)
 
 
-def _extend(d: Draft, gen, budget: int, prompt_len: int, context_length: int, initial_version: int) -> bool:
-    """Append one segment's tokens (each with the version that sampled it); True when the
-    sample was aborted with budget left and must be resubmitted."""
+def _extend(
+    d: Draft,
+    gen,
+    budget: int,
+    prompt_len: int,
+    context_length: int,
+    initial_version: int,
+    label: str | None = None,
+) -> bool:
+    """Append one segment's tokens (each with the version that sampled it: `label`, the
+    adapter's, when the request named one); True when the sample was aborted with budget left
+    and must be resubmitted."""
     n = len(gen.output_ids)
-    names = gen.token_versions or [gen.weight_version] * n
+    names = [label] * n if label is not None else gen.token_versions or [gen.weight_version] * n
     parsed = {name: _version(name, initial_version) for name in set(names)}
     d.segments += 1
     d.engine_text = gen.text if d.segments == 1 else ""

@@ -136,6 +136,8 @@ class RolloutService:
             self.engines,
             poll_s=s.weights_poll_s,
             initial_version=s.initial_weight_version,
+            run=s.run,
+            max_loaded_adapters=s.max_loaded_adapters,
         )
         evaluator = Evaluator(
             s, self.evals, self.engines, self.rewards, weights, self.tokenizer, self.auto_evals

@@ -12,9 +12,11 @@ Guarantees:
   work; a background probe (`GET /health`) brings it back. `pick()` chooses among healthy
   engines by least in-flight requests, ties broken round-robin, and waits while none is
   healthy. Callers keep affinity by passing the same `EngineEndpoint` for a whole group.
-* Control calls (`update_weights_from_disk`, `continue_generation`) go to the admin URLs
-  (the workers, when generation goes through a router); an engine fleet
-  (`services/rollout/fleet.py`) adds and removes admins at run time.
+* Control calls (`update_weights_from_disk`, `continue_generation`, `load_lora_adapter`,
+  `unload_lora_adapter`) go to the admin URLs (the workers, when generation goes through a
+  router); an engine fleet (`services/rollout/fleet.py`) adds and removes admins at run time.
+* `generate(..., lora=name)` names a loaded LoRA adapter for every item (`lora_path`); a
+  coalesced request holds items of one adapter only.
 * Bodies follow SGLang 0.5.23 (`proto/sglang.py`): sampling-param aliases our validation
   accepts (`seed`) are renamed to SGLang's fields before sending, since its schema refuses
   unknown keys; `/model_info` falls back to the deprecated `/get_model_info` on a 404;
@@ -29,6 +31,7 @@ import itertools
 import logging
 import math
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -40,6 +43,9 @@ from asyncrl.proto.sglang import (
     ROUTES,
     ContinueGenerationReqInput,
     FinishType,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqOutput,
     wire_sampling_params,
 )
@@ -99,9 +105,21 @@ class Generation:
     token_versions: list[str] | None = None
 
 
+@dataclass
+class AdapterAnswer:
+    """What an engine answered to `/load_lora_adapter` or `/unload_lora_adapter`: whether it did
+    it, its message, and the adapters it holds afterwards (name → path; None when it did not
+    say: a refusal before its LoRA manager, an unreachable engine, a garbage answer)."""
+
+    ok: bool
+    message: str = ""
+    loaded: dict[str, str] | None = None
+
+
 # A coalesced `/generate` goes to one engine with one `sampling_params` (its canonical JSON is the
-# key); each of its items is an input, the `in_flight` set of the call it came from and the params.
-BatchKey = tuple[EngineEndpoint, str]
+# key) and one LoRA adapter (None: the base model); each of its items is an input, the
+# `in_flight` set of the call it came from and the params.
+BatchKey = tuple[EngineEndpoint, str, str | None]
 BatchItem = tuple[list[int], set[str], dict]
 
 
@@ -154,6 +172,9 @@ class EngineClient:
             on_flush=m.COALESCED_CALLS.observe,
         )
         self._rr = itertools.count()
+        # Narrows the healthy engines `pick` chooses from (None: all of them). With LoRA the
+        # weight follower sets it: an engine holding none of the run's adapters gets no group.
+        self.eligible: Callable[[list[EngineEndpoint]], list[EngineEndpoint]] | None = None
         self._batch_ids = itertools.count()
         self._rid_prefix = uuid.uuid4().hex[:12]  # engine rids stay unique across rollout replicas
         self._continues: set[asyncio.Task] = set()  # post-update continues nobody awaits
@@ -171,9 +192,12 @@ class EngineClient:
     # --- choosing an engine -----------------------------------------------------------------
 
     async def pick(self) -> EngineEndpoint:
-        """A healthy engine with the fewest requests in flight; waits while none is healthy."""
+        """A healthy (and `eligible`) engine with the fewest requests in flight; waits while
+        there is none."""
         while True:
             healthy = [e for e in self.engines if e.healthy]
+            if healthy and self.eligible is not None:
+                healthy = self.eligible(healthy)
             if healthy:
                 start = next(self._rr) % len(healthy)
                 rotated = healthy[start:] + healthy[:start]
@@ -222,13 +246,14 @@ class EngineClient:
         inputs: list[list[int]],
         sampling_params: list[dict],
         in_flight: set[str],
+        lora: str | None = None,
     ) -> list[Generation]:
         """Generate for every input (one answer per input, in order) in as few requests as
         possible. Items with the same sampling params share an SGLang batch, and so do the
-        calls of other groups for the same engine and params arriving within the coalescing
-        window: a step's worth of groups costs a few HTTP requests, not one per sample.
-        `in_flight` holds the engine rids of this call's items while their request runs (for
-        cancels)."""
+        calls of other groups for the same engine, params and adapter arriving within the
+        coalescing window: a step's worth of groups costs a few HTTP requests, not one per
+        sample. `in_flight` holds the engine rids of this call's items while their request runs
+        (for cancels). `lora`: the loaded adapter every item names (None: the base model)."""
         sampling_params = [wire_sampling_params(p) for p in sampling_params]
         by_params: dict[str, list[int]] = {}
         for i, params in enumerate(sampling_params):
@@ -236,12 +261,12 @@ class EngineClient:
         if len(by_params) == 1:  # the usual case (a group's samples share their params): no task
             (key,) = by_params
             return await self._batches.submit(
-                (engine, key), [(x, in_flight, p) for x, p in zip(inputs, sampling_params)]
+                (engine, key, lora), [(x, in_flight, p) for x, p in zip(inputs, sampling_params)]
             )
         batches = [
             asyncio.ensure_future(
                 self._batches.submit(
-                    (engine, key), [(inputs[i], in_flight, sampling_params[i]) for i in items]
+                    (engine, key, lora), [(inputs[i], in_flight, sampling_params[i]) for i in items]
                 )
             )
             for key, items in by_params.items()
@@ -258,9 +283,11 @@ class EngineClient:
         """One `/generate` of a coalesced batch with one `sampling_params` map and one string
         `rid` (items become `rid_0`, `rid_1`, …): the form SGLang and sglang-router both accept.
         Each retry gets a fresh rid; every failed attempt counts against the engine's health."""
-        engine = key[0]
+        engine, _, lora = key
         inputs = [x for x, _, _ in items]
         body = {"input_ids": inputs, "sampling_params": items[0][2], "return_logprob": True}
+        if lora is not None:
+            body["lora_path"] = lora
         rid = f"{self._rid_prefix}-{next(self._batch_ids)}"
 
         async def attempt(n: int) -> list[Generation]:
@@ -406,6 +433,34 @@ class EngineClient:
                 status=resp.status_code if resp is not None else None,
                 message=message,
             )
+
+    # --- LoRA adapters (admin engines) -----------------------------------------------------
+
+    async def load_adapter(self, e: EngineEndpoint, name: str, path: str) -> AdapterAnswer:
+        """SGLang's `/load_lora_adapter`: the PEFT directory `path` under `name`, beside the base
+        model (generation goes on meanwhile). Never pinned: the rollout unloads what it loads."""
+        body = LoadLoRAAdapterReqInput(lora_name=name, lora_path=path).model_dump()
+        return await self._adapter_call(e, "load_lora_adapter", body)
+
+    async def unload_adapter(self, e: EngineEndpoint, name: str) -> AdapterAnswer:
+        """SGLang's `/unload_lora_adapter`: answered once the requests that use it have ended."""
+        body = UnloadLoRAAdapterReqInput(lora_name=name).model_dump()
+        return await self._adapter_call(e, "unload_lora_adapter", body)
+
+    async def _adapter_call(self, e: EngineEndpoint, route: str, body: dict) -> AdapterAnswer:
+        op = route.split("_")[0]  # load | unload
+        try:
+            resp = await self._control_http.post(f"{e.url}/{route}", json=body, timeout=self.update_timeout_s)
+        except httpx.HTTPError as exc:
+            m.ENGINE_REQUESTS.labels(e.label, op, "error").inc()
+            return AdapterAnswer(False, f"{e.url}: {type(exc).__name__}: {exc}")
+        try:
+            out = LoRAUpdateOutput.model_validate_json(resp.content)
+        except ValidationError:
+            m.ENGINE_REQUESTS.labels(e.label, op, "error").inc()
+            return AdapterAnswer(False, f"{e.url}: {route}: HTTP {resp.status_code}: {_error_message(resp)}")
+        m.ENGINE_REQUESTS.labels(e.label, op, "ok" if out.success else "error").inc()
+        return AdapterAnswer(out.success, out.error_message or "", out.loaded_adapters)
 
     async def weight_versions(self, only: list[int] | None = None) -> list[str | None]:
         """`weight_version` of each admin engine, or of the admin indices in `only`, in that

@@ -5,6 +5,7 @@ gauges labelled by version.
     an evaluation reaches this replica: claimed from the queue (a POST, or one whose replica
     died: its lease ran out), or created here as the engines reach version v (automatic)
         pin one engine under WeightSync's lock: its weight updates wait until we are done
+            (LoRA: the pin holds the version's adapter loaded; its requests name it)
         version = what the pinned engine serves (exactly v for an automatic evaluation)
         generate the prompts CHUNK at a time (one /generate each), score each chunk (one
             reward batch); any aborted item, or one whose tokens carry another version,
@@ -44,12 +45,11 @@ from asyncrl.proto.evals import CORRECT_REWARD, EvalItem, EvalPrompt, EvalReques
 from asyncrl.proto.records import RewardStatus
 from asyncrl.proto.rewards import RewardItem, RewardSpec
 from asyncrl.proto.rollout import RolloutPrompt
-from asyncrl.proto.sglang import SamplingParams
+from asyncrl.proto.sglang import SamplingParams, lora_not_loaded
 from asyncrl.proto.states import JobState
 from asyncrl.services.rollout import metrics as m
 from asyncrl.services.rollout.clients.engine import (
     EngineClient,
-    EngineEndpoint,
     EngineFailure,
     EngineRejected,
     Generation,
@@ -375,7 +375,7 @@ class Evaluator:
             )
             if not await asyncio.to_thread(self.store.set_running, self.owner, run.summary):
                 raise _Lost()
-            run.items = await self._items(task, pin.engine, version)
+            run.items = await self._items(task, pin, version)
             outcome = {"state": JobState.done, "finished_at": time.time(), **summarize(run.items)}
             run.summary = run.summary.model_copy(update=outcome)
         finally:
@@ -383,7 +383,15 @@ class Evaluator:
                 self.weights.unpin(pin)
 
     async def _start_version(self, pin: Pin, target: int | None) -> int:
-        """The version the pinned engine serves, as it reports it (the pin keeps it there)."""
+        """The version the pinned engine serves, as it reports it (the pin keeps it there); with
+        LoRA the version of the pinned adapter (the engine reports its base's)."""
+        if pin.adapter is not None:
+            if target is not None and pin.version != target:
+                raise EvalFailed(
+                    f"version {target} is not served any more ({pin.engine.url} holds {pin.version})"
+                )
+            assert pin.version is not None
+            return pin.version
         reported = await self.engines.weight_versions(only=list(pin.admins))
         versions = {policy_version(v, self.settings.initial_weight_version) for v in reported if v}
         if len(versions) > 1:
@@ -397,12 +405,12 @@ class Evaluator:
             raise EvalFailed(f"version {target} is not served any more ({pin.engine.url} serves {version})")
         return version
 
-    async def _items(self, task: EvalTask, engine: EngineEndpoint, version: int) -> list[EvalItem]:
+    async def _items(self, task: EvalTask, pin: Pin, version: int) -> list[EvalItem]:
         gate = asyncio.Semaphore(CHUNKS_IN_FLIGHT)
 
         async def chunk(start: int) -> list[EvalItem]:
             async with gate:
-                return await self._chunk(task, start, engine, version)
+                return await self._chunk(task, start, pin, version)
 
         tasks = [asyncio.ensure_future(chunk(s)) for s in range(0, len(task.prompts), CHUNK)]
         try:
@@ -412,17 +420,21 @@ class Evaluator:
                 t.cancel()  # the first failure ends the others
         return [item for part in parts for item in part]
 
-    async def _chunk(
-        self, task: EvalTask, start: int, engine: EngineEndpoint, version: int
-    ) -> list[EvalItem]:
-        """One /generate for up to CHUNK prompts, checked, then one reward batch."""
+    async def _chunk(self, task: EvalTask, start: int, pin: Pin, version: int) -> list[EvalItem]:
+        """One /generate for up to CHUNK prompts (with LoRA naming the pinned adapter; sent again
+        once if the engine lost it and it was reloaded), checked, then one reward batch."""
         prompts = task.prompts[start : start + CHUNK]
         params = task.sampling_params
-        gens = await self.engines.generate(
-            engine, [p.prompt_tokens for p in prompts], [params] * len(prompts), set()
-        )
+        inputs, items_params = [p.prompt_tokens for p in prompts], [params] * len(prompts)
+        try:
+            gens = await self.engines.generate(pin.engine, inputs, items_params, set(), lora=pin.adapter)
+        except EngineRejected as exc:
+            if pin.adapter is None or pin.adapter not in lora_not_loaded(str(exc)):
+                raise
+            await self.weights.recover(pin.engine, pin.adapter)
+            gens = await self.engines.generate(pin.engine, inputs, items_params, set(), lora=pin.adapter)
         for p, gen in zip(prompts, gens):
-            self._check(p, gen, version)
+            self._check(p, gen, version, adapter=pin.adapter is not None)
         texts = [self._text(gen, params) for gen in gens]
         results = await self.rewards.score(
             [
@@ -446,12 +458,16 @@ class Evaluator:
             for k, (p, gen, text, r) in enumerate(zip(prompts, gens, texts, results))
         ]
 
-    def _check(self, prompt: EvalPrompt, gen: Generation, version: int) -> None:
+    def _check(self, prompt: EvalPrompt, gen: Generation, version: int, adapter: bool = False) -> None:
+        """`adapter`: the request named the adapter of `version` (the engine serves it or refuses,
+        and reports its base's `weight_version`), so only an abort can spoil the item."""
         if gen.finish_reason == "abort":
             raise EvalFailed(
                 f"item {prompt.prompt_id} was aborted by the engine: its weights changed under "
                 "the evaluation (a distributed update, or another replica's)"
             )
+        if adapter:
+            return
         got = policy_version(gen.weight_version, self.settings.initial_weight_version)
         if got != version:
             raise EvalFailed(

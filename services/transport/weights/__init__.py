@@ -65,3 +65,10 @@ def adapter_name(run: str, version: int, epoch: int = 0) -> str:
     """The name a LoRA version is loaded under on an engine: unique per run, version and history,
     `"demo-466"` in epoch 0, `"demo-466@e2"` in epoch 2."""
     return f"{run}-{weight_version_name(version, epoch)}"
+
+
+def parse_adapter_name(run: str, name: str) -> tuple[int, int] | None:
+    """`(version, epoch)` of an `adapter_name` of `run`; None for any other name (another run's
+    adapter, or one loaded by hand)."""
+    prefix = f"{run}-"
+    return parse_weight_version(name[len(prefix) :]) if name.startswith(prefix) else None

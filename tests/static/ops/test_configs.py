@@ -49,7 +49,13 @@ def test_run_config_validates_for_every_service(path):
         RolloutSettings, ["--config", str(path), "--tokenizer", up.model.path], prog="r", section="rollout"
     )
     assert trainer.batch_groups >= 1 and trainer.max_staleness >= 0
-    if path.name in ("demo.toml", "demo-tools.toml"):  # the CPU demos
+    if path.name in ("demo-lora.toml", "smollm2-math-lora.toml"):  # LoRA variants: their bases, plus LoRA
+        lora_of = {"demo-lora.toml": "demo.toml", "smollm2-math-lora.toml": "smollm2-math.toml"}[path.name]
+        base = load_run_config(ROOT / "configs" / lora_of, require=("model",))
+        assert up.launch == base.launch and up.demo == base.demo and up.reward == base.reward
+        assert trainer.lora.enabled and up.engine.enable_lora and not base.trainer.lora.enabled
+        assert trainer.lr > base.trainer.lr  # LoRA's adapters need a larger step than a full fine-tune
+    elif path.name in ("demo.toml", "demo-tools.toml"):  # the CPU demos
         assert up.launch.engine_kind == "reference" and up.model.build_tiny and not reward.code_enabled
         if path.name == "demo-tools.toml":
             from asyncrl.services.ops.run_config import DemoSection
