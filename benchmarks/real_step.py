@@ -115,22 +115,6 @@ def make_groups(
     return groups
 
 
-def step_config(cfg):
-    """The StepConfig the trainer makes of its settings (trainer/parts.py `build`)."""
-    from asyncrl.trainer.step import StepConfig
-
-    return StepConfig(
-        loss=cfg.loss,
-        temperature=cfg.temperature,
-        grad_clip=cfg.grad_clip,
-        minibatches=cfg.minibatches,
-        kl_coef=cfg.kl_coef,
-        kl_kind=cfg.kl_kind,
-        entropy_coef=cfg.entropy_coef,
-        chunk_tokens=cfg.logprob_chunk_tokens,
-    )
-
-
 class Trained:
     """One model (and its AdamW) per (packing, compute dtype), built as trainer/parts.py builds it."""
 
@@ -260,6 +244,7 @@ def main() -> int:
     from asyncrl.services.ops.run_config import load_run_config
     from asyncrl.trainer.batch import build_rows
     from asyncrl.trainer.config import TrainerSettings
+    from asyncrl.trainer.parts import step_config
     from asyncrl.trainer.model import init_distributed, resolve_mixed_precision
 
     os.environ["MASTER_PORT"] = str(free_port())

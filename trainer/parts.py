@@ -177,6 +177,20 @@ def _log_failed_publish(version: int, shipping: Future) -> None:
         )
 
 
+def step_config(cfg: TrainerSettings) -> StepConfig:
+    """What one policy step needs of the trainer's settings."""
+    return StepConfig(
+        loss=cfg.loss,
+        temperature=cfg.temperature,
+        grad_clip=cfg.grad_clip,
+        minibatches=cfg.minibatches,
+        kl_coef=cfg.kl_coef,
+        kl_kind=cfg.kl_kind,
+        entropy_coef=cfg.entropy_coef,
+        chunk_tokens=cfg.logprob_chunk_tokens,
+    )
+
+
 def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
     from transformers import AutoConfig
 
@@ -238,16 +252,7 @@ def build(cfg: TrainerSettings, ranks: Dist) -> Parts:
     scheduler = build_scheduler(
         optimizer, cfg.lr_schedule, cfg.lr_warmup_steps, cfg.lr_decay_steps or cfg.max_steps, cfg.lr_min_ratio
     )
-    step_cfg = StepConfig(
-        loss=cfg.loss,
-        temperature=cfg.temperature,
-        grad_clip=cfg.grad_clip,
-        minibatches=cfg.minibatches,
-        kl_coef=cfg.kl_coef,
-        kl_kind=cfg.kl_kind,
-        entropy_coef=cfg.entropy_coef,
-        chunk_tokens=cfg.logprob_chunk_tokens,
-    )
+    step_cfg = step_config(cfg)
     shaping = Shaping(cfg.overlong_max_len, cfg.overlong_cache_len, cfg.overlong_factor)
     groups = versions = admission = disk = broadcast = None
     status = tm.TrainerStatus()
