@@ -244,8 +244,8 @@ def main() -> int:
     from asyncrl.services.ops.run_config import load_run_config
     from asyncrl.trainer.batch import build_rows
     from asyncrl.trainer.config import TrainerSettings
-    from asyncrl.trainer.parts import step_config
     from asyncrl.trainer.model import init_distributed, resolve_mixed_precision
+    from asyncrl.trainer.parts import step_config
 
     os.environ["MASTER_PORT"] = str(free_port())
     run = load_run_config(CONFIG)
