@@ -344,6 +344,7 @@ def math_task(cfg: DemoSection):
         word_fraction=cfg.word_fraction,
         level=cfg.level,
         more_heldout={name: HeldoutSet(**e.model_dump()) for name, e in cfg.eval_sets.items()},
+        worked_example=cfg.worked_example,
     )
 
 

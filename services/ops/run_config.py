@@ -272,6 +272,12 @@ class DemoSection(BaseModel):
     level: Literal["easy", "hard"] = Field(
         "easy", description="math: difficulty (services/ops/tasks.py LEVELS)"
     )
+    worked_example: bool = Field(
+        False,
+        description="math: ask every training problem and the main held-out set's after one worked "
+        "exchange that answers in \\boxed{} (what strict math pays for), so rewards reach the "
+        "arithmetic from the first step",
+    )
     eval_size: int = Field(200, ge=0, description="math: held-out problems (0: no evaluation)")
     eval_seed: int = Field(1234, description="math: seed of the held-out set (fixed across runs)")
     eval_every: int = Field(

@@ -167,11 +167,12 @@ class MathTask:
     word_fraction: float = 0.4
     level: str = "easy"
     more_heldout: dict[str, HeldoutSet] = field(default_factory=dict)
+    worked_example: bool = False  # training and the main held-out set: after one worked exchange
     _held: set[str] = field(default_factory=set, init=False, repr=False)
 
     @property
     def main_heldout(self) -> HeldoutSet:
-        return HeldoutSet(self.eval_seed, self.eval_size, self.word_fraction, self.level)
+        return HeldoutSet(self.eval_seed, self.eval_size, self.word_fraction, self.level, self.worked_example)
 
     def heldout(self) -> list[tuple[str, int]]:
         """The main held-out set: `eval_size` distinct problems fixed by `eval_seed`."""
@@ -189,7 +190,7 @@ class MathTask:
         while len(out) < n:
             q, a = math_problem(rng, self.word_fraction, self.level)
             if q not in self._held:
-                out.append(math_prompt(q, a))
+                out.append(math_prompt(q, a, worked_example=self.worked_example))
         return out
 
 

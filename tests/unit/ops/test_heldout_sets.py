@@ -72,3 +72,29 @@ def test_eval_set_names_are_checked():
     raw["demo"]["eval_sets"]["heldout-hard"]["level"] = "medium"
     with pytest.raises(RunConfigError, match="level"):
         validate_run_config(raw)
+
+
+def test_worked_example_asks_training_and_the_main_set_after_the_worked_exchange():
+    """`[demo] worked_example`: training prompts and the main held-out set get the worked exchange
+    (the strict verifier's format shown once); a named set keeps its own setting."""
+    plain = DemoSection(task="math", eval_size=5, eval_sets={"hard": {"size": 3}})
+    shown = plain.model_copy(update={"worked_example": True})
+    example = [
+        {"role": "user", "content": WORKED_EXAMPLE[0]},
+        {"role": "assistant", "content": WORKED_EXAMPLE[1]},
+    ]
+    for cfg, want in ((plain, []), (shown, example)):
+        task = math_task(cfg)
+        train = task.train_prompts(4, random.Random(0))
+        for p in [*train, *task.heldout_prompts()]:
+            assert p["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+            assert p["messages"][1:-1] == want
+            assert p["messages"][-1]["role"] == "user" and p["messages"][-1]["content"] != WORKED_EXAMPLE[0]
+        assert [m["role"] for m in task.more_heldout["hard"].prompts("hard")[0]["messages"]] == [
+            "system",
+            "user",
+        ]
+    # the same problems either way: only how they are asked changes
+    assert [p["messages"][-1] for p in math_task(plain).heldout_prompts()] == [
+        p["messages"][-1] for p in math_task(shown).heldout_prompts()
+    ]
