@@ -198,6 +198,8 @@ class DiskPublisher:
         self.adapter_config = adapter_config
         self.chain = DeltaChain(anchor_every, granularity, block_elems)
         self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".tmp-*"):  # a write a crash cut short: never announced, never loaded
+            shutil.rmtree(stale, ignore_errors=True)
         # closes the last references to pruned weight files (see _prune)
         self._closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-prune")
         self._closing: Future | None = None

@@ -54,6 +54,9 @@ def test_the_trainer_rests_while_it_waits_and_trains_on_every_core(
                           batch_groups=B, max_steps=1, checkpoint_every=100, metrics_port=0, device="cpu",
                           publish="disk", block_ms=100, core_share=str(path), core_share_threads=TOTAL)  # fmt: skip
     busy_2 = BUSY_SECONDS.labels("trainer", str(TOTAL))._value.get()
+    # The trainer's home is the thread count it starts with (OMP_NUM_THREADS=1 under the launcher);
+    # an earlier test in this worker process may have left torch's process-wide count at 2.
+    torch.set_num_threads(1)
     # One thread builds and trains (torch's thread count is per thread: the test's own stays 1).
     with ThreadPoolExecutor(1) as trainer:
         parts = trainer.submit(build, cfg, one_rank).result()

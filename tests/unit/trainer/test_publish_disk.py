@@ -134,3 +134,12 @@ def test_adapter_versions_hold_the_two_peft_files_and_are_kept_like_weights(tiny
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v00000002-e1", "v00000002-e2"]
     with pytest.raises(ValueError, match="no delta"):
         DiskPublisher(tmp_path / "w2", tiny, delta=True, adapter_config=config)
+
+
+def test_a_write_a_crash_cut_short_is_removed_when_the_next_trainer_starts(tiny, tmp_path):
+    root = tmp_path / "w"
+    (root / ".tmp-v00000004").mkdir(parents=True)
+    (root / ".tmp-v00000004" / "model.safetensors").write_bytes(b"half a file")
+    (root / "v00000003").mkdir()  # a published version stays
+    DiskPublisher(root, tiny, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["v00000003"]
