@@ -28,6 +28,11 @@ from asyncrl.services.ops.tinymodel import build_tiny_model
 pytestmark = pytest.mark.slow
 # `ASYNCRL_FUZZ_SECONDS=600 ASYNCRL_FUZZ_EXAMPLES=200 pytest tests/integration/test_api_fuzz.py`
 # for the longer run quoted in benchmarks/RESULTS.md ("Reliability").
+# In `make test` (2 xdist workers, a file per worker at a time) the rollout's fuzz got only 11
+# answers in its budget after some other file in its worker, where alone and as a file it gets
+# ~300 (2026-12-07, not yet diagnosed): the three fuzzers run in `make test-extended`, one process.
+pytestmark = pytest.mark.extended
+
 MAX_EXAMPLES = int(os.environ.get("ASYNCRL_FUZZ_EXAMPLES", "10"))
 TIME_BUDGET_S = int(os.environ.get("ASYNCRL_FUZZ_SECONDS", "25"))
 TOKEN = "fuzz-7Qm2xV9pLs4KdR8tWz3N"
