@@ -415,20 +415,20 @@ def submit(
     return jobs
 
 
-def scrape_counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Unlabelled samples of `names` from a service's /metrics (missing ones are left out)."""
+def scrape_samples(url: str):
+    """Every sample on a service's /metrics (none when it does not answer)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         text = httpx.get(f"{url}/metrics", timeout=5.0).text
     except httpx.HTTPError:
-        return {}
-    return {
-        s.name: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name in names and not s.labels
-    }
+        return []
+    return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def scrape_counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Unlabelled samples of `names` from a service's /metrics (missing ones are left out)."""
+    return {s.name: s.value for s in scrape_samples(url) if s.name in names and not s.labels}
 
 
 def utilisation(launcher, wall_s: float) -> dict[str, float | None]:
@@ -457,21 +457,14 @@ def utilisation(launcher, wall_s: float) -> dict[str, float | None]:
 
 
 def core_share_seconds(url: str, role: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=5.0).text
-    except httpx.HTTPError:
-        return {}
     out: dict[str, float] = {}
-    for f in text_string_to_metric_families(text):
-        for s in f.samples:
-            if s.labels.get("role") != role:
-                continue
-            if s.name == "asyncrl_core_share_busy_seconds_total":
-                out[f"busy_s_{s.labels['threads']}_threads"] = round(s.value, 1)
-            elif s.name == "asyncrl_core_share_wait_seconds_total":
-                out["wait_s"] = round(s.value, 2)
+    for s in scrape_samples(url):
+        if s.labels.get("role") != role:
+            continue
+        if s.name == "asyncrl_core_share_busy_seconds_total":
+            out[f"busy_s_{s.labels['threads']}_threads"] = round(s.value, 1)
+        elif s.name == "asyncrl_core_share_wait_seconds_total":
+            out["wait_s"] = round(s.value, 2)
     return out
 
 
