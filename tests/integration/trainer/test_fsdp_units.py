@@ -8,12 +8,10 @@ which a later fork in the same process can deadlock on)."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
 
 import pytest
 import torch
-from spawned import finish_worker
+from spawned import finish_worker, gloo_rank, run_ranks
 
 torch.set_num_threads(1)
 
@@ -30,16 +28,10 @@ def _units(model) -> dict[str, list[bool]]:
                              for i, layer in enumerate(_decoder_layers(model))}}  # fmt: skip
 
 
-def worker(rank: int, port: int, model_dir: str, out_path: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
-    import torch.distributed as dist
+def worker(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
+    from asyncrl.trainer.model import build_model
 
-    from asyncrl.trainer.model import build_model, init_distributed
-
-    d = init_distributed("cpu", timeout_s=120)
-    try:
+    with gloo_rank(rank, world, port) as d:
         model = build_model(model_dir, d)
         ids = torch.randint(3, 40, (2, 6))
         seen = {"at_rest": _units(model)}
@@ -55,23 +47,13 @@ def worker(rank: int, port: int, model_dir: str, out_path: str) -> None:
         if d.is_main:
             with open(out_path, "w") as f:
                 json.dump(seen, f)
-    finally:
-        dist.destroy_process_group()
     finish_worker()
 
 
 @pytest.fixture(scope="module")
 def seen(tiny, tmp_path_factory) -> dict:
-    from asyncrl.buffer.server import free_port
-
     out = tmp_path_factory.mktemp("fsdp-units") / "seen.json"
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, str(tiny), str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(2, worker, str(tiny), str(out))
     return json.loads(out.read_text())
 
 

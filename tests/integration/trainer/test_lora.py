@@ -16,14 +16,13 @@ adapters switched off against a separately built base model.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import struct
 
 import pytest
 import torch
 from factories import make_group
-from spawned import finish_worker
+from spawned import finish_worker, gloo_rank, run_ranks
 
 from asyncrl.trainer.batch import build_rows, collate, micro_batches
 from asyncrl.trainer.losses import LossConfig, kl_penalty, policy_loss
@@ -132,15 +131,7 @@ def run_case(d, model_dir, name: str, options: dict, out) -> dict:
 
 
 def worker(rank: int, world: int, port: int, model_dir, out) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
-    import torch.distributed as dist
-
-    from asyncrl.trainer.model import init_distributed
-
-    d = init_distributed("cpu", timeout_s=120)
-    try:
+    with gloo_rank(rank, world, port) as d:
         results = {
             name: run_case(d, model_dir, name, options, out)
             for name, (options, worlds) in CASES.items()
@@ -148,21 +139,11 @@ def worker(rank: int, world: int, port: int, model_dir, out) -> None:
         }
         if d.is_main:
             torch.save(results, out / f"world{world}.pt")
-    finally:
-        dist.destroy_process_group()
     finish_worker()  # (only after a clean run: an exception above exits non-zero)
 
 
 def launch(world: int, model_dir, out) -> dict:
-    from asyncrl.buffer.server import free_port
-
-    port, ctx = free_port(), mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, world, port, model_dir, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(world, worker, model_dir, out)
     return torch.load(out / f"world{world}.pt", weights_only=True)
 
 

@@ -14,13 +14,11 @@ bit-identical and every comparison below is exact.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from spawned import finish_worker
+from spawned import finish_worker, gloo_rank, run_ranks
 
 torch.set_num_threads(1)
 K, M = 3, 3  # steps before the checkpoint, steps after it
@@ -103,15 +101,7 @@ def refuse_other_checkpoints(d, model_dir, out: Path) -> None:
 
 
 def worker(rank: int, world: int, port: int, model_dir: Path, jobs: list[dict], out: Path) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
-    import torch.distributed as dist
-
-    from asyncrl.trainer.model import init_distributed
-
-    d = init_distributed("cpu", timeout_s=120)
-    try:
+    with gloo_rank(rank, world, port) as d:
         for job in jobs:
             if job.get("refuse"):
                 refuse_other_checkpoints(d, model_dir, out)
@@ -119,21 +109,11 @@ def worker(rank: int, world: int, port: int, model_dir: Path, jobs: list[dict], 
             result = run_job(d, model_dir, **job)
             if d.is_main:
                 torch.save(result, out / f"{job['name']}.pt")
-    finally:
-        dist.destroy_process_group()
     finish_worker()  # (only after a clean run: an exception above exits non-zero)
 
 
 def launch(world: int, model_dir: Path, jobs: list[dict], out: Path) -> None:
-    from asyncrl.buffer.server import free_port
-
-    port, ctx = free_port(), mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, world, port, model_dir, jobs, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(world, worker, model_dir, jobs, out, timeout_s=240)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,12 @@ first step (≈ lr · sign(g)) would hide gradient-scale errors such as a wrong 
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import sys
 
 import numpy as np
 import pytest
 import torch
-from spawned import finish_worker
+from spawned import finish_worker, gloo_rank, run_ranks
 
 from asyncrl.proto import Group, Sample
 from asyncrl.trainer.batch import build_rows, collate, micro_batches, token_logprobs
@@ -84,16 +82,10 @@ AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 def fsdp_worker(rank, world, port, model_dir, cases, out_path, micro_batch_size):
     """Trainer steps on `world` gloo ranks, a fresh sharded model per case; rank 0 saves
     [(full state dict, stats)] in case order."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
-    import torch.distributed as dist
+    from asyncrl.trainer.model import build_model, full_state_dict
 
-    from asyncrl.trainer.model import build_model, full_state_dict, init_distributed
-
-    d = init_distributed("cpu", timeout_s=120)
     results = []
-    try:
+    with gloo_rank(rank, world, port) as d:
         for groups, loss_cfg, optimizer, lr, recompute, opts in cases:
             model = build_model(model_dir, d, mixed_precision=opts.get("mp", "float32"),
                                 activation_checkpointing=opts.get("ac", False),
@@ -116,16 +108,12 @@ def fsdp_worker(rank, world, port, model_dir, cases, out_path, micro_batch_size)
                             "packed": all(mb.packed for mb in micro)})  # fmt: skip
         if d.is_main:
             torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
     finish_worker()  # (only after a clean run: an exception above exits non-zero)
 
 
 @pytest.fixture(scope="module")
 def fsdp_results(tiny, tmp_path_factory):
     """One 2-rank world runs every case (process start-up dominates the cost)."""
-    from asyncrl.buffer.server import free_port
-
     groups, groups_lr0 = engine_groups(tiny), engine_groups(tiny, seed=1)
     cases = [(groups, LossConfig(agg=agg, max_tokens=8), "sgd", LR, True, {}) for agg in AGGS]
     cases.append(
@@ -138,17 +126,9 @@ def fsdp_results(tiny, tmp_path_factory):
     cases.append((groups, LossConfig(agg="token_mean"), "sgd", LR, True, {"mp": "bfloat16", "chunk": 3}))
     cases.append((groups_lr0, LossConfig(is_correction="tis"), "adamw", 0.0, True, {}))
     out = tmp_path_factory.mktemp("fsdp") / "results.pt"
-    port, world = free_port(), 2
-    ctx = mp.get_context("spawn")
-    # 12 rows → 6 per rank → micro-batches of 4 and 2
-    procs = [
-        ctx.Process(target=fsdp_worker, args=(r, world, port, tiny, cases, out, 4)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(
+        2, fsdp_worker, tiny, cases, out, 4, timeout_s=180
+    )  # 12 rows → 6 per rank → micro-batches of 4 and 2
     return groups, groups_lr0, torch.load(out, weights_only=True)
 
 
