@@ -24,6 +24,7 @@ from asyncrl.services.runtime.metrics import router as metrics_router
 from asyncrl.services.tinker import metrics as m
 from asyncrl.services.tinker.commands import CommandLog
 from asyncrl.services.tinker.config import TinkerServiceSettings
+from asyncrl.services.tinker.paths import public_id
 from asyncrl.services.tinker.recovery import recover
 from asyncrl.services.tinker.routes import futures, models, sampling, session, training, weights
 from asyncrl.services.tinker.service import TinkerService
@@ -45,6 +46,7 @@ def build_backend(settings: TinkerServiceSettings) -> tuple[Any, Any]:
             max_tokens_per_call=settings.max_tokens_per_call,
             mixed_precision=settings.mixed_precision,
             threads=settings.threads,
+            unembed_without_adapter=settings.unembed_without_adapter,
         )
     )
     return backend, api
@@ -64,7 +66,10 @@ def build_app(settings: TinkerServiceSettings, backend: Any = None, api: Any = N
     def queued() -> dict[str, int]:
         return {mid: commands.redis.zcard(commands.key("queue", mid)) for mid in commands.live_models()}
 
-    collector = m.ModelCollector(backend.metrics, queued)
+    def backend_metrics() -> dict[str, dict[str, float]]:
+        return {public_id(bid): figures for bid, figures in backend.metrics().items()}
+
+    collector = m.ModelCollector(backend_metrics, queued)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

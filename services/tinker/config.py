@@ -64,6 +64,11 @@ class TinkerServiceSettings(ServiceSettings):
         4, ge=1, le=1024, description="sampler adapters this service keeps loaded per engine (LRU unloads)"
     )
     max_sample_tokens: int = Field(4096, ge=1, description="largest max_tokens a sample may ask")
+    unembed_without_adapter: bool = Field(
+        True,
+        description="accept the SDK's default train_unembed=True and train no lm_head adapter (engines serve "
+        "adapters on the decoder's linear layers only; get_info and the README say so)",
+    )
     mixed_precision: str = Field(
         "float32", pattern="^(float32|bfloat16)$", description="trainer compute dtype"
     )

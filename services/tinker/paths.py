@@ -31,3 +31,12 @@ def check_name(name: str | None) -> str | None:
     if name is not None and not NAME.fullmatch(name):
         raise ValueError(f"checkpoint name {name[:64]!r} must be 1-128 of A-Z a-z 0-9 _ . -")
     return name
+
+
+def backend_id(mid: str) -> str:
+    """The model's id in the backend, whose ids are file names (no ':'): `s…:train:0` -> `s….train.0`."""
+    return mid.replace(":", ".")
+
+
+def public_id(bid: str) -> str:
+    return bid.replace(".", ":")

@@ -25,6 +25,7 @@ from typing import Any
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.tinker import metrics as m
 from asyncrl.services.tinker.commands import QUEUED, RUNNING, CommandLog
+from asyncrl.services.tinker.paths import backend_id
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,9 @@ def recover(commands: CommandLog, backend: Any) -> dict[str, str]:
 
 def _rebuild(commands: CommandLog, backend: Any, mid: str, record: dict, point: dict) -> None:
     checkpoint = point["checkpoint"]
-    backend.create_model(mid, record["base_model"], record["lora"], seed=record["seed"])
+    backend.create_model(backend_id(mid), record["base_model"], record["lora"], seed=record["seed"])
     if checkpoint is not None:
-        extra = backend.load_state(mid, checkpoint["backend"], True)
+        extra = backend.load_state(backend_id(mid), checkpoint["backend"], True)
         if "seq" in extra and int(extra["seq"]) != int(checkpoint["seq"]):
             raise RuntimeError(
                 f"checkpoint {checkpoint['backend']} of {mid} says seq {extra['seq']}, its record {checkpoint['seq']}"

@@ -25,7 +25,7 @@ import numpy as np
 from asyncrl.services.runtime.logging import log_event
 from asyncrl.services.tinker import metrics as m
 from asyncrl.services.tinker.commands import Command, CommandLog
-from asyncrl.services.tinker.paths import sampler_path, sampling_session_id, training_path
+from asyncrl.services.tinker.paths import backend_id, sampler_path, sampling_session_id, training_path
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class TrainingWorker:
     def _unload(self, mid: str) -> None:
         self.releasing.discard(mid)
         try:
-            self.backend.unload(mid)
+            self.backend.unload(backend_id(mid))
         except self.tinker.UnknownModelError:
             pass
         self.log.update_model(mid, status="unloaded")
@@ -174,7 +174,7 @@ class TrainingWorker:
 
     def _create_model(self, command: Command, body: dict) -> tuple[dict, dict]:
         info = self.backend.create_model(
-            command.model_id, body["base_model"], body["lora"], seed=body["seed"]
+            backend_id(command.model_id), body["base_model"], body["lora"], seed=body["seed"]
         )
         return {"model_id": command.model_id, "type": "create_model"}, {"info": info}
 
@@ -185,18 +185,18 @@ class TrainingWorker:
 
     def _forward(self, command: Command, body: dict) -> tuple[dict, dict]:
         out = self.backend.forward(
-            command.model_id, self._datums(body), body["loss_fn"], body["loss_fn_config"]
+            backend_id(command.model_id), self._datums(body), body["loss_fn"], body["loss_fn_config"]
         )
         return _forward_result(out), {}
 
     def _forward_backward(self, command: Command, body: dict) -> tuple[dict, dict]:
         out = self.backend.forward_backward(
-            command.model_id, self._datums(body), body["loss_fn"], body["loss_fn_config"]
+            backend_id(command.model_id), self._datums(body), body["loss_fn"], body["loss_fn_config"]
         )
         return _forward_result(out), {"grads": True}
 
     def _optim_step(self, command: Command, body: dict) -> tuple[dict, dict]:
-        metrics = self.backend.optim_step(command.model_id, body["adam"])
+        metrics = self.backend.optim_step(backend_id(command.model_id), body["adam"])
         return {"metrics": {k: float(v) for k, v in metrics.items()}}, {"grads": False}
 
     def _save_weights(self, command: Command, body: dict) -> tuple[dict, dict]:
@@ -204,7 +204,7 @@ class TrainingWorker:
         name = body["name"] or f"seq{command.seq}"
         path = training_path(command.model_id, name)
         extra = {"model_id": command.model_id, "seq": command.seq, "tinker_path": path}
-        backend_path = self.backend.save_state(command.model_id, name, True, extra)
+        backend_path = self.backend.save_state(backend_id(command.model_id), name, True, extra)
         checkpoint = {
             "kind": "training",
             "backend": backend_path,
@@ -220,7 +220,7 @@ class TrainingWorker:
     def _save_weights_for_sampler(self, command: Command, body: dict) -> tuple[dict, dict]:
         record = self.log.model(command.model_id) or {}
         name = body["name"] or f"seq{command.seq}"
-        saved = self.backend.save_for_sampler(command.model_id, name)
+        saved = self.backend.save_for_sampler(backend_id(command.model_id), name)
         path = sampler_path(command.model_id, name)
         sampler = {
             "kind": "sampler",
@@ -245,12 +245,17 @@ class TrainingWorker:
         if command.seq == 0:  # create-via-load: the model is this checkpoint's
             record = self.log.model(command.model_id) or {}
             self.backend.create_model(
-                command.model_id, checkpoint["base_model"], checkpoint["lora"], seed=record["seed"]
+                backend_id(command.model_id),
+                checkpoint["base_model"],
+                checkpoint["lora"],
+                seed=record["seed"],
             )
-        extra = self.backend.load_state(command.model_id, checkpoint["backend"], body["optimizer"])
+        extra = self.backend.load_state(
+            backend_id(command.model_id), checkpoint["backend"], body["optimizer"]
+        )
         if extra.get("tinker_path") not in (None, body["path"]):
             raise ValueError(f"checkpoint {body['path']!r} holds {extra.get('tinker_path')!r}")
-        changes = {"grads": False, "info": self.backend.info(command.model_id)}
+        changes = {"grads": False, "info": self.backend.info(backend_id(command.model_id))}
         return {"path": body["path"], "model_id": command.model_id, "type": "load_weights"}, changes
 
 

@@ -36,6 +36,10 @@ SERVICES = {
     ),
     "engine": (["asyncrl.services.engine.main", RUN_CONFIG], ["engine"]),
     "trainer": (["asyncrl.trainer.main", RUN_CONFIG], ["trainer", "tracking"]),
+    "tinker": (
+        ["asyncrl.services.tinker.main", "asyncrl.services.tinker.app", "asyncrl.trainer.tinker"],
+        ["trainer"],
+    ),
     "demo": (["asyncrl.services.ops.demo", "asyncrl.services.ops.launcher"], ["demo"]),
 }
 # Lazy imports in modules a service loads, inside functions it never calls.
