@@ -15,7 +15,6 @@ from typing import Any
 
 import redis
 from fastapi import FastAPI, Request
-from prometheus_client import REGISTRY
 
 from asyncrl.services.runtime.auth import install_auth
 from asyncrl.services.runtime.limits import BodyLimit, install_validation_handler
@@ -69,19 +68,17 @@ def build_app(settings: TinkerServiceSettings, backend: Any = None, api: Any = N
     def backend_metrics() -> dict[str, dict[str, float]]:
         return {public_id(bid): figures for bid, figures in backend.metrics().items()}
 
-    collector = m.ModelCollector(backend_metrics, queued)
-
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         outcomes = await asyncio.to_thread(recover, commands, backend)
         service.waiters.loop = asyncio.get_running_loop()
         service.worker.start()
-        REGISTRY.register(collector)
+        m.MODELS.add(id(app), backend_metrics, queued)
         log_event(log, "tinker service ready", models=outcomes, engines=len(settings.engine_urls))
         try:
             yield
         finally:
-            REGISTRY.unregister(collector)
+            m.MODELS.remove(id(app))
             service.worker.stop()
             for task in list(service.samples.values()):
                 task.cancel()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -50,26 +50,39 @@ RECOVERED = Counter(
 
 class ModelCollector(Collector):
     """Per-model gauges read at each scrape: the backend's own figures (`TinkerTrainer.metrics`)
-    and the service's queue depth per model."""
+    and the queue depth per model, of every service app in the process (one, but for tests).
+    Registered once; apps add and remove their sources."""
 
-    def __init__(
-        self, backend_metrics: Callable[[], dict[str, dict[str, float]]], queued: Callable[[], dict[str, int]]
-    ):
-        self.backend_metrics, self.queued = backend_metrics, queued
+    def __init__(self) -> None:
+        self.sources: dict[
+            int, tuple[Callable[[], dict[str, dict[str, float]]], Callable[[], dict[str, int]]]
+        ] = {}
+
+    def add(self, key: int, backend_metrics, queued) -> None:
+        self.sources[key] = (backend_metrics, queued)
+
+    def remove(self, key: int) -> None:
+        self.sources.pop(key, None)
 
     def collect(self):
         queued = GaugeMetricFamily(
             "asyncrl_tinker_model_queued_commands", "Commands of a model waiting or running", labels=["model"]
         )
-        for mid, n in self.queued().items():
-            queued.add_metric([mid], n)
-        yield queued
         families: dict[str, GaugeMetricFamily] = {}
-        for mid, figures in self.backend_metrics().items():
-            for name, value in figures.items():
-                metric = "asyncrl_tinker_model_" + "".join(c if c.isalnum() else "_" for c in name)
-                family = families.setdefault(
-                    metric, GaugeMetricFamily(metric, f"Backend figure {name!r} of a model", labels=["model"])
-                )
-                family.add_metric([mid], float(value))
+        for backend_metrics, depth in list(self.sources.values()):
+            for mid, n in depth().items():
+                queued.add_metric([mid], n)
+            for mid, figures in backend_metrics().items():
+                for name, value in figures.items():
+                    metric = "asyncrl_tinker_model_" + "".join(c if c.isalnum() else "_" for c in name)
+                    family = families.setdefault(
+                        metric,
+                        GaugeMetricFamily(metric, f"Backend figure {name!r} of a model", labels=["model"]),
+                    )
+                    family.add_metric([mid], float(value))
+        yield queued
         yield from families.values()
+
+
+MODELS = ModelCollector()
+REGISTRY.register(MODELS)
