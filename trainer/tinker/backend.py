@@ -186,6 +186,10 @@ class TinkerTrainer:
     def models(self) -> list[str]:
         return list(self._models)
 
+    def model(self, model_id: str) -> TinkerModel:
+        """A model's live state (module, optimizer, counters): for tests and tools, read-only."""
+        return self._get(model_id)
+
     def _get(self, model_id: str) -> TinkerModel:
         m = self._models.get(model_id)
         if m is None:
