@@ -13,6 +13,7 @@ import pytest
 from conftest import BASE, KEY, start_stack, tinker_settings
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
+from waiting import wait_until
 
 PROTO = {"Content-Type": "application/x-protobuf"}
 
@@ -108,6 +109,7 @@ def test_limits_answer_429_and_413(redis_server, tiny, tinker_root, run_id):
         max_models=1,
         max_queued_commands=1,
         max_body_bytes=4096,
+        gap_timeout_s=3.0,
     )
     running, server = start_stack(settings)
     try:
@@ -131,6 +133,18 @@ def test_limits_answer_429_and_413(redis_server, tiny, tinker_root, run_id):
             metrics = http.get("/metrics").text
             assert 'asyncrl_tinker_requests_total{outcome="limited",route="create_model"} 1.0' in metrics
             assert f'asyncrl_tinker_model_queued_commands{{model="{mid}"}} 1.0' in metrics
+            # Finishing the session releases its model (once its queue is empty: seq 2 fails for
+            # the gap at seq 1 after gap_timeout_s), and the slot takes a new one.
+            assert (
+                http.post(f"/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}}).status_code
+                == 204
+            )
+            wait_until(
+                lambda: running.service.log.model(mid)["status"] == "unloaded",
+                message="the model is released",
+            )
+            rid = http.post("/api/v1/create_model", json={**create, "model_seq_id": 1}).json()["request_id"]
+            assert wait_future(http, rid).json()["model_id"] == f"{sid}:train:1"
     finally:
         server.stop()
 
