@@ -1,61 +1,16 @@
 """A Tinker-compatible service on the real backend: a tiny model built on the spot, a reference
 engine with LoRA in a thread (sampling), the service's app in a thread on the suite's Redis, and
-the real `tinker` SDK as the client."""
+the real `tinker` SDK as the client (helpers: tests/integration/tinker_stack.py)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from engine_server import free_port, serve_in_thread
-
-from asyncrl.services.runtime.serving import serve_app_in_thread
-
-BASE = "tiny-qwen2"  # the model name clients send
-KEY = "tml-" + "k3y-for-the-tinker-tests-0123456789"
-
-
-@dataclass
-class Stack:
-    url: str
-    service: object  # services.tinker.service.TinkerService
-    settings: object
-    engine_url: str
-
-    def steps(self, model_id: str) -> int:
-        """The optimizer steps the backend applied to a model."""
-        from asyncrl.services.tinker.paths import backend_id
-
-        return self.service.backend.info(backend_id(model_id))["step"]
-
-
-def tinker_settings(
-    redis_url: str, namespace: str, root: Path, model: Path, engine_url: str | None, **overrides
-):
-    from asyncrl.services.tinker.config import TinkerServiceSettings
-
-    return TinkerServiceSettings(
-        redis_url=redis_url,
-        namespace=namespace,
-        base_models={BASE: str(model)},
-        engine_urls=[engine_url] if engine_url else [],
-        weights_root=str(root / "weights"),
-        checkpoints_root=str(root / "checkpoints"),
-        poll_hold_s=2.0,
-        **overrides,
-    )
-
-
-def start_stack(settings) -> tuple[Stack, object]:
-    from asyncrl.services.tinker.app import build_app
-
-    app = build_app(settings)
-    http = serve_app_in_thread(app, free_port(), "tinker")
-    engine_url = settings.engine_urls[0] if settings.engine_urls else ""
-    return Stack(http.url, app.state.service, settings, engine_url), http
+from tinker_stack import start_stack, tinker_settings
 
 
 @pytest.fixture(scope="module")

@@ -6,45 +6,10 @@ can be sent twice."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
-from conftest import BASE, KEY, start_stack, tinker_settings
-from tinker import types
-from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker_stack import BASE, KEY, PROTO, fb_body, optim_body, start_stack, tinker_settings, wait_future
 from waiting import wait_until
-
-PROTO = {"Content-Type": "application/x-protobuf"}
-
-
-def wait_future(http: httpx.Client, rid: str, timeout: float = 120.0) -> httpx.Response:
-    """Poll retrieve_future as the SDK does until it is no longer 408 (try again)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        resp = http.post("/api/v1/retrieve_future", json={"request_id": rid})
-        if resp.status_code != 408 or time.monotonic() > deadline:
-            return resp
-        assert resp.json() == {"type": "try_again", "request_id": rid, "queue_state": "active"}
-
-
-def fb_body(model_id: str, seq: int, tokens: list[int]) -> bytes:
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
-    request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-        model_id=model_id,
-        seq_id=seq,
-    )
-    return forward_backward_request_to_proto(request).SerializeToString()
-
-
-def optim_body(model_id: str, seq: int, lr: float = 1e-2) -> dict:
-    return types.OptimStepRequest(optim_params=types.AdamParams(learning_rate=lr), model_id=model_id, seq_id=seq).model_dump(
-        mode="json", exclude_none=True
-    )  # fmt: skip
 
 
 @pytest.fixture

@@ -19,10 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 import tomli_w
-from conftest import BASE
 from engine_server import free_port
-from test_tinker_commands import optim_body, wait_future
 from tinker import types
+from tinker_stack import BASE, optim_body, wait_future
 from waiting import wait_until
 
 pytestmark = pytest.mark.extended  # three service processes, each importing torch: ~40 s

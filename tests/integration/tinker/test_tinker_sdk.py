@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import BASE
 from tinker import types
+from tinker_stack import BASE
 
 TEXT = "the cat sat on the mat. the cat sat on the mat."
 
