@@ -256,7 +256,8 @@ class TinkerTrainer:
         trainable = m.trainable()
         with_grad = [p for p in trainable if p.grad is not None]
         clip = params["grad_clip_norm"] if params["grad_clip_norm"] > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(with_grad, clip)) if with_grad else 0.0
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, clip) if with_grad else torch.zeros(())
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
         if with_grad:
             m.optimizer.step()
             m.step += 1

@@ -122,6 +122,24 @@ def test_cross_entropy_steps_lower_the_loss(trainer):
     assert trainer.metrics()["a"]["step"] == 6 and trainer.metrics()["a"]["forward_backward_tokens"] == 6 * 44
 
 
+def test_gradients_accumulate_across_calls_until_optim_step(trainer):
+    trainer.create_model("a", "tiny", LORA)
+    step(trainer, "a", sft_set(seed=4))  # B off 0: every adapter has a gradient
+    first, second = sft_set(seed=5), sft_set(seed=6)
+    trainer.forward_backward("a", first + second, "cross_entropy", None)
+    together = {n: p.grad.clone() for n, p in trainer.model("a").module.named_parameters() if p.requires_grad}
+    trainer.model("a").optimizer.zero_grad(set_to_none=True)
+    trainer.forward_backward("a", first, "cross_entropy", None)
+    trainer.forward_backward("a", second, "cross_entropy", None)
+    for name, p in trainer.model("a").module.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(
+                p.grad, together[name], rtol=1e-5, atol=1e-6 * float(together[name].abs().max())
+            )
+    trainer.optim_step("a", ADAM)
+    assert all(p.grad is None for p in trainer.model("a").module.parameters())  # the step clears them
+
+
 def test_two_models_on_one_base_are_isolated(trainer):
     trainer.create_model("a", "tiny", LORA)
     trainer.create_model("b", "tiny", {**LORA, "seed": 8})

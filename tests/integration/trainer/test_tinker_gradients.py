@@ -9,8 +9,8 @@ shifted by one, advantages 0 on the prompt) and through the trainer's own `polic
 thresholds 1 ∓ ε is the trainer's `ppo` with clip ε, π_old = μ (no behaviour correction); Tinker
 sums over tokens where the trainer's token mean divides by their count, so the trainer's
 gradient is Tinker's over the number of completion tokens. importance_sampling is the same PPO
-with clips no ratio reaches. The sampler's log-probs are the model's own moved by up to ±0.15,
-so ratios lie in [0.86, 1.16]: PPO at ε = 0.05 clips some tokens (counted below), IS none.
+with clips no ratio reaches; cispo is the trainer's cispo (its weight clipped above only). The sampler's log-probs are the model's own moved by up to ±0.15,
+so ratios lie in [0.86, 1.16]: PPO and CISPO at 0.05 clip some tokens (counted below), IS none.
 
 Cross-entropy: Tinker's definition, Σ −log p(target)·weight, written with the model's full
 logits (plain HF forward, log_softmax, gather) against the backend's chunked head in small
@@ -110,7 +110,7 @@ def as_datum(prompt, completion, mu, advantage) -> Datum:
     )
 
 
-def trainer_step_gradient(model, rows, clip_low: float, clip_high: float) -> tuple[dict, dict]:
+def trainer_step_gradient(model, rows, kind: str, clip_low: float, clip_high: float) -> tuple[dict, dict]:
     """The trainer's policy_step on `rows` (SGD lr 1, no clipping): −(its update), its metrics.
     The adapters are put back afterwards."""
     from asyncrl.trainer.batch import Row, micro_batches
@@ -122,7 +122,7 @@ def trainer_step_gradient(model, rows, clip_low: float, clip_high: float) -> tup
     before = adapters(model)
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     cfg = StepConfig(
-        loss=LossConfig(kind="ppo", clip_low=clip_low, clip_high=clip_high, is_correction="none"),
+        loss=LossConfig(kind=kind, clip_low=clip_low, clip_high=clip_high, is_correction="none"),
         grad_clip=1e9,
     )
     old = [mb.behavior_logprobs for mb in micro]  # π_old = μ: the ratio Tinker's losses take
@@ -136,13 +136,15 @@ def trainer_step_gradient(model, rows, clip_low: float, clip_high: float) -> tup
 
 
 @pytest.mark.parametrize(
-    "loss_fn, config, eps, clipped",
+    "loss_fn, config, trainer_loss, clipped",
     [
-        ("importance_sampling", None, (0.99, 100.0), False),
-        ("ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}, (0.05, 0.05), True),
+        ("importance_sampling", None, ("ppo", 0.99, 100.0), False),
+        ("ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}, ("ppo", 0.05, 0.05), True),
+        # the trainer's CISPO clips above only: Tinker's with its lower threshold at 0
+        ("cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 1.05}, ("cispo", 0.2, 0.05), True),
     ],
 )
-def test_rl_gradients_equal_the_trainers_step(trainer, loss_fn, config, eps, clipped):
+def test_rl_gradients_equal_the_trainers_step(trainer, loss_fn, config, trainer_loss, clipped):
     m = trainer.model("m")
     rows = rl_rows(trainer, np.random.default_rng(RL_SEED), 5)
     tokens = sum(len(c) for _, c, _, _ in rows)
@@ -150,9 +152,9 @@ def test_rl_gradients_equal_the_trainers_step(trainer, loss_fn, config, eps, cli
     trainer.forward_backward("m", data, loss_fn, config)
     tinker = grads(m.module)
     m.optimizer.zero_grad(set_to_none=True)
-    step, stats = trainer_step_gradient(m.module, rows, *eps)
+    step, stats = trainer_step_gradient(m.module, rows, *trainer_loss)
     assert stats["tokens"] == tokens
-    assert (stats["clip_frac"] > 0.1) is clipped  # PPO's clipping is exercised; IS never clips
+    assert (stats["clip_frac"] > 0.1) is clipped  # the clipping is exercised; IS never clips
     assert set(tinker) == set(step) and len(tinker) == 2 * 7 * 2  # A and B of 7 Linear × 2 layers
     for name in tinker:
         assert tinker[name].abs().max() > 0, name  # B moved off 0 in the warm-up: A has a gradient
