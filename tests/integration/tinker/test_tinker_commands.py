@@ -1,0 +1,142 @@
+"""The command log's promises on the wire: a retried call (same model, same seq id) applies once
+and answers the same future; a different call under a used seq id is refused; a missing seq id
+holds the calls behind it, then fails them naming it; limits answer 429/413, auth 401. Bodies
+are the SDK's own encodings (its request types and protobuf writer), sent with httpx so a call
+can be sent twice."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from tinker_stack import BASE, KEY, PROTO, fb_body, optim_body, start_stack, tinker_settings, wait_future
+from waiting import wait_until
+
+
+@pytest.fixture
+def model(sdk, stack):
+    """A model created by the SDK, then driven by hand: (model_id, an httpx client)."""
+    client = sdk.create_lora_training_client(base_model=BASE, rank=4, seed=11).result(timeout=120)
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        yield client.model_id, http
+
+
+def test_a_retried_call_applies_once_and_answers_the_same_future(model, stack):
+    mid, http = model
+    tokens = list(range(5, 17))
+    first = http.post("/api/v1/forward_backward", content=fb_body(mid, 1, tokens), headers=PROTO)
+    again = http.post("/api/v1/forward_backward", content=fb_body(mid, 1, tokens), headers=PROTO)
+    assert first.status_code == again.status_code == 200
+    assert first.json()["request_id"] == again.json()["request_id"]
+    step = [http.post("/api/v1/optim_step", json=optim_body(mid, 2)) for _ in range(3)]
+    assert len({r.json()["request_id"] for r in step}) == 1
+    result = wait_future(http, step[0].json()["request_id"])
+    assert result.json()["metrics"]["step"] == 1.0
+    assert stack.steps(mid) == 1  # three sends of seq 2, one optimizer step
+    # The same seq id with another body is another call: refused, naming the one it clashes with.
+    clash = http.post("/api/v1/optim_step", json=optim_body(mid, 2, lr=0.5))
+    assert clash.status_code == 400 and "already used by a different call" in clash.json()["detail"]
+    # Retried after it ran, it still answers the stored result.
+    late = http.post("/api/v1/optim_step", json=optim_body(mid, 2))
+    assert late.json()["request_id"] == step[0].json()["request_id"] and stack.steps(mid) == 1
+
+
+def test_calls_run_in_seq_order_and_a_gap_fails_the_calls_behind_it(model, stack):
+    mid, http = model
+    tokens = list(range(5, 17))
+    # seq 2 (optim_step) arrives before seq 1 (forward_backward): it waits, then runs second.
+    step = http.post("/api/v1/optim_step", json=optim_body(mid, 2)).json()["request_id"]
+    assert wait_future(http, step, timeout=1.0).status_code == 408
+    fb = http.post("/api/v1/forward_backward", content=fb_body(mid, 1, tokens), headers=PROTO).json()[
+        "request_id"
+    ]
+    assert wait_future(http, fb).status_code == 200
+    assert wait_future(http, step).json()["metrics"]["step"] == 1.0  # it found the gradients of seq 1
+    # seq 3 never comes: seq 4 fails once gap_timeout_s (3 s here) has passed, and 3 is given up.
+    behind = http.post("/api/v1/optim_step", json=optim_body(mid, 4)).json()["request_id"]
+    failed = wait_future(http, behind).json()
+    assert (
+        failed["category"] == "user" and "seq id 3" in failed["error"] and "never arrived" in failed["error"]
+    )
+    late = http.post("/api/v1/forward_backward", content=fb_body(mid, 3, tokens), headers=PROTO)
+    assert late.status_code == 400 and "given up" in late.json()["detail"]
+    assert stack.steps(mid) == 1
+    ok = http.post("/api/v1/optim_step", json=optim_body(mid, 5)).json()["request_id"]
+    assert wait_future(http, ok).status_code == 200  # the model goes on after the gap
+
+
+def test_limits_answer_429_and_413(redis_server, tiny, tinker_root, run_id):
+    settings = tinker_settings(
+        redis_server.url,
+        run_id,
+        tinker_root,
+        tiny,
+        None,
+        max_models=1,
+        max_queued_commands=1,
+        max_body_bytes=4096,
+        gap_timeout_s=3.0,
+    )
+    running, server = start_stack(settings)
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as http:
+            sid = http.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()[
+                "session_id"
+            ]
+            create = {"session_id": sid, "base_model": BASE, "lora_config": {"rank": 4}}
+            rid = http.post("/api/v1/create_model", json={**create, "model_seq_id": 0}).json()["request_id"]
+            mid = wait_future(http, rid).json()["model_id"]
+            second = http.post("/api/v1/create_model", json={**create, "model_seq_id": 1})
+            assert second.status_code == 429 and "max_models = 1" in second.json()["detail"]
+            # seq 2 waits for seq 1 and fills the queue (max_queued_commands = 1): seq 3 is refused.
+            assert http.post("/api/v1/optim_step", json=optim_body(mid, 2)).status_code == 200
+            full = http.post("/api/v1/optim_step", json=optim_body(mid, 3))
+            assert full.status_code == 429 and "max_queued_commands" in full.json()["detail"]
+            big = http.post(
+                "/api/v1/forward_backward", content=fb_body(mid, 1, list(range(1, 600))), headers=PROTO
+            )
+            assert big.status_code == 413 and "4096 bytes" in big.json()["detail"]
+            metrics = http.get("/metrics").text
+            assert 'asyncrl_tinker_requests_total{outcome="limited",route="create_model"} 1.0' in metrics
+            assert f'asyncrl_tinker_model_queued_commands{{model="{mid}"}} 1.0' in metrics
+            # Finishing the session releases its model (once its queue is empty: seq 2 fails for
+            # the gap at seq 1 after gap_timeout_s), and the slot takes a new one.
+            assert (
+                http.post(f"/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}}).status_code
+                == 204
+            )
+            wait_until(
+                lambda: running.service.log.model(mid)["status"] == "unloaded",
+                message="the model is released",
+            )
+            rid = http.post("/api/v1/create_model", json={**create, "model_seq_id": 1}).json()["request_id"]
+            assert wait_future(http, rid).json()["model_id"] == f"{sid}:train:1"
+    finally:
+        server.stop()
+
+
+def test_auth_takes_the_sdks_x_api_key_and_the_bearer_token(redis_server, tiny, tinker_root, run_id):
+    import tinker
+
+    settings = tinker_settings(redis_server.url, run_id, tinker_root, tiny, None, api_token=KEY)
+    running, server = start_stack(settings)
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as http:
+            route = "/api/v1/get_server_capabilities"
+            assert http.get(route).status_code == 401
+            assert http.get(route, headers={"X-API-Key": "tml-wrong-key-0123456789abcdef"}).status_code == 401
+            assert (
+                http.get(route, headers={"X-API-Key": KEY}).json()["supported_models"][0]["model_name"]
+                == BASE
+            )
+            assert http.get(route, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+            assert http.get("/healthz").status_code == 200 and http.get("/metrics").status_code == 200
+        client = tinker.ServiceClient(base_url=running.url, api_key=KEY)
+        sampler_ok = client.create_lora_training_client(base_model=BASE, rank=4).result(timeout=120)
+        assert sampler_ok.get_info().lora_rank == 4
+        client.close("success").result(timeout=60)
+        with pytest.raises(tinker.AuthenticationError):
+            tinker.ServiceClient(base_url=running.url, api_key="tml-wrong-key-0123456789abcdef").create_lora_training_client(
+                base_model=BASE, rank=4
+            ).result(timeout=120)  # fmt: skip
+    finally:
+        server.stop()

@@ -1,0 +1,104 @@
+"""proto/tinker.py's protobuf codec against the SDK's own: what the SDK writes decodes here to the
+same tokens and arrays, and what this writes the SDK reads back to the same values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+
+from asyncrl.proto import tinker as wire
+
+
+def test_a_forward_backward_request_decodes_as_the_sdk_wrote_it():
+    sparse = types.TensorData(data=[2.0, 0.5], dtype="float32", shape=[3, 2], sparse_crow_indices=[0, 1, 1, 2],
+                              sparse_col_indices=[1, 0])  # fmt: skip
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={
+                "target_tokens": [6, 7, 8],
+                "weights": [0.0, 1.0, 1.0],
+                "advantages": [-1.5, 0.25, 3.0],
+            },
+        ),
+        types.Datum(
+            model_input=types.ModelInput(
+                chunks=[types.EncodedTextChunk(tokens=[1]), types.EncodedTextChunk(tokens=[2, 3])]
+            ),
+            loss_fn_inputs={"target_tokens": [[2, 9], [3, 9], [4, 9]], "weights": sparse},
+        ),
+    ]
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=data, loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.8, "tag": "x"}
+        ),
+        model_id="s1:train:0",
+        seq_id=42,
+    )
+    call = wire.decode_forward_backward(forward_backward_request_to_proto(request).SerializeToString())
+    assert (call.model_id, call.seq_id, call.loss_fn, call.forward_only) == ("s1:train:0", 42, "ppo", False)
+    assert call.loss_fn_config == {"clip_low_threshold": 0.8, "tag": "x"}
+    assert [d.tokens for d in call.data] == [[5, 6, 7], [1, 2, 3]]
+    first = call.data[0].inputs
+    assert first["target_tokens"].dtype == np.int64 and first["target_tokens"].tolist() == [6, 7, 8]
+    assert first["advantages"].tolist() == [-1.5, 0.25, 3.0] and first["weights"].dtype == np.float32
+    assert call.data[1].inputs["target_tokens"].tolist() == [[2, 9], [3, 9], [4, 9]]
+    assert call.data[1].inputs["weights"].tolist() == [[0.0, 2.0], [0.0, 0.0], [0.5, 0.0]]  # CSR made dense
+
+
+def test_image_chunks_are_refused_naming_them():
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[
+                types.Datum(
+                    model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"\x89PNG", format="png")]),
+                    loss_fn_inputs={"target_tokens": [1]},
+                )
+            ],  # fmt: skip
+            loss_fn="cross_entropy",
+        ),
+        model_id="m",
+        seq_id=1,
+    )
+    with pytest.raises(wire.Unsupported, match="image chunks"):
+        wire.decode_forward_backward(forward_backward_request_to_proto(request).SerializeToString())
+
+
+def test_a_truncated_body_is_a_wire_error():
+    with pytest.raises(wire.WireError, match="past the end"):
+        wire.decode_forward_backward(b"\x0a\x10ab")
+
+
+def test_the_sdk_reads_a_forward_backward_output_written_here():
+    outputs = [
+        {
+            "logprobs": np.array([-0.5, -1.25], dtype=np.float32),
+            "elementwise_loss": np.array([0.5, 1.25], dtype=np.float32),
+        },
+        {
+            "logprobs": np.array([-2.0], dtype=np.float32),
+            "elementwise_loss": np.array([2.0], dtype=np.float32),
+        },
+    ]
+    out = deserialize_forward_backward_output(
+        wire.encode_forward_backward_output(outputs, {"loss:sum": 3.75})
+    )
+    assert out.metrics == {"loss:sum": 3.75} and out.loss_fn_output_type == "ArrayRecord"
+    assert [o["logprobs"].data for o in out.loss_fn_outputs] == [[-0.5, -1.25], [-2.0]]
+    assert out.loss_fn_outputs[1]["elementwise_loss"].tolist() == [2.0]
+
+
+def test_the_sdk_reads_a_sample_response_written_here():
+    sequences = [
+        {"tokens": [4, 5], "logprobs": [-0.25, -3.5], "stop_reason": "length"},
+        {"tokens": [9], "logprobs": [-1.0], "stop_reason": "stop"},
+    ]
+    response = deserialize_sample_response(
+        wire.encode_sample_response(sequences, [None, -0.5, -2.0], cached_tokens=3)
+    )
+    assert [(s.tokens, s.logprobs, s.stop_reason) for s in response.sequences] == [
+        ([4, 5], [-0.25, -3.5], "length"), ([9], [-1.0], "stop")]  # fmt: skip
+    assert response.prompt_logprobs == [None, -0.5, -2.0] and response.prompt_cache_hit_tokens == 3
