@@ -67,9 +67,13 @@ def test_run_config_validates_for_every_service(path):
 
         demo = DemoSection.model_validate(tomllib.loads(path.read_text())["demo"])
         assert up.launch.engine_kind == "reference" and not up.model.build_tiny and demo.task == "math"
-        assert trainer.device != "cuda" and trainer.max_staleness >= 1 and demo.eval_size >= 200
+        assert trainer.device != "cuda" and trainer.max_staleness >= 1 and demo.eval_size >= 100
+        # strict rewards pay only a marked answer: the worked exchange makes the base model mark them
+        assert reward.math_strict and demo.worked_example
+        # the engine samples in fp32, so the trainer computes in fp32 too (bypass: μ is the engine's)
+        assert trainer.mixed_precision == "float32" and up.engine.dtype == "float32"
         hard = demo.eval_sets["heldout-hard"]  # where the base model formats and computes badly
-        assert (hard.level, hard.worked_example, hard.size) == ("hard", True, 200)
+        assert (hard.level, hard.worked_example, hard.size) == ("hard", True, 100)
     else:  # the GPU configs: SGLang engines, a dataset, a real model path
         assert up.launch.engine_kind == "sglang" and up.submit is not None and not up.model.build_tiny
         assert trainer.device == "cuda" and trainer.mixed_precision == "bfloat16"

@@ -25,23 +25,23 @@ def test_the_smollm2_config_evaluates_two_named_sets(tmp_path):
     sets = heldout_sets(demo, tmp_path, raw)
     assert list(sets) == ["heldout", "heldout-hard"]
     assert raw["rollout"]["eval_sets"] == {name: str(tmp_path / f"{name}.jsonl") for name in sets}
-    assert (raw["rollout"]["eval_every"], raw["rollout"]["eval_max_new_tokens"]) == (10, 200)
+    assert (raw["rollout"]["eval_every"], raw["rollout"]["eval_max_new_tokens"]) == (5, 200)
     rollout = validate_run_config(raw).rollout
     assert list(rollout.auto_eval_files) == ["heldout", "heldout-hard"]
     for name, prompts in sets.items():
         written = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-        assert written == prompts and len(prompts) == 200
-        assert [p["prompt_id"] for p in prompts] == [f"{name}-{i}" for i in range(200)]
-        assert len({p["messages"][-1]["content"] for p in prompts}) == 200  # distinct problems
+        assert written == prompts and len(prompts) == 100
+        assert [p["prompt_id"] for p in prompts] == [f"{name}-{i}" for i in range(100)]
+        assert len({p["messages"][-1]["content"] for p in prompts}) == 100  # distinct problems
     easy, hard = sets["heldout"][0]["messages"], sets["heldout-hard"][0]["messages"]
-    assert [m["role"] for m in easy] == ["system", "user"]
+    assert easy[:3] == hard[:3] and [m["role"] for m in easy] == ["system", "user", "assistant", "user"]
     assert hard[:3] == [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": WORKED_EXAMPLE[0]},
         {"role": "assistant", "content": WORKED_EXAMPLE[1]},
     ]
     # the hard set is HeldoutSet's problems of the hard level, each with its answer as the gold
-    problems = HeldoutSet(seed=1234, size=200, level="hard", worked_example=True).problems()
+    problems = HeldoutSet(seed=1234, size=100, level="hard", worked_example=True).problems()
     assert [(p["messages"][-1]["content"], p["reward_spec"]) for p in sets["heldout-hard"]] == [
         (q, {"verifier": "math", "answer": str(a)}) for q, a in problems
     ]
