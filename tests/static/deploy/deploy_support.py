@@ -26,6 +26,7 @@ SETTINGS = {  # asyncrl subcommand -> (module, settings class, run-config table)
     "rollout": ("asyncrl.services.rollout.config", "RolloutSettings", "rollout"),
     "reward": ("asyncrl.services.reward.config", "RewardSettings", "reward"),
     "train": ("asyncrl.trainer.config", "TrainerSettings", "trainer"),
+    "tinker": ("asyncrl.services.tinker.config", "TinkerServiceSettings", "tinker"),
 }
 
 
