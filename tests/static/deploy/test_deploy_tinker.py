@@ -1,7 +1,8 @@
 """The Tinker-compatible service (`asyncrl tinker`) in the deployments: docker compose with
-deploy/compose.tinker.yml. It is built by its own tool (`docker-compose config`) and compared
-with what it is built on: the `tinker` service added, the engines given LoRA, nothing else
-changed. The tinker command line is parsed by the service's own settings loader, so a renamed
+deploy/compose.tinker.yml, and the k8s GPU topologies with the deploy/k8s/components/tinker
+component. Each is built by its own tool (`docker-compose config`, `kubectl kustomize`) and
+compared with what it is built on: the `tinker` service added, the engines given LoRA, nothing
+else changed. The tinker command line is parsed by the service's own settings loader, so a renamed
 flag or setting fails here, and held to the engines it samples on: they serve the model it
 trains, load adapters of every rank and module it trains from where it writes them, and take the
 token it sends them; the SDK's own key check takes the key it requires.
@@ -11,14 +12,28 @@ takes SGLang 0.5.23's names and checks (services/engine/config.py)."""
 
 from __future__ import annotations
 
+import copy
+import os
 import re
 import shlex
 import tomllib
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
+import kubernetes_validate
 import pytest
-from deploy_support import COMPOSE_TOKEN, ROOT, compose, flag, lora_flags, resolve, unordered
+import yaml
+from deploy_support import (
+    COMPOSE_TOKEN,
+    ROOT,
+    compose,
+    flag,
+    kustomize,
+    lora_flags,
+    named,
+    resolve,
+    unordered,
+)
 from tinker.lib._auth_token_provider import ApiKeyAuthProvider  # the SDK's check of a key
 
 from asyncrl.services.engine.config import LORA_STACKED, EngineSettings
@@ -30,6 +45,10 @@ from asyncrl.trainer.tinker.models import ATTENTION, MLP
 OVERLAY = ROOT / "deploy/compose.tinker.yml"
 COMPOSE_TINKER = ("docker-compose.yml", "deploy/compose.tinker.yml")
 PROFILE_ENGINE = {"cpu": "engine-cpu", "gpu": "engine"}
+K8S_ROOT = ROOT / "deploy/k8s"
+K8S_VERSION = "1.37.0"  # as tests/static/deploy/test_k8s_topologies.py
+GPU_TOPOLOGIES = ("gpu-single", "multi-node")
+K8S_TOKEN = "k8s-secret-api-token-4fQ9xZ"  # what the asyncrl-secrets Secret would hold
 # Every module tinker trains an adapter on (attention and MLP), as the engines name them.
 TRAINED = frozenset(LORA_STACKED.get(m, m) for m in (*ATTENTION, *MLP))
 
@@ -203,3 +222,129 @@ def test_the_header_command_starts_a_lora_run_that_leaves_the_engines_base_alone
     assert f"{urlsplit(base_url).hostname}:{urlsplit(base_url).port}:{tinker.port}/tcp" in got["svc"]["ports"]
     assert ApiKeyAuthProvider(key).api_key == tinker.api_token
     assert re.search(r'base_model="([^"]+)"', header).group(1) in tinker.base_models
+
+
+# --- kubernetes --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def topologies(tmp_path_factory) -> dict[str, tuple[list[dict], list[dict]]]:
+    """Each GPU topology as shipped, and in a kustomization of its own with the component, as the
+    component's header says to use it."""
+    built = {}
+    for topology in GPU_TOPOLOGIES:
+        here = tmp_path_factory.mktemp(topology)
+        up = Path(os.path.relpath(K8S_ROOT, here))  # kustomize refuses absolute paths
+        (here / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "resources": [str(up / "overlays" / topology)],
+                    "components": [str(up / "components" / "tinker")],
+                }
+            )
+        )
+        built[topology] = (kustomize(K8S_ROOT / "overlays" / topology), kustomize(here))
+    return built
+
+
+def keyed(docs: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def container(doc: dict, name: str) -> dict:
+    return named(doc["spec"]["template"]["spec"]["containers"], name)
+
+
+def pod_env(spec: dict) -> dict[str, str]:
+    """A container's environment as the kubelet makes it: a secret as K8S_TOKEN, `$(VAR)`
+    expanded from the variables before it."""
+    env: dict[str, str] = {}
+    for var in spec.get("env", []):
+        if "secretKeyRef" in var.get("valueFrom", {}):
+            env[var["name"]] = K8S_TOKEN
+        else:
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), var["value"])
+    return env
+
+
+@pytest.mark.parametrize("topology", GPU_TOPOLOGIES)
+def test_the_k8s_tinker_component_adds_the_service_and_the_engines_lora_and_nothing_else(
+    topologies, topology
+):
+    base, docs = topologies[topology][0], copy.deepcopy(topologies[topology][1])
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    objects, before = keyed(docs), keyed(base)
+    assert set(objects) == set(before) | {("Deployment", "tinker"), ("Service", "tinker")}
+    engine = container(objects[("StatefulSet", "sglang")], "sglang")
+    args, was = engine["args"], container(before[("StatefulSet", "sglang")], "sglang")["args"]
+    assert args == was + lora_flags(args) and lora_flags(args)
+    engine["args"] = was
+    assert [d for d in docs if d["metadata"]["name"] != "tinker"] == base
+
+
+@pytest.mark.parametrize("topology", GPU_TOPOLOGIES)
+def test_the_k8s_tinker_service_samples_on_the_engines(topologies, topology):
+    objects = keyed(topologies[topology][1])
+    deployment, service = objects[("Deployment", "tinker")], objects[("Service", "tinker")]
+    spec = deployment["spec"]["template"]["spec"]
+    (main,) = spec["containers"]
+    env = pod_env(main)
+    with pytest.MonkeyPatch.context() as mp:
+        tinker, _ = resolve(main["args"], env, {}, mp)
+    # One process per Redis namespace, never two, not even during a rollout.
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Listens where its Service, its probes and Prometheus look; trains on the CPU it asks for.
+    (port,) = main["ports"]
+    assert tinker.host == "0.0.0.0" and tinker.port == port["containerPort"]
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(tinker.port, port["name"])]
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert main[probe]["httpGet"] == {"path": main[probe]["httpGet"]["path"], "port": port["name"]}
+        assert main[probe]["httpGet"]["path"] in OPEN_PATHS
+    notes = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert int(notes["prometheus.io/port"]) == tinker.port and notes["prometheus.io/scrape"] == "true"
+    rollout = container(objects[("Deployment", "rollout")], "rollout")
+    assert main["image"] == rollout["image"] and "nvidia.com/gpu" not in str(main["resources"])
+    assert tinker.threads == int(main["resources"]["requests"]["cpu"])
+    assert tinker.redis_url == flag(rollout["args"], "--redis-url")
+    # Samples on engine pods that exist, by their stable names, on the engines' port.
+    sglang = objects[("StatefulSet", "sglang")]
+    engine = container(sglang, "sglang")
+    headless = sglang["spec"]["serviceName"]
+    assert objects[("Service", headless)]["spec"]["clusterIP"] == "None"
+    for url in tinker.engine_urls:
+        parts = urlsplit(url)
+        pod, _, host = parts.hostname.partition(".")
+        ordinal = pod.removeprefix("sglang-")
+        assert host == headless and ordinal.isdigit() and int(ordinal) < sglang["spec"]["replicas"], url
+        assert str(parts.port) == flag(engine["args"], "--port")
+    assert tinker.engine_urls and list(tinker.base_models.values()) == [flag(engine["args"], "--model-path")]
+    # Adapters on the claim both mount at the same path; every rank and module tinker trains loads.
+    held = {}
+    for workload, name in ((deployment, "tinker"), (sglang, "sglang")):
+        volumes = workload["spec"]["template"]["spec"]["volumes"]
+        (mount,) = [
+            m
+            for m in container(workload, name)["volumeMounts"]
+            if PurePosixPath(tinker.weights_root).is_relative_to(m["mountPath"])
+        ]
+        claim = named(volumes, mount["name"])["persistentVolumeClaim"]["claimName"]
+        held[name] = (claim, mount["mountPath"], mount.get("readOnly", False))
+    assert (
+        held["tinker"] == (held["sglang"][0], held["sglang"][1], False)
+        and held["tinker"][0] == "asyncrl-weights"
+    )
+    assert PurePosixPath(tinker.checkpoints_root).is_relative_to(held["tinker"][1])
+    lora = engine_lora(flag(engine["args"], "--model-path"), engine["args"])
+    assert lora.enable_lora and lora.max_lora_rank == tinker.max_lora_rank and lora.lora_targets >= TRAINED
+    # One secret: the engines check the api-token tinker sends them; clients send tml- + it.
+    source = named(main["env"], "ASYNCRL_API_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert source == named(rollout["env"], "ASYNCRL_API_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert source == named(engine["env"], "ASYNCRL_API_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert (
+        flag(engine["args"], "--api-key") == "$(ASYNCRL_API_TOKEN)" and env["ASYNCRL_API_TOKEN"] == K8S_TOKEN
+    )
+    assert tinker.api_token == f"tml-{K8S_TOKEN}" and ApiKeyAuthProvider(tinker.api_token).api_key
