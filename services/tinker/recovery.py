@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 
 def restore_point(record: dict) -> dict:
-    """The latest state a model can be rebuilt at: `{"seq", "checkpoint"}` (checkpoint None:
-    its creation, from its seed)."""
+    """The latest state a model can be rebuilt at: `{"seq", "checkpoint"}`: its creation (seq 0;
+    checkpoint None when created from its seed, else the checkpoint it was loaded from, whose own
+    "seq" is the one it was saved at by its model) or its last clean save."""
     point = {"seq": 0, "checkpoint": record.get("origin_checkpoint")}
     saved = record.get("checkpoint")
     if saved and saved.get("clean") and saved["seq"] >= point["seq"]:
@@ -68,7 +69,9 @@ def _rebuild(commands: CommandLog, backend: Any, mid: str, record: dict, point: 
     checkpoint = point["checkpoint"]
     backend.create_model(backend_id(mid), record["base_model"], record["lora"], seed=record["seed"])
     if checkpoint is not None:
-        extra = backend.load_state(backend_id(mid), checkpoint["backend"], True)
+        # An origin loaded without its optimizer state (create_training_client_from_state) is
+        # rebuilt the same way; a save_weights checkpoint always restores it.
+        extra = backend.load_state(backend_id(mid), checkpoint["backend"], checkpoint.get("optimizer", True))
         if "seq" in extra and int(extra["seq"]) != int(checkpoint["seq"]):
             raise RuntimeError(
                 f"checkpoint {checkpoint['backend']} of {mid} says seq {extra['seq']}, its record {checkpoint['seq']}"

@@ -167,10 +167,12 @@ class TinkerService:
                 404, route, f"no training checkpoint named {body.path[:200]!r} (save_state writes them)"
             )
         mid = model_id(body.session_id, body.model_seq_id or 0)
+        # The origin keeps the checkpoint's own seq id (`recovery._rebuild` checks it) and whether
+        # the optimizer state was loaded with it.
         record = {
             "status": "live", "session": body.session_id, "base_model": checkpoint["base_model"],
             "lora": checkpoint["lora"], "seed": random.randrange(SEED_RANGE), "cursor": -1, "created": time.time(),
-            "origin_checkpoint": {"path": body.path, **checkpoint, "seq": 0} if body.optimizer else None,
+            "origin_checkpoint": {"path": body.path, **checkpoint, "optimizer": body.optimizer},
         }  # fmt: skip
         payload = {"path": body.path, "optimizer": body.optimizer}
         return self._create(route, mid, "load_weights", payload, raw, record)

@@ -1,0 +1,107 @@
+"""What a restarted service makes of the models in its command log (services/tinker/recovery.py),
+in process and deterministic: the service's own code accepts the calls (`TinkerService`, no
+HTTP) and its worker runs them one pass at a time (`worker.step()`, its thread never started);
+"the restart" is a second backend, with the first one's checkpoint and weights roots and nothing
+in memory, handed to `recover`. The first backend says what the rebuilt models must hold."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import torch
+from tinker_stack import BASE, tinker_settings
+
+from asyncrl.proto import tinker as wire
+from asyncrl.services.tinker.commands import CommandLog
+from asyncrl.services.tinker.paths import backend_id
+from asyncrl.services.tinker.recovery import recover
+from asyncrl.services.tinker.service import TinkerService
+from asyncrl.services.tinker.worker import arrays_to_json
+
+torch.set_num_threads(1)
+LORA = {"rank": 4, "seed": 5, "train_unembed": False}
+
+
+@pytest.fixture
+def world(redis_server, tiny, tmp_path, run_id):
+    """(a service on a fresh namespace, a factory of backends on the same roots, its Redis)."""
+    from asyncrl.services.tinker.app import build_backend
+
+    settings = tinker_settings(redis_server.url, run_id, tmp_path, tiny, None, max_models=8)
+    client = redis.Redis.from_url(redis_server.url)
+    log = CommandLog(client, run_id, max_queued=64, result_ttl_s=3600)
+    backend, api = build_backend(settings)
+    service = TinkerService(settings, log, backend, api)
+    yield service, (lambda: build_backend(settings)[0]), tmp_path
+    client.close()
+
+
+def run(service: TinkerService, future: wire.UntypedFuture) -> dict:
+    """Run the worker until `future` is finished; its record."""
+    for _ in range(20):
+        record = service.log.future(future.request_id)
+        if record["state"] in ("done", "failed"):
+            return record
+        service.worker.step()
+    raise AssertionError(f"{future.request_id} did not finish: {record}")
+
+
+def call(service: TinkerService, method: str, body: wire.Body) -> dict:
+    return run(service, getattr(service, method)(body, body.model_dump_json().encode()))
+
+
+def train(service: TinkerService, mid: str, seq: int) -> int:
+    """A cross-entropy forward_backward and an optim_step (seq ids `seq`, `seq` + 1)."""
+    tokens = list(range(5, 17))
+    datum = wire.WireDatum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]).numpy(),
+                                         "weights": torch.ones(11).numpy()})  # fmt: skip
+    fb = wire.ForwardBackwardCall(mid, seq, "cross_entropy", False, [datum])
+    raw = repr((mid, seq, arrays_to_json(datum.inputs))).encode()
+    assert run(service, service.forward_backward(fb, raw))["state"] == "done"
+    step = wire.OptimStepRequest(
+        model_id=mid, seq_id=seq + 1, adam_params=wire.AdamParams(learning_rate=0.05)
+    )
+    assert call(service, "optim_step", step)["state"] == "done"
+    return seq + 2
+
+
+def adapters(backend, mid: str) -> dict[str, torch.Tensor]:
+    module = backend.model(backend_id(mid)).module
+    return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def adam(backend, mid: str) -> list[torch.Tensor]:
+    opt = backend.model(backend_id(mid)).optimizer
+    return [v.clone() for g in opt.param_groups for p in g["params"] for v in opt.state[p].values()]
+
+
+def same(a, b) -> bool:
+    pairs = zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in pairs)
+
+
+def create(service: TinkerService, sid: str, n: int, lora: dict = LORA) -> dict:
+    body = wire.CreateModelRequest(session_id=sid, model_seq_id=n, base_model=BASE, lora_config=lora)
+    return call(service, "create_model", body)
+
+
+def test_models_created_from_a_checkpoint_are_rebuilt_with_its_weights(world):
+    service, new_backend, _ = world
+    sid = service.log.create_session({})
+    source = create(service, sid, 0)["result"]["model_id"]
+    train(service, source, 1)
+    train(service, source, 3)
+    saved = call(service, "save_weights", wire.SaveWeightsRequest(model_id=source, seq_id=5, path="ck"))
+    path = saved["result"]["path"]
+    loaded = {}
+    for n, optimizer in ((1, False), (2, True)):  # create_training_client_from_state[_with_optimizer]
+        body = wire.LoadWeightsRequest(session_id=sid, model_seq_id=n, path=path, optimizer=optimizer)
+        loaded[optimizer] = call(service, "load_weights", body)["result"]["model_id"]
+    before = {mid: (adapters(service.backend, mid), adam(service.backend, mid)) for mid in loaded.values()}
+    assert same(before[loaded[False]][0], before[loaded[True]][0])  # the checkpoint's weights, both
+
+    outcomes = recover(service.log, new_backend_ := new_backend())
+    assert outcomes == {source: "restored", loaded[False]: "restored", loaded[True]: "restored"}
+    for mid, (weights, state) in before.items():
+        assert same(adapters(new_backend_, mid), weights), mid  # not a fresh adapter from a seed
+        assert same(adam(new_backend_, mid), state), mid  # fresh for the weights-only load
