@@ -43,7 +43,8 @@ WORKER_ERRORS = Counter(
 )
 RECOVERED = Counter(
     "asyncrl_tinker_recovered_models_total",
-    "Models found in Redis at start, by outcome (restored, lost = state after its checkpoint gone, pending = not yet created)",
+    "Models found in Redis at start, by outcome (restored, lost = state after its checkpoint gone, failed = its "
+    "restore point could not be built, pending = not yet created)",
     ["outcome"],
 )
 

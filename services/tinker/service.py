@@ -97,6 +97,8 @@ class TinkerService:
             raise refuse(404, route, f"unknown model_id {mid[:128]!r}")
         if record.get("status") == "lost":
             raise refuse(410, route, record.get("lost_reason", f"model {mid} is gone"))
+        if record.get("status") == "failed":
+            raise refuse(400, route, f"model {mid} was never created: {record.get('failed_reason')}")
         if record.get("status") != "live":
             raise refuse(404, route, f"model {mid} is {record.get('status')}")
         if seq is None or seq < 1:

@@ -150,7 +150,9 @@ class TrainingWorker:
             result, changes = getattr(self, f"_{command.kind}")(command, body)
         except (self.tinker.TinkerError, ValueError, KeyError) as exc:
             message = str(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
-            self.log.finish(command, error=message, category="user")
+            self.log.finish(
+                command, error=message, category="user", model_changes=_not_created(command, message)
+            )
             m.COMMANDS.labels(command.kind, "refused").inc()
         except Exception as exc:  # noqa: BLE001  (the call fails as `server`, counted; the worker goes on)
             message = f"internal error in {command.kind}: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
@@ -162,7 +164,9 @@ class TrainingWorker:
                 seq=command.seq,
                 error=message,
             )
-            self.log.finish(command, error=message, category="server")
+            self.log.finish(
+                command, error=message, category="server", model_changes=_not_created(command, message)
+            )
             m.COMMANDS.labels(command.kind, "error").inc()
         else:
             if command.kind in STATE_CHANGING:
@@ -257,6 +261,12 @@ class TrainingWorker:
             raise ValueError(f"checkpoint {body['path']!r} holds {extra.get('tinker_path')!r}")
         changes = {"grads": False, "info": self.backend.info(backend_id(command.model_id))}
         return {"path": body["path"], "model_id": command.model_id, "type": "load_weights"}, changes
+
+
+def _not_created(command: Command, message: str) -> dict | None:
+    """A model whose creating call (seq 0) failed does not exist: it holds no `max_models` slot,
+    a restart does not try to build it again, and its later calls are refused naming why."""
+    return {"status": "failed", "failed_reason": message} if command.seq == 0 else None
 
 
 def _forward_result(out: Any) -> dict:

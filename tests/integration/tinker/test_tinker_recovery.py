@@ -6,6 +6,8 @@ in memory, handed to `recover`. The first backend says what the rebuilt models m
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import redis
 import torch
@@ -105,3 +107,31 @@ def test_models_created_from_a_checkpoint_are_rebuilt_with_its_weights(world):
     for mid, (weights, state) in before.items():
         assert same(adapters(new_backend_, mid), weights), mid  # not a fresh adapter from a seed
         assert same(adam(new_backend_, mid), state), mid  # fresh for the weights-only load
+
+
+def test_a_model_that_cannot_be_built_neither_holds_a_slot_nor_stops_a_restart(world):
+    service, new_backend, root = world
+    sid = service.log.create_session({})
+    # LoRA on nothing: the service accepts the call, the backend refuses it.
+    nothing = {**LORA, "train_mlp": False, "train_attn": False}
+    failed = create(service, sid, 0, nothing)
+    assert failed["state"] == "failed" and "trains nothing" in failed["error"]
+    mid = f"{sid}:train:0"
+    assert service.log.model(mid)["status"] == "failed" and mid not in service.log.live_models()
+    with pytest.raises(Exception) as refused:
+        service.optim_step(
+            wire.OptimStepRequest(model_id=mid, seq_id=1, adam_params=wire.AdamParams()), b"{}"
+        )
+    assert refused.value.status_code == 400 and "trains nothing" in refused.value.detail
+
+    # A model whose restore point is gone from disk: given up with the reason, the others rebuilt.
+    ok = create(service, sid, 1)["result"]["model_id"]
+    gone = create(service, sid, 2)["result"]["model_id"]
+    train(service, gone, 1)
+    call(service, "save_weights", wire.SaveWeightsRequest(model_id=gone, seq_id=3, path="ck"))
+    shutil.rmtree(root / "checkpoints" / backend_id(gone))
+    backend = new_backend()
+    assert recover(service.log, backend) == {ok: "restored", gone: "failed"}
+    record = service.log.model(gone)
+    assert record["status"] == "lost" and "could not be rebuilt" in record["lost_reason"]
+    assert backend.models() == [backend_id(ok)]  # nothing half-built left behind
