@@ -246,7 +246,11 @@ class TinkerService:
             )
         name = self._name(route, body.path)
         payload = {"name": name, "sampling_session_seq_id": body.sampling_session_seq_id}
-        return self.submit(route, body.model_id, body.seq_id, route, payload, raw)
+        # The SDK draws sampling_session_seq_id anew each time its retry loop resends the call
+        # (training_client.py `_save_weights_for_sampler_impl`), so the call is the rest of the
+        # body: a resend gets the first send's future, whose result names the first session.
+        identity = body.model_dump_json(exclude={"sampling_session_seq_id"}).encode()
+        return self.submit(route, body.model_id, body.seq_id, route, payload, identity)
 
     def load_weights(self, body: wire.LoadWeightsRequest, raw: bytes) -> wire.UntypedFuture:
         if body.weights_access_token:

@@ -140,3 +140,22 @@ def test_auth_takes_the_sdks_x_api_key_and_the_bearer_token(redis_server, tiny, 
             ).result(timeout=120)  # fmt: skip
     finally:
         server.stop()
+
+
+def test_a_retried_sampler_save_is_the_same_call_whatever_sampling_session_it_names(model, stack):
+    # The SDK draws `sampling_session_seq_id` inside the function its retry loop calls again
+    # (training_client.py `_save_weights_for_sampler_impl`): a resend after a lost answer names
+    # the next one. It is still the same call (same model, seq id, everything else).
+    mid, http = model
+    first, again = (
+        http.post("/api/v1/save_weights_for_sampler", json={"model_id": mid, "seq_id": 1, "sampling_session_seq_id": n})
+        for n in (5, 6)
+    )  # fmt: skip
+    assert first.status_code == again.status_code == 200
+    assert first.json()["request_id"] == again.json()["request_id"]
+    done = wait_future(http, first.json()["request_id"]).json()
+    assert done["sampling_session_id"].endswith(":sample:5") and done["path"].endswith(
+        "/sampler_weights/seq1"
+    )
+    other = http.post("/api/v1/save_weights_for_sampler", json={"model_id": mid, "seq_id": 1, "path": "x"})
+    assert other.status_code == 400 and "already used by a different call" in other.json()["detail"]
