@@ -25,6 +25,7 @@ metadata for features this service does not have and are skipped too.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -116,11 +117,42 @@ def _ints(wire: int, value: Any) -> list[int]:
     """A repeated integer field's values: packed (one length-delimited run) or not."""
     if wire == VARINT:
         return [_signed64(value)]
+    if wire != LENGTH:
+        raise WireError(f"a repeated integer field has wire type {wire}")
     out, pos = [], 0
     while pos < len(value):
         v, pos = _varint(value, pos)
         out.append(_signed64(v))
     return out
+
+
+def _message(buf: bytes) -> dict[int, tuple[int, Any]]:
+    """A message's fields by number, `(wire type, value)`, the last one winning (protobuf's rule
+    for a field that is not repeated)."""
+    return {number: (wire, value) for number, wire, value in fields(buf)}
+
+
+def _part(message: dict[int, tuple[int, Any]], number: int, what: str) -> bytes:
+    """Length-delimited field `number` (empty when absent); a field of another wire type is a
+    WireError: the schema has it length-delimited."""
+    wire, value = message.get(number, (LENGTH, b""))
+    if wire != LENGTH:
+        raise WireError(f"{what} has wire type {wire}, not a length-delimited field")
+    return bytes(value)
+
+
+def _double(message: dict[int, tuple[int, Any]], number: int, what: str) -> float:
+    wire, value = message.get(number, (FIXED64, b"\0" * 8))
+    if wire != FIXED64:
+        raise WireError(f"{what} has wire type {wire}, not a double")
+    return struct.unpack("<d", value)[0]
+
+
+def _array(raw: bytes, dtype: Any, what: str) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    if len(raw) % size:
+        raise WireError(f"{what}: {len(raw)} bytes are not whole {np.dtype(dtype).name} values")
+    return np.frombuffer(raw, dtype=dtype)
 
 
 def _text(value: Any) -> str:
@@ -205,11 +237,13 @@ def _tensor(buf: bytes, name: str) -> np.ndarray:
     np_dtype = NUMPY_OF_DTYPE.get(dtype)
     if np_dtype is None:
         raise WireError(f"loss_fn_inputs[{name!r}]: tensor dtype {dtype} is not float32, int64 or int32")
+    if any(d < 0 for d in shape):
+        raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape} has a negative dimension")
     if csr is not None:
         return _densify(csr, np_dtype, shape, name)
-    data = np.frombuffer(dense or b"", dtype=np_dtype)
+    data = _array(dense or b"", np_dtype, f"loss_fn_inputs[{name!r}]")
     if shape:
-        if int(np.prod(shape)) != data.size:
+        if math.prod(shape) != data.size:
             raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape} does not hold {data.size} values")
         data = data.reshape(shape)
     return data.astype(np.int64 if np_dtype is np.int32 else np_dtype)
@@ -217,10 +251,10 @@ def _tensor(buf: bytes, name: str) -> np.ndarray:
 
 def _densify(buf: bytes, np_dtype: Any, shape: list[int], name: str) -> np.ndarray:
     """A sparse CSR tensor made dense, unlisted cells 0 (the SDK's `to_numpy()` default)."""
-    parts = {n: bytes(v) for n, w, v in fields(buf) if w == LENGTH}
-    values = np.frombuffer(parts.get(1, b""), dtype=np_dtype)
-    crow = np.frombuffer(parts.get(2, b""), dtype=np.int64)
-    col = np.frombuffer(parts.get(3, b""), dtype=np.int64)
+    parts, what = _message(buf), f"loss_fn_inputs[{name!r}] (sparse CSR)"
+    values = _array(_part(parts, 1, what), np_dtype, what)
+    crow = _array(_part(parts, 2, what), np.int64, what)
+    col = _array(_part(parts, 3, what), np.int64, what)
     if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values):
         raise WireError(f"loss_fn_inputs[{name!r}]: malformed sparse CSR tensor (shape {shape})")
     if (np.diff(crow) < 0).any() or crow[0] != 0 or crow[-1] != len(values):
@@ -238,20 +272,20 @@ def _datum(buf: bytes) -> WireDatum:
     inputs: dict[str, np.ndarray] = {}
     for number, wire, value in fields(buf):
         if number == 1 and wire == LENGTH:
-            for chunk_field, _, chunk in fields(value):
+            for chunk_field, chunk_wire, chunk in fields(value):
                 if chunk_field == 1:
-                    raw = next((bytes(v) for n, _, v in fields(chunk) if n == 1), b"")
-                    if len(raw) % 4:
-                        raise WireError("an encoded_text chunk's tokens are not int32s")
-                    tokens += np.frombuffer(raw, dtype=np.int32).tolist()
+                    if chunk_wire != LENGTH:
+                        raise WireError(f"a model_input chunk has wire type {chunk_wire}")
+                    raw = _part(_message(chunk), 1, "an encoded_text chunk's tokens")
+                    tokens += _array(raw, np.int32, "an encoded_text chunk's tokens").tolist()
                 elif chunk_field == 2:
                     raise Unsupported("image chunks in model_input are not supported (text-only models)")
                 elif chunk_field == 3:
                     raise Unsupported("dmel (audio) chunks in model_input are not supported")
         elif number == 2 and wire == LENGTH:
-            entry = {n: v for n, _, v in fields(value)}
-            name = _text(entry.get(1, b""))
-            inputs[name] = _tensor(entry.get(2, b""), name)
+            entry = _message(value)
+            name = _text(_part(entry, 1, "a loss_fn_inputs name"))
+            inputs[name] = _tensor(_part(entry, 2, f"loss_fn_inputs[{name!r}]"), name)
     return WireDatum(tokens, inputs)
 
 
@@ -271,15 +305,18 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         elif number == 4 and wire == LENGTH:
             loss_fn = _text(value)
         elif number == 5 and wire == LENGTH:
-            entry = {n: v for n, _, v in fields(value)}
-            legacy[_text(entry.get(1, b""))] = struct.unpack("<d", entry.get(2, b"\0" * 8))[0]
+            entry = _message(value)
+            legacy[_text(_part(entry, 1, "a loss_fn_config key"))] = _double(
+                entry, 2, "a loss_fn_config value"
+            )
         elif number == 6 and wire == VARINT:
             forward_only = bool(value)
         elif number == 7 and wire == LENGTH:
-            entry = {n: v for n, _, v in fields(value)}
-            arm = {n: v for n, _, v in fields(entry.get(2, b""))}
-            key = _text(entry.get(1, b""))
-            config[key] = _text(arm[2]) if 2 in arm else struct.unpack("<d", arm.get(1, b"\0" * 8))[0]
+            entry = _message(value)
+            key = _text(_part(entry, 1, "a loss_fn_config key"))
+            arm = _message(_part(entry, 2, f"loss_fn_config[{key!r}]"))
+            what = f"loss_fn_config[{key!r}]"
+            config[key] = _text(_part(arm, 2, what)) if 2 in arm else _double(arm, 1, what)
     if not model_id:
         raise WireError("forward_backward: model_id is missing")
     return ForwardBackwardCall(model_id, seq_id, loss_fn, forward_only, data, config or legacy)
