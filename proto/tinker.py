@@ -67,6 +67,10 @@ class Unsupported(WireError):
 
 VARINT, FIXED64, LENGTH, FIXED32 = 0, 1, 2, 5
 MAX_VARINT_BYTES = 10
+# Cells a call's sparse (CSR) tensors may hold once made dense, all together: a CSR tensor of a
+# few bytes may declare any shape, and the dense copy is allocated here, before any other check.
+# 16M cells (64 MB of float32) is ~500x a max_tokens_per_call of 32768 top-1 targets.
+MAX_DENSE_CELLS = 1 << 24
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -223,7 +227,22 @@ class ForwardBackwardCall:
     loss_fn_config: dict[str, float | str] = field(default_factory=dict)
 
 
-def _tensor(buf: bytes, name: str) -> np.ndarray:
+@dataclass
+class _Budget:
+    """The dense cells a call's sparse tensors may still take (`MAX_DENSE_CELLS`)."""
+
+    cells: int = MAX_DENSE_CELLS
+
+    def take(self, cells: int, what: str) -> None:
+        if cells > self.cells:
+            raise WireError(
+                f"{what} is {cells} cells once dense; a call's sparse tensors may take {MAX_DENSE_CELLS} "
+                f"in all, {self.cells} are left"
+            )
+        self.cells -= cells
+
+
+def _tensor(buf: bytes, name: str, budget: _Budget) -> np.ndarray:
     dense, csr, dtype, shape = None, None, 0, []
     for number, wire, value in fields(buf):
         if number == 1 and wire == LENGTH:
@@ -240,7 +259,7 @@ def _tensor(buf: bytes, name: str) -> np.ndarray:
     if any(d < 0 for d in shape):
         raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape} has a negative dimension")
     if csr is not None:
-        return _densify(csr, np_dtype, shape, name)
+        return _densify(csr, np_dtype, shape, name, budget)
     data = _array(dense or b"", np_dtype, f"loss_fn_inputs[{name!r}]")
     if shape:
         if math.prod(shape) != data.size:
@@ -249,7 +268,7 @@ def _tensor(buf: bytes, name: str) -> np.ndarray:
     return data.astype(np.int64 if np_dtype is np.int32 else np_dtype)
 
 
-def _densify(buf: bytes, np_dtype: Any, shape: list[int], name: str) -> np.ndarray:
+def _densify(buf: bytes, np_dtype: Any, shape: list[int], name: str, budget: _Budget) -> np.ndarray:
     """A sparse CSR tensor made dense, unlisted cells 0 (the SDK's `to_numpy()` default)."""
     parts, what = _message(buf), f"loss_fn_inputs[{name!r}] (sparse CSR)"
     values = _array(_part(parts, 1, what), np_dtype, what)
@@ -261,13 +280,14 @@ def _densify(buf: bytes, np_dtype: Any, shape: list[int], name: str) -> np.ndarr
         raise WireError(f"loss_fn_inputs[{name!r}]: sparse CSR row pointers are not monotone")
     if len(col) and (col.min() < 0 or col.max() >= shape[1]):
         raise WireError(f"loss_fn_inputs[{name!r}]: sparse CSR column index out of range")
+    budget.take(math.prod(shape), f"loss_fn_inputs[{name!r}] of shape {shape}")
     dense = np.zeros(shape, dtype=np.int64 if np_dtype is np.int32 else np_dtype)
     rows = np.repeat(np.arange(shape[0]), np.diff(crow))
     dense[rows, col] = values
     return dense
 
 
-def _datum(buf: bytes) -> WireDatum:
+def _datum(buf: bytes, budget: _Budget) -> WireDatum:
     tokens: list[int] = []
     inputs: dict[str, np.ndarray] = {}
     for number, wire, value in fields(buf):
@@ -285,7 +305,7 @@ def _datum(buf: bytes) -> WireDatum:
         elif number == 2 and wire == LENGTH:
             entry = _message(value)
             name = _text(_part(entry, 1, "a loss_fn_inputs name"))
-            inputs[name] = _tensor(_part(entry, 2, f"loss_fn_inputs[{name!r}]"), name)
+            inputs[name] = _tensor(_part(entry, 2, f"loss_fn_inputs[{name!r}]"), name, budget)
     return WireDatum(tokens, inputs)
 
 
@@ -295,13 +315,14 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
     data: list[WireDatum] = []
     legacy: dict[str, float | str] = {}
     config: dict[str, float | str] = {}
+    budget = _Budget()
     for number, wire, value in fields(body):
         if number == 1 and wire == LENGTH:
             model_id = _text(value)
         elif number == 2 and wire == VARINT:
             seq_id = _signed64(value)
         elif number == 3 and wire == LENGTH:
-            data.append(_datum(value))
+            data.append(_datum(value, budget))
         elif number == 4 and wire == LENGTH:
             loss_fn = _text(value)
         elif number == 5 and wire == LENGTH:

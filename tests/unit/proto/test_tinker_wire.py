@@ -167,3 +167,28 @@ def test_a_malformed_body_is_a_wire_error_naming_the_field(case):
     body, message = MALFORMED[case]
     with pytest.raises(wire.WireError, match=re.escape(message)):
         wire.decode_forward_backward(body)
+
+
+def sparse_input(name: bytes, columns: int) -> bytes:
+    """A loss input of shape [1, columns] as a CSR tensor holding one float: a few bytes."""
+    csr = field(1, np.float32(1.0).tobytes()) + field(2, np.array([0, 1], np.int64).tobytes())
+    csr += field(3, np.array([0], np.int64).tobytes())
+    return field(
+        2, field(1, name) + field(2, field(2, csr) + field(3, 1) + field(4, wire._packed([1, columns])))
+    )
+
+
+def test_sparse_tensors_are_made_dense_only_within_the_calls_budget():
+    # One CSR tensor of ~40 bytes declaring 2^40 cells: 4 TiB dense, refused before allocation.
+    huge = field(1, b"m") + field(3, sparse_input(b"weights", 1 << 40))
+    with pytest.raises(wire.WireError, match=r"loss_fn_inputs\['weights'\] of shape \[1, 1099511627776\]"):
+        wire.decode_forward_backward(huge)
+    # Each under the budget, together over it: the second is refused (the sum is what is held).
+    half = wire.MAX_DENSE_CELLS // 2 + 1
+    two = field(1, b"m") + field(3, sparse_input(b"a", half)) + field(3, sparse_input(b"b", half))
+    with pytest.raises(
+        wire.WireError, match=rf"loss_fn_inputs\['b'\] .* {wire.MAX_DENSE_CELLS // 2 - 1} are left"
+    ):
+        wire.decode_forward_backward(two)
+    call = wire.decode_forward_backward(field(1, b"m") + field(3, sparse_input(b"a", half)))
+    assert call.data[0].inputs["a"].shape == (1, half) and call.data[0].inputs["a"].sum() == 1.0
