@@ -38,7 +38,12 @@ class TinkerServiceSettings(ServiceSettings):
     max_models: int = Field(4, ge=1, le=1024, description="models held at once (429 past it)")
     max_lora_rank: int = Field(64, ge=1, le=4096, description="largest LoRA rank a model may ask")
     max_tokens_per_call: int = Field(
-        32768, ge=16, description="tokens of one forward/forward_backward call at most (400 above)"
+        32768,
+        ge=16,
+        description="tokens of one forward/forward_backward call, and of one sample's prompt, at most (400 above)",
+    )
+    max_samples_per_call: int = Field(
+        256, ge=1, le=100_000, description="num_samples of one sample call at most (400 above)"
     )
     max_queued_commands: int = Field(
         64, ge=1, le=100_000, description="commands of one model waiting to run (429 past it)"

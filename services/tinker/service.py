@@ -3,7 +3,8 @@ refuse it, naming why), answer a future, run a sample. Routes only parse and ans
 
 Limits, each a clear refusal rather than memory growth: `max_models` models at once (429),
 `max_queued_commands` per model (429), `max_inflight_samples` (429), `max_tokens_per_call`
-per forward/forward_backward (400), request bodies (413, by `BodyLimit`).
+per forward/forward_backward and per sample prompt (400), `max_samples_per_call` (400), request
+bodies (413, by `BodyLimit`).
 """
 
 from __future__ import annotations
@@ -341,6 +342,21 @@ class TinkerService:
         session = self.log.record("sampler", body.sampling_session_id)
         if session is None:
             raise refuse(404, route, f"unknown sampling session {body.sampling_session_id[:128]!r}")
+        # The engine body holds the prompt once per sample: both bounds, or a small body asks for
+        # gigabytes (the body cap alone allows a 30M-token prompt).
+        if body.num_samples > self.settings.max_samples_per_call:
+            raise refuse(
+                400,
+                route,
+                f"num_samples {body.num_samples} is above max_samples_per_call ({self.settings.max_samples_per_call})",
+            )
+        prompt = sum(len(c.tokens or ()) for c in body.prompt.chunks)
+        if prompt > self.settings.max_tokens_per_call:
+            raise refuse(
+                400,
+                route,
+                f"a prompt of {prompt} tokens is above max_tokens_per_call ({self.settings.max_tokens_per_call})",
+            )
         if len(self.samples) >= self.settings.max_inflight_samples:
             raise refuse(429, route, f"{len(self.samples)} samples running (max_inflight_samples)")
         rid = self.log.new_future("sample", {"sampler": body.sampling_session_id})

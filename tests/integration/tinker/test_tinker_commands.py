@@ -159,3 +159,27 @@ def test_a_retried_sampler_save_is_the_same_call_whatever_sampling_session_it_na
     )
     other = http.post("/api/v1/save_weights_for_sampler", json={"model_id": mid, "seq_id": 1, "path": "x"})
     assert other.status_code == 400 and "already used by a different call" in other.json()["detail"]
+
+
+def test_a_sample_call_is_bounded_in_samples_and_prompt_tokens(stack):
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        sid = http.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()[
+            "session_id"
+        ]
+        session = {"session_id": sid, "sampling_session_seq_id": 0, "base_model": BASE}
+        sampler = http.post("/api/v1/create_sampling_session", json=session).json()["sampling_session_id"]
+
+        def sample(tokens: list[int], n: int) -> httpx.Response:
+            return http.post("/api/v1/asample", json={
+                "sampling_session_id": sampler, "num_samples": n, "sampling_params": {"max_tokens": 1},
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+            })  # fmt: skip
+
+        limit = stack.settings.max_samples_per_call
+        many = sample([5, 6], limit + 1)
+        assert many.status_code == 400 and f"max_samples_per_call ({limit})" in many.json()["detail"]
+        long = sample([5] * (stack.settings.max_tokens_per_call + 1), 1)
+        assert long.status_code == 400 and "max_tokens_per_call" in long.json()["detail"]
+        ok = sample([5, 6], 2).json()
+        assert len(ok["sample_sequence_ids"]) == 2
+        assert wait_future(http, ok["request_id"]).status_code == 200
