@@ -33,7 +33,7 @@ from asyncrl.services.tinker.commands import (
 from asyncrl.services.tinker.config import TinkerServiceSettings
 from asyncrl.services.tinker.paths import check_name, model_id, sampling_session_id
 from asyncrl.services.tinker.sampling import EngineError, Sampler, SampleRefused
-from asyncrl.services.tinker.worker import TrainingWorker, arrays_to_json
+from asyncrl.services.tinker.worker import MAX_ERROR_CHARS, TrainingWorker, arrays_to_json
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +376,11 @@ class TinkerService:
             m.SAMPLES.labels("refused").inc()
         except EngineError as exc:
             self.log.settle(rid, error=str(exc), category="server")
+            m.SAMPLES.labels("error").inc()
+        except Exception as exc:  # noqa: BLE001  (else the future stays running: a 410 the SDK resends)
+            message = f"internal error in sample: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+            log_event(log, "tinker sample failed", logging.ERROR, request=rid, error=message)
+            self.log.settle(rid, error=message, category="server")
             m.SAMPLES.labels("error").inc()
         else:
             self.log.settle(rid, result={"proto": "sample", **result})

@@ -183,3 +183,35 @@ def test_a_sample_call_is_bounded_in_samples_and_prompt_tokens(stack):
         ok = sample([5, 6], 2).json()
         assert len(ok["sample_sequence_ids"]) == 2
         assert wait_future(http, ok["request_id"]).status_code == 200
+
+
+def test_a_sample_that_fails_unexpectedly_fails_its_future_and_is_counted(stack, monkeypatch):
+    """Not a 410 (which has the SDK send it again, and again: the same fault each time): a
+    failed future (`server`), counted. The fault is injected: the sampler raising what no
+    branch expects (a bug, an engine answer that breaks a parse)."""
+
+    async def broken(request, session):
+        raise LookupError("an engine answer this code did not expect")
+
+    monkeypatch.setattr(stack.service.sampler, "sample", broken)
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        sid = http.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()[
+            "session_id"
+        ]
+        session = {"session_id": sid, "sampling_session_seq_id": 0, "base_model": BASE}
+        sampler = http.post("/api/v1/create_sampling_session", json=session).json()["sampling_session_id"]
+        before = errors(http)
+        rid = http.post("/api/v1/asample", json={
+            "sampling_session_id": sampler, "num_samples": 1, "sampling_params": {"max_tokens": 1},
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
+        }).json()["request_id"]  # fmt: skip
+        failed = wait_future(http, rid)
+        assert failed.status_code == 200 and failed.json()["category"] == "server"
+        assert "LookupError: an engine answer this code did not expect" in failed.json()["error"]
+        assert errors(http) == before + 1
+
+
+def errors(http: httpx.Client) -> float:
+    line = 'asyncrl_tinker_samples_total{outcome="error"} '
+    found = [ln for ln in http.get("/metrics").text.splitlines() if ln.startswith(line)]
+    return float(found[0].split()[-1]) if found else 0.0
