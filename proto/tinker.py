@@ -566,6 +566,17 @@ class SampleRequest(Body):
         return [name for name, asked in asks.items() if asked]
 
 
+class FinishReason(Body):
+    type: str = "unknown"
+
+
+class SessionFinishRequest(Body):
+    """`POST /api/v1/sessions/{id}/finish` (`ServiceClient.close`): `{"reason": {"type"}, "detail"}`."""
+
+    reason: FinishReason | None = None
+    detail: str | None = None
+
+
 class FutureRetrieveRequest(Body):
     request_id: str
     allow_metadata_only: bool = False

@@ -55,8 +55,8 @@ async def heartbeat(request: Request, service: ServiceDep) -> wire.SessionHeartb
 
 @router.post("/sessions/{session_id}/finish", response_model=None, status_code=204)
 async def finish(session_id: str, request: Request, service: ServiceDep) -> None:
-    data = await request.json()
-    reason = str(((data or {}).get("reason") or {}).get("type", "unknown"))[:32]
+    body, _ = await parse(request, wire.SessionFinishRequest)
+    reason = body.reason.type[:32] if body.reason else "unknown"
     await run_in_threadpool(service.finish_session, session_id, reason)
 
 

@@ -215,3 +215,16 @@ def errors(http: httpx.Client) -> float:
     line = 'asyncrl_tinker_samples_total{outcome="error"} '
     found = [ln for ln in http.get("/metrics").text.splitlines() if ln.startswith(line)]
     return float(found[0].split()[-1]) if found else 0.0
+
+
+def test_a_malformed_session_finish_is_a_4xx_naming_it(stack):
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        sid = http.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()[
+            "session_id"
+        ]
+        route = f"/api/v1/sessions/{sid}/finish"
+        for body in (b"not json", b'{"reason": "success"}', b"[1, 2]"):
+            refused = http.post(route, content=body, headers={"Content-Type": "application/json"})
+            assert refused.status_code in (400, 422) and "detail" in refused.json(), (body, refused.text)
+        assert http.post(route, json={"reason": {"type": "success"}, "detail": None}).status_code == 204
+        assert stack.service.log.session(sid)["finished"] == "success"
