@@ -14,6 +14,8 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import HTTPException
@@ -41,25 +43,34 @@ SEED_RANGE = 1 << 31  # a model created without a seed gets one, stored, so a re
 
 
 class Waiters:
-    """Futures' completion signals, for `retrieve_future`'s long poll: set from any thread."""
+    """Futures' completion signals, for `retrieve_future`'s long poll. A poll watches its request
+    id before it reads the record (`watch`), so a call finishing between that read and the wait
+    still wakes it; `notify` may come from any thread and touches the watchers on the loop only."""
 
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.events: dict[str, asyncio.Event] = {}
+        self.events: dict[str, set[asyncio.Event]] = {}
 
     def notify(self, rid: str) -> None:
-        event, loop = self.events.get(rid), self.loop
-        if event is not None and loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(event.set)
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, rid)
 
-    async def wait(self, rid: str, timeout: float) -> None:
-        event = self.events.setdefault(rid, asyncio.Event())
+    def _wake(self, rid: str) -> None:
+        for event in self.events.get(rid, ()):
+            event.set()
+
+    @contextmanager
+    def watch(self, rid: str) -> Iterator[asyncio.Event]:
+        event = asyncio.Event()
+        self.events.setdefault(rid, set()).add(event)
         try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
+            yield event
         finally:
-            self.events.pop(rid, None)
+            watchers = self.events.get(rid, set())
+            watchers.discard(event)
+            if not watchers:
+                self.events.pop(rid, None)
 
 
 def refuse(status: int, route: str, message: str) -> HTTPException:
@@ -394,17 +405,21 @@ class TinkerService:
         """The future's record once finished, or None after holding the poll `poll_hold_s`."""
         from starlette.concurrency import run_in_threadpool
 
-        record = await run_in_threadpool(self.log.future, rid)
-        if record is None:
-            raise refuse(
-                404, "retrieve_future", f"unknown request_id {rid[:64]!r} (never issued, or expired)"
-            )
-        if record["state"] not in (DONE, FAILED):
-            if record.get("kind") == "sample" and rid not in self.samples:
-                raise refuse(
-                    410, "retrieve_future",
-                    f"sample {rid} was lost in a restart of the service; the SDK sends it again",
-                )  # fmt: skip
-            await self.waiters.wait(rid, self.settings.poll_hold_s)
+        with self.waiters.watch(rid) as finished:
             record = await run_in_threadpool(self.log.future, rid)
+            if record is None:
+                raise refuse(
+                    404, "retrieve_future", f"unknown request_id {rid[:64]!r} (never issued, or expired)"
+                )
+            if record["state"] not in (DONE, FAILED):
+                if record.get("kind") == "sample" and rid not in self.samples:
+                    raise refuse(
+                        410, "retrieve_future",
+                        f"sample {rid} was lost in a restart of the service; the SDK sends it again",
+                    )  # fmt: skip
+                try:
+                    await asyncio.wait_for(finished.wait(), self.settings.poll_hold_s)
+                except TimeoutError:
+                    pass
+                record = await run_in_threadpool(self.log.future, rid)
         return record if record and record["state"] in (DONE, FAILED) else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import redis
 from tinker_stack import BASE, KEY, PROTO, fb_body, optim_body, start_stack, tinker_settings, wait_future
 from waiting import wait_until
 
@@ -228,3 +229,38 @@ def test_a_malformed_session_finish_is_a_4xx_naming_it(stack):
             assert refused.status_code in (400, 422) and "detail" in refused.json(), (body, refused.text)
         assert http.post(route, json={"reason": {"type": "success"}, "detail": None}).status_code == 204
         assert stack.service.log.session(sid)["finished"] == "success"
+
+
+def test_a_call_finishing_between_a_polls_read_and_its_wait_wakes_the_poll(
+    redis_server, tiny, tinker_root, run_id, monkeypatch
+):
+    """The race a long poll must not lose: the worker finishes the call (and notifies) after the
+    poll read it unfinished and before the poll waits. The read is made to race so; a wake-up
+    lost there holds the poll its whole `poll_hold_s` (40 s), past the 20 s this test allows."""
+    import asyncio
+
+    from asyncrl.services.tinker.commands import CommandLog
+    from asyncrl.services.tinker.service import TinkerService
+
+    settings = tinker_settings(redis_server.url, run_id, tinker_root, tiny, None, poll_hold_s=40.0)
+    log = CommandLog(redis.Redis.from_url(redis_server.url), run_id, max_queued=4, result_ttl_s=600)
+    service = TinkerService(settings, log, None, None)  # no backend: nothing here runs a command
+    rid = log.new_future("probe")
+    read = log.future
+
+    def racing(request_id: str) -> dict | None:
+        record = read(request_id)
+        if record["state"] == "running":  # the worker's finish and notify, on its own thread
+            log.settle(request_id, result={"answer": 42})
+            service.waiters.notify(request_id)
+        return record
+
+    monkeypatch.setattr(log, "future", racing)
+
+    async def poll() -> dict | None:
+        service.waiters.loop = asyncio.get_running_loop()
+        return await asyncio.wait_for(service.retrieve(rid), 20)
+
+    record = asyncio.run(poll())
+    assert record["state"] == "done" and record["result"] == {"answer": 42}
+    log.redis.close()
