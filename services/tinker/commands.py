@@ -85,11 +85,16 @@ class CommandLog:
         return True
 
     def finish_session(self, sid: str, reason: str) -> bool:
+        """Whether `sid` is a session (then finished, with the first reason given)."""
         key = self.key("session", sid)
         if not self.redis.exists(key):
             return False
         self.redis.hsetnx(key, "finished", reason)
         return True
+
+    def expire_session(self, sid: str) -> bool:
+        """Finish `sid` as expired; whether this call ended it (it was not finished before)."""
+        return bool(self.redis.hsetnx(self.key("session", sid), "finished", "expired"))
 
     def session(self, sid: str) -> dict | None:
         data = self.redis.hgetall(self.key("session", sid))

@@ -52,6 +52,13 @@ class TinkerServiceSettings(ServiceSettings):
         256, ge=1, le=100_000, description="sample calls running at once (429 past it)"
     )
     max_body_bytes: int = Field(64 << 20, ge=1024, description="largest accepted request body (413 above)")
+    session_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=7 * 86400,
+        description="a session without a heartbeat this long is over (the SDK beats every 10 s): its models are "
+        "released, as when the client closes it",
+    )
     gap_timeout_s: float = Field(
         120.0,
         gt=0,

@@ -19,7 +19,8 @@ seq id) and its unfinished commands. For each live model:
   under its name) gives the model up the same way, naming why: one model never stops the
   service from starting.
 
-A model whose creating call failed is not live (`worker._not_created`): nothing to rebuild.
+A model whose creating call failed is not live (`worker._not_created`): nothing to rebuild; nor
+is one whose session ended with nothing left to run: it is released.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ def recover(commands: CommandLog, backend: Any) -> dict[str, str]:
         for command in pending:
             if command.state == RUNNING:
                 commands.redis.hset(commands.key("future", command.request_id), "state", QUEUED)
-        if int(record.get("cursor", -1)) < 0:
+        session = commands.session(record.get("session", ""))
+        if not pending and (session is None or "finished" in session):
+            commands.update_model(mid, status="unloaded")  # its session ended: nothing to rebuild
+            outcomes[mid] = "released"
+        elif int(record.get("cursor", -1)) < 0:
             outcomes[mid] = "pending"
         else:
             point = restore_point(record)

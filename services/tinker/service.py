@@ -88,6 +88,7 @@ class TinkerService:
             gap_timeout_s=settings.gap_timeout_s,
             notify=self.waiters.notify,
             tinker_module=api,
+            session_timeout_s=settings.session_timeout_s,
         )
         self.sampler = Sampler(
             settings.engine_urls,
@@ -134,8 +135,7 @@ class TinkerService:
 
     def create_model(self, body: wire.CreateModelRequest, raw: bytes) -> wire.UntypedFuture:
         route = "create_model"
-        if self.log.session(body.session_id) is None:
-            raise refuse(404, route, f"unknown session_id {body.session_id[:64]!r}: create_session first")
+        self._open_session(route, body.session_id)
         if body.base_model not in self.settings.base_models:
             raise refuse(
                 400,
@@ -173,8 +173,7 @@ class TinkerService:
     def create_from_checkpoint(self, body: wire.LoadWeightsRequest, raw: bytes) -> wire.UntypedFuture:
         """`load_weights` as a model's first call (create-via-load: seq id 0, no create_model)."""
         route = "load_weights"
-        if self.log.session(body.session_id or "") is None:
-            raise refuse(404, route, f"unknown session_id {str(body.session_id)[:64]!r}")
+        self._open_session(route, body.session_id or "")
         checkpoint = self.log.record("ckpt", body.path)
         if checkpoint is None or checkpoint.get("kind") != "training":
             raise refuse(
@@ -190,6 +189,15 @@ class TinkerService:
         }  # fmt: skip
         payload = {"path": body.path, "optimizer": body.optimizer}
         return self._create(route, mid, "load_weights", payload, raw, record)
+
+    def _open_session(self, route: str, sid: str) -> None:
+        """Refuse a model in a session that is unknown (404) or finished (410: its models are
+        released, a new one would be too)."""
+        session = self.log.session(sid)
+        if session is None:
+            raise refuse(404, route, f"unknown session_id {sid[:64]!r}: create_session first")
+        if "finished" in session:
+            raise refuse(410, route, f"session {sid} is finished ({session['finished']}): create a new one")
 
     def _create(
         self, route: str, mid: str, kind: str, payload: dict, raw: bytes, record: dict
@@ -290,7 +298,7 @@ class TinkerService:
         if not self.log.finish_session(sid, reason):
             raise refuse(404, "finish_session", f"unknown session_id {sid[:64]!r}")
         mids = [mid for mid in self.log.live_models() if (self.log.model(mid) or {}).get("session") == sid]
-        self.worker.release(mids)
+        self.worker.wake()  # it releases them once their queues are empty
         log_event(log, "session finished", session=sid, reason=reason, models=len(mids))
 
     def info(self, mid: str) -> wire.GetInfoResponse:

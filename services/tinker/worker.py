@@ -3,7 +3,11 @@ in seq-id order (docs/architecture.md §13).
 
 The loop is the whole policy: for each live model, run its next command if its turn has come
 (`CommandLog.head`), give up a missing seq id that held the queue past `gap_timeout_s`, and
-release a finished session's models once their queues are empty. Each command's effect on the
+release a finished session's models once their queues are empty. A session is finished when
+its client closed it, or when it sent no heartbeat for `session_timeout_s` (a client that died:
+its models would otherwise hold memory and `max_models` slots for good); silence is counted
+from this process's start at the earliest, so a restart does not end every session. Both are
+read from Redis at each pass, so a restart releases what it must. Each command's effect on the
 model's durable record (`mutated`, the checkpoint a restart may restore) is written in the same
 transaction as its result, so `recovery.py` can tell after a crash what the in-memory state held.
 
@@ -63,13 +67,15 @@ class TrainingWorker:
         gap_timeout_s: float,
         notify: Callable[[str], None],
         tinker_module: Any,
+        session_timeout_s: float = 600.0,
     ):
         self.log, self.backend, self.gap_timeout_s, self.notify = commands, backend, gap_timeout_s, notify
+        self.session_timeout_s = session_timeout_s
+        self.started = time.time()
         self.tinker = tinker_module  # asyncrl.trainer.tinker: its Datum and error classes
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.releasing: set[str] = set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tinker-worker", daemon=True)
@@ -82,11 +88,6 @@ class TrainingWorker:
             self._thread.join(timeout=60)
 
     def wake(self) -> None:
-        self._wake.set()
-
-    def release(self, mids: list[str]) -> None:
-        """Unload these models once their queues are empty (their session finished)."""
-        self.releasing.update(mids)
         self._wake.set()
 
     def _loop(self) -> None:
@@ -114,9 +115,22 @@ class TrainingWorker:
                 ran = True
             elif missing is not None:
                 self._check_gap(mid, missing)
-            elif mid in self.releasing:
+            elif self._session_over(mid):
                 self._unload(mid)
         return ran
+
+    def _session_over(self, mid: str) -> bool:
+        sid = (self.log.model(mid) or {}).get("session", "")
+        session = self.log.session(sid)
+        if session is None or "finished" in session:
+            return True
+        seen = max(float(session.get("seen", 0.0)), self.started)
+        if time.time() - seen <= self.session_timeout_s:
+            return False
+        if self.log.expire_session(sid):
+            m.SESSIONS_EXPIRED.inc()
+            log_event(log, "session expired", session=sid, silent_s=round(time.time() - seen, 1))
+        return True
 
     def _check_gap(self, mid: str, missing: int) -> None:
         waiting = self.log.queued(mid)
@@ -132,7 +146,6 @@ class TrainingWorker:
             self.notify(command.request_id)
 
     def _unload(self, mid: str) -> None:
-        self.releasing.discard(mid)
         try:
             self.backend.unload(backend_id(mid))
         except self.tinker.UnknownModelError:

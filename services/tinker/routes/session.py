@@ -48,8 +48,14 @@ async def create_session(request: Request, service: ServiceDep) -> wire.CreateSe
 @router.post("/session_heartbeat", response_model=wire.SessionHeartbeatResponse)
 async def heartbeat(request: Request, service: ServiceDep) -> wire.SessionHeartbeatResponse:
     body, _ = await parse(request, wire.SessionHeartbeatRequest)
-    if not await run_in_threadpool(service.log.heartbeat, body.session_id):
+    session = await run_in_threadpool(service.log.session, body.session_id)
+    if session is None:
         raise refuse(404, "session_heartbeat", f"unknown session_id {body.session_id[:64]!r}")
+    if "finished" in session:  # the SDK stops its heartbeat loop on a 410
+        raise refuse(
+            410, "session_heartbeat", f"session {body.session_id} is finished ({session['finished']})"
+        )
+    await run_in_threadpool(service.log.heartbeat, body.session_id)
     return wire.SessionHeartbeatResponse()
 
 

@@ -109,8 +109,12 @@ def test_limits_answer_429_and_413(redis_server, tiny, tinker_root, run_id):
                 lambda: running.service.log.model(mid)["status"] == "unloaded",
                 message="the model is released",
             )
-            rid = http.post("/api/v1/create_model", json={**create, "model_seq_id": 1}).json()["request_id"]
-            assert wait_future(http, rid).json()["model_id"] == f"{sid}:train:1"
+            closed = http.post("/api/v1/create_model", json={**create, "model_seq_id": 1})
+            assert closed.status_code == 410 and "finished (success)" in closed.json()["detail"]
+            new = http.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()
+            again = {**create, "session_id": new["session_id"], "model_seq_id": 0}
+            rid = http.post("/api/v1/create_model", json=again).json()["request_id"]
+            assert wait_future(http, rid).json()["model_id"] == f"{new['session_id']}:train:0"
     finally:
         server.stop()
 
@@ -264,3 +268,45 @@ def test_a_call_finishing_between_a_polls_read_and_its_wait_wakes_the_poll(
     record = asyncio.run(poll())
     assert record["state"] == "done" and record["result"] == {"answer": 42}
     log.redis.close()
+
+
+def test_a_session_that_stops_heartbeating_expires_and_frees_its_models(
+    redis_server, tiny, tinker_root, run_id
+):
+    """A client that dies without closing its session (the SDK's `close` never sent) must not hold
+    its models' memory and `max_models` slots for good: past `session_timeout_s` without a
+    heartbeat the session is over, its models are released once their queues are empty, and
+    its heartbeat answers 410, on which the SDK stops heartbeating."""
+    settings = tinker_settings(
+        redis_server.url, run_id, tinker_root, tiny, None, max_models=1, session_timeout_s=2.0
+    )
+    running, server = start_stack(settings)
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as http:
+            sid = http.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()[
+                "session_id"
+            ]
+            create = {"session_id": sid, "base_model": BASE, "lora_config": {"rank": 4}, "model_seq_id": 0}
+            mid = wait_future(
+                http, http.post("/api/v1/create_model", json=create).json()["request_id"]
+            ).json()["model_id"]
+            wait_until(
+                lambda: running.service.log.model(mid)["status"] == "unloaded",
+                message="the silent session's model is released",
+            )
+            assert running.service.log.session(sid)["finished"] == "expired"
+            beat = http.post("/api/v1/session_heartbeat", json={"session_id": sid})
+            assert beat.status_code == 410 and "expired" in beat.json()["detail"]
+            other = http.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()
+            again = {**create, "session_id": other["session_id"]}
+            rid = http.post("/api/v1/create_model", json=again).json()["request_id"]  # the slot is free
+            assert wait_future(http, rid).json()["model_id"] == f"{other['session_id']}:train:0"
+            assert expired(http) >= 1.0
+    finally:
+        server.stop()
+
+
+def expired(http: httpx.Client) -> float:
+    line = "asyncrl_tinker_sessions_expired_total "
+    found = [ln for ln in http.get("/metrics").text.splitlines() if ln.startswith(line)]
+    return float(found[0].split()[-1]) if found else 0.0

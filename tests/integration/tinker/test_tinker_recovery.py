@@ -135,3 +135,16 @@ def test_a_model_that_cannot_be_built_neither_holds_a_slot_nor_stops_a_restart(w
     record = service.log.model(gone)
     assert record["status"] == "lost" and "could not be rebuilt" in record["lost_reason"]
     assert backend.models() == [backend_id(ok)]  # nothing half-built left behind
+
+
+def test_a_model_whose_session_ended_is_released_not_rebuilt(world):
+    service, new_backend, _ = world
+    closed, open_ = service.log.create_session({}), service.log.create_session({})
+    done = create(service, closed, 0)["result"]["model_id"]
+    kept = create(service, open_, 0)["result"]["model_id"]
+    service.finish_session(
+        closed, "success"
+    )  # the SDK's close; the process dies before the worker releases it
+    backend = new_backend()
+    assert recover(service.log, backend) == {done: "released", kept: "restored"}
+    assert backend.models() == [backend_id(kept)] and service.log.model(done)["status"] == "unloaded"
