@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict, defaultdict
+from pathlib import Path
 
 import httpx
 
@@ -162,6 +163,11 @@ class Sampler:
             if name in held:
                 held.move_to_end(name)
                 return
+            if not await asyncio.to_thread(Path(path).is_dir):
+                raise SampleRefused(
+                    f"the sampler weights of {name} are gone ({path}): only the newest unnamed "
+                    "save_weights_for_sampler versions of a model are kept; save with a name to keep one"
+                )
             while len(held) >= self.max_loaded:
                 victim = next((n for n in held if not self.in_use[(engine, n)]), None)
                 if victim is None:

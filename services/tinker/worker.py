@@ -237,7 +237,9 @@ class TrainingWorker:
     def _save_weights_for_sampler(self, command: Command, body: dict) -> tuple[dict, dict]:
         record = self.log.model(command.model_id) or {}
         name = body["name"] or f"seq{command.seq}"
-        saved = self.backend.save_for_sampler(backend_id(command.model_id), name)
+        saved = self.backend.save_for_sampler(
+            backend_id(command.model_id), name, keep=body["name"] is not None
+        )
         path = sampler_path(command.model_id, name)
         sampler = {
             "kind": "sampler",

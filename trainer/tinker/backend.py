@@ -16,6 +16,8 @@ model's commands in order (`metrics` alone may be read from another thread).
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,7 @@ from asyncrl.trainer.tinker.models import (
 )
 
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+KEPT_DIR = "kept"  # named sampler versions, beside the pruned ones (not a `v…` name: never listed)
 
 
 @dataclass(frozen=True)
@@ -269,10 +272,13 @@ class TinkerTrainer:
 
     # ---- weights ------------------------------------------------------------------------
 
-    def save_for_sampler(self, model_id: str, name: str) -> dict:
+    def save_for_sampler(self, model_id: str, name: str, keep: bool = False) -> dict:
         """The adapter as a PEFT directory `<weights_root>/<model_id>/v<version>`, written as the
         async LoRA path writes its versions (`DiskPublisher`): a new version per call, never
-        rewritten; the engines load it with /load_lora_adapter under `adapter_name`."""
+        rewritten; the engines load it with /load_lora_adapter under `adapter_name`. The
+        publisher keeps the newest `keep_sampler_versions` of them; `keep` (a save the client
+        named) also links the version into `<weights_root>/<model_id>/kept/`, which nothing
+        prunes, and that is the path returned: a named sampler checkpoint outlives later saves."""
         from asyncrl.services.transport.weights import adapter_name
         from asyncrl.trainer.lora import adapter_state_dict
         from asyncrl.trainer.model import DTYPES
@@ -285,10 +291,11 @@ class TinkerTrainer:
         out = m.publisher.write(version, tensors)
         m.sampler_version = version
         m.count("sampler_bytes", out.nbytes)
+        path = _kept(Path(out.path), self.weights_root / model_id / KEPT_DIR) if keep else out.path
         return {
             "name": name,
             "adapter_name": adapter_name(model_id, version),
-            "adapter_path": out.path,
+            "adapter_path": path,
             "version": version,
             "lora_rank": m.lora.rank,
             "bytes": out.nbytes,
@@ -321,6 +328,19 @@ class TinkerTrainer:
                 "shares_base": float(m.shares_base),
             }
         return out
+
+
+def _kept(version_dir: Path, kept_root: Path) -> str:
+    """`version_dir` hard-linked (no bytes copied; its files were fsynced when written) into
+    `kept_root`, published whole (`atomic_publish_dir`)."""
+    from asyncrl.trainer.checkpoint import atomic_publish_dir
+
+    kept_root.mkdir(parents=True, exist_ok=True)
+    final, tmp = kept_root / version_dir.name, kept_root / f".tmp-{version_dir.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(version_dir, tmp, copy_function=os.link)
+    atomic_publish_dir(tmp, final, written=[])
+    return str(final)
 
 
 def _adam_params(adam: dict) -> dict[str, float]:

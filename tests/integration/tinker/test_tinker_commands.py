@@ -310,3 +310,22 @@ def expired(http: httpx.Client) -> float:
     line = "asyncrl_tinker_sessions_expired_total "
     found = [ln for ln in http.get("/metrics").text.splitlines() if ln.startswith(line)]
     return float(found[0].split()[-1]) if found else 0.0
+
+
+def test_a_sampler_whose_weights_were_pruned_is_refused_naming_why(sdk, stack):
+    """Unnamed sampler saves are pruned past the newest keep_sampler_versions (here: deleted by
+    hand); a sample on one is the client's error, saying so, not an engine failure."""
+    import shutil
+
+    import tinker
+    from tinker import types
+
+    client = sdk.create_lora_training_client(base_model=BASE, rank=4, seed=12).result(timeout=120)
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=120)
+    session = stack.service.log.record("sampler", sampler._sampling_session_id)
+    shutil.rmtree(session["adapter_path"])
+    with pytest.raises(tinker.RequestFailedError, match="save with a name to keep one") as failed:
+        sampler.sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=1)).result(
+            timeout=120
+        )
+    assert failed.value.category == tinker.types.RequestErrorCategory.User

@@ -319,3 +319,27 @@ def test_bad_requests_are_refused_with_typed_errors_and_change_nothing(trainer):
     with pytest.raises(InvalidInputError, match="expected '<model_id>/<name>'"):
         trainer.load_state("m0", "../../etc", optimizer=True)
     assert trainer.info("m0")["step"] == 0
+
+
+def test_a_named_sampler_version_outlives_the_pruning_of_later_saves(one_rank, tiny, tmp_path):
+    trainer = TinkerTrainer(
+        TinkerSettings(
+            base_models={"tiny": str(tiny)},
+            weights_root=str(tmp_path / "weights"),
+            checkpoints_root=str(tmp_path / "checkpoints"),
+            keep_sampler_versions=2,
+        )
+    )
+    trainer.create_model("a", "tiny", LORA)
+    step(trainer, "a", sft_set())
+    named = trainer.save_for_sampler("a", "final", keep=True)
+    weights = Path(named["adapter_path"]) / "adapter_model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    unnamed = []
+    for i in range(3):  # v2..v4: the publisher keeps the newest 2, so v1 and v2 go
+        step(trainer, "a", sft_set(seed=i))
+        unnamed.append(trainer.save_for_sampler("a", f"s{i}")["adapter_path"])
+    versions = sorted(p.name for p in (tmp_path / "weights" / "a").iterdir() if p.name.startswith("v"))
+    assert len(versions) == 2 and not Path(unnamed[0]).exists()  # pruned as before
+    assert named["version"] == 1 and Path(named["adapter_path"]).parent.name == "kept"
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == digest  # still there, unchanged
