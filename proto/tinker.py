@@ -26,6 +26,7 @@ metadata for features this service does not have and are skipped too.
 from __future__ import annotations
 
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -41,6 +42,11 @@ DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32, DTYPE_BFLOAT16 = 1, 2, 3, 4
 NUMPY_OF_DTYPE = {DTYPE_FLOAT32: np.float32, DTYPE_INT64: np.int64, DTYPE_INT32: np.int32}
 # tinker_public.StopReason
 STOP_REASONS = {"stop": 0, "length": 1}
+
+# A checkpoint name (save_weights / save_weights_for_sampler `path`) and a model id in the
+# backend: one path segment, never "." or "..", checked where the call arrives and again where
+# the backend writes.
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 
 # The loss functions the SDK names (`types/loss_fn_type.py`).
 SDK_LOSS_FNS = (

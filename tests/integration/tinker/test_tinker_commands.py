@@ -329,3 +329,14 @@ def test_a_sampler_whose_weights_were_pruned_is_refused_naming_why(sdk, stack):
             timeout=120
         )
     assert failed.value.category == tinker.types.RequestErrorCategory.User
+
+
+def test_a_checkpoint_name_the_backend_refuses_is_refused_at_the_call(model):
+    """One rule for a name (proto/tinker.py CHECKPOINT_NAME): a name the backend cannot write is
+    a 400 when the call arrives, not a call accepted and failed later."""
+    mid, http = model
+    for seq, name in enumerate(("..", ".", "-x", "a/b", "x" * 129), start=1):
+        refused = http.post("/api/v1/save_weights", json={"model_id": mid, "seq_id": seq, "path": name})
+        assert refused.status_code == 400 and "checkpoint name" in refused.json()["detail"], name
+    ok = http.post("/api/v1/save_weights", json={"model_id": mid, "seq_id": 1, "path": "v1.best-2_x"})
+    assert wait_future(http, ok.json()["request_id"]).json()["path"].endswith("/weights/v1.best-2_x")
