@@ -98,4 +98,11 @@ class TinkerServiceSettings(ServiceSettings):
         for url in self.engine_urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine_urls: {url!r} is not an http(s) URL")
+        if self.engine_urls and len(self.base_models) > 1:
+            # Nothing says which engine serves which base: a sample of one base (or of an adapter
+            # trained on it) would go to an engine serving another and answer for it.
+            raise ValueError(
+                f"engine_urls serve one base model, and base_models names {len(self.base_models)}: "
+                "run one service per base model to sample (or no engine_urls to train only)"
+            )
         return self
