@@ -292,8 +292,10 @@ class CommandLog:
 
     # --- named records: checkpoints and sampling sessions -----------------------------------
 
-    def put_record(self, kind: str, name: str, record: dict) -> None:
-        self.redis.set(self.key(kind, name), json.dumps(record))
+    def put_record(self, kind: str, name: str, record: dict, *, expires: bool = False) -> None:
+        """`expires`: kept `result_ttl_s`, as a finished call's result (an unnamed sampler save's
+        records: its adapter is pruned too); else kept until deleted."""
+        self.redis.set(self.key(kind, name), json.dumps(record), ex=self.ttl if expires else None)
 
     def record(self, kind: str, name: str) -> dict | None:
         raw = self.redis.get(self.key(kind, name))

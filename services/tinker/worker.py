@@ -249,11 +249,14 @@ class TrainingWorker:
             "adapter_path": saved["adapter_path"],
             "version": saved.get("version"),
         }
-        self.log.put_record("ckpt", path, sampler)
+        unnamed = (
+            body["name"] is None
+        )  # one a step (the cookbook's): its adapter is pruned, its records expire
+        self.log.put_record("ckpt", path, sampler, expires=unnamed)
         result: dict = {"path": path, "type": "save_weights_for_sampler"}
         if body.get("sampling_session_seq_id") is not None:
             sid = sampling_session_id(record["session"], body["sampling_session_seq_id"])
-            self.log.put_record("sampler", sid, {**sampler, "model_path": path})
+            self.log.put_record("sampler", sid, {**sampler, "model_path": path}, expires=unnamed)
             result["sampling_session_id"] = sid
         return result, {}
 

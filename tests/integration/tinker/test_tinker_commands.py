@@ -340,3 +340,24 @@ def test_a_checkpoint_name_the_backend_refuses_is_refused_at_the_call(model):
         assert refused.status_code == 400 and "checkpoint name" in refused.json()["detail"], name
     ok = http.post("/api/v1/save_weights", json={"model_id": mid, "seq_id": 1, "path": "v1.best-2_x"})
     assert wait_future(http, ok.json()["request_id"]).json()["path"].endswith("/weights/v1.best-2_x")
+
+
+def test_an_unnamed_sampler_saves_records_expire_and_a_named_ones_stay(model, stack):
+    """The cookbook saves unnamed sampler weights every step: their index records (the
+    checkpoint and its sampling session) live `result_ttl_s`, as the adapters themselves are
+    pruned; a named save's stay, as its adapter does."""
+    mid, http = model
+    log = stack.service.log
+    body = {"model_id": mid, "seq_id": 1, "sampling_session_seq_id": 0}
+    unnamed = wait_future(http, http.post("/api/v1/save_weights_for_sampler", json=body).json()["request_id"])
+    named_body = {"model_id": mid, "seq_id": 2, "path": "keep-me"}
+    named = wait_future(
+        http, http.post("/api/v1/save_weights_for_sampler", json=named_body).json()["request_id"]
+    )
+    ttl = stack.settings.result_ttl_s
+    for key in (
+        log.key("ckpt", unnamed.json()["path"]),
+        log.key("sampler", unnamed.json()["sampling_session_id"]),
+    ):
+        assert 0 < log.redis.ttl(key) <= ttl, key
+    assert log.redis.ttl(log.key("ckpt", named.json()["path"])) == -1  # no expiry
