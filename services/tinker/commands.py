@@ -107,8 +107,18 @@ class CommandLog:
         return json.loads(data) if data else None
 
     def put_model(self, mid: str, record: dict) -> None:
-        self.redis.hset(self.key("model", mid), "record", json.dumps(record))
-        self.redis.sadd(self.key("models"), mid)
+        pipe = self.redis.pipeline(transaction=True)
+        self._write_model(pipe, mid, record)
+        pipe.execute()
+
+    def _write_model(self, pipe, mid: str, record: dict) -> None:
+        """The record, and the index of live models with it: every write of a record goes here,
+        so `live_models` reads one set, not every model the namespace ever held."""
+        pipe.hset(self.key("model", mid), "record", json.dumps(record))
+        if record.get("status") == "live":
+            pipe.sadd(self.key("live"), mid)
+        else:
+            pipe.srem(self.key("live"), mid)
 
     def update_model(self, mid: str, **changes) -> dict:
         with self._lock:
@@ -117,11 +127,8 @@ class CommandLog:
             self.put_model(mid, record)
             return record
 
-    def models(self) -> list[str]:
-        return sorted(m.decode() for m in self.redis.smembers(self.key("models")))
-
     def live_models(self) -> list[str]:
-        return [m for m in self.models() if (self.model(m) or {}).get("status") == "live"]
+        return sorted(m.decode() for m in self.redis.smembers(self.key("live")))
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -158,8 +165,7 @@ class CommandLog:
             rid = f"r{uuid.uuid4().hex}"
             pipe = self.redis.pipeline(transaction=True)
             if model is not None:
-                pipe.hset(self.key("model", mid), "record", json.dumps(model))
-                pipe.sadd(self.key("models"), mid)
+                self._write_model(pipe, mid, model)
             pipe.hset(
                 self.key("future", rid),
                 mapping={
@@ -243,7 +249,7 @@ class CommandLog:
             pipe.expire(self.key("seq", command.model_id, command.seq), self.ttl)
             pipe.zrem(self.key("queue", command.model_id), command.request_id)
             pipe.delete(self.key("body", command.request_id))
-            pipe.hset(self.key("model", command.model_id), "record", json.dumps(record))
+            self._write_model(pipe, command.model_id, record)
             pipe.execute()
 
     def give_up_gap(self, mid: str, missing: int, reason: str) -> list[Command]:

@@ -148,3 +148,19 @@ def test_a_model_whose_session_ended_is_released_not_rebuilt(world):
     backend = new_backend()
     assert recover(service.log, backend) == {done: "released", kept: "restored"}
     assert backend.models() == [backend_id(kept)] and service.log.model(done)["status"] == "unloaded"
+
+
+def test_live_models_reads_an_index_not_every_model_ever_held(world, monkeypatch):
+    """The worker asks for the live models at every pass (twice a second when idle), and so do
+    /healthz, /metrics and create_model: the cost must not grow with the models a namespace
+    held before (one a cookbook run)."""
+    service, _, _ = world
+    sid = service.log.create_session({})
+    live = create(service, sid, 0)["result"]["model_id"]
+    create(service, sid, 1, {**LORA, "train_mlp": False, "train_attn": False})  # failed: not live
+    for n in range(2, 6):  # held once, released since
+        service.log.update_model(create(service, sid, n)["result"]["model_id"], status="unloaded")
+    reads = []
+    monkeypatch.setattr(service.log, "model", lambda mid: reads.append(mid))
+    assert service.log.live_models() == [live] and reads == []
+    assert service.log.redis.smembers(service.log.key("live")) == {live.encode()}
