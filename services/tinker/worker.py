@@ -13,7 +13,9 @@ transaction as its result, so `recovery.py` can tell after a crash what the in-m
 
 Failures: a backend refusal (`TinkerError`, `ValueError`) fails the call with the backend's
 message (category `user`); anything else fails it as `server` and is counted and logged. The
-worker never stops on a failed command.
+worker never stops on a failed command. A call's outcome that Redis failed to record (its
+effect is in memory already) is held and recorded at the next pass, before anything else runs:
+never run again.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class TrainingWorker:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._unrecorded: dict[str, tuple[Command, dict]] = {}  # ran, result not yet in Redis
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tinker-worker", daemon=True)
@@ -107,6 +110,8 @@ class TrainingWorker:
 
     def step(self) -> bool:
         """One pass over the live models: run at most one command of each. True if any ran."""
+        for rid in list(self._unrecorded):  # raises while Redis is still down: nothing else runs
+            self._record(rid)
         ran = False
         for mid in self.log.live_models():
             command, missing = self.log.head(mid)
@@ -158,15 +163,30 @@ class TrainingWorker:
     def run(self, command: Command) -> None:
         self.log.start(command)
         started = time.monotonic()
+        outcome, label = self._apply(command)
+        m.COMMANDS.labels(command.kind, label).inc()
+        m.COMMAND_SECONDS.labels(command.kind).observe(time.monotonic() - started)
+        self._unrecorded[command.request_id] = (command, outcome)
+        self._record(command.request_id)
+
+    def _record(self, rid: str) -> None:
+        command, outcome = self._unrecorded[rid]
+        self.log.finish(command, **outcome)
+        del self._unrecorded[rid]
+        self.notify(rid)
+
+    def _apply(self, command: Command) -> tuple[dict, str]:
+        """Run `command` on the backend: (its outcome as `CommandLog.finish` takes it, its label)."""
         try:
             body = self.log.body(command.request_id)
             result, changes = getattr(self, f"_{command.kind}")(command, body)
         except (self.tinker.TinkerError, ValueError, KeyError) as exc:
             message = str(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
-            self.log.finish(
-                command, error=message, category="user", model_changes=_not_created(command, message)
-            )
-            m.COMMANDS.labels(command.kind, "refused").inc()
+            return {
+                "error": message,
+                "category": "user",
+                "model_changes": _not_created(command, message),
+            }, "refused"
         except Exception as exc:  # noqa: BLE001  (the call fails as `server`, counted; the worker goes on)
             message = f"internal error in {command.kind}: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
             log_event(
@@ -177,17 +197,14 @@ class TrainingWorker:
                 seq=command.seq,
                 error=message,
             )
-            self.log.finish(
-                command, error=message, category="server", model_changes=_not_created(command, message)
-            )
-            m.COMMANDS.labels(command.kind, "error").inc()
-        else:
-            if command.kind in STATE_CHANGING:
-                changes["mutated"] = command.seq
-            self.log.finish(command, result=result, model_changes=changes)
-            m.COMMANDS.labels(command.kind, "done").inc()
-        m.COMMAND_SECONDS.labels(command.kind).observe(time.monotonic() - started)
-        self.notify(command.request_id)
+            return {
+                "error": message,
+                "category": "server",
+                "model_changes": _not_created(command, message),
+            }, "error"
+        if command.kind in STATE_CHANGING:
+            changes["mutated"] = command.seq
+        return {"result": result, "model_changes": changes}, "done"
 
     def _create_model(self, command: Command, body: dict) -> tuple[dict, dict]:
         info = self.backend.create_model(

@@ -164,3 +164,32 @@ def test_live_models_reads_an_index_not_every_model_ever_held(world, monkeypatch
     monkeypatch.setattr(service.log, "model", lambda mid: reads.append(mid))
     assert service.log.live_models() == [live] and reads == []
     assert service.log.redis.smembers(service.log.key("live")) == {live.encode()}
+
+
+def test_a_result_redis_failed_to_record_is_recorded_not_run_again(world, monkeypatch):
+    """Redis drops the write of a finished call's result (a failover, a reset connection): the
+    call's effect is in memory already, so the next pass records it; running it again would
+    add its gradients twice."""
+    service, _, _ = world
+    sid = service.log.create_session({})
+    mid = create(service, sid, 0)["result"]["model_id"]
+    tokens = list(range(5, 17))
+    datum = wire.WireDatum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]).numpy(),
+                                         "weights": torch.ones(11).numpy()})  # fmt: skip
+    future = service.forward_backward(
+        wire.ForwardBackwardCall(mid, 1, "cross_entropy", False, [datum]), b"fb1"
+    )
+    finish, failures = service.log.finish, []
+
+    def flaky(command, **outcome):
+        if not failures:
+            failures.append(command.request_id)
+            raise redis.ConnectionError("Connection reset by peer")
+        return finish(command, **outcome)
+
+    monkeypatch.setattr(service.log, "finish", flaky)
+    with pytest.raises(redis.ConnectionError):
+        service.worker.step()  # the worker's loop counts this and goes on
+    assert run(service, future)["state"] == "done"
+    assert failures == [future.request_id]
+    assert service.backend.metrics()[backend_id(mid)]["forward_backward_calls"] == 1.0
