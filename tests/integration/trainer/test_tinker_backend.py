@@ -32,17 +32,6 @@ ADAPTER_PARAMS = 4 * 2048 * 2
 VOCAB = 54  # the tiny tokenizer: 3 special tokens, 26 letters, 10 digits, 15 symbols and the newline
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    import torch.distributed as dist
-
-    from asyncrl.trainer.model import init_distributed
-
-    d = init_distributed("cpu", timeout_s=60)
-    yield d
-    dist.destroy_process_group()
-
-
 @pytest.fixture
 def trainer(one_rank, tiny, tmp_path):
     return TinkerTrainer(
