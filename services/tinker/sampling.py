@@ -35,6 +35,9 @@ from asyncrl.proto.sglang import (
 from asyncrl.services.runtime.auth import engine_auth_headers
 
 MAX_ERROR_CHARS = 500  # of an engine's refusal quoted back
+# The engine answers that say the request itself is wrong (the client's error); any other status
+# (401/403: the service's engine token; 408/429: the engine busy; 5xx) is the service's.
+REQUEST_REFUSED = frozenset({400, 404, 413, 422})
 
 
 class SampleRefused(ValueError):
@@ -144,7 +147,7 @@ class Sampler:
             raise EngineError(
                 f"engine {self.urls[engine]} unreachable: {type(exc).__name__}: {exc}"
             ) from None
-        if 400 <= resp.status_code < 500:
+        if resp.status_code in REQUEST_REFUSED:
             raise SampleRefused(f"the engine refused the request: {resp.text[:MAX_ERROR_CHARS]}")
         if resp.status_code != 200:
             raise EngineError(
