@@ -44,6 +44,10 @@ class QueueFull(RuntimeError):
     """The model has `max_queued` commands waiting."""
 
 
+class ModelGone(RuntimeError):
+    """The model is no longer live (released, lost, never created): nothing would run the call."""
+
+
 def fingerprint(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()[:32]
 
@@ -153,6 +157,9 @@ class CommandLog:
                     )
                 return rid, False
             record = self.model(mid) if model is None else model
+            if model is None and (record or {}).get("status") != "live":  # read under the lock the
+                # release's write takes: a call is queued before it (and failed by it) or refused
+                raise ModelGone(f"model {mid} is {(record or {}).get('status', 'unknown')}")
             cursor = int(record.get("cursor", -1)) if record else -1
             if seq <= cursor:
                 raise SeqBehind(

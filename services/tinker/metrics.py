@@ -18,7 +18,8 @@ REQUESTS = Counter(
 )
 COMMANDS = Counter(
     "asyncrl_tinker_commands_total",
-    "Model commands finished, by kind and outcome (done, refused = the backend said no, error, gap, lost)",
+    "Model commands finished, by kind and outcome (done, refused = the backend said no, error, gap, lost, "
+    "released = its model was released first)",
     ["kind", "outcome"],
 )
 COMMAND_SECONDS = Histogram(

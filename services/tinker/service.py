@@ -27,6 +27,7 @@ from asyncrl.services.tinker.commands import (
     DONE,
     FAILED,
     CommandLog,
+    ModelGone,
     QueueFull,
     SeqBehind,
     SeqConflict,
@@ -129,6 +130,8 @@ class TinkerService:
             raise refuse(400, route, str(exc)) from None
         except QueueFull as exc:
             raise refuse(429, route, str(exc)) from None
+        except ModelGone as exc:
+            raise refuse(404, route, str(exc)) from None
         m.REQUESTS.labels(route, "accepted" if created else "retried").inc()
         self.worker.wake()
         return wire.UntypedFuture(request_id=rid, model_id=mid)

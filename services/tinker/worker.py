@@ -156,6 +156,10 @@ class TrainingWorker:
         except self.tinker.UnknownModelError:
             pass
         self.log.update_model(mid, status="unloaded")
+        for command in self.log.queued(mid):  # landed after the look that found the queue empty
+            self.log.finish(command, error=f"not run: model {mid} was released (its session ended)")
+            m.COMMANDS.labels(command.kind, "released").inc()
+            self.notify(command.request_id)
         log_event(log, "model released", model=mid)
 
     # --- one command --------------------------------------------------------------------------

@@ -193,3 +193,30 @@ def test_a_result_redis_failed_to_record_is_recorded_not_run_again(world, monkey
     assert run(service, future)["state"] == "done"
     assert failures == [future.request_id]
     assert service.backend.metrics()[backend_id(mid)]["forward_backward_calls"] == 1.0
+
+
+def test_a_call_that_lands_as_its_model_is_released_fails_rather_than_waits_forever(world, monkeypatch):
+    """The worker finds a finished session's model idle and releases it; a call of that model
+    arriving between that look and the release must not sit in a queue no one reads (its
+    future would answer "try again" for good): it is refused, or failed by the release."""
+    service, _, _ = world
+    sid = service.log.create_session({})
+    mid = create(service, sid, 0)["result"]["model_id"]
+    service.finish_session(sid, "success")
+    step = wire.OptimStepRequest(model_id=mid, seq_id=1, adam_params=wire.AdamParams())
+    head, late = service.log.head, []
+
+    def racing(model: str):
+        if not late:  # the worker saw an empty queue; the call lands right after
+            late.append(service.optim_step(step, b"late"))
+            return None, None
+        return head(model)
+
+    monkeypatch.setattr(service.log, "head", racing)
+    service.worker.step()
+    assert service.log.model(mid)["status"] == "unloaded"
+    failed = service.log.future(late[0].request_id)
+    assert failed["state"] == "failed" and "released" in failed["error"]
+    with pytest.raises(Exception) as refused:  # and once released, the call is refused at once
+        service.optim_step(step.model_copy(update={"seq_id": 2}), b"later")
+    assert refused.value.status_code == 404 and "unloaded" in refused.value.detail
