@@ -247,7 +247,8 @@ class TinkerTrainer:
     def optim_step(self, model_id: str, adam: dict) -> dict:
         """One AdamW step (torch's, which is Tinker's) with these AdamParams on the gradients
         accumulated since the last step, which it then clears. `grad_clip_norm` > 0 clips their
-        global norm first. A step with no gradient accumulated changes nothing."""
+        global norm first. A step with no gradient accumulated changes nothing; one on gradients
+        that are not finite is refused (InvalidInputError) and drops them."""
         m = self._get(model_id)
         params = _adam_params(adam)
         t0 = time.perf_counter()
@@ -261,6 +262,13 @@ class TinkerTrainer:
         clip = params["grad_clip_norm"] if params["grad_clip_norm"] > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(with_grad, clip) if with_grad else torch.zeros(())
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
+        if not np.isfinite(norm):  # AdamW would write NaN into every adapter, for good
+            m.optimizer.zero_grad(set_to_none=True)
+            m.count("optim_steps_refused")
+            raise InvalidInputError(
+                f"the accumulated gradients are not finite (norm {norm}): the step is not applied and they "
+                "are dropped; the loss inputs overflowed (see the forward_backward's loss:sum)"
+            )
         if with_grad:
             m.optimizer.step()
             m.step += 1

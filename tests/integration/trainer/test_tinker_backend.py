@@ -332,3 +332,23 @@ def test_a_named_sampler_version_outlives_the_pruning_of_later_saves(one_rank, t
     assert len(versions) == 2 and not Path(unnamed[0]).exists()  # pruned as before
     assert named["version"] == 1 and Path(named["adapter_path"]).parent.name == "kept"
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == digest  # still there, unchanged
+
+
+def test_a_step_on_non_finite_gradients_is_refused_and_changes_nothing(trainer):
+    """Weights are the client's numbers: finite each, they can still overflow the loss (here
+    -log p · 1e38). AdamW on an inf/NaN gradient writes NaN into every adapter for good; the
+    step is refused instead, the gradients dropped, the model as it was."""
+    trainer.create_model("a", "tiny", LORA)
+    step(trainer, "a", sft_set())
+    before, state = adapter_values(trainer, "a"), adam_state(trainer, "a")
+    huge = [Datum(d.tokens, {**d.inputs, "weights": np.full(11, 1e38, np.float32)}) for d in sft_set(seed=1)]
+    out = trainer.forward_backward("a", huge, "cross_entropy", None)
+    assert not np.isfinite(out.metrics["loss:sum"])
+    with pytest.raises(InvalidInputError, match="gradients are not finite"):
+        trainer.optim_step("a", ADAM)
+    assert_same(adapter_values(trainer, "a"), before)
+    assert_same(adam_state(trainer, "a"), state)
+    assert all(p.grad is None for p in trainer.model("a").module.parameters())  # dropped
+    assert trainer.info("a")["step"] == 1
+    step(trainer, "a", sft_set())  # and the model trains on
+    assert trainer.info("a")["step"] == 2
