@@ -25,6 +25,8 @@ metadata for features this service does not have and are skipped too.
 
 from __future__ import annotations
 
+import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,6 +42,11 @@ DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32, DTYPE_BFLOAT16 = 1, 2, 3, 4
 NUMPY_OF_DTYPE = {DTYPE_FLOAT32: np.float32, DTYPE_INT64: np.int64, DTYPE_INT32: np.int32}
 # tinker_public.StopReason
 STOP_REASONS = {"stop": 0, "length": 1}
+
+# A checkpoint name (save_weights / save_weights_for_sampler `path`) and a model id in the
+# backend: one path segment, never "." or "..", checked where the call arrives and again where
+# the backend writes.
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 
 # The loss functions the SDK names (`types/loss_fn_type.py`).
 SDK_LOSS_FNS = (
@@ -66,6 +73,10 @@ class Unsupported(WireError):
 
 VARINT, FIXED64, LENGTH, FIXED32 = 0, 1, 2, 5
 MAX_VARINT_BYTES = 10
+# Cells a call's sparse (CSR) tensors may hold once made dense, all together: a CSR tensor of a
+# few bytes may declare any shape, and the dense copy is allocated here, before any other check.
+# 16M cells (64 MB of float32) is ~500x a max_tokens_per_call of 32768 top-1 targets.
+MAX_DENSE_CELLS = 1 << 24
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -116,11 +127,42 @@ def _ints(wire: int, value: Any) -> list[int]:
     """A repeated integer field's values: packed (one length-delimited run) or not."""
     if wire == VARINT:
         return [_signed64(value)]
+    if wire != LENGTH:
+        raise WireError(f"a repeated integer field has wire type {wire}")
     out, pos = [], 0
     while pos < len(value):
         v, pos = _varint(value, pos)
         out.append(_signed64(v))
     return out
+
+
+def _message(buf: bytes) -> dict[int, tuple[int, Any]]:
+    """A message's fields by number, `(wire type, value)`, the last one winning (protobuf's rule
+    for a field that is not repeated)."""
+    return {number: (wire, value) for number, wire, value in fields(buf)}
+
+
+def _part(message: dict[int, tuple[int, Any]], number: int, what: str) -> bytes:
+    """Length-delimited field `number` (empty when absent); a field of another wire type is a
+    WireError: the schema has it length-delimited."""
+    wire, value = message.get(number, (LENGTH, b""))
+    if wire != LENGTH:
+        raise WireError(f"{what} has wire type {wire}, not a length-delimited field")
+    return bytes(value)
+
+
+def _double(message: dict[int, tuple[int, Any]], number: int, what: str) -> float:
+    wire, value = message.get(number, (FIXED64, b"\0" * 8))
+    if wire != FIXED64:
+        raise WireError(f"{what} has wire type {wire}, not a double")
+    return struct.unpack("<d", value)[0]
+
+
+def _array(raw: bytes, dtype: Any, what: str) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    if len(raw) % size:
+        raise WireError(f"{what}: {len(raw)} bytes are not whole {np.dtype(dtype).name} values")
+    return np.frombuffer(raw, dtype=dtype)
 
 
 def _text(value: Any) -> str:
@@ -191,7 +233,22 @@ class ForwardBackwardCall:
     loss_fn_config: dict[str, float | str] = field(default_factory=dict)
 
 
-def _tensor(buf: bytes, name: str) -> np.ndarray:
+@dataclass
+class _Budget:
+    """The dense cells a call's sparse tensors may still take (`MAX_DENSE_CELLS`)."""
+
+    cells: int = MAX_DENSE_CELLS
+
+    def take(self, cells: int, what: str) -> None:
+        if cells > self.cells:
+            raise WireError(
+                f"{what} is {cells} cells once dense; a call's sparse tensors may take {MAX_DENSE_CELLS} "
+                f"in all, {self.cells} are left"
+            )
+        self.cells -= cells
+
+
+def _tensor(buf: bytes, name: str, budget: _Budget) -> np.ndarray:
     dense, csr, dtype, shape = None, None, 0, []
     for number, wire, value in fields(buf):
         if number == 1 and wire == LENGTH:
@@ -205,53 +262,56 @@ def _tensor(buf: bytes, name: str) -> np.ndarray:
     np_dtype = NUMPY_OF_DTYPE.get(dtype)
     if np_dtype is None:
         raise WireError(f"loss_fn_inputs[{name!r}]: tensor dtype {dtype} is not float32, int64 or int32")
+    if any(d < 0 for d in shape):
+        raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape} has a negative dimension")
     if csr is not None:
-        return _densify(csr, np_dtype, shape, name)
-    data = np.frombuffer(dense or b"", dtype=np_dtype)
+        return _densify(csr, np_dtype, shape, name, budget)
+    data = _array(dense or b"", np_dtype, f"loss_fn_inputs[{name!r}]")
     if shape:
-        if int(np.prod(shape)) != data.size:
+        if math.prod(shape) != data.size:
             raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape} does not hold {data.size} values")
         data = data.reshape(shape)
     return data.astype(np.int64 if np_dtype is np.int32 else np_dtype)
 
 
-def _densify(buf: bytes, np_dtype: Any, shape: list[int], name: str) -> np.ndarray:
+def _densify(buf: bytes, np_dtype: Any, shape: list[int], name: str, budget: _Budget) -> np.ndarray:
     """A sparse CSR tensor made dense, unlisted cells 0 (the SDK's `to_numpy()` default)."""
-    parts = {n: bytes(v) for n, w, v in fields(buf) if w == LENGTH}
-    values = np.frombuffer(parts.get(1, b""), dtype=np_dtype)
-    crow = np.frombuffer(parts.get(2, b""), dtype=np.int64)
-    col = np.frombuffer(parts.get(3, b""), dtype=np.int64)
+    parts, what = _message(buf), f"loss_fn_inputs[{name!r}] (sparse CSR)"
+    values = _array(_part(parts, 1, what), np_dtype, what)
+    crow = _array(_part(parts, 2, what), np.int64, what)
+    col = _array(_part(parts, 3, what), np.int64, what)
     if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values):
         raise WireError(f"loss_fn_inputs[{name!r}]: malformed sparse CSR tensor (shape {shape})")
     if (np.diff(crow) < 0).any() or crow[0] != 0 or crow[-1] != len(values):
         raise WireError(f"loss_fn_inputs[{name!r}]: sparse CSR row pointers are not monotone")
     if len(col) and (col.min() < 0 or col.max() >= shape[1]):
         raise WireError(f"loss_fn_inputs[{name!r}]: sparse CSR column index out of range")
+    budget.take(math.prod(shape), f"loss_fn_inputs[{name!r}] of shape {shape}")
     dense = np.zeros(shape, dtype=np.int64 if np_dtype is np.int32 else np_dtype)
     rows = np.repeat(np.arange(shape[0]), np.diff(crow))
     dense[rows, col] = values
     return dense
 
 
-def _datum(buf: bytes) -> WireDatum:
+def _datum(buf: bytes, budget: _Budget) -> WireDatum:
     tokens: list[int] = []
     inputs: dict[str, np.ndarray] = {}
     for number, wire, value in fields(buf):
         if number == 1 and wire == LENGTH:
-            for chunk_field, _, chunk in fields(value):
+            for chunk_field, chunk_wire, chunk in fields(value):
                 if chunk_field == 1:
-                    raw = next((bytes(v) for n, _, v in fields(chunk) if n == 1), b"")
-                    if len(raw) % 4:
-                        raise WireError("an encoded_text chunk's tokens are not int32s")
-                    tokens += np.frombuffer(raw, dtype=np.int32).tolist()
+                    if chunk_wire != LENGTH:
+                        raise WireError(f"a model_input chunk has wire type {chunk_wire}")
+                    raw = _part(_message(chunk), 1, "an encoded_text chunk's tokens")
+                    tokens += _array(raw, np.int32, "an encoded_text chunk's tokens").tolist()
                 elif chunk_field == 2:
                     raise Unsupported("image chunks in model_input are not supported (text-only models)")
                 elif chunk_field == 3:
                     raise Unsupported("dmel (audio) chunks in model_input are not supported")
         elif number == 2 and wire == LENGTH:
-            entry = {n: v for n, _, v in fields(value)}
-            name = _text(entry.get(1, b""))
-            inputs[name] = _tensor(entry.get(2, b""), name)
+            entry = _message(value)
+            name = _text(_part(entry, 1, "a loss_fn_inputs name"))
+            inputs[name] = _tensor(_part(entry, 2, f"loss_fn_inputs[{name!r}]"), name, budget)
     return WireDatum(tokens, inputs)
 
 
@@ -261,25 +321,29 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
     data: list[WireDatum] = []
     legacy: dict[str, float | str] = {}
     config: dict[str, float | str] = {}
+    budget = _Budget()
     for number, wire, value in fields(body):
         if number == 1 and wire == LENGTH:
             model_id = _text(value)
         elif number == 2 and wire == VARINT:
             seq_id = _signed64(value)
         elif number == 3 and wire == LENGTH:
-            data.append(_datum(value))
+            data.append(_datum(value, budget))
         elif number == 4 and wire == LENGTH:
             loss_fn = _text(value)
         elif number == 5 and wire == LENGTH:
-            entry = {n: v for n, _, v in fields(value)}
-            legacy[_text(entry.get(1, b""))] = struct.unpack("<d", entry.get(2, b"\0" * 8))[0]
+            entry = _message(value)
+            legacy[_text(_part(entry, 1, "a loss_fn_config key"))] = _double(
+                entry, 2, "a loss_fn_config value"
+            )
         elif number == 6 and wire == VARINT:
             forward_only = bool(value)
         elif number == 7 and wire == LENGTH:
-            entry = {n: v for n, _, v in fields(value)}
-            arm = {n: v for n, _, v in fields(entry.get(2, b""))}
-            key = _text(entry.get(1, b""))
-            config[key] = _text(arm[2]) if 2 in arm else struct.unpack("<d", arm.get(1, b"\0" * 8))[0]
+            entry = _message(value)
+            key = _text(_part(entry, 1, "a loss_fn_config key"))
+            arm = _message(_part(entry, 2, f"loss_fn_config[{key!r}]"))
+            what = f"loss_fn_config[{key!r}]"
+            config[key] = _text(_part(arm, 2, what)) if 2 in arm else _double(arm, 1, what)
     if not model_id:
         raise WireError("forward_backward: model_id is missing")
     return ForwardBackwardCall(model_id, seq_id, loss_fn, forward_only, data, config or legacy)
@@ -506,6 +570,17 @@ class SampleRequest(Body):
             "record_stability_info": bool(self.record_stability_info),
         }
         return [name for name, asked in asks.items() if asked]
+
+
+class FinishReason(Body):
+    type: str = "unknown"
+
+
+class SessionFinishRequest(Body):
+    """`POST /api/v1/sessions/{id}/finish` (`ServiceClient.close`): `{"reason": {"type"}, "detail"}`."""
+
+    reason: FinishReason | None = None
+    detail: str | None = None
 
 
 class FutureRetrieveRequest(Body):

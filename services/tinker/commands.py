@@ -44,6 +44,10 @@ class QueueFull(RuntimeError):
     """The model has `max_queued` commands waiting."""
 
 
+class ModelGone(RuntimeError):
+    """The model is no longer live (released, lost, never created): nothing would run the call."""
+
+
 def fingerprint(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()[:32]
 
@@ -85,11 +89,16 @@ class CommandLog:
         return True
 
     def finish_session(self, sid: str, reason: str) -> bool:
+        """Whether `sid` is a session (then finished, with the first reason given)."""
         key = self.key("session", sid)
         if not self.redis.exists(key):
             return False
         self.redis.hsetnx(key, "finished", reason)
         return True
+
+    def expire_session(self, sid: str) -> bool:
+        """Finish `sid` as expired; whether this call ended it (it was not finished before)."""
+        return bool(self.redis.hsetnx(self.key("session", sid), "finished", "expired"))
 
     def session(self, sid: str) -> dict | None:
         data = self.redis.hgetall(self.key("session", sid))
@@ -102,8 +111,18 @@ class CommandLog:
         return json.loads(data) if data else None
 
     def put_model(self, mid: str, record: dict) -> None:
-        self.redis.hset(self.key("model", mid), "record", json.dumps(record))
-        self.redis.sadd(self.key("models"), mid)
+        pipe = self.redis.pipeline(transaction=True)
+        self._write_model(pipe, mid, record)
+        pipe.execute()
+
+    def _write_model(self, pipe, mid: str, record: dict) -> None:
+        """The record, and the index of live models with it: every write of a record goes here,
+        so `live_models` reads one set, not every model the namespace ever held."""
+        pipe.hset(self.key("model", mid), "record", json.dumps(record))
+        if record.get("status") == "live":
+            pipe.sadd(self.key("live"), mid)
+        else:
+            pipe.srem(self.key("live"), mid)
 
     def update_model(self, mid: str, **changes) -> dict:
         with self._lock:
@@ -112,11 +131,8 @@ class CommandLog:
             self.put_model(mid, record)
             return record
 
-    def models(self) -> list[str]:
-        return sorted(m.decode() for m in self.redis.smembers(self.key("models")))
-
     def live_models(self) -> list[str]:
-        return [m for m in self.models() if (self.model(m) or {}).get("status") == "live"]
+        return sorted(m.decode() for m in self.redis.smembers(self.key("live")))
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -141,6 +157,9 @@ class CommandLog:
                     )
                 return rid, False
             record = self.model(mid) if model is None else model
+            if model is None and (record or {}).get("status") != "live":  # read under the lock the
+                # release's write takes: a call is queued before it (and failed by it) or refused
+                raise ModelGone(f"model {mid} is {(record or {}).get('status', 'unknown')}")
             cursor = int(record.get("cursor", -1)) if record else -1
             if seq <= cursor:
                 raise SeqBehind(
@@ -153,8 +172,7 @@ class CommandLog:
             rid = f"r{uuid.uuid4().hex}"
             pipe = self.redis.pipeline(transaction=True)
             if model is not None:
-                pipe.hset(self.key("model", mid), "record", json.dumps(model))
-                pipe.sadd(self.key("models"), mid)
+                self._write_model(pipe, mid, model)
             pipe.hset(
                 self.key("future", rid),
                 mapping={
@@ -238,7 +256,7 @@ class CommandLog:
             pipe.expire(self.key("seq", command.model_id, command.seq), self.ttl)
             pipe.zrem(self.key("queue", command.model_id), command.request_id)
             pipe.delete(self.key("body", command.request_id))
-            pipe.hset(self.key("model", command.model_id), "record", json.dumps(record))
+            self._write_model(pipe, command.model_id, record)
             pipe.execute()
 
     def give_up_gap(self, mid: str, missing: int, reason: str) -> list[Command]:
@@ -287,8 +305,10 @@ class CommandLog:
 
     # --- named records: checkpoints and sampling sessions -----------------------------------
 
-    def put_record(self, kind: str, name: str, record: dict) -> None:
-        self.redis.set(self.key(kind, name), json.dumps(record))
+    def put_record(self, kind: str, name: str, record: dict, *, expires: bool = False) -> None:
+        """`expires`: kept `result_ttl_s`, as a finished call's result (an unnamed sampler save's
+        records: its adapter is pruned too); else kept until deleted."""
+        self.redis.set(self.key(kind, name), json.dumps(record), ex=self.ttl if expires else None)
 
     def record(self, kind: str, name: str) -> dict | None:
         raw = self.redis.get(self.key(kind, name))

@@ -38,7 +38,12 @@ class TinkerServiceSettings(ServiceSettings):
     max_models: int = Field(4, ge=1, le=1024, description="models held at once (429 past it)")
     max_lora_rank: int = Field(64, ge=1, le=4096, description="largest LoRA rank a model may ask")
     max_tokens_per_call: int = Field(
-        32768, ge=16, description="tokens of one forward/forward_backward call at most (400 above)"
+        32768,
+        ge=16,
+        description="tokens of one forward/forward_backward call, and of one sample's prompt, at most (400 above)",
+    )
+    max_samples_per_call: int = Field(
+        256, ge=1, le=100_000, description="num_samples of one sample call at most (400 above)"
     )
     max_queued_commands: int = Field(
         64, ge=1, le=100_000, description="commands of one model waiting to run (429 past it)"
@@ -47,6 +52,13 @@ class TinkerServiceSettings(ServiceSettings):
         256, ge=1, le=100_000, description="sample calls running at once (429 past it)"
     )
     max_body_bytes: int = Field(64 << 20, ge=1024, description="largest accepted request body (413 above)")
+    session_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=7 * 86400,
+        description="a session without a heartbeat this long is over (the SDK beats every 10 s): its models are "
+        "released, as when the client closes it",
+    )
     gap_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -86,4 +98,11 @@ class TinkerServiceSettings(ServiceSettings):
         for url in self.engine_urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine_urls: {url!r} is not an http(s) URL")
+        if self.engine_urls and len(self.base_models) > 1:
+            # Nothing says which engine serves which base: a sample of one base (or of an adapter
+            # trained on it) would go to an engine serving another and answer for it.
+            raise ValueError(
+                f"engine_urls serve one base model, and base_models names {len(self.base_models)}: "
+                "run one service per base model to sample (or no engine_urls to train only)"
+            )
         return self

@@ -18,7 +18,8 @@ REQUESTS = Counter(
 )
 COMMANDS = Counter(
     "asyncrl_tinker_commands_total",
-    "Model commands finished, by kind and outcome (done, refused = the backend said no, error, gap, lost)",
+    "Model commands finished, by kind and outcome (done, refused = the backend said no, error, gap, lost, "
+    "released = its model was released first)",
     ["kind", "outcome"],
 )
 COMMAND_SECONDS = Histogram(
@@ -38,12 +39,17 @@ SAMPLE_SECONDS = Histogram(
 TELEMETRY_EVENTS = Counter(
     "asyncrl_tinker_sdk_telemetry_events_total", "SDK telemetry events received and dropped (not stored)"
 )
+SESSIONS_EXPIRED = Counter(
+    "asyncrl_tinker_sessions_expired_total",
+    "Sessions ended for want of a heartbeat (session_timeout_s): their models released",
+)
 WORKER_ERRORS = Counter(
     "asyncrl_tinker_worker_errors_total", "Worker passes that failed outside any command (Redis down, a bug)"
 )
 RECOVERED = Counter(
     "asyncrl_tinker_recovered_models_total",
-    "Models found in Redis at start, by outcome (restored, lost = state after its checkpoint gone, pending = not yet created)",
+    "Models found in Redis at start, by outcome (restored, lost = state after its checkpoint gone, failed = its "
+    "restore point could not be built, pending = not yet created, released = its session ended)",
     ["outcome"],
 )
 

@@ -5,9 +5,7 @@ checkpoint path is `tinker://{training run}/{weights|sampler_weights}/{name}`
 
 from __future__ import annotations
 
-import re
-
-NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # a checkpoint name: one path segment, no traversal
+from asyncrl.proto.tinker import CHECKPOINT_NAME
 
 
 def model_id(session_id: str, model_seq_id: int) -> str:
@@ -28,8 +26,10 @@ def sampler_path(mid: str, name: str) -> str:
 
 def check_name(name: str | None) -> str | None:
     """`name` if it is one safe path segment (or None); ValueError otherwise."""
-    if name is not None and not NAME.fullmatch(name):
-        raise ValueError(f"checkpoint name {name[:64]!r} must be 1-128 of A-Z a-z 0-9 _ . -")
+    if name is not None and not CHECKPOINT_NAME.fullmatch(name):
+        raise ValueError(
+            f"checkpoint name {name[:64]!r} must be 1-128 of A-Z a-z 0-9 _ . -, starting with a letter or digit"
+        )
     return name
 
 

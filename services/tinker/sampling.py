@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict, defaultdict
+from pathlib import Path
 
 import httpx
 
@@ -34,6 +35,9 @@ from asyncrl.proto.sglang import (
 from asyncrl.services.runtime.auth import engine_auth_headers
 
 MAX_ERROR_CHARS = 500  # of an engine's refusal quoted back
+# The engine answers that say the request itself is wrong (the client's error); any other status
+# (401/403: the service's engine token; 408/429: the engine busy; 5xx) is the service's.
+REQUEST_REFUSED = frozenset({400, 404, 413, 422})
 
 
 class SampleRefused(ValueError):
@@ -143,7 +147,7 @@ class Sampler:
             raise EngineError(
                 f"engine {self.urls[engine]} unreachable: {type(exc).__name__}: {exc}"
             ) from None
-        if 400 <= resp.status_code < 500:
+        if resp.status_code in REQUEST_REFUSED:
             raise SampleRefused(f"the engine refused the request: {resp.text[:MAX_ERROR_CHARS]}")
         if resp.status_code != 200:
             raise EngineError(
@@ -162,6 +166,11 @@ class Sampler:
             if name in held:
                 held.move_to_end(name)
                 return
+            if not await asyncio.to_thread(Path(path).is_dir):
+                raise SampleRefused(
+                    f"the sampler weights of {name} are gone ({path}): only the newest unnamed "
+                    "save_weights_for_sampler versions of a model are kept; save with a name to keep one"
+                )
             while len(held) >= self.max_loaded:
                 victim = next((n for n in held if not self.in_use[(engine, n)]), None)
                 if victim is None:

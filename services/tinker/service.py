@@ -3,7 +3,8 @@ refuse it, naming why), answer a future, run a sample. Routes only parse and ans
 
 Limits, each a clear refusal rather than memory growth: `max_models` models at once (429),
 `max_queued_commands` per model (429), `max_inflight_samples` (429), `max_tokens_per_call`
-per forward/forward_backward (400), request bodies (413, by `BodyLimit`).
+per forward/forward_backward and per sample prompt (400), `max_samples_per_call` (400), request
+bodies (413, by `BodyLimit`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import HTTPException
@@ -24,6 +27,7 @@ from asyncrl.services.tinker.commands import (
     DONE,
     FAILED,
     CommandLog,
+    ModelGone,
     QueueFull,
     SeqBehind,
     SeqConflict,
@@ -32,7 +36,7 @@ from asyncrl.services.tinker.commands import (
 from asyncrl.services.tinker.config import TinkerServiceSettings
 from asyncrl.services.tinker.paths import check_name, model_id, sampling_session_id
 from asyncrl.services.tinker.sampling import EngineError, Sampler, SampleRefused
-from asyncrl.services.tinker.worker import TrainingWorker, arrays_to_json
+from asyncrl.services.tinker.worker import MAX_ERROR_CHARS, TrainingWorker, arrays_to_json
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +44,34 @@ SEED_RANGE = 1 << 31  # a model created without a seed gets one, stored, so a re
 
 
 class Waiters:
-    """Futures' completion signals, for `retrieve_future`'s long poll: set from any thread."""
+    """Futures' completion signals, for `retrieve_future`'s long poll. A poll watches its request
+    id before it reads the record (`watch`), so a call finishing between that read and the wait
+    still wakes it; `notify` may come from any thread and touches the watchers on the loop only."""
 
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.events: dict[str, asyncio.Event] = {}
+        self.events: dict[str, set[asyncio.Event]] = {}
 
     def notify(self, rid: str) -> None:
-        event, loop = self.events.get(rid), self.loop
-        if event is not None and loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(event.set)
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, rid)
 
-    async def wait(self, rid: str, timeout: float) -> None:
-        event = self.events.setdefault(rid, asyncio.Event())
+    def _wake(self, rid: str) -> None:
+        for event in self.events.get(rid, ()):
+            event.set()
+
+    @contextmanager
+    def watch(self, rid: str) -> Iterator[asyncio.Event]:
+        event = asyncio.Event()
+        self.events.setdefault(rid, set()).add(event)
         try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
+            yield event
         finally:
-            self.events.pop(rid, None)
+            watchers = self.events.get(rid, set())
+            watchers.discard(event)
+            if not watchers:
+                self.events.pop(rid, None)
 
 
 def refuse(status: int, route: str, message: str) -> HTTPException:
@@ -76,6 +89,7 @@ class TinkerService:
             gap_timeout_s=settings.gap_timeout_s,
             notify=self.waiters.notify,
             tinker_module=api,
+            session_timeout_s=settings.session_timeout_s,
         )
         self.sampler = Sampler(
             settings.engine_urls,
@@ -97,6 +111,8 @@ class TinkerService:
             raise refuse(404, route, f"unknown model_id {mid[:128]!r}")
         if record.get("status") == "lost":
             raise refuse(410, route, record.get("lost_reason", f"model {mid} is gone"))
+        if record.get("status") == "failed":
+            raise refuse(400, route, f"model {mid} was never created: {record.get('failed_reason')}")
         if record.get("status") != "live":
             raise refuse(404, route, f"model {mid} is {record.get('status')}")
         if seq is None or seq < 1:
@@ -114,14 +130,15 @@ class TinkerService:
             raise refuse(400, route, str(exc)) from None
         except QueueFull as exc:
             raise refuse(429, route, str(exc)) from None
+        except ModelGone as exc:
+            raise refuse(404, route, str(exc)) from None
         m.REQUESTS.labels(route, "accepted" if created else "retried").inc()
         self.worker.wake()
         return wire.UntypedFuture(request_id=rid, model_id=mid)
 
     def create_model(self, body: wire.CreateModelRequest, raw: bytes) -> wire.UntypedFuture:
         route = "create_model"
-        if self.log.session(body.session_id) is None:
-            raise refuse(404, route, f"unknown session_id {body.session_id[:64]!r}: create_session first")
+        self._open_session(route, body.session_id)
         if body.base_model not in self.settings.base_models:
             raise refuse(
                 400,
@@ -159,21 +176,31 @@ class TinkerService:
     def create_from_checkpoint(self, body: wire.LoadWeightsRequest, raw: bytes) -> wire.UntypedFuture:
         """`load_weights` as a model's first call (create-via-load: seq id 0, no create_model)."""
         route = "load_weights"
-        if self.log.session(body.session_id or "") is None:
-            raise refuse(404, route, f"unknown session_id {str(body.session_id)[:64]!r}")
+        self._open_session(route, body.session_id or "")
         checkpoint = self.log.record("ckpt", body.path)
         if checkpoint is None or checkpoint.get("kind") != "training":
             raise refuse(
                 404, route, f"no training checkpoint named {body.path[:200]!r} (save_state writes them)"
             )
         mid = model_id(body.session_id, body.model_seq_id or 0)
+        # The origin keeps the checkpoint's own seq id (`recovery._rebuild` checks it) and whether
+        # the optimizer state was loaded with it.
         record = {
             "status": "live", "session": body.session_id, "base_model": checkpoint["base_model"],
             "lora": checkpoint["lora"], "seed": random.randrange(SEED_RANGE), "cursor": -1, "created": time.time(),
-            "origin_checkpoint": {"path": body.path, **checkpoint, "seq": 0} if body.optimizer else None,
+            "origin_checkpoint": {"path": body.path, **checkpoint, "optimizer": body.optimizer},
         }  # fmt: skip
         payload = {"path": body.path, "optimizer": body.optimizer}
         return self._create(route, mid, "load_weights", payload, raw, record)
+
+    def _open_session(self, route: str, sid: str) -> None:
+        """Refuse a model in a session that is unknown (404) or finished (410: its models are
+        released, a new one would be too)."""
+        session = self.log.session(sid)
+        if session is None:
+            raise refuse(404, route, f"unknown session_id {sid[:64]!r}: create_session first")
+        if "finished" in session:
+            raise refuse(410, route, f"session {sid} is finished ({session['finished']}): create a new one")
 
     def _create(
         self, route: str, mid: str, kind: str, payload: dict, raw: bytes, record: dict
@@ -242,7 +269,11 @@ class TinkerService:
             )
         name = self._name(route, body.path)
         payload = {"name": name, "sampling_session_seq_id": body.sampling_session_seq_id}
-        return self.submit(route, body.model_id, body.seq_id, route, payload, raw)
+        # The SDK draws sampling_session_seq_id anew each time its retry loop resends the call
+        # (training_client.py `_save_weights_for_sampler_impl`), so the call is the rest of the
+        # body: a resend gets the first send's future, whose result names the first session.
+        identity = body.model_dump_json(exclude={"sampling_session_seq_id"}).encode()
+        return self.submit(route, body.model_id, body.seq_id, route, payload, identity)
 
     def load_weights(self, body: wire.LoadWeightsRequest, raw: bytes) -> wire.UntypedFuture:
         if body.weights_access_token:
@@ -270,7 +301,7 @@ class TinkerService:
         if not self.log.finish_session(sid, reason):
             raise refuse(404, "finish_session", f"unknown session_id {sid[:64]!r}")
         mids = [mid for mid in self.log.live_models() if (self.log.model(mid) or {}).get("session") == sid]
-        self.worker.release(mids)
+        self.worker.wake()  # it releases them once their queues are empty
         log_event(log, "session finished", session=sid, reason=reason, models=len(mids))
 
     def info(self, mid: str) -> wire.GetInfoResponse:
@@ -333,6 +364,21 @@ class TinkerService:
         session = self.log.record("sampler", body.sampling_session_id)
         if session is None:
             raise refuse(404, route, f"unknown sampling session {body.sampling_session_id[:128]!r}")
+        # The engine body holds the prompt once per sample: both bounds, or a small body asks for
+        # gigabytes (the body cap alone allows a 30M-token prompt).
+        if body.num_samples > self.settings.max_samples_per_call:
+            raise refuse(
+                400,
+                route,
+                f"num_samples {body.num_samples} is above max_samples_per_call ({self.settings.max_samples_per_call})",
+            )
+        prompt = sum(len(c.tokens or ()) for c in body.prompt.chunks)
+        if prompt > self.settings.max_tokens_per_call:
+            raise refuse(
+                400,
+                route,
+                f"a prompt of {prompt} tokens is above max_tokens_per_call ({self.settings.max_tokens_per_call})",
+            )
         if len(self.samples) >= self.settings.max_inflight_samples:
             raise refuse(429, route, f"{len(self.samples)} samples running (max_inflight_samples)")
         rid = self.log.new_future("sample", {"sampler": body.sampling_session_id})
@@ -353,6 +399,11 @@ class TinkerService:
         except EngineError as exc:
             self.log.settle(rid, error=str(exc), category="server")
             m.SAMPLES.labels("error").inc()
+        except Exception as exc:  # noqa: BLE001  (else the future stays running: a 410 the SDK resends)
+            message = f"internal error in sample: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+            log_event(log, "tinker sample failed", logging.ERROR, request=rid, error=message)
+            self.log.settle(rid, error=message, category="server")
+            m.SAMPLES.labels("error").inc()
         else:
             self.log.settle(rid, result={"proto": "sample", **result})
             m.SAMPLES.labels("done").inc()
@@ -365,17 +416,21 @@ class TinkerService:
         """The future's record once finished, or None after holding the poll `poll_hold_s`."""
         from starlette.concurrency import run_in_threadpool
 
-        record = await run_in_threadpool(self.log.future, rid)
-        if record is None:
-            raise refuse(
-                404, "retrieve_future", f"unknown request_id {rid[:64]!r} (never issued, or expired)"
-            )
-        if record["state"] not in (DONE, FAILED):
-            if record.get("kind") == "sample" and rid not in self.samples:
-                raise refuse(
-                    410, "retrieve_future",
-                    f"sample {rid} was lost in a restart of the service; the SDK sends it again",
-                )  # fmt: skip
-            await self.waiters.wait(rid, self.settings.poll_hold_s)
+        with self.waiters.watch(rid) as finished:
             record = await run_in_threadpool(self.log.future, rid)
+            if record is None:
+                raise refuse(
+                    404, "retrieve_future", f"unknown request_id {rid[:64]!r} (never issued, or expired)"
+                )
+            if record["state"] not in (DONE, FAILED):
+                if record.get("kind") == "sample" and rid not in self.samples:
+                    raise refuse(
+                        410, "retrieve_future",
+                        f"sample {rid} was lost in a restart of the service; the SDK sends it again",
+                    )  # fmt: skip
+                try:
+                    await asyncio.wait_for(finished.wait(), self.settings.poll_hold_s)
+                except TimeoutError:
+                    pass
+                record = await run_in_threadpool(self.log.future, rid)
         return record if record and record["state"] in (DONE, FAILED) else None

@@ -3,13 +3,19 @@ in seq-id order (docs/architecture.md §13).
 
 The loop is the whole policy: for each live model, run its next command if its turn has come
 (`CommandLog.head`), give up a missing seq id that held the queue past `gap_timeout_s`, and
-release a finished session's models once their queues are empty. Each command's effect on the
+release a finished session's models once their queues are empty. A session is finished when
+its client closed it, or when it sent no heartbeat for `session_timeout_s` (a client that died:
+its models would otherwise hold memory and `max_models` slots for good); silence is counted
+from this process's start at the earliest, so a restart does not end every session. Both are
+read from Redis at each pass, so a restart releases what it must. Each command's effect on the
 model's durable record (`mutated`, the checkpoint a restart may restore) is written in the same
 transaction as its result, so `recovery.py` can tell after a crash what the in-memory state held.
 
 Failures: a backend refusal (`TinkerError`, `ValueError`) fails the call with the backend's
 message (category `user`); anything else fails it as `server` and is counted and logged. The
-worker never stops on a failed command.
+worker never stops on a failed command. A call's outcome that Redis failed to record (its
+effect is in memory already) is held and recorded at the next pass, before anything else runs:
+never run again.
 """
 
 from __future__ import annotations
@@ -63,13 +69,16 @@ class TrainingWorker:
         gap_timeout_s: float,
         notify: Callable[[str], None],
         tinker_module: Any,
+        session_timeout_s: float = 600.0,
     ):
         self.log, self.backend, self.gap_timeout_s, self.notify = commands, backend, gap_timeout_s, notify
+        self.session_timeout_s = session_timeout_s
+        self.started = time.time()
         self.tinker = tinker_module  # asyncrl.trainer.tinker: its Datum and error classes
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.releasing: set[str] = set()
+        self._unrecorded: dict[str, tuple[Command, dict]] = {}  # ran, result not yet in Redis
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tinker-worker", daemon=True)
@@ -82,11 +91,6 @@ class TrainingWorker:
             self._thread.join(timeout=60)
 
     def wake(self) -> None:
-        self._wake.set()
-
-    def release(self, mids: list[str]) -> None:
-        """Unload these models once their queues are empty (their session finished)."""
-        self.releasing.update(mids)
         self._wake.set()
 
     def _loop(self) -> None:
@@ -106,6 +110,8 @@ class TrainingWorker:
 
     def step(self) -> bool:
         """One pass over the live models: run at most one command of each. True if any ran."""
+        for rid in list(self._unrecorded):  # raises while Redis is still down: nothing else runs
+            self._record(rid)
         ran = False
         for mid in self.log.live_models():
             command, missing = self.log.head(mid)
@@ -114,9 +120,22 @@ class TrainingWorker:
                 ran = True
             elif missing is not None:
                 self._check_gap(mid, missing)
-            elif mid in self.releasing:
+            elif self._session_over(mid):
                 self._unload(mid)
         return ran
+
+    def _session_over(self, mid: str) -> bool:
+        sid = (self.log.model(mid) or {}).get("session", "")
+        session = self.log.session(sid)
+        if session is None or "finished" in session:
+            return True
+        seen = max(float(session.get("seen", 0.0)), self.started)
+        if time.time() - seen <= self.session_timeout_s:
+            return False
+        if self.log.expire_session(sid):
+            m.SESSIONS_EXPIRED.inc()
+            log_event(log, "session expired", session=sid, silent_s=round(time.time() - seen, 1))
+        return True
 
     def _check_gap(self, mid: str, missing: int) -> None:
         waiting = self.log.queued(mid)
@@ -132,12 +151,15 @@ class TrainingWorker:
             self.notify(command.request_id)
 
     def _unload(self, mid: str) -> None:
-        self.releasing.discard(mid)
         try:
             self.backend.unload(backend_id(mid))
         except self.tinker.UnknownModelError:
             pass
         self.log.update_model(mid, status="unloaded")
+        for command in self.log.queued(mid):  # landed after the look that found the queue empty
+            self.log.finish(command, error=f"not run: model {mid} was released (its session ended)")
+            m.COMMANDS.labels(command.kind, "released").inc()
+            self.notify(command.request_id)
         log_event(log, "model released", model=mid)
 
     # --- one command --------------------------------------------------------------------------
@@ -145,13 +167,30 @@ class TrainingWorker:
     def run(self, command: Command) -> None:
         self.log.start(command)
         started = time.monotonic()
+        outcome, label = self._apply(command)
+        m.COMMANDS.labels(command.kind, label).inc()
+        m.COMMAND_SECONDS.labels(command.kind).observe(time.monotonic() - started)
+        self._unrecorded[command.request_id] = (command, outcome)
+        self._record(command.request_id)
+
+    def _record(self, rid: str) -> None:
+        command, outcome = self._unrecorded[rid]
+        self.log.finish(command, **outcome)
+        del self._unrecorded[rid]
+        self.notify(rid)
+
+    def _apply(self, command: Command) -> tuple[dict, str]:
+        """Run `command` on the backend: (its outcome as `CommandLog.finish` takes it, its label)."""
         try:
             body = self.log.body(command.request_id)
             result, changes = getattr(self, f"_{command.kind}")(command, body)
         except (self.tinker.TinkerError, ValueError, KeyError) as exc:
             message = str(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
-            self.log.finish(command, error=message, category="user")
-            m.COMMANDS.labels(command.kind, "refused").inc()
+            return {
+                "error": message,
+                "category": "user",
+                "model_changes": _not_created(command, message),
+            }, "refused"
         except Exception as exc:  # noqa: BLE001  (the call fails as `server`, counted; the worker goes on)
             message = f"internal error in {command.kind}: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
             log_event(
@@ -162,15 +201,14 @@ class TrainingWorker:
                 seq=command.seq,
                 error=message,
             )
-            self.log.finish(command, error=message, category="server")
-            m.COMMANDS.labels(command.kind, "error").inc()
-        else:
-            if command.kind in STATE_CHANGING:
-                changes["mutated"] = command.seq
-            self.log.finish(command, result=result, model_changes=changes)
-            m.COMMANDS.labels(command.kind, "done").inc()
-        m.COMMAND_SECONDS.labels(command.kind).observe(time.monotonic() - started)
-        self.notify(command.request_id)
+            return {
+                "error": message,
+                "category": "server",
+                "model_changes": _not_created(command, message),
+            }, "error"
+        if command.kind in STATE_CHANGING:
+            changes["mutated"] = command.seq
+        return {"result": result, "model_changes": changes}, "done"
 
     def _create_model(self, command: Command, body: dict) -> tuple[dict, dict]:
         info = self.backend.create_model(
@@ -220,7 +258,9 @@ class TrainingWorker:
     def _save_weights_for_sampler(self, command: Command, body: dict) -> tuple[dict, dict]:
         record = self.log.model(command.model_id) or {}
         name = body["name"] or f"seq{command.seq}"
-        saved = self.backend.save_for_sampler(backend_id(command.model_id), name)
+        saved = self.backend.save_for_sampler(
+            backend_id(command.model_id), name, keep=body["name"] is not None
+        )
         path = sampler_path(command.model_id, name)
         sampler = {
             "kind": "sampler",
@@ -230,11 +270,14 @@ class TrainingWorker:
             "adapter_path": saved["adapter_path"],
             "version": saved.get("version"),
         }
-        self.log.put_record("ckpt", path, sampler)
+        unnamed = (
+            body["name"] is None
+        )  # one a step (the cookbook's): its adapter is pruned, its records expire
+        self.log.put_record("ckpt", path, sampler, expires=unnamed)
         result: dict = {"path": path, "type": "save_weights_for_sampler"}
         if body.get("sampling_session_seq_id") is not None:
             sid = sampling_session_id(record["session"], body["sampling_session_seq_id"])
-            self.log.put_record("sampler", sid, {**sampler, "model_path": path})
+            self.log.put_record("sampler", sid, {**sampler, "model_path": path}, expires=unnamed)
             result["sampling_session_id"] = sid
         return result, {}
 
@@ -257,6 +300,12 @@ class TrainingWorker:
             raise ValueError(f"checkpoint {body['path']!r} holds {extra.get('tinker_path')!r}")
         changes = {"grads": False, "info": self.backend.info(backend_id(command.model_id))}
         return {"path": body["path"], "model_id": command.model_id, "type": "load_weights"}, changes
+
+
+def _not_created(command: Command, message: str) -> dict | None:
+    """A model whose creating call (seq 0) failed does not exist: it holds no `max_models` slot,
+    a restart does not try to build it again, and its later calls are refused naming why."""
+    return {"status": "failed", "failed_reason": message} if command.seq == 0 else None
 
 
 def _forward_result(out: Any) -> dict:

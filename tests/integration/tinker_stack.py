@@ -45,8 +45,7 @@ def tinker_settings(
         engine_urls=[engine_url] if engine_url else [],
         weights_root=str(root / "weights"),
         checkpoints_root=str(root / "checkpoints"),
-        poll_hold_s=2.0,
-        **overrides,
+        **{"poll_hold_s": 2.0, **overrides},
     )
 
 

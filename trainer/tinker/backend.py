@@ -16,6 +16,8 @@ model's commands in order (`metrics` alone may be read from another thread).
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,7 @@ from asyncrl.trainer.tinker.models import (
 )
 
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+KEPT_DIR = "kept"  # named sampler versions, beside the pruned ones (not a `v…` name: never listed)
 
 
 @dataclass(frozen=True)
@@ -244,7 +247,8 @@ class TinkerTrainer:
     def optim_step(self, model_id: str, adam: dict) -> dict:
         """One AdamW step (torch's, which is Tinker's) with these AdamParams on the gradients
         accumulated since the last step, which it then clears. `grad_clip_norm` > 0 clips their
-        global norm first. A step with no gradient accumulated changes nothing."""
+        global norm first. A step with no gradient accumulated changes nothing; one on gradients
+        that are not finite is refused (InvalidInputError) and drops them."""
         m = self._get(model_id)
         params = _adam_params(adam)
         t0 = time.perf_counter()
@@ -258,6 +262,13 @@ class TinkerTrainer:
         clip = params["grad_clip_norm"] if params["grad_clip_norm"] > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(with_grad, clip) if with_grad else torch.zeros(())
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
+        if not np.isfinite(norm):  # AdamW would write NaN into every adapter, for good
+            m.optimizer.zero_grad(set_to_none=True)
+            m.count("optim_steps_refused")
+            raise InvalidInputError(
+                f"the accumulated gradients are not finite (norm {norm}): the step is not applied and they "
+                "are dropped; the loss inputs overflowed (see the forward_backward's loss:sum)"
+            )
         if with_grad:
             m.optimizer.step()
             m.step += 1
@@ -269,10 +280,13 @@ class TinkerTrainer:
 
     # ---- weights ------------------------------------------------------------------------
 
-    def save_for_sampler(self, model_id: str, name: str) -> dict:
+    def save_for_sampler(self, model_id: str, name: str, keep: bool = False) -> dict:
         """The adapter as a PEFT directory `<weights_root>/<model_id>/v<version>`, written as the
         async LoRA path writes its versions (`DiskPublisher`): a new version per call, never
-        rewritten; the engines load it with /load_lora_adapter under `adapter_name`."""
+        rewritten; the engines load it with /load_lora_adapter under `adapter_name`. The
+        publisher keeps the newest `keep_sampler_versions` of them; `keep` (a save the client
+        named) also links the version into `<weights_root>/<model_id>/kept/`, which nothing
+        prunes, and that is the path returned: a named sampler checkpoint outlives later saves."""
         from asyncrl.services.transport.weights import adapter_name
         from asyncrl.trainer.lora import adapter_state_dict
         from asyncrl.trainer.model import DTYPES
@@ -285,10 +299,11 @@ class TinkerTrainer:
         out = m.publisher.write(version, tensors)
         m.sampler_version = version
         m.count("sampler_bytes", out.nbytes)
+        path = _kept(Path(out.path), self.weights_root / model_id / KEPT_DIR) if keep else out.path
         return {
             "name": name,
             "adapter_name": adapter_name(model_id, version),
-            "adapter_path": out.path,
+            "adapter_path": path,
             "version": version,
             "lora_rank": m.lora.rank,
             "bytes": out.nbytes,
@@ -321,6 +336,19 @@ class TinkerTrainer:
                 "shares_base": float(m.shares_base),
             }
         return out
+
+
+def _kept(version_dir: Path, kept_root: Path) -> str:
+    """`version_dir` hard-linked (no bytes copied; its files were fsynced when written) into
+    `kept_root`, published whole (`atomic_publish_dir`)."""
+    from asyncrl.trainer.checkpoint import atomic_publish_dir
+
+    kept_root.mkdir(parents=True, exist_ok=True)
+    final, tmp = kept_root / version_dir.name, kept_root / f".tmp-{version_dir.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(version_dir, tmp, copy_function=os.link)
+    atomic_publish_dir(tmp, final, written=[])
+    return str(final)
 
 
 def _adam_params(adam: dict) -> dict[str, float]:

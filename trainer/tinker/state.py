@@ -16,21 +16,20 @@ state as saved (the Checkpointer's rule; nothing here draws from it after creati
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
+from asyncrl.proto.tinker import CHECKPOINT_NAME
 from asyncrl.trainer.checkpoint import Checkpointer, atomic_publish_dir
 from asyncrl.trainer.model import Dist
 from asyncrl.trainer.tinker.errors import InvalidInputError, UnknownModelError
 from asyncrl.trainer.tinker.models import TinkerModel, fresh_adam_state
 
 META_FILE = "tinker.json"
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # a model id or checkpoint name: one path part
 
 
 def check_name(value: str, what: str) -> str:
-    if not isinstance(value, str) or not NAME.fullmatch(value):
+    if not isinstance(value, str) or not CHECKPOINT_NAME.fullmatch(value):
         raise InvalidInputError(
             f"{what} {value!r}: 1-128 letters, digits, '_', '.' or '-', starting with a letter or digit"
         )

@@ -48,15 +48,21 @@ async def create_session(request: Request, service: ServiceDep) -> wire.CreateSe
 @router.post("/session_heartbeat", response_model=wire.SessionHeartbeatResponse)
 async def heartbeat(request: Request, service: ServiceDep) -> wire.SessionHeartbeatResponse:
     body, _ = await parse(request, wire.SessionHeartbeatRequest)
-    if not await run_in_threadpool(service.log.heartbeat, body.session_id):
+    session = await run_in_threadpool(service.log.session, body.session_id)
+    if session is None:
         raise refuse(404, "session_heartbeat", f"unknown session_id {body.session_id[:64]!r}")
+    if "finished" in session:  # the SDK stops its heartbeat loop on a 410
+        raise refuse(
+            410, "session_heartbeat", f"session {body.session_id} is finished ({session['finished']})"
+        )
+    await run_in_threadpool(service.log.heartbeat, body.session_id)
     return wire.SessionHeartbeatResponse()
 
 
 @router.post("/sessions/{session_id}/finish", response_model=None, status_code=204)
 async def finish(session_id: str, request: Request, service: ServiceDep) -> None:
-    data = await request.json()
-    reason = str(((data or {}).get("reason") or {}).get("type", "unknown"))[:32]
+    body, _ = await parse(request, wire.SessionFinishRequest)
+    reason = body.reason.type[:32] if body.reason else "unknown"
     await run_in_threadpool(service.finish_session, session_id, reason)
 
 

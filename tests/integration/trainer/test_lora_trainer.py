@@ -7,7 +7,6 @@ adapter alone, and the checkpoint holds the adapters."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from asyncrl.buffer import Buffer, Groups, PolicyVersions
@@ -17,17 +16,6 @@ from asyncrl.trainer.config import TrainerSettings
 torch.set_num_threads(1)
 B, STEPS, RANK = 2, 3, 4
 ADAPTER_PARAMS = RANK * 2048 * 2  # the tiny Qwen2's adapters on every Linear (test_lora.py)
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    import torch.distributed as dist
-
-    from asyncrl.trainer.model import init_distributed
-
-    d = init_distributed("cpu", timeout_s=60)
-    yield d
-    dist.destroy_process_group()
 
 
 def groups(n: int, seed: int) -> list[Group]:

@@ -22,17 +22,6 @@ B, STEPS = 2, 3
 SLOW_WRITE_S = 0.3  # longer than a step of the tiny model: each write overlaps the next step
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    import torch.distributed as dist
-
-    from asyncrl.trainer.model import init_distributed
-
-    d = init_distributed("cpu", timeout_s=60)
-    yield d
-    dist.destroy_process_group()
-
-
 def groups(n: int, seed: int) -> list[Group]:
     rng = np.random.default_rng(seed)
     out = []

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
-import pytest
 import torch
 from engine_server import serve_in_thread
 
@@ -18,17 +17,6 @@ from asyncrl.trainer.config import TrainerSettings
 
 torch.set_num_threads(1)
 B, STEPS = 2, 4
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    import torch.distributed as dist
-
-    from asyncrl.trainer.model import init_distributed
-
-    d = init_distributed("cpu", timeout_s=60)
-    yield d
-    dist.destroy_process_group()
 
 
 def groups(n: int, seed: int) -> list[Group]:

@@ -32,17 +32,6 @@ ADAPTER_PARAMS = 4 * 2048 * 2
 VOCAB = 54  # the tiny tokenizer: 3 special tokens, 26 letters, 10 digits, 15 symbols and the newline
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    import torch.distributed as dist
-
-    from asyncrl.trainer.model import init_distributed
-
-    d = init_distributed("cpu", timeout_s=60)
-    yield d
-    dist.destroy_process_group()
-
-
 @pytest.fixture
 def trainer(one_rank, tiny, tmp_path):
     return TinkerTrainer(
@@ -319,3 +308,47 @@ def test_bad_requests_are_refused_with_typed_errors_and_change_nothing(trainer):
     with pytest.raises(InvalidInputError, match="expected '<model_id>/<name>'"):
         trainer.load_state("m0", "../../etc", optimizer=True)
     assert trainer.info("m0")["step"] == 0
+
+
+def test_a_named_sampler_version_outlives_the_pruning_of_later_saves(one_rank, tiny, tmp_path):
+    trainer = TinkerTrainer(
+        TinkerSettings(
+            base_models={"tiny": str(tiny)},
+            weights_root=str(tmp_path / "weights"),
+            checkpoints_root=str(tmp_path / "checkpoints"),
+            keep_sampler_versions=2,
+        )
+    )
+    trainer.create_model("a", "tiny", LORA)
+    step(trainer, "a", sft_set())
+    named = trainer.save_for_sampler("a", "final", keep=True)
+    weights = Path(named["adapter_path"]) / "adapter_model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    unnamed = []
+    for i in range(3):  # v2..v4: the publisher keeps the newest 2, so v1 and v2 go
+        step(trainer, "a", sft_set(seed=i))
+        unnamed.append(trainer.save_for_sampler("a", f"s{i}")["adapter_path"])
+    versions = sorted(p.name for p in (tmp_path / "weights" / "a").iterdir() if p.name.startswith("v"))
+    assert len(versions) == 2 and not Path(unnamed[0]).exists()  # pruned as before
+    assert named["version"] == 1 and Path(named["adapter_path"]).parent.name == "kept"
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == digest  # still there, unchanged
+
+
+def test_a_step_on_non_finite_gradients_is_refused_and_changes_nothing(trainer):
+    """Weights are the client's numbers: finite each, they can still overflow the loss (here
+    -log p · 1e38). AdamW on an inf/NaN gradient writes NaN into every adapter for good; the
+    step is refused instead, the gradients dropped, the model as it was."""
+    trainer.create_model("a", "tiny", LORA)
+    step(trainer, "a", sft_set())
+    before, state = adapter_values(trainer, "a"), adam_state(trainer, "a")
+    huge = [Datum(d.tokens, {**d.inputs, "weights": np.full(11, 1e38, np.float32)}) for d in sft_set(seed=1)]
+    out = trainer.forward_backward("a", huge, "cross_entropy", None)
+    assert not np.isfinite(out.metrics["loss:sum"])
+    with pytest.raises(InvalidInputError, match="gradients are not finite"):
+        trainer.optim_step("a", ADAM)
+    assert_same(adapter_values(trainer, "a"), before)
+    assert_same(adam_state(trainer, "a"), state)
+    assert all(p.grad is None for p in trainer.model("a").module.parameters())  # dropped
+    assert trainer.info("a")["step"] == 1
+    step(trainer, "a", sft_set())  # and the model trains on
+    assert trainer.info("a")["step"] == 2

@@ -32,17 +32,6 @@ CE_DATA_SEED, RL_SEED = 3, 4
 
 
 @pytest.fixture(scope="module")
-def one_rank():
-    import torch.distributed as dist
-
-    from asyncrl.trainer.model import init_distributed
-
-    d = init_distributed("cpu", timeout_s=60)
-    yield d
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def trainer(one_rank, tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("tinker")
     settings = TinkerSettings(

@@ -10,7 +10,6 @@ import fcntl
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 from factories import make_group
 from waiting import wait_until
@@ -22,17 +21,6 @@ from asyncrl.trainer.config import TrainerSettings
 torch.set_num_threads(1)
 B = 2
 TOTAL = 2  # core_share_threads: what the trainer may use while the engine idles
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    import torch.distributed as dist
-
-    from asyncrl.trainer.model import init_distributed
-
-    d = init_distributed("cpu", timeout_s=60)
-    yield d
-    dist.destroy_process_group()
 
 
 def trainer_slot(path) -> tuple[int, int, int]:

@@ -3,6 +3,8 @@ same tokens and arrays, and what this writes the SDK reads back to the same valu
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from tinker import types
@@ -102,3 +104,91 @@ def test_the_sdk_reads_a_sample_response_written_here():
     assert [(s.tokens, s.logprobs, s.stop_reason) for s in response.sequences] == [
         ([4, 5], [-0.25, -3.5], "length"), ([9], [-1.0], "stop")]  # fmt: skip
     assert response.prompt_logprobs == [None, -0.5, -2.0] and response.prompt_cache_hit_tokens == 3
+
+
+def field(number: int, payload: bytes | int, wire_type: int | None = None) -> bytes:
+    """One protobuf field: a varint for an int, length-delimited bytes, or raw bytes under
+    `wire_type` (to write a field of the wrong type)."""
+    out = bytearray()
+    if isinstance(payload, int):
+        wire._put_key(out, number, wire.VARINT)
+        wire._put_varint(out, payload)
+    elif wire_type is not None:
+        wire._put_key(out, number, wire_type)
+        out += payload
+    else:
+        wire._put_bytes(out, number, payload)
+    return bytes(out)
+
+
+def tensor_input(name: bytes, tensor: bytes) -> bytes:
+    """A body with one datum whose loss_fn_inputs hold `tensor` (tinker_public.TensorData)."""
+    return field(1, b"m") + field(3, field(2, field(1, name) + field(2, tensor)))
+
+
+SHAPE = field(4, wire._packed([1, 1]))
+MALFORMED = {  # a body the SDK never writes -> what the 400 says
+    "config double of 4 bytes": (
+        field(1, b"m") + field(7, field(1, b"k") + field(2, field(1, b"\0" * 4, wire.FIXED32))),
+        "loss_fn_config['k'] has wire type 5",
+    ),
+    "legacy config value as a varint": (
+        field(1, b"m") + field(5, field(1, b"k") + field(2, 3)),
+        "wire type 0",
+    ),
+    "model_input chunk as a varint": (
+        field(1, b"m") + field(3, field(1, field(1, 5))),
+        "chunk has wire type 0",
+    ),
+    "loss input entry as a varint": (
+        field(1, b"m") + field(3, field(2, field(1, b"w") + field(2, 7))),
+        "wire type 0",
+    ),
+    "negative dimension": (
+        tensor_input(b"w", field(1, b"\0" * 8) + field(3, 1) + field(4, wire._packed([-1, -2]))),
+        "negative dimension",
+    ),
+    "float32 data of 3 bytes": (
+        tensor_input(b"w", field(1, b"\0" * 3) + field(3, 1)),
+        "3 bytes are not whole",
+    ),
+    "CSR row pointers of 3 bytes": (
+        tensor_input(b"w", field(2, field(2, b"abc")) + field(3, 1) + SHAPE),
+        "3 bytes are not whole int64",
+    ),
+    "tokens of 6 bytes": (field(1, b"m") + field(3, field(1, field(1, field(1, b"\0" * 6)))), "6 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_body_is_a_wire_error_naming_the_field(case):
+    """A WireError (a 400 naming the problem), not a struct/Type/ValueError (a 500, which the SDK
+    resends ten times)."""
+    body, message = MALFORMED[case]
+    with pytest.raises(wire.WireError, match=re.escape(message)):
+        wire.decode_forward_backward(body)
+
+
+def sparse_input(name: bytes, columns: int) -> bytes:
+    """A loss input of shape [1, columns] as a CSR tensor holding one float: a few bytes."""
+    csr = field(1, np.float32(1.0).tobytes()) + field(2, np.array([0, 1], np.int64).tobytes())
+    csr += field(3, np.array([0], np.int64).tobytes())
+    return field(
+        2, field(1, name) + field(2, field(2, csr) + field(3, 1) + field(4, wire._packed([1, columns])))
+    )
+
+
+def test_sparse_tensors_are_made_dense_only_within_the_calls_budget():
+    # One CSR tensor of ~40 bytes declaring 2^40 cells: 4 TiB dense, refused before allocation.
+    huge = field(1, b"m") + field(3, sparse_input(b"weights", 1 << 40))
+    with pytest.raises(wire.WireError, match=r"loss_fn_inputs\['weights'\] of shape \[1, 1099511627776\]"):
+        wire.decode_forward_backward(huge)
+    # Each under the budget, together over it: the second is refused (the sum is what is held).
+    half = wire.MAX_DENSE_CELLS // 2 + 1
+    two = field(1, b"m") + field(3, sparse_input(b"a", half)) + field(3, sparse_input(b"b", half))
+    with pytest.raises(
+        wire.WireError, match=rf"loss_fn_inputs\['b'\] .* {wire.MAX_DENSE_CELLS // 2 - 1} are left"
+    ):
+        wire.decode_forward_backward(two)
+    call = wire.decode_forward_backward(field(1, b"m") + field(3, sparse_input(b"a", half)))
+    assert call.data[0].inputs["a"].shape == (1, half) and call.data[0].inputs["a"].sum() == 1.0
