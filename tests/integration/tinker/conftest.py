@@ -21,10 +21,24 @@ def tinker_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny, tinker_root):
-    """A reference engine serving the tiny model with LoRA adapters from the service's weights_root."""
+def tinker_model(tiny) -> Path:
+    """The base model the stack trains and its engine serves: the tiny one, unless a module
+    overrides this fixture (test_tinker_smollm2.py)."""
+    return tiny
+
+
+@pytest.fixture(scope="module")
+def sft_lr() -> float:
+    """Adam's lr for the tests' supervised steps: large for the tiny random model; a module on a
+    pretrained model overrides it (at 2e-2 SmolLM2's loss diverges)."""
+    return 2e-2
+
+
+@pytest.fixture(scope="module")
+def engine(tinker_model, tinker_root):
+    """A reference engine serving the base model with LoRA adapters from the service's weights_root."""
     running = serve_in_thread(
-        str(tiny),
+        str(tinker_model),
         weights_root=str(tinker_root / "weights"),
         enable_lora=True,
         max_lora_rank=16,
@@ -38,10 +52,12 @@ def engine(tiny, tinker_root):
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, tiny, tinker_root, engine):
+def stack(redis_server, tinker_model, tinker_root, engine):
     torch.set_num_threads(1)
     namespace = f"t{os.getpid()}{free_port()}"
-    settings = tinker_settings(redis_server.url, namespace, tinker_root, tiny, engine.url, gap_timeout_s=3.0)
+    settings = tinker_settings(
+        redis_server.url, namespace, tinker_root, tinker_model, engine.url, gap_timeout_s=3.0
+    )
     running, http = start_stack(settings)
     yield running
     http.stop()

@@ -25,7 +25,7 @@ def forward_logprobs(client, tokens: list[int]) -> np.ndarray:
     return np.asarray(out.loss_fn_outputs[0]["logprobs"].data, dtype=np.float32)
 
 
-def test_sft_loss_falls_and_the_sampler_serves_the_saved_version(sdk, stack):
+def test_sft_loss_falls_and_the_sampler_serves_the_saved_version(sdk, stack, sft_lr):
     client = sdk.create_lora_training_client(base_model=BASE, rank=8, seed=1).result(timeout=120)
     info = client.get_info()
     assert (info.model_id, info.lora_rank, info.model_data.model_name) == (client.model_id, 8, BASE)
@@ -36,7 +36,7 @@ def test_sft_loss_falls_and_the_sampler_serves_the_saved_version(sdk, stack):
     losses = []
     for _ in range(6):  # the SDK's pattern: both calls submitted before either result is read
         fb = client.forward_backward([datum], "cross_entropy")
-        step = client.optim_step(types.AdamParams(learning_rate=2e-2))
+        step = client.optim_step(types.AdamParams(learning_rate=sft_lr))
         losses.append(fb.result(timeout=120).metrics["loss:sum"])
         assert step.result(timeout=120).metrics["step"] == len(losses)
     # (a random tiny base under a rank-8 adapter: measured 191 -> 151 over these 6 steps)
@@ -60,7 +60,7 @@ def test_sft_loss_falls_and_the_sampler_serves_the_saved_version(sdk, stack):
 
     # The sampler names an immutable version: more training leaves its answers as they were.
     client.forward_backward([datum], "cross_entropy").result(timeout=120)
-    client.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=120)
+    client.optim_step(types.AdamParams(learning_rate=sft_lr)).result(timeout=120)
     again = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result(timeout=120)
     np.testing.assert_allclose(again[1:], result.prompt_logprobs[1:], atol=1e-5)
 
@@ -103,7 +103,7 @@ def test_importance_sampling_step_on_sampled_completions(sdk, stack):
     assert step.metrics["step"] == 1 and stack.steps(client.model_id) == 1
 
 
-def test_two_models_on_one_base_are_isolated(sdk, stack):
+def test_two_models_on_one_base_are_isolated(sdk, stack, sft_lr):
     a = sdk.create_lora_training_client(base_model=BASE, rank=4, seed=3).result(timeout=120)
     b = sdk.create_lora_training_client(base_model=BASE, rank=8, seed=4).result(timeout=120)
     assert a.model_id != b.model_id and b.get_info().lora_rank == 8
@@ -111,7 +111,7 @@ def test_two_models_on_one_base_are_isolated(sdk, stack):
     b_before = forward_logprobs(b, tokens)
     for _ in range(3):
         a.forward_backward([sft_datum(tokens)], "cross_entropy")
-        a.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=120)
+        a.optim_step(types.AdamParams(learning_rate=sft_lr)).result(timeout=120)
     assert (stack.steps(a.model_id), stack.steps(b.model_id)) == (3, 0)
     np.testing.assert_array_equal(forward_logprobs(b, tokens), b_before)
     assert np.abs(forward_logprobs(a, tokens) - b_before).max() > 0.1
