@@ -52,7 +52,9 @@ def test_run_config_validates_for_every_service(path):
     if path.name in ("demo-lora.toml", "smollm2-math-lora.toml"):  # LoRA variants: their bases, plus LoRA
         lora_of = {"demo-lora.toml": "demo.toml", "smollm2-math-lora.toml": "smollm2-math.toml"}[path.name]
         base = load_run_config(ROOT / "configs" / lora_of, require=("model",))
-        assert up.launch == base.launch and up.demo == base.demo and up.reward == base.reward
+        # the same task and evaluations; the batch is a training setting, like the lr
+        same_demo = up.demo.model_copy(update={"prompts_per_step": base.demo.prompts_per_step})
+        assert up.launch == base.launch and same_demo == base.demo and up.reward == base.reward
         assert trainer.lora.enabled and up.engine.enable_lora and not base.trainer.lora.enabled
         assert trainer.lr > base.trainer.lr  # LoRA's adapters need a larger step than a full fine-tune
     elif path.name in ("demo.toml", "demo-tools.toml"):  # the CPU demos
