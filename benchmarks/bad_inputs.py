@@ -136,7 +136,8 @@ class Setup:
 
 
 def engine_cases(s: Setup) -> list[Case]:
-    from asyncrl.services.engine.engine import MAX_CHARS_PER_TOKEN, REFUSED_PATH
+    from asyncrl.services.engine.engine import MAX_CHARS_PER_TOKEN
+    from asyncrl.services.engine.updates import REFUSED_PATH
 
     g, chat = "/generate", "/v1/chat/completions"
     one = {"max_new_tokens": 1}  # a case the engine accepts costs one token

@@ -2,14 +2,16 @@
 
     main.py          entry point: settings (config.py), then torch, then uvicorn
     app.py           FastAPI routes (SGLang native API + OpenAI /v1/chat/completions)
-    engine.py        InferenceEngine: validation, submission, SGLang response shapes, weight updates,
-                     LoRA loads and unloads
+    engine.py        InferenceEngine: validation, submission, SGLang response shapes, lifecycle;
+                     the control routes below are mixed into it
     scheduler.py     continuous batching loop on one thread (admit → prefill → decode)
     model_runner.py  the model, the slot KV cache, batched prefill/decode forwards
     sampling.py      temperature / top-p / top-k / min-p sampling and the logprobs returned
-    updates.py       weight updates one at a time, time-bounded, and the health they report
+    updates.py       weight updates (disk, update groups, broadcast): one at a time, time-bounded,
+                     and the health they report
     lora.py          LoRA adapters: a PEFT directory read and checked, applied per row of a forward
-    adapters.py      which adapters are held, which requests use them, when one may go (LRU)
+    adapters.py      LoRA loads and unloads: which adapters are held, which requests use them,
+                     when one may go (LRU)
     metrics.py       Prometheus metrics (`asyncrl_engine_…`)
 
 Control plane: a bearer token guards every endpoint but /health and /metrics; without one the

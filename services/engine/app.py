@@ -54,8 +54,9 @@ from asyncrl.proto.sglang import (
     check_unicode,
 )
 from asyncrl.services.engine import metrics
+from asyncrl.services.engine.adapters import LoraResult
 from asyncrl.services.engine.config import is_loopback
-from asyncrl.services.engine.engine import InferenceEngine, InvalidRequest, LoraResult
+from asyncrl.services.engine.engine import InferenceEngine, InvalidRequest
 from asyncrl.services.runtime.auth import API_TOKEN_ENV, install_engine_auth
 from asyncrl.services.runtime.limits import BodyLimit, install_validation_handler
 from asyncrl.services.runtime.metrics import router as metrics_router

@@ -1,51 +1,39 @@
-"""The engine behind the HTTP routes: request validation, submission to the scheduler, SGLang
-response shapes, weight updates and LoRA adapters. Runs on the asyncio loop; the model lives on
-the scheduler thread (`services/engine/scheduler.py`). Weight updates run one at a time, each
-within a deadline, their blocking parts on threads of their own (`services/engine/updates.py`);
-disk updates and adapters load only directories inside `weights_root`. Which adapters are held
-and when one may go: `services/engine/adapters.py`."""
+"""The engine behind the HTTP routes: request validation, submission to the scheduler and
+SGLang's response shapes for `/generate`, and the engine's lifecycle (start, stop, pausing the
+scheduler, server info). Runs on the asyncio loop; the model lives on the scheduler thread
+(`services/engine/scheduler.py`). `InferenceEngine` holds all the engine's state; the control
+routes that change it are mixed in from their own modules: weight updates from
+`services/engine/updates.py` (`WeightControlMixin`), LoRA loads and unloads from
+`services/engine/adapters.py` (`AdapterControlMixin`), which also says which adapters are held
+and when one may go."""
 
 from __future__ import annotations
 
 import asyncio
-import glob
 import logging
-import os
 import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
 from asyncrl.proto.sglang import (
     LORA_NOT_LOADED,
     SGLANG_RELEASE,
     GenerateItem,
     GenerateReqInput,
-    InitWeightsUpdateGroupReqInput,
-    LoadLoRAAdapterReqInput,
-    ReferenceUpdateWeightsFromDistributedReqInput,
     SamplingParams,
-    UnloadLoRAAdapterReqInput,
-    UpdateWeightFromDiskReqInput,
     refused_by_reference_engine,
 )
 from asyncrl.services.engine import deltas, lora, metrics
-from asyncrl.services.engine.adapters import AdapterRegistry
+from asyncrl.services.engine.adapters import AdapterControlMixin, AdapterRegistry
 from asyncrl.services.engine.config import EngineSettings
 from asyncrl.services.engine.deltas import BroadcastChain, Loaded
-from asyncrl.services.engine.model_runner import ModelRunner, read_checkpoint
+from asyncrl.services.engine.model_runner import ModelRunner
 from asyncrl.services.engine.sampling import RowSampling
 from asyncrl.services.engine.scheduler import Request, Scheduler, version_spans
-from asyncrl.services.engine.updates import UpdateBusy, UpdateTimeout, WeightUpdates, in_thread
+from asyncrl.services.engine.updates import WeightControlMixin, WeightUpdates
 from asyncrl.services.runtime.cores import CoreShare, cpu_count
-from asyncrl.services.runtime.logging import log_event
-from asyncrl.services.transport.weights import broadcast as weight_broadcast
-from asyncrl.services.transport.weights.delta import DeltaError, is_delta_dir, tensor_sha256
-from asyncrl.services.transport.weights.filesystem import WEIGHTS_GLOB
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +42,6 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 # seconds): BPE tokens average ~4 characters of real text and only runs of whitespace or
 # punctuation reach dozens, so such a text cannot fit. A prompt made only of such runs could.
 MAX_CHARS_PER_TOKEN = 64
-# One answer for every model_path refused (relative, outside weights_root once symlinks and '..'
-# are resolved, missing, not a directory, no *.safetensors): the answer must not tell a caller
-# what exists on the engine's file system.
-REFUSED_PATH = "model_path refused: not a directory of *.safetensors files inside the engine's weights_root"
-# The rendezvous gets the time left of its turn; the caller waits this much longer, so that the
-# library's own timeout (a clean error) normally comes first and ours is the backstop.
-JOIN_GRACE_S = 2.0
-NOT_APPLIED_IN_TIME = "the engine did not reach a point to apply the weights in time"
-# SGLang 0.5.23's answers (scheduler_components/weight_updater.py), word for word
-OUTSIDE_SESSION = (
-    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
-)
-NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
-# SGLang 0.5.23's LoRA answers (managers/tokenizer_control_mixin.py, tokenizer_manager.py), word for word
-LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
-# One answer for every lora_path refused, as REFUSED_PATH for weights.
-REFUSED_ADAPTER_PATH = (
-    "lora_path refused: not a directory with adapter_config.json and adapter_model.safetensors "
-    "inside the engine's weights_root"
-)
 
 
 @dataclass(frozen=True)
@@ -100,44 +68,7 @@ class InvalidRequest(Exception):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class UpdateResult:
-    ok: bool
-    message: str
-    # HTTP status: 200, 400 (refused or failed), 409 (a join under way; a broadcast delta that
-    # needs a full version), 503 (busy)
-    status: int
-    num_paused_requests: int = 0
-
-
-@dataclass(frozen=True)
-class LoraResult:
-    """What `/load_lora_adapter` and `/unload_lora_adapter` answer (SGLang's `LoRAUpdateOutput`):
-    `loaded_adapters` None when refused before reaching the adapters, as SGLang does."""
-
-    ok: bool
-    error_message: str
-    status: int  # 200, or 400 (SGLang's status for every failed LoRA update)
-    loaded_adapters: dict[str, str] | None = None
-
-
-def resolve_weights_dir(root: str, path: str) -> str | None:
-    """The real path of checkpoint directory `path` when it lies inside `root` (both resolved:
-    symlinks, '..') and holds *.safetensors files that resolve inside `root` too; else None."""
-    if not os.path.isabs(path):
-        return None
-    try:
-        real_root, real = os.path.realpath(root), os.path.realpath(path)
-        if os.path.commonpath([real_root, real]) != real_root or not os.path.isdir(real):
-            return None
-        files = glob.glob(os.path.join(glob.escape(real), WEIGHTS_GLOB))
-        inside = [os.path.commonpath([real_root, os.path.realpath(f)]) == real_root for f in files]
-    except (OSError, ValueError):  # a NUL byte in the path, an unreadable directory
-        return None
-    return real if files and all(inside) else None
-
-
-class InferenceEngine:
+class InferenceEngine(WeightControlMixin, AdapterControlMixin):
     def __init__(self, settings: EngineSettings):
         self.settings = settings
         self.runner = ModelRunner(
@@ -434,365 +365,6 @@ class InferenceEngine:
 
     async def on_scheduler(self, fn, *, drain: bool = False):
         return await asyncio.wrap_future(self.scheduler.call(fn, drain=drain))
-
-    async def update_weights_from_disk(self, req: UpdateWeightFromDiskReqInput) -> UpdateResult:
-        root = self.settings.weights_root
-        if root is None:
-            self.updates.record("disk", "refused")
-            return UpdateResult(
-                False, "update_weights_from_disk is disabled: the engine has no weights_root", 400
-            )
-
-        loaded = self.loaded
-
-        def read() -> tuple[dict[str, torch.Tensor], bool, Loaded | None] | None:
-            """(tensors, whether they cover the whole model, the version they make)."""
-            real = resolve_weights_dir(root, req.model_path)
-            if real is None:
-                return None
-            if is_delta_dir(real):
-                return deltas.rebuild(
-                    real,
-                    loaded,
-                    self.runner.model.state_dict,
-                    lambda p: resolve_weights_dir(root, p),
-                )
-            return read_checkpoint(real), True, deltas.loaded_of(real)
-
-        try:
-            async with self.updates.turn("disk", self.settings.weight_update_timeout_s) as deadline:
-                try:
-                    got = await in_thread(read, deadline, "weights-read")
-                except UpdateTimeout:
-                    return self._failed("disk", "timeout", "reading the checkpoint timed out")
-                except DeltaError as exc:  # the delta and its resync both failed: weights kept
-                    return self._failed("disk", "error", f"delta refused ({exc.reason}): {exc}")
-                except (OSError, ValueError) as exc:  # a corrupt or unreadable file inside the root
-                    return self._failed("disk", "error", f"cannot read the checkpoint: {exc}")
-                if got is None:
-                    self.updates.record("disk", "refused")
-                    return UpdateResult(False, REFUSED_PATH, 400)
-                named, whole, made = got
-                error = self.runner.check_weights(named, full=whole)
-                if error:
-                    return self._failed("disk", "error", error)
-                if req.abort_all_requests:
-                    self.scheduler.abort(abort_all=True, message="aborted for a weight update")
-                self.loaded = None  # until the copy is done: a timed-out one may be half applied
-                self.chain.clear()
-                retracted = await self._set_weights(named, req.weight_version, deadline)
-                self.loaded = made
-        except UpdateBusy as exc:
-            return UpdateResult(False, str(exc), 503)
-        except UpdateTimeout:
-            return self._failed("disk", "timeout", NOT_APPLIED_IN_TIME)
-        self.updates.record("disk", "ok")
-        log_event(log, "weights updated from disk", path=req.model_path, version=self.weight_version)
-        return UpdateResult(True, f"Succeeded to update model weights from {req.model_path}.", 200, retracted)
-
-    async def init_weights_update_group(self, req: InitWeightsUpdateGroupReqInput) -> UpdateResult:
-        if req.group_name in self.groups:
-            self.updates.record("group", "refused")
-            return UpdateResult(False, f"group {req.group_name!r} already exists", 400)
-        if req.backend == "nccl" and self.runner.device.type != "cuda":
-            self.updates.record("group", "refused")
-            return UpdateResult(
-                False, "backend nccl needs a CUDA device; this engine runs on CPU (use gloo)", 400
-            )
-        if self.updates.joining:
-            self.updates.record("group", "busy")
-            return UpdateResult(False, "another init_weights_update_group is under way; retry after it", 409)
-        self.updates.joining = True
-        try:
-            async with self.updates.turn("group", self.settings.weight_group_timeout_s) as deadline:
-
-                def join():
-                    return weight_broadcast.init_weight_update_group(
-                        req.master_address,
-                        req.master_port,
-                        req.rank_offset,
-                        req.world_size,
-                        req.group_name,
-                        req.backend,
-                        timeout_s=max(deadline - time.monotonic(), 0.1),
-                    )
-
-                try:
-                    group = await in_thread(join, deadline + JOIN_GRACE_S, "weights-join")
-                except UpdateTimeout:
-                    return self._failed(
-                        "group",
-                        "timeout",
-                        f"joining {req.group_name!r} timed out "
-                        f"after {self.settings.weight_group_timeout_s:g} s",
-                    )
-                # a rendezvous timeout, a refused connection, a bad backend
-                except (RuntimeError, ValueError) as exc:
-                    return self._failed("group", "error", f"failed to join {req.group_name!r}: {exc}")
-                self.groups[req.group_name] = group
-        except UpdateBusy as exc:
-            return UpdateResult(False, str(exc), 503)
-        finally:
-            self.updates.joining = False
-        self.updates.record("group", "ok")
-        log_event(
-            log,
-            "joined weight update group",
-            group=req.group_name,
-            rank=req.rank_offset,
-            world=req.world_size,
-        )
-        return UpdateResult(
-            True, f"Joined weight update group {req.group_name!r} as rank {req.rank_offset}.", 200
-        )
-
-    async def update_weights_from_distributed(
-        self, req: ReferenceUpdateWeightsFromDistributedReqInput
-    ) -> UpdateResult:
-        try:
-            dtypes = [weight_broadcast.parse_dtype(d) for d in req.dtypes]
-        except ValueError as exc:
-            self.updates.record("distributed", "refused")
-            return UpdateResult(False, str(exc), 400)
-        try:
-            async with self.updates.turn("distributed", self.settings.weight_update_timeout_s) as deadline:
-                group = self.groups.get(req.group_name)
-                if group is None:
-                    self.updates.record("distributed", "refused")
-                    return UpdateResult(
-                        False,
-                        f"no weight update group {req.group_name!r}; call /init_weights_update_group first",
-                        400,
-                    )
-                if req.abort_all_requests:
-                    self.scheduler.abort(abort_all=True, message="aborted for a weight update")
-                device = "cpu" if isinstance(group, dist.ProcessGroupGloo) else self.runner.device
-
-                def receive() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-                    got = weight_broadcast.receive_bucket(group, req.names, dtypes, req.shapes, device)
-                    # a delta's hashes here, off the event loop
-                    return got, {n: tensor_sha256(t) for n, t in got.items()} if req.delta else {}
-
-                try:
-                    received, digests = await in_thread(receive, deadline, "weights-receive")
-                except (UpdateTimeout, RuntimeError) as exc:
-                    # The sender and this engine no longer agree on where the stream is: the group
-                    # is dropped, and the trainer joins a new one (a fresh name per start).
-                    self.groups.pop(req.group_name, None)
-                    self.chain.clear()
-                    result = "timeout" if isinstance(exc, UpdateTimeout) else "error"
-                    return self._failed(
-                        "distributed",
-                        result,
-                        f"receiving from {req.group_name!r} failed ({exc}); group dropped",
-                    )
-                # Every tensor was received before these checks, so the sender is never left blocked.
-                if not self.weight_session:
-                    self.updates.record("distributed", "refused")
-                    return UpdateResult(False, OUTSIDE_SESSION, 400)
-                error = self.runner.check_weights(received, full=False)
-                if error:
-                    return self._failed("distributed", "error", error)
-                if req.delta is not None:
-                    refused = self._refuse_delta(req, digests)
-                    if refused is not None:
-                        return refused
-                self.loaded = None  # no longer the weights of a published directory
-                base = None if req.delta is None else req.delta.base
-                self.chain.applying(req.group_name, base, req.names)
-                await self._set_weights(received, req.weight_version, deadline)
-                outcome = self.chain.applied(req.group_name, req.weight_version)
-                if outcome is not None:
-                    metrics.WEIGHT_DELTAS.labels(result=outcome).inc()
-        except UpdateBusy as exc:
-            return UpdateResult(False, str(exc), 503)
-        except UpdateTimeout:
-            self.chain.clear()  # the copy may have been under way
-            return self._failed("distributed", "timeout", NOT_APPLIED_IN_TIME)
-        self.updates.record("distributed", "ok")
-        log_event(log, "weights updated from broadcast", count=len(req.names), version=self.weight_version)
-        return UpdateResult(True, f"Succeeded to update {len(received)} parameters.", 200)
-
-    def begin_weight_update(self) -> UpdateResult:
-        """Open the weight-update session (SGLang restores packed weights here; this engine keeps
-        none, so only the session's state is kept). One at a time, as in SGLang."""
-        if self.weight_session:
-            self.updates.record("session", "refused")
-            return UpdateResult(
-                False, "a weight-update session is already open; call end_weight_update() first", 400
-            )
-        self.weight_session = True
-        return UpdateResult(True, "Success", 200)
-
-    def end_weight_update(self) -> UpdateResult:
-        if not self.weight_session:
-            self.updates.record("session", "refused")
-            return UpdateResult(False, NO_SESSION, 400)
-        self.weight_session = False
-        return UpdateResult(True, "Success", 200)
-
-    def _refuse_delta(
-        self, req: ReferenceUpdateWeightsFromDistributedReqInput, digests: dict[str, str]
-    ) -> UpdateResult | None:
-        """The answer to a delta bucket that must not be applied (every tensor of it received
-        already, each hashed to `digests`), counted; None to apply it. A 409 asks the sender
-        for a full version."""
-        assert req.delta is not None
-        if set(req.delta.sha256) != set(req.names):
-            self.updates.record("distributed", "refused")
-            return UpdateResult(False, "a delta bucket needs one sha256 per name, and only those", 400)
-        refused = self.chain.refusal(req.group_name, req.delta.base, req.delta.sha256, digests)
-        if refused is None:
-            return None
-        reason, message = refused
-        metrics.WEIGHT_RESYNCS.labels(reason=reason).inc()
-        if reason == "hash":  # bytes that changed on the way: a failure, even if a resync follows
-            self.updates.record("distributed", "error", message)
-        else:  # nothing was applied: the weights are what they were
-            self.updates.record("distributed", "refused")
-        log_event(log, "broadcast delta refused", logging.WARNING, reason=reason, message=message)
-        return UpdateResult(False, f"{message} (serving weight_version {self.weight_version!r})", 409)
-
-    async def _set_weights(self, named: dict[str, torch.Tensor], weight_version: str | None, deadline: float):
-        """Install `named` as `weight_version` (`_apply`: between scheduler steps, by `deadline`)."""
-        return await self._apply(
-            lambda: self.scheduler.set_weights(lambda: self.runner.apply_weights(named), weight_version),
-            deadline,
-        )
-
-    async def _apply(self, fn, deadline: float):
-        """`fn()` on the scheduler thread once running requests are drained (unless paused), by
-        `deadline`. Past it, a call not yet started is withdrawn (`UpdateTimeout`); one already
-        started (a weight copy) is awaited: withdrawing it would leave half-copied weights."""
-        call = self.scheduler.call(fn, drain=True)
-        try:
-            return await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(call)), max(deadline - time.monotonic(), 0.0)
-            )
-        except TimeoutError:
-            if call.cancel():
-                raise UpdateTimeout("the scheduler did not take the update in time") from None
-            return await asyncio.wrap_future(call)
-
-    def _failed(self, source: str, result: str, message: str) -> UpdateResult:
-        self.updates.record(source, result, message)
-        log_event(log, "weight update failed", logging.WARNING, source=source, result=result, message=message)
-        return UpdateResult(False, message, 400)
-
-    # --- LoRA adapters --------------------------------------------------------------------
-
-    async def load_lora_adapter(self, req: LoadLoRAAdapterReqInput) -> LoraResult:
-        """Read, check and register an adapter; past `max_loaded_loras`, evict the least
-        recently used one that no request uses and is not pinned (`adapters.py`), or refuse."""
-        registry = self.adapters
-        if registry is None:
-            return self._lora_refused("load", LORA_DISABLED)
-        root = self.settings.weights_root
-        if root is None:
-            return self._lora_refused("load", "load_lora_adapter is disabled: the engine has no weights_root")
-        name = req.lora_name
-        async with registry.lock:
-            if registry.is_leaving(name):
-                return self._lora_refused(
-                    "load",
-                    f"LoRA adapter '{name}' is being unloaded: requests in flight still use it. "
-                    "Load it again once its unload has returned.",
-                )
-            if registry.is_loaded(name):
-                return self._lora_refused(
-                    "load", f"Failed to load LoRA adapter {name} because it is already loaded", listed=True
-                )
-            if req.pinned and registry.num_pinned >= self.settings.max_loras_per_batch - 1:
-                return self._lora_refused(
-                    "load",
-                    f"Failed to load LoRA adapter {name} as a pinned adapter. It is not allowed to pin all "
-                    "slots in the LoRA memory pool to avoid starvation for unpinned adapters and base models. "
-                    "Please increase your `--max-loras-per-batch` or load it as unpinned LoRA adapters.",
-                    listed=True,
-                )
-            if registry.room_needed() and registry.victim() is None:
-                return self._lora_refused("load", self._no_room(name))
-
-            def read() -> lora.LoraAdapter | None:
-                real = lora.resolve_adapter_dir(root, req.lora_path)
-                if real is None:
-                    return None
-                return lora.read_adapter(
-                    name,
-                    req.lora_path,
-                    real_path=real,
-                    linears=self.runner.lora_linears,
-                    max_rank=self.settings.max_lora_rank,  # type: ignore[arg-type]  # set with enable_lora
-                    allowed=self.settings.lora_targets,
-                    vocab_size=self.runner.vocab_size,
-                    dtype=self.runner.dtype,
-                    device=self.runner.device,
-                    pinned=req.pinned,
-                )
-
-            deadline = time.monotonic() + self.settings.weight_update_timeout_s
-            try:
-                adapter = await in_thread(read, deadline, "lora-read")
-            except UpdateTimeout:
-                return self._lora_failed(name, "timeout", f"reading LoRA adapter {name} timed out")
-            except lora.AdapterError as exc:
-                return self._lora_failed(name, "error", str(exc))
-            if adapter is None:
-                return self._lora_refused("load", REFUSED_ADAPTER_PATH, listed=True)
-            if registry.room_needed():
-                victim = registry.victim()  # requests may have started using the one seen above
-                if victim is None:
-                    return self._lora_refused("load", self._no_room(name))
-                registry.evict(victim)
-                metrics.LORA_UPDATES.labels(operation="evict", result="ok").inc()
-                log_event(log, "LoRA adapter evicted", name=victim, for_adapter=name)
-            registry.add(adapter)
-            metrics.LORA_ADAPTERS.set(len(registry.loaded_paths()))
-        metrics.LORA_UPDATES.labels(operation="load", result="ok").inc()
-        log_event(log, "LoRA adapter loaded", name=name, path=req.lora_path, rank=adapter.rank)
-        return LoraResult(True, "", 200, registry.loaded_paths())
-
-    async def unload_lora_adapter(self, req: UnloadLoRAAdapterReqInput) -> LoraResult:
-        """Hide the adapter from new requests at once, and answer once the requests in flight
-        that use it have ended and it is gone (SGLang's order)."""
-        registry = self.adapters
-        if registry is None:
-            return self._lora_refused("unload", LORA_DISABLED)
-        name = req.lora_name
-        async with registry.lock:
-            if not registry.is_loaded(name) and not registry.is_leaving(name):
-                return self._lora_refused(
-                    "unload",
-                    f"LoRA with name {name} does not exist. Loaded LoRAs: {list(registry.loaded_paths())}",
-                )
-            gone = registry.unregister(name)
-            metrics.LORA_ADAPTERS.set(len(registry.loaded_paths()))
-        await gone.wait()  # outside the lock: other loads and unloads go on meanwhile
-        metrics.LORA_UPDATES.labels(operation="unload", result="ok").inc()
-        log_event(log, "LoRA adapter unloaded", name=name)
-        return LoraResult(True, "", 200, registry.loaded_paths())
-
-    def _no_room(self, name: str) -> str:
-        return (
-            f"cannot load LoRA adapter {name}: all {self.settings.max_loaded_loras} loaded adapters "
-            "(max_loaded_loras) are in use by requests in flight or pinned; unload one, or retry once "
-            "their requests have ended"
-        )
-
-    def _lora_refused(self, operation: str, message: str, *, listed: bool = False) -> LoraResult:
-        """Refused before any adapter was read or changed. `listed`: answer with the adapters
-        loaded, as SGLang does for what its LoRA manager refuses (not for what its tokenizer
-        manager refuses first: LoRA off, an unload under way, no room, an unknown unload)."""
-        metrics.LORA_UPDATES.labels(operation=operation, result="refused").inc()
-        log_event(log, "LoRA update refused", logging.WARNING, operation=operation, message=message)
-        loaded = self.adapters.loaded_paths() if listed and self.adapters is not None else None
-        return LoraResult(False, message, 400, loaded)
-
-    def _lora_failed(self, name: str, result: str, message: str) -> LoraResult:
-        """A load whose adapter could not be read or does not fit the model: nothing changed."""
-        metrics.LORA_UPDATES.labels(operation="load", result=result).inc()
-        log_event(log, "LoRA adapter load failed", logging.WARNING, name=name, message=message)
-        return LoraResult(False, message, 400, self.adapters.loaded_paths() if self.adapters else None)
 
     def server_info(self) -> dict:
         return {

@@ -83,7 +83,7 @@ def resolve_adapter_dir(root: str, path: str) -> str | None:
     """The real path of adapter directory `path` when it lies inside `root` (both resolved:
     symlinks, '..') and holds an adapter config and weights that resolve inside `root` too (an
     added-tokens file as well, where there is one); else None. The same rule as weight
-    directories (`engine.resolve_weights_dir`)."""
+    directories (`updates.resolve_weights_dir`)."""
     if not os.path.isabs(path):
         return None
     try:

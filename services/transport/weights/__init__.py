@@ -1,5 +1,5 @@
 """How a policy version's weights reach the engines: the contract the trainer (sender,
-trainer/publish.py) and the engines (receivers, services/engine/engine.py) both hold, and the
+trainer/publish.py) and the engines (receivers, services/engine/updates.py) both hold, and the
 rollout service (which moves the engines to disk versions) reads. docs/architecture.md §5 says
 why; this package says what travels.
 

@@ -1,6 +1,6 @@
 """The broadcast of weights over torch.distributed, SGLang's protocol, both ends of it: the
 sender's bucket planning, send and per-bucket announcement (trainer/publish.py drives them) and
-the receiver's join and receive (services/engine/engine.py). The contract, what `last` means
+the receiver's join and receive (services/engine/updates.py). The contract, what `last` means
 included, is services/transport/weights' docstring.
 
 The sequence, the same for a real SGLang server and the reference engine:

@@ -28,8 +28,7 @@ from safetensors.torch import save_file
 from waiting import wait_until
 
 from asyncrl.services.engine.config import EngineSettings
-from asyncrl.services.engine.engine import JOIN_GRACE_S, REFUSED_PATH
-from asyncrl.services.engine.updates import WeightUpdates
+from asyncrl.services.engine.updates import JOIN_GRACE_S, REFUSED_PATH, WeightUpdates
 from asyncrl.services.ops.tinymodel import build_tiny_model
 from asyncrl.services.runtime.auth import ENGINE_TOKEN_ENV, check_token, generate_token
 

@@ -23,7 +23,7 @@ from peft_adapters import prompt_logprobs, save_peft_adapter, teacher_forced_log
 from safetensors.torch import save_file
 from waiting import wait_until
 
-from asyncrl.services.engine.engine import LORA_DISABLED, REFUSED_ADAPTER_PATH
+from asyncrl.services.engine.adapters import LORA_DISABLED, REFUSED_ADAPTER_PATH
 from asyncrl.services.ops.tinymodel import build_tiny_model
 
 torch.set_num_threads(1)

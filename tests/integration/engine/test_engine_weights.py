@@ -16,7 +16,7 @@ import torch
 from engine_server import free_port, serve_in_thread
 from waiting import wait_until
 
-from asyncrl.services.engine.engine import REFUSED_PATH
+from asyncrl.services.engine.updates import REFUSED_PATH
 from asyncrl.services.ops.tinymodel import build_tiny_model
 
 torch.set_num_threads(1)
