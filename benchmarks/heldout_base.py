@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from asyncrl.buffer import AdmissionControl, Buffer
     from asyncrl.buffer.server import RedisServer
-    from asyncrl.services.ops.demo import heldout_sets
+    from asyncrl.services.ops.demo_jobs import heldout_sets
     from asyncrl.services.ops.run_config import load_run_config
 
     torch.set_num_threads(1)

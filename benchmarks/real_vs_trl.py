@@ -292,7 +292,7 @@ def run_trl(b: Bench, demo, out_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncrl.services.ops.demo import TOPUP_STEPS, math_task
+    from asyncrl.services.ops.demo_jobs import TOPUP_STEPS, math_task
 
     class TimedGRPOTrainer(GRPOTrainer):
         """Adds up where TRL's step time goes (its own profiling reports only to W&B, MLflow or
@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
 
     torch.set_num_threads(b.threads)
-    from asyncrl.services.ops.demo import math_task
+    from asyncrl.services.ops.demo_jobs import math_task
 
     heldout = math_task(demo).heldout_prompts()[: b.eval_size]
     print(f"real_vs_trl: {b.model}, B={b.prompts_per_step} x G={b.group_size}, max_new_tokens={b.max_new_tokens}, "

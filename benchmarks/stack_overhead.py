@@ -142,7 +142,7 @@ def stack_generation(run_dir: Path, port_base: int, steps: int, eta: int) -> dic
     with generation running ahead, i.e. its throughput)."""
     from asyncrl.buffer import AdmissionControl, Buffer, Groups, PolicyVersions
     from asyncrl.proto import WeightsInfo
-    from asyncrl.services.ops.demo import submit
+    from asyncrl.services.ops.demo_jobs import submit
     from asyncrl.services.ops.launcher import Launcher
     from asyncrl.services.ops.run_config import DemoSection, RunConfig
     from asyncrl.trainer.publish import DiskPublisher

@@ -22,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from asyncrl.services.ops.demo import make_prompts
+from asyncrl.services.ops.demo_jobs import make_prompts
 from asyncrl.services.ops.run_config import DemoSection, ModelSection, RunConfigError, load_run_config
 
 

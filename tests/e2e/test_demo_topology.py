@@ -23,7 +23,9 @@ from readme_commands import sample_dataset
 from waiting import wait_until
 
 from asyncrl.buffer.server import free_port
-from asyncrl.services.ops.demo import History, core_share_seconds, scrape_trainer, submit
+from asyncrl.services.ops.demo_jobs import submit
+from asyncrl.services.ops.demo_metrics import core_share_seconds, scrape_trainer
+from asyncrl.services.ops.demo_report import History
 from asyncrl.services.ops.launcher import Launcher
 from asyncrl.services.ops.run_config import DemoSection, RunConfig
 

@@ -29,7 +29,8 @@ import tomli_w
 from asyncrl.buffer import Buffer
 from asyncrl.buffer import stats as buffer_stats
 from asyncrl.buffer.server import RedisServer, embedded_binary, free_port
-from asyncrl.services.ops.demo import scrape_trainer, submit
+from asyncrl.services.ops.demo_jobs import submit
+from asyncrl.services.ops.demo_metrics import scrape_trainer
 from asyncrl.services.ops.launcher import Launcher
 from asyncrl.services.ops.run_config import DemoSection, RunConfig
 

@@ -265,7 +265,7 @@ def test_demo_topology_trains_on_two_hosts_through_a_killed_rank(tmp_path, hosts
     import tomli_w
 
     from asyncrl.buffer.server import free_port
-    from asyncrl.services.ops.demo import submit
+    from asyncrl.services.ops.demo_jobs import submit
     from asyncrl.services.ops.launcher import Launcher
     from asyncrl.services.ops.run_config import DemoSection, RunConfig
 

@@ -7,7 +7,8 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from rollout_server import free_port
 
-from asyncrl.services.ops.demo import History, scrape_trainer
+from asyncrl.services.ops.demo_metrics import scrape_trainer
+from asyncrl.services.ops.demo_report import History
 from asyncrl.services.runtime.serving import serve_app_in_thread
 
 TEXT = """# TYPE asyncrl_trainer_version gauge
@@ -58,7 +59,7 @@ def test_evaluations_are_read_once_per_version_and_summarised(tmp_path):
     """The demo reads finished evaluations off a (real, loopback) `/v1/evaluations` listing, one
     row per version, and its summary states base, last and best accuracy and the gains, and the
     format rate and accuracy among formatted answers at the base and the last version."""
-    from asyncrl.services.ops.demo import Evals, _eval_line, eval_summary, plot
+    from asyncrl.services.ops.demo_report import Evals, _eval_line, eval_summary, plot
 
     listing = {"evaluations": [
         {"eval_id": "a", "state": "done", "version": 0, "accuracy": 0.25, "mean_reward": 0.25, "mean_length": 100.0,
@@ -118,7 +119,7 @@ def test_the_scrape_reads_what_prometheus_client_writes():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from asyncrl.services.ops.demo import SCRAPED, _samples
+    from asyncrl.services.ops.demo_metrics import SCRAPED, _samples
 
     reg = CollectorRegistry()
     Gauge("asyncrl_trainer_version", "v", registry=reg).set(7)
@@ -147,7 +148,7 @@ def test_the_target_is_the_mean_of_the_last_steps_each_counted_once(tmp_path):
     not a scrape saw them; a line still being written is read at the next poll."""
     import json
 
-    from asyncrl.services.ops.demo import StepRewards
+    from asyncrl.services.ops.demo_report import StepRewards
 
     log = tmp_path / "trainer.log"
     lines = ['{"ts": 100.5, "level": "info", "msg": "compute dtype"}']

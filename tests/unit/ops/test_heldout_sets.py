@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.services.ops.demo import heldout_sets, math_task
+from asyncrl.services.ops.demo_jobs import heldout_sets, math_task
 from asyncrl.services.ops.run_config import DemoSection, RunConfigError, validate_run_config
 from asyncrl.services.ops.tasks import SYSTEM_PROMPT, WORKED_EXAMPLE, HeldoutSet, math_problem
 
