@@ -22,6 +22,8 @@ from asyncrl.services.ops.demo_jobs import EVAL_NAME
 from asyncrl.services.ops.demo_metrics import Scrape
 from asyncrl.services.ops.run_config import DemoSection
 
+FINAL_POLL_S = 2.0  # how often the demo asks after its final evaluation while it waits
+
 
 @dataclass
 class History:
@@ -122,6 +124,22 @@ class Evals:
     rows: dict[int, dict] = field(default_factory=dict)
     _next_poll: float = 0.0
 
+    def _row(self, e: dict) -> dict:
+        """The row of one finished evaluation (a listing's summary or `GET /v1/evaluations/<id>`)."""
+        return {
+            "name": self.name,
+            "version": e["version"],
+            "t": round(e["finished_at"] - self.t0_wall, 3),
+            "accuracy": e["accuracy"],
+            "format_rate": e.get("format_rate"),  # (absent from an older rollout service's answer)
+            "formatted_accuracy": e.get("formatted_accuracy"),
+            "mean_reward": e["mean_reward"],
+            "mean_length": e["mean_length"],
+            "prompts": e["prompts"],
+            "eval_id": e["eval_id"],
+            "eval_s": round(e["finished_at"] - e["started_at"], 1),
+        }
+
     def poll(self, every_s: float = 5.0) -> list[dict]:
         """New finished evaluations since the last poll (at most one poll per `every_s`)."""
         if time.monotonic() < self._next_poll:
@@ -136,19 +154,7 @@ class Evals:
         for e in resp.json()["evaluations"]:
             if e["state"] != JobState.done or e["version"] in self.rows:
                 continue
-            row = {
-                "name": self.name,
-                "version": e["version"],
-                "t": round(e["finished_at"] - self.t0_wall, 3),
-                "accuracy": e["accuracy"],
-                "format_rate": e.get("format_rate"),  # (absent from an older rollout service's answer)
-                "formatted_accuracy": e.get("formatted_accuracy"),
-                "mean_reward": e["mean_reward"],
-                "mean_length": e["mean_length"],
-                "prompts": e["prompts"],
-                "eval_id": e["eval_id"],
-                "eval_s": round(e["finished_at"] - e["started_at"], 1),
-            }
+            row = self._row(e)
             self.rows[e["version"]] = row
             new.append(row)
             self.save_items(e["eval_id"], e["version"])
@@ -191,13 +197,25 @@ class Evals:
         except httpx.HTTPError as exc:
             print(f"final evaluation not submitted: {exc}")
             return None
+        # Waited for by its id, not found in the listing by version: the served version may
+        # already have an evaluation (every `eval_every` versions), and the listing's rows are
+        # one per version.
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            time.sleep(2.0)
-            self._next_poll = 0.0
-            for row in self.poll():
-                if row["eval_id"] == eval_id:
-                    return row
+            time.sleep(FINAL_POLL_S)
+            try:
+                resp = httpx.get(f"{self.url}/v1/evaluations/{eval_id}", timeout=30.0)
+                resp.raise_for_status()
+            except httpx.HTTPError:
+                continue  # the rollout service restarting: ask again until the deadline
+            e = resp.json()
+            if e["state"] == JobState.done:
+                row = self.rows[e["version"]] = self._row(e)
+                self.save_items(eval_id, e["version"])
+                return row
+            if e["state"] in (JobState.failed, JobState.cancelled):
+                print(f"final evaluation {eval_id} {e['state']}")
+                return None
         print(f"final evaluation {eval_id} did not finish within {timeout_s:.0f} s")
         return None
 

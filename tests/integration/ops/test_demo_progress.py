@@ -3,6 +3,9 @@ on loopback serving Prometheus text)."""
 
 from __future__ import annotations
 
+import json
+import time
+
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from rollout_server import free_port
@@ -165,3 +168,55 @@ def test_the_target_is_the_mean_of_the_last_steps_each_counted_once(tmp_path):
     # windows: v1-5 = (0.5*2 + 1*3)/5 = 0.8; v2-6 = (0.5 + 4)/5 = 0.9 -> reached at v6, t = 106 - 100
     assert steps.reached(5, 0.9) == 6.0
     assert steps.windowed(5) == 1.0
+
+
+def test_the_final_evaluation_is_found_when_its_version_was_already_evaluated(tmp_path, monkeypatch):
+    """The run's last point: the demo evaluates the served version when the time limit passes.
+    That version may already have its periodic evaluation (every `eval_every` versions), which
+    the demo has read; the final one must still be found, by its id, not waited for until the
+    timeout (the listing keeps one row per version). A real loopback server plays the rollout."""
+    from asyncrl.services.ops import demo_report
+    from asyncrl.services.ops.demo_report import Evals
+
+    monkeypatch.setattr(demo_report, "FINAL_POLL_S", 0.05)
+
+    def record(eval_id: str, accuracy: float, finished_at: float) -> dict:
+        return {"eval_id": eval_id, "name": "heldout", "state": "done", "version": 10, "accuracy": accuracy,
+                "mean_reward": accuracy, "mean_length": 20.0, "format_rate": 1.0, "formatted_accuracy": accuracy,
+                "prompts": 2, "started_at": finished_at - 30.0, "finished_at": finished_at}  # fmt: skip
+
+    periodic, final = record("periodic", 0.5, 1100.0), record("final", 1.0, 1300.0)
+    items = [{"prompt_id": f"p{i}", "reward_status": "scored", "reward": 1.0, "formatted": True,
+              "completion_tokens": 20} for i in range(2)]  # fmt: skip
+    app = FastAPI()
+    submitted: list[dict] = []
+
+    @app.get("/v1/evaluations")
+    def listing(name: str | None = None) -> dict:
+        return {"evaluations": [periodic, final] if submitted else [periodic]}
+
+    @app.post("/v1/evaluations", status_code=202)
+    def submit(body: dict) -> dict:
+        submitted.append(body)
+        return {"eval_id": "final", "name": "heldout", "state": "queued"}
+
+    @app.get("/v1/evaluations/{eval_id}")
+    def one(eval_id: str) -> dict:
+        return {**{"periodic": periodic, "final": final}[eval_id], "items": items}
+
+    server = serve_app_in_thread(app, free_port(), "fake-rollout")
+    try:
+        evals = Evals(server.url, "heldout", t0_wall=1000.0, items_dir=tmp_path / "evals")
+        evals.final_body = {"name": "heldout", "prompts": [{"text": "1+1"}]}
+        assert [r["eval_id"] for r in evals.poll(every_s=0.0)] == ["periodic"]
+        started = time.monotonic()
+        row = evals.run_final(timeout_s=20.0)
+        waited = time.monotonic() - started
+    finally:
+        server.stop()
+    assert row is not None and waited < 10.0, waited
+    assert (row["eval_id"], row["version"], row["accuracy"], row["t"]) == ("final", 10, 1.0, 300.0)
+    assert submitted == [{"name": "heldout", "prompts": [{"text": "1+1"}]}]
+    assert evals.sorted() == [row]  # the version's row is the later evaluation
+    saved = (tmp_path / "evals" / "heldout-v10.jsonl").read_text().splitlines()
+    assert [json.loads(line)["prompt_id"] for line in saved] == ["p0", "p1"]
