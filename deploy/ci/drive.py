@@ -257,6 +257,39 @@ def submit_from_host() -> str:
     return accepted["job_id"]
 
 
+TOP_UP_PROMPTS = 256  # groups enough for ~8 steps of 32 past a restart, whatever was left
+
+
+def top_up(tag: str) -> str:
+    """Submit another job from the host. The submitted jobs are finite and a fast machine can
+    train all of them before the last kill; the steps asked for after a restart then need new
+    groups. The job is counted in the accounting like the others."""
+    rows = [
+        json.loads(line)
+        for line in compose(
+            "exec", "-T", "rollout", "head", "-n", str(TOP_UP_PROMPTS), "/weights/data/reverse.jsonl"
+        ).splitlines()
+    ]
+    body = {
+        "prompts": [{**r, "prompt_id": f"{tag}-{r['prompt_id']}"} for r in rows],
+        "group_size": 8,
+        "sampling_params": {
+            "temperature": 1.0,
+            "max_new_tokens": 3,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+        },
+        "reward_spec": {"verifier": "reverse"},
+        "idempotency_key": f"ci-{tag}",
+    }
+    status, raw = http("POST", f"{ROLLOUT}/v1/rollouts", body)
+    if status != 202:
+        raise Failed(f"POST /v1/rollouts ({tag}): {status} {raw[:500]!r}")
+    accepted = json.loads(raw)
+    log(f"{tag} job {accepted['job_id']}: {accepted['groups']} groups")
+    return accepted["job_id"]
+
+
 def kill_and_restart(service: str, jobs: list[str], resume: int) -> None:
     before = version()
     cid = compose("ps", "-q", service).strip()
@@ -265,6 +298,7 @@ def kill_and_restart(service: str, jobs: list[str], resume: int) -> None:
     time.sleep(3)
     compose("up", "-d", "--no-build", "--pull", "never", service)
     wait_healthy([s for s in SERVICES if s != "submit"], timeout_s=300)
+    jobs.append(top_up(f"after-{service}"))
     v = wait_version(before + resume)
     log(f"{service} back; trainer at version {v}")
     accounting(jobs, settled=False)
