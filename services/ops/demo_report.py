@@ -171,6 +171,11 @@ class Evals:
         except httpx.HTTPError as exc:
             print(f"items of evaluation {eval_id} not saved: {exc}")
             return
+        self.write_items(version, resp.json()["items"])
+
+    def write_items(self, version: int, items: list[dict]) -> None:
+        if self.items_dir is None:
+            return
         self.items_dir.mkdir(exist_ok=True)
         lines = [
             json.dumps(
@@ -181,7 +186,7 @@ class Evals:
                     "tokens": it["completion_tokens"],
                 }
             )  # fmt: skip
-            for it in resp.json()["items"]
+            for it in items
         ]
         (self.items_dir / f"{self.name}-v{version}.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -211,7 +216,7 @@ class Evals:
             e = resp.json()
             if e["state"] == JobState.done:
                 row = self.rows[e["version"]] = self._row(e)
-                self.save_items(eval_id, e["version"])
+                self.write_items(e["version"], e["items"])  # the answer holds them: no second GET
                 return row
             if e["state"] in (JobState.failed, JobState.cancelled):
                 print(f"final evaluation {eval_id} {e['state']}")
