@@ -224,15 +224,16 @@ def check_metrics() -> None:
         time.sleep(5)
 
 
-def submit_from_host() -> str:
+def host_job_body(tag: str, prompts: int, key: str) -> dict:
+    """A job of the first `prompts` reverse-task prompts, their ids prefixed by `tag`."""
     rows = [
         json.loads(line)
         for line in compose(
-            "exec", "-T", "rollout", "head", "-n", "16", "/weights/data/reverse.jsonl"
+            "exec", "-T", "rollout", "head", "-n", str(prompts), "/weights/data/reverse.jsonl"
         ).splitlines()
     ]
-    body = {
-        "prompts": [{**r, "prompt_id": f"host-{r['prompt_id']}"} for r in rows],
+    return {
+        "prompts": [{**r, "prompt_id": f"{tag}-{r['prompt_id']}"} for r in rows],
         "group_size": 8,
         "sampling_params": {
             "temperature": 1.0,
@@ -241,12 +242,20 @@ def submit_from_host() -> str:
             "skip_special_tokens": False,
         },
         "reward_spec": {"verifier": "reverse"},
-        "idempotency_key": "ci-from-host",
+        "idempotency_key": key,
     }
+
+
+def post_job(body: dict, what: str) -> dict:
     status, raw = http("POST", f"{ROLLOUT}/v1/rollouts", body)
     if status != 202:
-        raise Failed(f"POST /v1/rollouts from the host: {status} {raw[:500]!r}")
-    accepted = json.loads(raw)
+        raise Failed(f"POST /v1/rollouts ({what}): {status} {raw[:500]!r}")
+    return json.loads(raw)
+
+
+def submit_from_host() -> str:
+    body = host_job_body("host", 16, "ci-from-host")
+    accepted = post_job(body, "from the host")
     status, raw = http("POST", f"{ROLLOUT}/v1/rollouts", body)
     if status != 202 or not json.loads(raw)["duplicate"]:
         raise Failed(f"the same POST again is not a duplicate: {status} {raw[:300]!r}")
@@ -264,28 +273,7 @@ def top_up(tag: str) -> str:
     """Submit another job from the host. The submitted jobs are finite and a fast machine can
     train all of them before the last kill; the steps asked for after a restart then need new
     groups. The job is counted in the accounting like the others."""
-    rows = [
-        json.loads(line)
-        for line in compose(
-            "exec", "-T", "rollout", "head", "-n", str(TOP_UP_PROMPTS), "/weights/data/reverse.jsonl"
-        ).splitlines()
-    ]
-    body = {
-        "prompts": [{**r, "prompt_id": f"{tag}-{r['prompt_id']}"} for r in rows],
-        "group_size": 8,
-        "sampling_params": {
-            "temperature": 1.0,
-            "max_new_tokens": 3,
-            "ignore_eos": True,
-            "skip_special_tokens": False,
-        },
-        "reward_spec": {"verifier": "reverse"},
-        "idempotency_key": f"ci-{tag}",
-    }
-    status, raw = http("POST", f"{ROLLOUT}/v1/rollouts", body)
-    if status != 202:
-        raise Failed(f"POST /v1/rollouts ({tag}): {status} {raw[:500]!r}")
-    accepted = json.loads(raw)
+    accepted = post_job(host_job_body(tag, TOP_UP_PROMPTS, f"ci-{tag}"), tag)
     log(f"{tag} job {accepted['job_id']}: {accepted['groups']} groups")
     return accepted["job_id"]
 
